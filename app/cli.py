@@ -1,0 +1,74 @@
+"""Command line entry point: parses arguments and hands off to one command module.
+
+Each command lives in its own module (``app/commands/*.py``) exposing ``add_parser`` and
+``run``; this file only wires them. User-facing errors become one line on stderr and exit
+code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+
+from ..engine.errors import PotluckError
+
+# Order is the order of `potluck --help`. The first one runs when no command is given.
+COMMANDS = ["generate", "models"]
+
+
+def potluck_version() -> str:
+    try:
+        return version("potluck")
+    except PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="potluck",
+        description="Chat with local LLMs: lossless speculative decoding, LAN layer split.",
+    )
+    parser.add_argument("--version", action="version", version=f"potluck {potluck_version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        import_module(f"potluck.app.commands.{name}").add_parser(sub)
+    return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "potluck", "numba"))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else (logging.INFO if args.verbose == 1 else logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    command = args.command or COMMANDS[0]
+    if args.command is None:
+        if COMMANDS[0] == "generate":
+            parser.print_help()
+            return 0
+        args = parser.parse_args([command, *(argv or sys.argv[1:])])
+    module = import_module(f"potluck.app.commands.{command}")
+    try:
+        return int(module.run(args) or 0)
+    except PotluckError as e:
+        print(f"potluck: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("potluck: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Arguments shared by the commands that load a model (generate, chat, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ...engine.errors import PotluckError
+from ...engine.loader import EngineSpec
+from ...engine.sampling import SamplingParams
+from ...engine.strategies.registry import strategy_names
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", type=Path, help="target GGUF model (default: the bundled SmolLM2-135M)")
+    p.add_argument(
+        "--strategy",
+        default="autoregressive",
+        help=f"decoding strategy: {', '.join(strategy_names())} (default: autoregressive)",
+    )
+    p.add_argument("--draft", type=Path, help="draft GGUF model for strategies that use one")
+    p.add_argument("-s", "--system", help="system prompt")
+    p.add_argument("--ctx", type=positive_int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+
+
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    return EngineSpec(
+        model=args.model,
+        strategy=args.strategy,
+        draft=getattr(args, "draft", None),
+        n_ctx=args.ctx,
+        n_threads=args.threads,
+        system=args.system,
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    if args.max_tokens <= 0:
+        raise PotluckError(f"--max-tokens must be a positive number, got {args.max_tokens}")
+    if args.temp < 0:
+        raise PotluckError(f"--temp must be >= 0, got {args.temp}")
+    params = SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+    params.validate()
+    return params
+
+
+def read_prompt(arg: str | None) -> str:
+    if arg is not None and arg != "-":
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        raise PotluckError("no prompt: pass it as an argument or pipe it on stdin")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise PotluckError("the prompt on stdin is empty")
+    return text

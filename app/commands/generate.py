@@ -1,0 +1,64 @@
+"""`potluck generate`: one reply to one prompt, streamed to stdout (scriptable)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ...engine.events import Finished, TokenText
+from ...engine.loader import open_session
+from .common import add_model_args, add_sampling_args, engine_spec, read_prompt, sampling_params
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate one reply to PROMPT (or stdin) and print it")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end, nothing else")
+    p.add_argument("prompt", nargs="?", help="the user message ('-' or omitted: read stdin)")
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling = sampling_params(args)
+    prompt = read_prompt(args.prompt)
+    session = open_session(engine_spec(args))
+    try:
+        finished: Finished | None = None
+        for event in session.generate(prompt, sampling, args.max_tokens):
+            if isinstance(event, TokenText) and not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Finished):
+                finished = event
+        assert finished is not None
+        if args.json:
+            print(json.dumps(result_json(finished), ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+    finally:
+        session.close()
+    return 0
+
+
+def result_json(f: Finished) -> dict[str, object]:
+    out: dict[str, object] = {
+        "text": f.text,
+        "tokens": list(f.tokens),
+        "finish_reason": f.reason,
+        "strategy": f.strategy,
+        "tokens_per_s": round(f.tokens_per_s, 3),
+        "prompt_tokens": f.prompt_tokens,
+        "prompt_tokens_per_s": round(f.prefill_tokens_per_s, 3),
+        "ttft_s": round(f.ttft_s, 4),
+        "decode_s": round(f.decode_s, 4),
+    }
+    if f.drafted:
+        out.update(
+            drafted=f.drafted,
+            accepted=f.accepted,
+            acceptance_rate=round(f.acceptance_rate or 0.0, 4),
+            mean_accepted_len=round(f.mean_accepted_len or 0.0, 4),
+        )
+    out.update(f.extra)
+    return out

@@ -1,0 +1,200 @@
+"""GGUF files: describe, hash, slice into layer ranges, and merge/repeat layer ranges.
+
+Slicing follows the recipe verified in DESIGN.md fact 3: copy every key/value, set
+``<arch>.block_count`` to the slice's layer count, keep ``token_embd``, ``output_norm`` and
+``output``, and keep ``blk.i.*`` for the chosen layers renumbered from 0. Tensors are
+copied raw (quantized bytes untouched). Per-layer hyperparameters that depend on the
+original layer index (Gemma 3's sliding-window pattern) are written out explicitly per
+layer; architectures whose per-layer structure we have not verified are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelError, PotluckError
+
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# Architectures whose layer split we verified exact (tests compare against the whole model).
+SPLITTABLE_ARCHS = {"llama", "gemma3"}
+
+
+def _reader(path: Path):  # -> gguf.GGUFReader
+    import gguf
+
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"not a GGUF model file: {path}")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # truncated or corrupt: numpy memmap / struct errors
+        raise ModelError(f"could not read GGUF {path}: the file is truncated or corrupt ({e})") from None
+
+
+def _field_value(field) -> object:
+    return field.contents()
+
+
+def describe(path: Path) -> dict[str, object]:
+    """Architecture, layer count, sizes: read from the header without loading weights."""
+    path = Path(path)
+    r = _reader(path)
+    fields = r.fields
+    arch = str(_field_value(fields["general.architecture"]))
+
+    def get(key: str, default: object = None) -> object:
+        f = fields.get(key)
+        return _field_value(f) if f is not None else default
+
+    tokens = fields.get("tokenizer.ggml.tokens")
+    return {
+        "path": str(path),
+        "arch": arch,
+        "n_layer": int(get(f"{arch}.block_count", 0)),  # type: ignore[arg-type]
+        "n_embd": int(get(f"{arch}.embedding_length", 0)),  # type: ignore[arg-type]
+        "n_vocab": len(tokens.data) if tokens is not None else 0,
+        "size_mb": path.stat().st_size / 1e6,
+    }
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _copy_fields(reader, writer, arch: str, n_layer_new: int, layer_map: Sequence[int]) -> None:
+    import gguf
+
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = _field_value(field)
+        if name == f"{arch}.block_count":
+            value = n_layer_new
+        elif (
+            vtype == gguf.GGUFValueType.ARRAY
+            and name.startswith(f"{arch}.")
+            and isinstance(value, list)
+            and len(value) == reader_n_layer(reader, arch)
+            and not name.startswith(f"{arch}.tokenizer")
+        ):
+            value = [value[i] for i in layer_map]  # per-layer arrays follow their layers
+        writer.add_key_value(name, value, vtype, sub_type=sub_type)
+
+
+def reader_n_layer(reader, arch: str) -> int:
+    return int(_field_value(reader.fields[f"{arch}.block_count"]))
+
+
+def _gemma3_swa_pattern(reader, arch: str, layer_map: Sequence[int]) -> list[bool]:
+    """Gemma 3: every ``pattern``-th layer is global (not sliding), by original index."""
+    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if f is not None:
+        value = _field_value(f)
+        if isinstance(value, list):
+            return [bool(value[i]) for i in layer_map]
+        period = int(value)
+    else:
+        period = 6
+    return [((i + 1) % period) != 0 for i in layer_map]
+
+
+def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
+    """Write a GGUF whose layer j is ``src``'s layer ``layer_map[j]`` (slices and merges).
+
+    Embeddings, final norm and output head are always kept (a slice needs them to load; the
+    stages that do not use them skip them at run time).
+    """
+    import gguf
+
+    src, dst = Path(src), Path(dst)
+    r = _reader(src)
+    arch = str(_field_value(r.fields["general.architecture"]))
+    if arch not in SPLITTABLE_ARCHS:
+        raise PotluckError(
+            f"cannot split {src.name}: architecture {arch!r} is not verified for exact layer "
+            f"splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
+        )
+    n_layer = reader_n_layer(r, arch)
+    if not layer_map or min(layer_map) < 0 or max(layer_map) >= n_layer:
+        raise PotluckError(f"layer map {list(layer_map)[:8]}... is outside 0..{n_layer - 1}")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), arch=arch, use_temp_file=False)
+    _copy_fields(r, w, arch, len(layer_map), layer_map)
+    if arch == "gemma3":
+        key = f"{arch}.attention.sliding_window_pattern"
+        w.fields.pop(key, None) if hasattr(w, "fields") else None
+        _drop_kv(w, key)
+        w.add_array(key, _gemma3_swa_pattern(r, arch, layer_map))
+
+    by_layer: dict[int, list] = {}
+    others: list = []
+    for t in r.tensors:
+        m = _BLK.match(t.name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append((m.group(2), t))
+        else:
+            others.append((t.name, t))
+    ordered: list[tuple[str, object]] = [(n, t) for n, t in others if n == "token_embd.weight"]
+    for j, i in enumerate(layer_map):
+        ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
+    ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
+    for name, t in ordered:
+        w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, t in ordered:
+        w.write_tensor_data(np.asarray(t.data))  # type: ignore[attr-defined]
+    w.close()
+    tmp.replace(dst)
+    return dst
+
+
+def _drop_kv(writer, key: str) -> None:
+    for kv in getattr(writer, "kv_data", []):
+        if isinstance(kv, dict):
+            kv.pop(key, None)
+
+
+def slice_layers(src: Path, dst: Path, lo: int, hi: int) -> Path:
+    """Layers ``[lo, hi)`` of ``src`` as a standalone GGUF."""
+    return write_layers(src, dst, list(range(lo, hi)))
+
+
+def merge_layer_ranges(src: Path, dst: Path, ranges: Sequence[tuple[int, int]]) -> Path:
+    """A deeper "passthrough" model: the given inclusive ranges of ``src``'s layers in order.
+
+    ``[(0, 29), (0, 29)]`` repeats all 30 layers of the 135M model twice (60 layers).
+    """
+    layer_map = [i for lo, hi in ranges for i in range(lo, hi + 1)]
+    return write_layers(src, dst, layer_map)
+
+
+def parse_recipe(recipe: str) -> list[tuple[int, int]]:
+    """``"0-29,0-29"`` -> ``[(0, 29), (0, 29)]``; ``"0-29x4"`` repeats a range."""
+    ranges: list[tuple[int, int]] = []
+    for part in recipe.split(","):
+        part = part.strip()
+        times = 1
+        if "x" in part:
+            part, t = part.split("x")
+            times = int(t)
+        lo, hi = (int(v) for v in part.split("-"))
+        ranges += [(lo, hi)] * times
+    return ranges

@@ -1,0 +1,512 @@
+"""The only module that imports ``llama_cpp``: typed, closeable wrappers over its C API.
+
+Objects here do what they are told and never decide anything: :class:`Model` (weights and
+vocabulary), :class:`Context` (a KV cache plus decode, logits, KV sequence operations, an
+abort callback and capture of one named intermediate tensor) and :class:`Batch` (token ids
+or embeddings with explicit positions, sequence ids and output flags).
+
+Facts this module relies on (see DESIGN.md):
+- CPUs with AMX crash inside ``llama_decode`` when llama.cpp uses its AMX "extra buffer
+  type"; extra buffer types are therefore off by default on such CPUs.
+- Flash attention on makes a k-token batch (k <= 48) compute each position exactly like k
+  single-token steps, which is what lets speculative decoding be bit-exact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as ll
+import numpy as np
+
+from .errors import DecodeError, ModelError
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# --------------------------------------------------------------------------- backend / logs
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_last_error_lines: list[str] = []
+
+
+@ll.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    msg = text.decode("utf-8", errors="replace").rstrip()
+    if not msg:
+        return
+    if level <= 2:  # GGML_LOG_LEVEL_ERROR = 4, WARN = 3, INFO = 2 ... keep errors apart below
+        pass
+    if level >= 3:
+        _last_error_lines.append(msg)
+        del _last_error_lines[:-8]
+    log.debug("llama.cpp: %s", msg)
+
+
+def init_backend() -> None:
+    """Initialise llama.cpp once per process and route its logs to :mod:`logging`."""
+    global _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+        ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+def last_llama_error() -> str:
+    return _last_error_lines[-1] if _last_error_lines else ""
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag.startswith("amx") for flag in line.split())
+    except OSError:
+        pass
+    return False
+
+
+def default_extra_bufts() -> bool:
+    """Extra buffer types (repacking, AMX) unless the CPU has AMX; ``POTLUCK_EXTRA_BUFTS`` overrides."""
+    env = os.environ.get("POTLUCK_EXTRA_BUFTS")
+    if env is not None and env != "":
+        return env.lower() in ("1", "true", "yes", "on")
+    return not cpu_has_amx()
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail early, in one line, on the common ways a model path is wrong."""
+    if not path.exists():
+        raise ModelError(f"model file not found: {path} (pass an existing .gguf with -m)")
+    if path.is_dir():
+        raise ModelError(f"model path is a directory: {path} (pass a .gguf file with -m)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF model file: {path} (potluck loads llama.cpp GGUF files)")
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Model:
+    """Weights and vocabulary of one GGUF file."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        use_extra_bufts: bool | None = None,
+        use_mmap: bool = True,
+    ) -> None:
+        init_backend()
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_mmap = use_mmap
+        params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
+        _last_error_lines.clear()
+        self._ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._ptr:
+            why = last_llama_error() or "unknown reason"
+            raise ModelError(
+                f"could not load model {self.path}: the file is truncated or corrupt "
+                f"(llama.cpp: {why})"
+            )
+        self._vocab = ll.llama_model_get_vocab(self._ptr)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
+        self.n_embd: int = ll.llama_model_n_embd(self._ptr)
+        self.n_layer: int = ll.llama_model_n_layer(self._ptr)
+        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self._ptr)
+        self.arch: str = self.meta("general.architecture") or "unknown"
+        self.name: str = self.meta("general.name") or self.path.stem
+        self.bos: int = ll.llama_vocab_bos(self._vocab)
+        self.eos: int = ll.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self._vocab))
+        tmpl = ll.llama_model_chat_template(self._ptr, None)
+        self.chat_template: str | None = tmpl.decode("utf-8") if tmpl else None
+        self._piece_cache: dict[int, bytes] = {}
+        self._piece_cache_special: dict[int, bytes] = {}
+
+    # -- lifetime
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            ll.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; owners close explicitly
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def ptr(self) -> ctypes.c_void_p:
+        if not self._ptr:
+            raise RuntimeError("model is closed")
+        return self._ptr
+
+    # -- metadata
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        return buf.value.decode("utf-8", errors="replace")
+
+    def size_bytes(self) -> int:
+        return int(ll.llama_model_size(self.ptr))
+
+    def n_params(self) -> int:
+        return int(ll.llama_model_n_params(self.ptr))
+
+    # -- vocabulary
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        cache = self._piece_cache_special if special else self._piece_cache
+        piece = cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            piece = buf.raw[:n]
+            cache[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
+            "utf-8", errors="replace"
+        )
+
+    def vocab_signature(self) -> tuple[int, int, int]:
+        """Cheap fingerprint used to refuse a draft whose vocabulary differs from the target's."""
+        return (self.n_vocab, self.bos, self.eos)
+
+
+# --------------------------------------------------------------------------- batch
+
+
+class Batch:
+    """A ``llama_batch`` of token ids (``n_embd == 0``) or of embeddings (hidden states)."""
+
+    def __init__(self, capacity: int, *, n_embd: int = 0, n_seq_max: int = 1) -> None:
+        self.capacity = capacity
+        self.n_embd = n_embd
+        self.n_seq_max = n_seq_max
+        self._b = ll.llama_batch_init(capacity, n_embd, n_seq_max)
+        self.n_tokens = 0
+
+    def close(self) -> None:
+        if getattr(self, "_b", None) is not None:
+            ll.llama_batch_free(self._b)
+            self._b = None
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def raw(self) -> ll.llama_batch:
+        return self._b
+
+    def set_tokens(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seq_ids: Sequence[Sequence[int]] | int = 0,
+        outputs: Sequence[bool] | str = "last",
+    ) -> None:
+        n = len(tokens)
+        if n > self.capacity or self.n_embd:
+            raise ValueError(f"batch holds {self.capacity} token ids, got {n}")
+        b = self._b
+        for i in range(n):
+            b.token[i] = tokens[i]
+        self._fill_common(n, positions, seq_ids, outputs)
+
+    def set_embeddings(
+        self,
+        embd: np.ndarray,  # [n_tokens, n_embd] float32
+        positions: Sequence[int],
+        seq_ids: Sequence[Sequence[int]] | int = 0,
+        outputs: Sequence[bool] | str = "last",
+    ) -> None:
+        embd = np.ascontiguousarray(embd, dtype=np.float32)
+        n = embd.shape[0]
+        if not self.n_embd or embd.shape[1] != self.n_embd or n > self.capacity:
+            raise ValueError(f"embeddings of shape {embd.shape} do not fit this batch")
+        ctypes.memmove(self._b.embd, embd.ctypes.data, embd.nbytes)
+        self._fill_common(n, positions, seq_ids, outputs)
+
+    def _fill_common(
+        self,
+        n: int,
+        positions: Sequence[int],
+        seq_ids: Sequence[Sequence[int]] | int,
+        outputs: Sequence[bool] | str,
+    ) -> None:
+        b = self._b
+        for i in range(n):
+            b.pos[i] = positions[i]
+            ids = (seq_ids,) if isinstance(seq_ids, int) else seq_ids[i]
+            b.n_seq_id[i] = len(ids)
+            for j, s in enumerate(ids):
+                b.seq_id[i][j] = s
+            if outputs == "all":
+                b.logits[i] = True
+            elif outputs == "last":
+                b.logits[i] = i == n - 1
+            elif outputs == "none":
+                b.logits[i] = False
+            else:
+                b.logits[i] = bool(outputs[i])  # type: ignore[index]
+        b.n_tokens = n
+        self.n_tokens = n
+
+
+# --------------------------------------------------------------------------- ggml helpers for capture
+
+
+def _ggml_base() -> ctypes.CDLL:
+    libdir = Path(ll.__file__).resolve().parent / "lib"
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        p = libdir / name
+        if p.exists():
+            lib = ctypes.CDLL(str(p))
+            lib.ggml_get_name.restype = ctypes.c_char_p
+            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+            lib.ggml_nbytes.restype = ctypes.c_size_t
+            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_tensor_get.restype = None
+            lib.ggml_backend_tensor_get.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+            ]
+            return lib
+    raise RuntimeError(f"libggml-base not found in {libdir}")
+
+
+_ggml_lib: ctypes.CDLL | None = None
+
+
+def ggml() -> ctypes.CDLL:
+    global _ggml_lib
+    if _ggml_lib is None:
+        _ggml_lib = _ggml_base()
+    return _ggml_lib
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 0  # 0: all usable cores
+    flash_attn: bool = True
+    kv_unified: bool = True
+    capture_layer: int | None = None  # capture "l_out-N" (hidden states after layer N)
+
+
+class Context:
+    """One KV cache over a :class:`Model`, with decode, logits and KV sequence operations."""
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams()) -> None:
+        self.model = model
+        self.params = params
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_batch
+        cp.n_seq_max = params.n_seq_max
+        threads = params.n_threads or default_threads()
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.flash_attn_type = 1 if params.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
+        cp.kv_unified = params.kv_unified
+        cp.no_perf = True
+        self._abort_fn: Callable[[], bool] | None = None
+        self._abort_cb = ll.ggml_abort_callback(self._abort_trampoline)
+        cp.abort_callback = self._abort_cb
+        cp.abort_callback_data = None
+        self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a decode
+        self._capture_name: bytes | None = None
+        self._eval_cb = None
+        if params.capture_layer is not None:
+            self._capture_name = f"l_out-{params.capture_layer}".encode()
+            self._eval_cb = ll.ggml_backend_sched_eval_callback(self._eval_trampoline)
+            cp.cb_eval = self._eval_cb
+            cp.cb_eval_user_data = None
+            ggml()  # load early: fail at construction, not mid-decode
+        self._ptr = ll.llama_init_from_model(model.ptr, cp)
+        if not self._ptr:
+            raise ModelError(
+                f"could not create a llama.cpp context for {model.path} with n_ctx={params.n_ctx} "
+                f"({last_llama_error() or 'out of memory?'})"
+            )
+        self._mem = ll.llama_get_memory(self._ptr)
+        self.n_ctx: int = ll.llama_n_ctx(self._ptr)
+        self.n_vocab = model.n_vocab
+        self._batch = Batch(params.n_batch, n_seq_max=max(1, params.n_seq_max))
+
+    # -- lifetime
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            self._batch.close()
+            self._batch = None  # type: ignore[assignment]
+        if getattr(self, "_ptr", None):
+            ll.llama_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- callbacks
+    def set_abort(self, fn: Callable[[], bool] | None) -> None:
+        """``fn`` is polled during a decode; returning True aborts it (decode returns 2)."""
+        self._abort_fn = fn
+
+    def _abort_trampoline(self, _data: ctypes.c_void_p) -> bool:
+        fn = self._abort_fn
+        try:
+            return bool(fn()) if fn is not None else False
+        except Exception:  # never raise through C
+            return False
+
+    def _eval_trampoline(self, tensor: ctypes.c_void_p, ask: bool, _data: ctypes.c_void_p) -> bool:
+        try:
+            lib = ggml()
+            name = lib.ggml_get_name(tensor)
+            if ask:
+                return name == self._capture_name
+            if name != self._capture_name:
+                return True
+            nbytes = lib.ggml_nbytes(tensor)
+            n_embd = self.model.n_embd
+            out = np.empty(nbytes // 4, dtype=np.float32)
+            lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, nbytes)
+            self.captured = out.reshape(-1, n_embd)
+            return False  # skip the rest of this graph split (the LM head): its logits are unused
+        except Exception:  # never raise through C
+            log.exception("capture callback failed")
+            return True
+
+    # -- decode
+    def decode_batch(self, batch: Batch) -> None:
+        """Run one batch; raises :class:`DecodeError` on failure, ``InterruptedError`` on abort."""
+        self.captured = None
+        rc = ll.llama_decode(self._ptr, batch.raw)
+        if rc == 2:
+            raise InterruptedError("decode aborted")
+        if rc != 0 and not (rc == -3 and self._capture_name is not None):
+            raise DecodeError(f"llama_decode failed with code {rc} ({last_llama_error() or 'no detail'})")
+        if self._capture_name is not None and self.captured is None:
+            raise DecodeError(f"no tensor named {self._capture_name.decode()} was computed")
+
+    def decode(
+        self,
+        tokens: Sequence[int],
+        pos0: int,
+        *,
+        seq_id: int = 0,
+        outputs: Sequence[bool] | str = "last",
+    ) -> None:
+        """Decode ``tokens`` at positions ``pos0...`` in one sequence (one batch, <= n_batch)."""
+        n = len(tokens)
+        self._batch.set_tokens(tokens, range(pos0, pos0 + n), seq_id, outputs)
+        self.decode_batch(self._batch)
+
+    def logits_row(self, i: int) -> np.ndarray:
+        """Logits of batch row ``i`` (-1: last output) as a float32 view [vocab] (valid until next decode)."""
+        ptr = ll.llama_get_logits_ith(self._ptr, i)
+        if not ptr:
+            raise DecodeError(f"no logits for batch row {i} (was it marked as an output?)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """Logits of the last decode's ``n_rows`` output rows in batch order: float32 view [n_rows, vocab]."""
+        ptr = ll.llama_get_logits(self._ptr)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    # -- KV sequence operations (positions: p0 inclusive, p1 exclusive, -1 = open end)
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(ll.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        ll.llama_memory_seq_keep(self._mem, seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        ll.llama_memory_seq_add(self._mem, seq_id, p0, p1, delta)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(ll.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self._mem, True)
+
+    def set_threads(self, n_threads: int) -> None:
+        ll.llama_set_n_threads(self._ptr, n_threads, n_threads)

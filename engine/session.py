@@ -1,0 +1,273 @@
+"""A conversation with a model: keeps the KV cache between turns and streams events.
+
+``Session.generate`` renders the conversation with the model's chat template, processes
+only the tokens the KV cache does not hold yet, runs the chosen strategy and yields
+:mod:`.events`. No algorithm and no ctypes live here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .chat import ChatFormat, Message, TextStream
+from .errors import ContextFullError, PotluckError
+from .events import Event, Finished, RoundStats, TokenText
+from .runtime import Model
+from .sampling import Sampler, SamplingParams
+from .strategies.base import Generation, Strategy
+from .target import Target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LiveStats:
+    """Counters the UI samples on a timer while a reply streams (mutated in place)."""
+
+    running: bool = False
+    strategy: str = ""
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    draft_len: int = 0
+    n_past: int = 0
+    n_ctx: int = 0
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """One conversation over one target; not thread-safe except :meth:`cancel`."""
+
+    def __init__(
+        self,
+        model: Model,
+        target: Target,
+        strategy: Strategy,
+        *,
+        system: str | None = None,
+    ) -> None:
+        self.model = model
+        self.target = target
+        self.strategy = strategy
+        bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
+        eos = model.detokenize([model.eos], special=True) if model.eos >= 0 else ""
+        self.format = ChatFormat(model.chat_template, bos_token=bos, eos_token=eos)
+        self._bos_text = bos
+        self.messages: list[Message] = []
+        if system:
+            self.messages.append(Message("system", system))
+        self.stats = LiveStats(n_ctx=target.n_ctx)
+        self._cancel = threading.Event()
+        self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
+        self._covered = ""  # rendered text that self._tokens stand for
+
+    # -- conversation editing
+    @property
+    def system(self) -> str | None:
+        return self.messages[0].content if self.messages and self.messages[0].role == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        if self.system is not None:
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, Message("system", text))
+
+    def load_messages(self, messages: Sequence[Message]) -> None:
+        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
+        self.messages = list(messages)
+
+    def cancel(self) -> None:
+        """Stop the running reply after the current step; safe from any thread."""
+        self._cancel.set()
+
+    @property
+    def conversation_tokens(self) -> int:
+        return len(self._tokens)
+
+    # -- generation
+    def generate(
+        self,
+        user: str | None,
+        sampling: SamplingParams = SamplingParams(),
+        max_tokens: int = 512,
+    ) -> Iterator[Event]:
+        """Add ``user`` (None: answer the conversation as it stands) and stream the reply."""
+        if max_tokens <= 0:
+            raise PotluckError(f"max tokens must be a positive number, got {max_tokens}")
+        sampling.validate()
+        if user is not None:
+            self.messages.append(Message("user", user))
+        try:
+            tokens, rendered = self._conversation_tokens()
+            if len(tokens) + 1 > self.target.n_ctx:
+                raise ContextFullError(
+                    f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
+                    "shorten it or raise --ctx"
+                )
+        except PotluckError:
+            if user is not None:
+                self.messages.pop()
+            raise
+        yield from self._run(tokens, rendered, sampling, max_tokens)
+
+    def regenerate(
+        self, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512
+    ) -> Iterator[Event]:
+        """Drop the last assistant reply and answer again."""
+        if self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
+        return self.generate(None, sampling, max_tokens)
+
+    def _tokenize(self, text: str, *, at_start: bool) -> list[int]:
+        add_bos = at_start and self.model.add_bos and not (self._bos_text and text.startswith(self._bos_text))
+        toks = self.model.tokenize(text, add_special=False, parse_special=True)
+        return ([self.model.bos] if add_bos else []) + toks
+
+    def _conversation_tokens(self) -> tuple[list[int], str]:
+        rendered = self.format.render(self.messages, add_generation_prompt=True)
+        if self._tokens and rendered.startswith(self._covered):
+            return self._tokens + self._tokenize(rendered[len(self._covered) :], at_start=False), rendered
+        return self._tokenize(rendered, at_start=True), rendered
+
+    def _run(
+        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int
+    ) -> Iterator[Event]:
+        target = self.target
+        self._cancel.clear()
+        st = self.stats
+        t_start = time.perf_counter()
+        reused = common_prefix_len(self._tokens[: target.n_past], tokens)
+        reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits
+        target.truncate(reused)
+        self.stats = st = LiveStats(
+            running=True,
+            strategy=self.strategy.name,
+            started_at=t_start,
+            prompt_tokens=len(tokens),
+            prefill_tokens=len(tokens) - reused,
+            n_ctx=target.n_ctx,
+        )
+        # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
+        self._tokens = tokens[:reused]
+        self._covered = ""
+        try:
+            first_logits = target.decode(tokens[reused:])[-1].copy()
+        except BaseException:
+            target.truncate(reused)
+            st.running = False
+            raise
+        self._tokens = list(tokens)
+        self._covered = rendered
+        t_prefill = time.perf_counter()
+        st.n_past = target.n_past
+
+        g = Generation(
+            target=target,
+            sampler=Sampler(sampling),
+            history=self._tokens,  # shared list: rounds append to it
+            first_logits=first_logits,
+            max_new=max_tokens,
+            is_eog=self.model.is_eog,
+            cancel=self._cancel,
+        )
+        out: list[int] = []
+        stream = TextStream()
+        text_parts: list[str] = []
+        reason = "length"
+        drafted = accepted = rounds = 0
+        try:
+            for rnd in self.strategy.run(g):
+                kept: list[int] = []
+                for tok in rnd.tokens:
+                    if g.n_new >= g.max_new:
+                        break
+                    kept.append(tok)
+                    g.n_new += 1
+                    if self.model.is_eog(tok):
+                        reason = "stop"
+                        break
+                g.history.extend(kept)
+                out.extend(kept)
+                rounds += 1
+                drafted += rnd.drafted
+                accepted += rnd.accepted
+                now = time.perf_counter()
+                if st.first_token_at == 0.0:
+                    st.first_token_at = now
+                st.new_tokens, st.drafted, st.accepted, st.rounds = len(out), drafted, accepted, rounds
+                st.draft_len = rnd.draft_len
+                st.n_past = target.n_past
+                yield RoundStats(
+                    drafted=rnd.drafted,
+                    accepted=rnd.accepted,
+                    emitted=len(kept),
+                    draft_len=rnd.draft_len,
+                    draft_ms=rnd.draft_ms,
+                    verify_ms=rnd.verify_ms,
+                )
+                visible = [t for t in kept if not self.model.is_eog(t)]
+                delta = stream.feed(self.model.token_bytes(t) for t in visible)
+                if delta or kept:
+                    text_parts.append(delta)
+                    yield TokenText(delta, tuple(kept))
+                if reason == "stop" or g.n_new >= g.max_new:
+                    g.done = True
+                elif self._cancel.is_set():
+                    reason, g.done = "cancelled", True
+                elif g.remaining <= 0:
+                    reason, g.done = "context_full", True
+                if g.done:
+                    break
+        finally:
+            g.done = True
+            # Whatever happened, the KV cache must hold a prefix of the conversation's tokens.
+            if target.n_past > len(self._tokens):
+                target.truncate(len(self._tokens))
+            tail = stream.flush()
+            if tail:
+                text_parts.append(tail)
+            reply = "".join(text_parts)
+            self.messages.append(Message("assistant", reply))
+            self._covered = rendered + self.model.detokenize(out, special=True)
+            st.running = False
+            st.n_past = target.n_past
+        t_end = time.perf_counter()
+        ttft = (st.first_token_at or t_end) - t_start
+        decode_s = t_end - t_prefill
+        prefill_s = t_prefill - t_start
+        yield Finished(
+            reason=reason,
+            text=reply,
+            tokens=tuple(out),
+            prompt_tokens=len(tokens),
+            prefill_tokens=len(tokens) - reused,
+            ttft_s=ttft,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            tokens_per_s=len(out) / decode_s if decode_s > 0 else 0.0,
+            prefill_tokens_per_s=(len(tokens) - reused) / prefill_s if prefill_s > 0 else 0.0,
+            drafted=drafted,
+            accepted=accepted,
+            rounds=rounds,
+            strategy=self.strategy.name,
+        )
+
+    def close(self) -> None:
+        self.strategy.close()
+        self.target.close()

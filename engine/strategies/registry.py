@@ -1,0 +1,25 @@
+"""Strategy names -> classes. Only implemented strategies appear here (and so in the CLI/UI)."""
+
+from __future__ import annotations
+
+from .base import Strategy
+from .plain import Autoregressive
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    Autoregressive.name: Autoregressive,
+}
+
+
+def strategy_names() -> list[str]:
+    return list(STRATEGIES)
+
+
+def get_strategy_class(name: str) -> type[Strategy]:
+    from ..errors import PotluckError
+
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise PotluckError(
+            f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}"
+        ) from None
