@@ -1,0 +1,185 @@
+"""Plain decoding is exact: against llama-cpp-python's own high-level generation (an
+independent oracle), across runs, across layer splits, and across conversation turns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.engine.chat import Message
+from potluck.engine.events import Finished
+from potluck.engine.gguf_tools import slice_layers
+from potluck.engine.loader import EngineSpec, open_session
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import SamplingParams
+from potluck.engine.session import Session
+from potluck.engine.split import SplitTarget
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.target import LocalTarget
+
+from .conftest import PROMPTS
+
+MAX_TOKENS = 48
+
+
+def reply(session: Session, text: str | None, sampling: SamplingParams = SamplingParams(), n: int = MAX_TOKENS) -> Finished:
+    events = list(session.generate(text, sampling, n))
+    assert isinstance(events[-1], Finished)
+    return events[-1]
+
+
+@pytest.fixture()
+def session(model: Model) -> Iterator[Session]:
+    s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive())
+    yield s
+    s.target.close()
+
+
+def prompt_tokens(session: Session, text: str) -> list[int]:
+    session.messages.append(Message("user", text))
+    try:
+        tokens, _ = session._conversation_tokens()
+    finally:
+        session.messages.pop()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def oracle(model_path: Path) -> Iterator[object]:
+    """llama-cpp-python's high-level ``Llama``, with the AMX workaround patched in."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as lc
+
+    original = lc.llama_model_default_params
+
+    def no_extra_bufts():  # the high-level class cannot set this field itself
+        params = original()
+        params.use_extra_bufts = False
+        return params
+
+    lc.llama_model_default_params = no_extra_bufts
+    try:
+        llm = llama_cpp.Llama(
+            str(model_path), n_ctx=2048, n_batch=512, flash_attn=True, verbose=False, n_threads=2
+        )
+    finally:
+        lc.llama_model_default_params = original
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_greedy_matches_llama_cpp_python_oracle(session: Session, oracle, model: Model, prompt: str) -> None:
+    tokens = prompt_tokens(session, prompt)
+    ours = reply(session, prompt)
+    expected: list[int] = []
+    for tok in oracle.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        expected.append(tok)
+        if model.is_eog(tok) or len(expected) == MAX_TOKENS:
+            break
+    assert list(ours.tokens) == expected
+    assert len(expected) > 5
+
+
+def test_greedy_repeats_across_runs(model: Model) -> None:
+    runs = []
+    for _ in range(2):
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Autoregressive())
+        runs.append([reply(s, p, n=24).tokens for p in PROMPTS[3:5]])
+        s.target.close()
+    assert runs[0] == runs[1]
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model: Model) -> None:
+    def sample(seed: int) -> tuple[int, ...]:
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Autoregressive())
+        params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+        out = reply(s, "Tell me a story about a dragon.", params, n=24).tokens
+        s.target.close()
+        return out
+
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize("bounds", [(0, 13, 30), (0, 7, 19, 30)], ids=["2-stages", "3-stages"])
+def test_layer_split_logits_identical(model: Model, model_path: Path, tmp_path: Path, bounds: tuple[int, ...]) -> None:
+    slices = [
+        Model(slice_layers(model_path, tmp_path / f"s{i}.gguf", lo, hi))
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
+    ]
+    params = ContextParams(n_ctx=512)
+    whole = LocalTarget(model, params)
+    split = SplitTarget(slices, params)
+    try:
+        assert [m.n_layer for m in slices] == [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        tokens = model.tokenize("<|im_start|>user\nName a fruit that is yellow.<|im_end|>\n<|im_start|>assistant\n")
+        ref = whole.decode(tokens, all_logits=True).copy()
+        got = split.decode(tokens, all_logits=True)
+        assert np.array_equal(ref, got)
+        tok = int(np.argmax(ref[-1]))
+        for _ in range(32):
+            ref1 = whole.decode([tok])[0].copy()
+            assert np.array_equal(ref1, split.decode([tok])[0])
+            tok = int(np.argmax(ref1))
+        # Trimming the tail on every stage keeps them in step (speculative rejection).
+        whole.truncate(len(tokens) + 10)
+        split.truncate(len(tokens) + 10)
+        assert np.array_equal(whole.decode([tok])[0], split.decode([tok])[0])
+    finally:
+        split.close()
+        whole.close()
+        for m in reversed(slices):
+            m.close()
+
+
+def test_second_turn_decodes_only_new_tokens(session: Session) -> None:
+    first = reply(session, "Hi! What is 2+2?", n=24)
+    assert first.prefill_tokens == first.prompt_tokens
+    second = reply(session, "And 3+3?", n=24)
+    new_tokens = second.prompt_tokens - (first.prompt_tokens + len(first.tokens))
+    # Only the turn's new text (plus the pending last token of the previous reply) is processed.
+    assert second.prefill_tokens <= new_tokens + 1
+    assert second.prefill_tokens < second.prompt_tokens / 2
+
+
+def test_turn_by_turn_replay_reproduces_conversation(model: Model) -> None:
+    turns = ["Hi! Who are you?", "What can you do?", "Thanks, bye."]
+
+    def converse() -> list[tuple[int, ...]]:
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive(), system="Be brief.")
+        out = [reply(s, t, n=32).tokens for t in turns]
+        s.target.close()
+        return out
+
+    assert converse() == converse()
+
+
+def test_cancel_and_regenerate_keep_kv_consistent(model: Model) -> None:
+    s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive())
+    stream = s.generate("Count from one to twenty in words.", SamplingParams(), 64)
+    for i, event in enumerate(stream):
+        if i == 10:
+            s.cancel()
+        if isinstance(event, Finished):
+            assert event.reason == "cancelled"
+    assert s.target.n_past <= s.conversation_tokens
+    regenerated = list(s.regenerate(SamplingParams(), 32))[-1]
+    fresh = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive())
+    expected = reply(fresh, "Count from one to twenty in words.", n=32)
+    assert regenerated.tokens == expected.tokens
+    s.target.close()
+    fresh.target.close()
+
+
+def test_open_session_defaults_decode(tmp_home: Path) -> None:
+    """The default load path (extra buffer types off on AMX CPUs) decodes without crashing."""
+    s = open_session(EngineSpec(n_ctx=512))
+    try:
+        assert reply(s, "Hello", n=4).tokens
+    finally:
+        s.close()
