@@ -43,11 +43,9 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     msg = text.decode("utf-8", errors="replace").rstrip()
     if not msg:
         return
-    if level <= 2:  # GGML_LOG_LEVEL_ERROR = 4, WARN = 3, INFO = 2 ... keep errors apart below
-        pass
-    if level >= 3:
+    if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
         _last_error_lines.append(msg)
-        del _last_error_lines[:-8]
+        del _last_error_lines[:-16]
     log.debug("llama.cpp: %s", msg)
 
 
@@ -63,7 +61,11 @@ def init_backend() -> None:
 
 
 def last_llama_error() -> str:
-    return _last_error_lines[-1] if _last_error_lines else ""
+    """The most telling error llama.cpp logged since the last clear, without function prefixes."""
+    lines = [ln.split("error loading model:", 1)[-1].strip() for ln in _last_error_lines]
+    specific = [ln for ln in lines if "failed to load model" not in ln]
+    line = (specific or lines or [""])[0]
+    return line.split(": ", 1)[1] if ": " in line and " " not in line.split(": ", 1)[0] else line
 
 
 def cpu_has_amx() -> bool:

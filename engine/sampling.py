@@ -40,6 +40,9 @@ class SamplingParams:
             raise PotluckError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
 
 
+GREEDY = SamplingParams()
+
+
 def apply_repeat_penalty(
     logits: np.ndarray, history: Sequence[int], params: SamplingParams
 ) -> np.ndarray:

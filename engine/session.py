@@ -17,7 +17,7 @@ from .chat import ChatFormat, Message, TextStream
 from .errors import ContextFullError, PotluckError
 from .events import Event, Finished, RoundStats, TokenText
 from .runtime import Model
-from .sampling import Sampler, SamplingParams
+from .sampling import GREEDY, Sampler, SamplingParams
 from .strategies.base import Generation, Strategy
 from .target import Target
 
@@ -104,7 +104,7 @@ class Session:
     def generate(
         self,
         user: str | None,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams = GREEDY,
         max_tokens: int = 512,
     ) -> Iterator[Event]:
         """Add ``user`` (None: answer the conversation as it stands) and stream the reply."""
@@ -127,7 +127,7 @@ class Session:
         yield from self._run(tokens, rendered, sampling, max_tokens)
 
     def regenerate(
-        self, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512
+        self, sampling: SamplingParams = GREEDY, max_tokens: int = 512
     ) -> Iterator[Event]:
         """Drop the last assistant reply and answer again."""
         if self.messages and self.messages[-1].role == "assistant":

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from potluck.engine.chat import Message
 from potluck.engine.events import Finished
 from potluck.engine.gguf_tools import slice_layers
@@ -25,7 +24,9 @@ from .conftest import PROMPTS
 MAX_TOKENS = 48
 
 
-def reply(session: Session, text: str | None, sampling: SamplingParams = SamplingParams(), n: int = MAX_TOKENS) -> Finished:
+def reply(
+    session: Session, text: str | None, sampling: SamplingParams = SamplingParams(), n: int = MAX_TOKENS
+) -> Finished:
     events = list(session.generate(text, sampling, n))
     assert isinstance(events[-1], Finished)
     return events[-1]
