@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ..engine.errors import PotluckError
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
-COMMANDS = ["generate", "models"]
+COMMANDS = ["chat", "generate", "models", "perf", "locate"]
 
 
 def potluck_version() -> str:
@@ -41,22 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Parser(argparse.ArgumentParser):
-    pass
+_VERBOSE = ("-v", "-vv", "-vvv", "--verbose")
+
+
+def with_default_command(argv: list[str]) -> list[str]:
+    """``potluck [-v] [chat options]`` means ``potluck [-v] chat [chat options]``."""
+    rest = [a for a in argv if a not in _VERBOSE]
+    if (rest and rest[0] in COMMANDS) or rest in (["-h"], ["--help"], ["--version"]):
+        return argv
+    return [*(a for a in argv if a in _VERBOSE), COMMANDS[0], *rest]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "potluck", "numba"))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_default_command(list(sys.argv[1:] if argv is None else argv)))
     level = logging.WARNING if args.verbose == 0 else (logging.INFO if args.verbose == 1 else logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    command = args.command or COMMANDS[0]
-    if args.command is None:
-        if COMMANDS[0] == "generate":
-            parser.print_help()
-            return 0
-        args = parser.parse_args([command, *(argv or sys.argv[1:])])
+    command = args.command
     module = import_module(f"potluck.app.commands.{command}")
     try:
         return int(module.run(args) or 0)
