@@ -1,0 +1,88 @@
+"""`potluck chat` (also `potluck` alone): the terminal chat app on the bundled model.
+
+Settings come from config.toml; the options given here override them for this run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import replace
+
+from ...engine import paths
+from ...engine.config import load_settings
+from ...engine.loader import EngineSpec, open_session
+from .common import add_model_args, add_sampling_args
+
+# argument dest -> (settings section, field); None-valued arguments keep the setting.
+_OVERRIDES = {
+    "model": ("model", "path"),
+    "draft": ("model", "draft"),
+    "strategy": ("model", "strategy"),
+    "system": ("model", "system"),
+    "ctx": ("model", "n_ctx"),
+    "threads": ("model", "n_threads"),
+    "max_tokens": ("sampling", "max_tokens"),
+    "temp": ("sampling", "temperature"),
+    "top_k": ("sampling", "top_k"),
+    "top_p": ("sampling", "top_p"),
+    "min_p": ("sampling", "min_p"),
+    "repeat_penalty": ("sampling", "repeat_penalty"),
+    "seed": ("sampling", "seed"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="open the chat app (the default command)",
+        description="Open the chat app. Defaults come from config.toml (see `potluck locate`).",
+    )
+    add_model_args(p)
+    add_sampling_args(p)
+    # Unset options must not override config.toml, so none of them has a default here.
+    p.set_defaults(**dict.fromkeys(_OVERRIDES))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..tui import build_app
+
+    settings = load_settings()
+    for dest, (section, name) in _OVERRIDES.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if dest in ("model", "draft"):
+            value = str(value.expanduser().resolve())
+        if section == "model" and dest == "system":
+            value = value or None
+        part = getattr(settings, section)
+        settings = replace(settings, **{section: replace(part, **{name: value})})
+    settings.sampling.params()  # refuse bad sampling values before the screen opens
+
+    handler = logging.FileHandler(paths.log_file(), encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("potluck")
+    root.addHandler(handler)
+    root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
+    _quiet_stderr_while_the_screen_is_up()
+
+    def session_factory(spec: EngineSpec):  # noqa: ANN202 - returns the engine Session
+        return open_session(spec)
+
+    app = build_app(settings=settings, session_factory=session_factory, settings_path=paths.config_file())
+    try:
+        app.run()
+    finally:
+        app.close_engine()
+        root.removeHandler(handler)
+        handler.close()
+    return app.return_code or 0
+
+
+def _quiet_stderr_while_the_screen_is_up() -> None:
+    """Log lines on stderr would scribble over the screen; the log file and view have them."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(logging.CRITICAL + 1)

@@ -1,0 +1,752 @@
+"""The potluck chat app and its factory.
+
+After posting: the CLI only parses arguments, :func:`build_app` builds the app from
+explicit arguments (settings, a session factory, the history file), and the tests build
+it the same way with a scripted fake session. The engine runs in worker threads: one
+loads the model, one streams a reply; they talk to the UI only through messages posted
+to the app, so typing, scrolling and switching conversations never wait on a decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Protocol
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message as TMessage
+from textual.widgets import ContentSwitcher, Footer, Label, Static
+
+from ...assets import DEFAULT_MODEL_NAME, asset
+from ...engine.chat import Message
+from ...engine.config import Settings, save_settings
+from ...engine.errors import PotluckError
+from ...engine.events import Event, Finished, TokenText
+from ...engine.loader import EngineSpec
+from ...engine.sampling import SamplingParams
+from ..store import Conversation, Store, StoredMessage
+from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
+from .export import code_blocks, conversation_markdown, export_path
+from .screens import ConfirmScreen, LogScreen, Pick, PickerScreen, TextPromptScreen
+from .stats import Counters, SpeedMeter
+from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPanel, finish_note
+
+log = logging.getLogger(__name__)
+
+NEW_TITLE = "New chat"
+
+
+class ChatSession(Protocol):
+    """What the app needs from :class:`potluck.engine.session.Session` (tests fake it)."""
+
+    messages: list[Message]
+
+    @property
+    def stats(self) -> Counters: ...
+
+    def generate(
+        self, user: str | None, sampling: SamplingParams = ..., max_tokens: int = ...
+    ) -> Iterator[Event]: ...
+
+    def regenerate(self, sampling: SamplingParams = ..., max_tokens: int = ...) -> Iterator[Event]: ...
+
+    def cancel(self) -> None: ...
+
+    def load_messages(self, messages: Sequence[Message]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+SessionFactory = Callable[[EngineSpec], ChatSession]
+
+
+def spec_from_settings(settings: Settings) -> EngineSpec:
+    m = settings.model
+    return EngineSpec(
+        model=Path(m.path).expanduser() if m.path else None,
+        strategy=m.strategy,
+        draft=Path(m.draft).expanduser() if m.draft else None,
+        n_ctx=m.n_ctx,
+        n_threads=m.n_threads,
+    )
+
+
+@dataclass
+class Reply:
+    """One reply in flight: where it streams to and what it will be stored as."""
+
+    conversation_id: int
+    session: ChatSession
+    view: MessageView
+    user_text: str | None  # None: regenerate the last reply
+    user_view: MessageView | None = None
+    user_message_id: int | None = None
+    replaces: int | None = None  # regenerate: the stored reply the new one replaces
+    previous_text: str = ""
+    previous_note: str = ""
+    got_text: bool = False
+
+
+class ReplyText(TMessage):
+    def __init__(self, reply: Reply, text: str) -> None:
+        super().__init__()
+        self.reply, self.text = reply, text
+
+
+class ReplyFinished(TMessage):
+    def __init__(self, reply: Reply, finished: Finished) -> None:
+        super().__init__()
+        self.reply, self.finished = reply, finished
+
+
+class ReplyFailed(TMessage):
+    def __init__(self, reply: Reply, error: str) -> None:
+        super().__init__()
+        self.reply, self.error = reply, error
+
+
+class SessionLoaded(TMessage):
+    def __init__(self, spec: EngineSpec, session: ChatSession | None, error: str | None) -> None:
+        super().__init__()
+        self.spec, self.session, self.error = spec, session, error
+
+
+class LogBuffer(logging.Handler):
+    """Keeps this run's warnings and errors for the log view."""
+
+    def __init__(self, capacity: int = 500) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        self.capacity = capacity
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+        del self.lines[: -self.capacity]
+
+
+def _b(keys: str, action: str, description: str, show: bool = True, **kw: object) -> Binding:
+    return Binding(keys, action, description, show=show, id=action, **kw)  # type: ignore[arg-type]
+
+
+class PotluckApp(App[None]):
+    CSS_PATH = str(asset("potluck.tcss"))
+    TITLE = "potluck"
+    # Binding ids are KeySettings field names, so [keys] in config.toml remaps them.
+    BINDINGS = [
+        _b("escape", "stop", "Stop"),
+        _b("ctrl+r", "regenerate", "Regenerate"),
+        _b("ctrl+n", "new_conversation", "New"),
+        _b("f2", "rename_conversation", "Rename"),
+        _b("f8", "delete_conversation", "Delete"),
+        _b("ctrl+pageup,alt+up", "previous_conversation", "Previous", show=False),
+        _b("ctrl+pagedown,alt+down", "next_conversation", "Next", show=False),
+        _b("f4", "system_prompt", "System"),
+        _b("ctrl+o", "picker", "Model"),
+        _b("ctrl+t", "toggle_panels", "Panels"),
+        _b("f6", "copy_reply", "Copy"),
+        _b("f7", "copy_code", "Copy code"),
+        _b("ctrl+s", "export", "Export"),
+        _b("ctrl+l", "log", "Log"),
+    ]
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        session_factory: SessionFactory,
+        history_path: Path,
+        export_dir: Path,
+        settings_path: Path | None,
+        model_catalog: Callable[[], list[ModelInfo]],
+        strategies: Mapping[str, StrategyClass],
+        copy_fallback: Callable[[str], str],
+        clock: Callable[[], float],
+    ) -> None:
+        super().__init__()
+        self.settings = settings
+        self.session_factory = session_factory
+        self.history_path = history_path
+        self.export_dir = export_dir
+        self.settings_path = settings_path
+        self.model_catalog = model_catalog
+        self.strategies = strategies
+        self.copy_fallback = copy_fallback
+        self.clock = clock
+        self.spec = spec_from_settings(settings)
+        self.session: ChatSession | None = None
+        self.loading = False
+        self.load_error: str | None = None
+        self.reply: Reply | None = None
+        self.meter = SpeedMeter()
+        self.log_buffer = LogBuffer()
+        self.store: Store | None = None
+        self.active: int | None = None
+        self._engine_idle = threading.Event()
+        self._engine_idle.set()
+        self._closed = False
+        self.set_keymap(settings.keys.keymap())
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        keys = self.settings.keys
+        with Horizontal(id="main"):
+            with Vertical(id="sidebar"):
+                yield Label("Conversations", classes="title")
+                yield ConversationList(id="conversations")
+            with Vertical(id="center"):
+                yield Static(id="status")
+                yield ContentSwitcher(id="chats")
+                yield ChatInput(
+                    send_keys=keys.send,
+                    newline_keys=keys.newline,
+                    cursor_blink=self.settings.ui.cursor_blink,
+                )
+            yield StatsPanel(id="stats")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        logging.getLogger("potluck").addHandler(self.log_buffer)
+        if self.settings.ui.theme in self.available_themes:
+            self.theme = self.settings.ui.theme
+        else:
+            log.warning("unknown theme %r in the settings; using the default", self.settings.ui.theme)
+        self.query_one(StatsPanel).display = self.settings.ui.show_panels
+        try:
+            self.store = Store.open(self.history_path)
+        except PotluckError as e:
+            self.report_error(str(e))
+            self.exit(message=f"potluck: error: {e}")
+            return
+        conversations = self.store.conversations()
+        first = conversations[0] if conversations else self._create_conversation()
+        await self.open_conversation(first.id)
+        self.query_one(ChatInput).focus()
+        self.sample_stats()
+        if self.settings.ui.stats_interval_s > 0:
+            self.set_interval(self.settings.ui.stats_interval_s, self.sample_stats)
+        self.start_loading(self.spec)
+
+    def on_unmount(self) -> None:
+        self.close_engine()
+        logging.getLogger("potluck").removeHandler(self.log_buffer)
+
+    def close_engine(self, timeout_s: float = 30.0) -> None:
+        """Stop a running reply, wait for the engine thread, free the model, close the store."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.reply is not None:
+            self.reply.session.cancel()
+        if not self._engine_idle.wait(timeout_s):
+            log.error("the engine did not stop within %.0f s; leaving the model loaded", timeout_s)
+        elif self.session is not None:
+            self.session.close()
+        if self.store is not None:
+            self.store.close()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def input(self) -> ChatInput:
+        return self.query_one(ChatInput)
+
+    @property
+    def busy(self) -> bool:
+        return self.reply is not None
+
+    def report_error(self, message: str) -> None:
+        """Every failure ends here: a notification and a line in the log view, never a crash."""
+        log.error("%s", message)
+        self.notify(message, title="Error", severity="error", timeout=8)
+
+    def chat_log(self, conversation_id: int | None = None) -> ChatLog | None:
+        cid = self.active if conversation_id is None else conversation_id
+        found = self.query(f"#chat-{cid}")
+        return found.first(ChatLog) if found else None
+
+    def _model_label(self) -> str:
+        spec = self.spec
+        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME
+        draft = f" + draft {spec.draft.name}" if spec.draft else ""
+        return f"{name} · {spec.strategy}{draft}"
+
+    def update_status(self) -> None:
+        if self.reply is not None:
+            state = "generating… (Esc stops)"
+        elif self.loading:
+            state = "loading model…"
+        elif self.session is None:
+            state = "no model (ctrl+o picks one)" if self.load_error else "starting…"
+        else:
+            state = "ready"
+        self.query_one("#status", Static).update(f"{state} · {self._model_label()}")
+
+    def _history(self, conv: Conversation, messages: list[StoredMessage]) -> list[Message]:
+        out = [Message("system", conv.system)] if conv.system else []
+        return out + [Message(m.role, m.content) for m in messages]
+
+    def _create_conversation(self) -> Conversation:
+        assert self.store is not None
+        return self.store.new_conversation(NEW_TITLE, self.settings.model.system)
+
+    async def refresh_conversations(self) -> None:
+        assert self.store is not None
+        await self.query_one(ConversationList).show(self.store.conversations(), self.active)
+
+    async def open_conversation(self, conversation_id: int) -> None:
+        """Show a conversation; its message log is built once and kept (a reply may stream
+        into it while another conversation is on screen)."""
+        assert self.store is not None
+        switcher = self.query_one("#chats", ContentSwitcher)
+        chat = self.chat_log(conversation_id)
+        if chat is None:
+            chat = ChatLog(conversation_id)
+            await switcher.mount(chat)
+            views = [
+                MessageView(m.role, m.content, message_id=m.id, note=finish_note(m.finish_reason))
+                for m in self.store.messages(conversation_id)
+            ]
+            if views:
+                await chat.mount_all(views)
+        switcher.current = chat.id
+        self.active = conversation_id
+        await self.refresh_conversations()
+        chat.scroll_end(animate=False)
+        chat.call_after_refresh(chat.follow)
+        self.update_status()
+
+    # ------------------------------------------------------------------ engine: loading
+    def start_loading(self, spec: EngineSpec) -> None:
+        self.loading = True
+        self.update_status()
+        self.run_worker(
+            partial(self._load_in_thread, spec), thread=True, group="loader", exit_on_error=False
+        )
+
+    def _load_in_thread(self, spec: EngineSpec) -> None:  # worker thread
+        try:
+            session = self.session_factory(spec)
+        except PotluckError as e:
+            self.post_message(SessionLoaded(spec, None, str(e)))
+        except Exception as e:  # a crash in llama.cpp bindings must not take the UI down
+            log.exception("loading the model failed")
+            self.post_message(SessionLoaded(spec, None, f"{type(e).__name__}: {e}"))
+        else:
+            if not self.post_message(SessionLoaded(spec, session, None)):
+                session.close()  # the app is gone
+
+    def on_session_loaded(self, event: SessionLoaded) -> None:
+        self.loading = False
+        if event.error is not None:
+            self.load_error = event.error
+            self.report_error(f"could not load the model: {event.error}")
+        elif event.session is not None:
+            old, self.session, self.spec, self.load_error = self.session, event.session, event.spec, None
+            if old is not None:
+                old.close()
+            log.info("model ready: %s", self._model_label())
+        self.update_status()
+
+    # ------------------------------------------------------------------ engine: replies
+    def _start_reply(self, reply: Reply, history: list[Message]) -> None:
+        reply.session.load_messages(history)
+        self.reply = reply
+        self._engine_idle.clear()
+        self.update_status()
+        self.run_worker(
+            partial(self._reply_in_thread, reply), thread=True, group="engine", exit_on_error=False
+        )
+
+    def _reply_in_thread(self, reply: Reply) -> None:  # worker thread
+        s = self.settings.sampling
+        try:
+            sampling = s.params()
+            if reply.user_text is None:
+                events = reply.session.regenerate(sampling, s.max_tokens)
+            else:
+                events = reply.session.generate(reply.user_text, sampling, s.max_tokens)
+            for event in events:
+                if isinstance(event, TokenText) and event.text:
+                    self.post_message(ReplyText(reply, event.text))
+                elif isinstance(event, Finished):
+                    self.post_message(ReplyFinished(reply, event))
+        except PotluckError as e:
+            self.post_message(ReplyFailed(reply, str(e)))
+        except Exception as e:
+            log.exception("generation failed")
+            self.post_message(ReplyFailed(reply, f"generation failed: {type(e).__name__}: {e}"))
+        finally:
+            self._engine_idle.set()
+
+    async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
+        await self.send(event.text)
+
+    async def send(self, text: str) -> bool:
+        """Send the input as a user message; on refusal the text stays in the input."""
+        if not text.strip():
+            return False
+        if self.reply is not None:
+            self.notify("a reply is still being generated; Esc stops it", severity="warning")
+            return False
+        if self.session is None:
+            why = "the model is still loading" if self.loading else "no model is loaded"
+            self.notify(f"cannot send: {why}", severity="warning")
+            return False
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        assert conv is not None
+        history = self._history(conv, self.store.messages(conv.id))
+        stored = self.store.add_message(conv.id, "user", text)
+        if conv.title == NEW_TITLE:
+            self.store.rename(conv.id, _title_from(text))
+        self.input.clear()
+        chat = self.chat_log()
+        assert chat is not None
+        user_view = MessageView("user", text, message_id=stored.id)
+        reply_view = MessageView("assistant", streaming=True)
+        await chat.mount_all([user_view, reply_view])
+        chat.scroll_end(animate=False)
+        chat.call_after_refresh(chat.follow)
+        reply = Reply(conv.id, self.session, reply_view, text, user_view, stored.id)
+        self._start_reply(reply, history)
+        await self.refresh_conversations()
+        return True
+
+    async def on_reply_text(self, event: ReplyText) -> None:
+        reply = event.reply
+        reply.got_text = True
+        if reply.view.is_attached:
+            await reply.view.append(event.text)
+
+    async def on_reply_finished(self, event: ReplyFinished) -> None:
+        reply, f = event.reply, event.finished
+        self.reply = None
+        self.meter.finish(f)
+        note = finish_note(f.reason)
+        assert self.store is not None
+        if self.store.conversation(reply.conversation_id) is not None:
+            stored = self.store.add_message(
+                reply.conversation_id,
+                "assistant",
+                f.text,
+                finish_reason=f.reason,
+                strategy=f.strategy,
+                n_tokens=len(f.tokens),
+                tokens_per_s=f.tokens_per_s,
+                acceptance_rate=f.acceptance_rate,
+                replaces=reply.replaces,
+            )
+            reply.view.message_id = stored.id
+        if reply.view.is_attached:
+            await reply.view.finish(f.text, note)
+        self.sample_stats()
+        self.update_status()
+        await self.refresh_conversations()
+
+    async def on_reply_failed(self, event: ReplyFailed) -> None:
+        reply = event.reply
+        self.reply = None
+        self.report_error(event.error)
+        assert self.store is not None
+        if reply.user_text is not None and not reply.got_text:
+            # Nothing was generated: undo the send and give the text back for editing.
+            if reply.user_message_id is not None:
+                self.store.delete_message(reply.user_message_id)
+            for view in (reply.user_view, reply.view):
+                if view is not None and view.is_attached:
+                    await view.remove()
+            if not self.input.text:
+                self.input.text = reply.user_text
+        elif reply.user_text is None and not reply.got_text:
+            if reply.view.is_attached:
+                await reply.view.finish(reply.previous_text, reply.previous_note)
+        else:
+            text = reply.view.content
+            if self.store.conversation(reply.conversation_id) is not None:
+                self.store.add_message(
+                    reply.conversation_id, "assistant", text, finish_reason="error",
+                    replaces=reply.replaces,
+                )
+            if reply.view.is_attached:
+                await reply.view.finish(text, finish_note("error"))
+        self.update_status()
+
+    # ------------------------------------------------------------------ panels
+    def sample_stats(self, now: float | None = None) -> None:
+        """Timer callback: read the engine's counters (never per token) and redraw panels."""
+        if self.session is None:
+            return
+        figures = self.meter.sample(self.session.stats, self.clock() if now is None else now)
+        self.query_one(StatsPanel).show(figures)
+
+    def action_toggle_panels(self) -> None:
+        panel = self.query_one(StatsPanel)
+        panel.display = not panel.display
+
+    # ------------------------------------------------------------------ actions
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.reply is not None
+        return True
+
+    def action_stop(self) -> None:
+        """Esc: the engine stops after its current step; the partial reply is kept."""
+        if self.reply is None:
+            return
+        self.reply.session.cancel()
+        if self.reply.view.is_attached:
+            self.reply.view.set_note("stopping…")
+
+    async def action_regenerate(self) -> None:
+        if self.reply is not None:
+            self.notify("a reply is still being generated; Esc stops it", severity="warning")
+            return
+        if self.session is None or self.store is None or self.active is None:
+            self.notify("no model is loaded", severity="warning")
+            return
+        conv = self.store.conversation(self.active)
+        messages = self.store.messages(self.active)
+        chat = self.chat_log()
+        views = chat.messages() if chat else []
+        if conv is None or not messages or messages[-1].role != "assistant" or not views:
+            self.notify("there is no reply to regenerate", severity="warning")
+            return
+        view = views[-1]
+        reply = Reply(
+            conv.id, self.session, view, None, replaces=messages[-1].id,
+            previous_text=view.content, previous_note=view._note,
+        )
+        await view.restart()
+        self._start_reply(reply, self._history(conv, messages))
+
+    async def action_new_conversation(self) -> None:
+        assert self.store is not None
+        if self.active is not None and not self.store.messages(self.active):
+            self.input.focus()  # already on an empty conversation
+            return
+        conv = self._create_conversation()
+        await self.open_conversation(conv.id)
+        self.input.focus()
+
+    async def on_conversation_list_opened(self, event: ConversationList.Opened) -> None:
+        if event.conversation_id != self.active:
+            await self.open_conversation(event.conversation_id)
+        self.input.focus()
+
+    async def _step_conversation(self, delta: int) -> None:
+        assert self.store is not None
+        ids = [c.id for c in self.store.conversations()]
+        if self.active in ids and len(ids) > 1:
+            await self.open_conversation(ids[(ids.index(self.active) + delta) % len(ids)])
+
+    async def action_previous_conversation(self) -> None:
+        await self._step_conversation(-1)
+
+    async def action_next_conversation(self) -> None:
+        await self._step_conversation(1)
+
+    def action_rename_conversation(self) -> None:
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        if conv is None:
+            return
+
+        async def done(title: str | None) -> None:
+            if title and title.strip() and self.store is not None:
+                self.store.rename(conv.id, title.strip())
+                await self.refresh_conversations()
+
+        self.push_screen(TextPromptScreen("Rename conversation", conv.title), done)
+
+    def action_delete_conversation(self) -> None:
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        if conv is None:
+            return
+
+        async def done(yes: bool | None) -> None:
+            if yes:
+                await self.delete_conversation(conv.id)
+
+        self.push_screen(ConfirmScreen(f"Delete “{conv.title}” and its messages?"), done)
+
+    async def delete_conversation(self, conversation_id: int) -> None:
+        assert self.store is not None
+        if self.reply is not None and self.reply.conversation_id == conversation_id:
+            self.reply.session.cancel()
+        self.store.delete(conversation_id)
+        chat = self.chat_log(conversation_id)
+        if chat is not None:
+            await chat.remove()
+        rest = self.store.conversations()
+        await self.open_conversation((rest[0] if rest else self._create_conversation()).id)
+
+    def action_system_prompt(self) -> None:
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        if conv is None:
+            return
+
+        def done(text: str | None) -> None:
+            if text is not None and self.store is not None:
+                self.store.set_system(conv.id, text.strip() or None)
+                self.notify("system prompt saved; it applies from the next message")
+
+        self.push_screen(
+            TextPromptScreen("System prompt", conv.system or "", multiline=True), done
+        )
+
+    def action_picker(self) -> None:
+        if self.reply is not None:
+            self.notify("wait for the reply (or Esc) before switching models", severity="warning")
+            return
+        self.run_worker(self._open_picker(), group="picker", exclusive=True)
+
+    async def _open_picker(self) -> None:
+        models = await self._in_thread(self.model_catalog)
+        spec = self.spec
+        current = next((m for m in models if m.key == (str(spec.model) if spec.model else "")), None)
+        if current is None:
+            current = read_model_info(spec.model)
+            models.insert(0, current)
+        draft = next((m for m in models if spec.draft and m.key == str(spec.draft)), None)
+        pick = await self.push_screen_wait(
+            PickerScreen(models, self.strategies, Pick(current, draft, spec.strategy))
+        )
+        if pick is not None:
+            self.apply_pick(pick)
+
+    async def _in_thread(self, fn: Callable[[], list[ModelInfo]]) -> list[ModelInfo]:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+    def apply_pick(self, pick: Pick) -> None:
+        """Load the picked combination; remember it in config.toml once it loads."""
+        m = self.settings.model
+        model_path = str(pick.model.path) if pick.model.path else None
+        draft_path = str(pick.draft.path) if pick.draft and pick.draft.path else None
+        self.settings = replace(
+            self.settings,
+            model=replace(m, path=model_path, draft=draft_path, strategy=pick.strategy),
+        )
+        spec = replace(
+            self.spec, model=pick.model.path, draft=pick.draft.path if pick.draft else None,
+            strategy=pick.strategy,
+        )
+        if self.settings_path is not None:
+            try:
+                save_settings(self.settings, self.settings_path)
+            except OSError as e:
+                self.report_error(f"could not save the settings: {e}")
+        self.start_loading(spec)
+
+    # ------------------------------------------------------------------ copy / export / log
+    def _last_reply_view(self) -> MessageView | None:
+        chat = self.chat_log()
+        replies = [v for v in chat.messages() if v.role == "assistant"] if chat else []
+        return replies[-1] if replies else None
+
+    def action_copy_reply(self) -> None:
+        view = self._last_reply_view()
+        if view is None or not view.content:
+            self.notify("no reply to copy", severity="warning")
+            return
+        self.copy_text(view.content, "reply")
+
+    def action_copy_code(self) -> None:
+        chat = self.chat_log()
+        for view in reversed(chat.messages() if chat else []):
+            blocks = code_blocks(view.content)
+            if blocks:
+                self.copy_text(blocks[-1], "code block")
+                return
+        self.notify("no code block in this conversation", severity="warning")
+
+    def on_message_view_copy_requested(self, event: MessageView.CopyRequested) -> None:
+        self.copy_text(event.text, event.what)
+
+    def copy_text(self, text: str, what: str) -> None:
+        """OSC 52 to the terminal, and the fallback (system tool or file) off the UI thread."""
+        self.copy_to_clipboard(text)
+
+        def fallback() -> None:
+            try:
+                where = self.copy_fallback(text)
+            except OSError as e:
+                where = f"fallback failed: {e}"
+            self.call_from_thread(
+                self.notify, f"copied {what} ({len(text)} characters) · also in {where}"
+            )
+
+        self.run_worker(fallback, thread=True, group="clipboard", exit_on_error=False)
+
+    def action_export(self) -> Path | None:
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        if conv is None:
+            return None
+        path = export_path(self.export_dir, conv)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(conversation_markdown(conv, self.store.messages(conv.id)), "utf-8")
+        except OSError as e:
+            self.report_error(f"could not export: {e}")
+            return None
+        self.notify(f"exported to {path}")
+        return path
+
+    def action_log(self) -> None:
+        self.push_screen(LogScreen(list(self.log_buffer.lines)))
+
+
+def _title_from(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else NEW_TITLE
+    return line if len(line) <= 40 else line[:39] + "…"
+
+
+def build_app(
+    *,
+    settings: Settings,
+    session_factory: SessionFactory,
+    history_path: Path | None = None,
+    export_dir: Path | None = None,
+    settings_path: Path | None = None,
+    model_catalog: Callable[[], list[ModelInfo]] | None = None,
+    strategies: Mapping[str, StrategyClass] | None = None,
+    copy_fallback: Callable[[str], str] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> PotluckApp:
+    """Build the chat app from explicit arguments; the CLI and every test call this.
+
+    Unset locations come from :mod:`potluck.engine.paths` (XDG, or the tests' override);
+    ``settings_path=None`` means the picker's choice is not saved.
+    """
+    from ...engine import paths
+    from ...engine.strategies.registry import STRATEGIES
+    from .clipboard import system_clipboard
+
+    if export_dir is None:
+        export_dir = (
+            Path(settings.ui.export_dir).expanduser() if settings.ui.export_dir else paths.exports_dir()
+        )
+    m = settings.model
+    return PotluckApp(
+        settings=settings,
+        session_factory=session_factory,
+        history_path=history_path or paths.history_db(),
+        export_dir=export_dir,
+        settings_path=settings_path,
+        model_catalog=model_catalog or (lambda: gather_models(m.path, m.draft, m.library)),
+        strategies=strategies if strategies is not None else STRATEGIES,
+        copy_fallback=copy_fallback
+        or (lambda text: system_clipboard(text, paths.state_dir() / "clipboard.txt")),
+        clock=clock,
+    )

@@ -1,0 +1,264 @@
+"""The chat screen's widgets: messages, the message log, the input, the panels, the list."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import ListItem, ListView, Markdown, Sparkline, Static, TextArea
+from textual.widgets._markdown import MarkdownStream
+
+from ..store import Conversation
+from .export import code_blocks
+from .stats import DASH, Figures, fmt
+
+_ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+_FINISH_NOTE = {
+    "cancelled": "stopped",
+    "length": "cut at the token limit",
+    "context_full": "context full",
+    "error": "failed",
+}
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message; a reply streams in through :meth:`append` (incremental Markdown)."""
+
+    BINDINGS = [
+        Binding("y", "copy_message", "Copy message"),
+        Binding("b", "copy_code", "Copy code block"),
+    ]
+
+    class CopyRequested(Message):
+        def __init__(self, text: str, what: str) -> None:
+            super().__init__()
+            self.text = text
+            self.what = what
+
+    def __init__(
+        self,
+        role: str,
+        content: str = "",
+        *,
+        message_id: int | None = None,
+        note: str = "",
+        streaming: bool = False,
+    ) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+        self.message_id = message_id
+        self._note = note
+        self._streaming = streaming
+        self._stream: MarkdownStream | None = None
+        self._code_index = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(_ROLE_LABEL.get(self.role, self.role), classes="role")
+        yield Markdown(self.content, classes="body")
+        yield Static(self._note, classes="note")
+
+    def on_mount(self) -> None:
+        self.set_class(self._streaming, "streaming")
+        self.query_one(".note", Static).display = bool(self._note)
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(".body", Markdown)
+
+    async def append(self, text: str) -> None:
+        """Add streamed text; Textual's MarkdownStream batches fragments it cannot draw yet."""
+        self.content += text
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.markdown)
+        await self._stream.write(text)
+        if isinstance(self.parent, ChatLog):
+            self.parent.follow()
+
+    async def finish(self, final_text: str, note: str = "") -> None:
+        """End streaming; the engine's final text wins if it differs from what streamed."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        if final_text != self.content:
+            self.content = final_text
+            await self.markdown.update(final_text)
+        self.set_note(note)
+        self.remove_class("streaming")
+
+    async def restart(self) -> None:
+        """Empty the reply so a regenerated one can stream into the same place."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.content = ""
+        await self.markdown.update("")
+        self.set_note("")
+        self.add_class("streaming")
+
+    def set_note(self, note: str) -> None:
+        self._note = note
+        label = self.query_one(".note", Static)
+        label.update(note)
+        label.display = bool(note)
+        self.set_class(note.startswith("stopped"), "stopped")
+
+    def action_copy_message(self) -> None:
+        self.post_message(self.CopyRequested(self.content, "message"))
+
+    def action_copy_code(self) -> None:
+        """Copy a code block; pressing again moves to the next one."""
+        blocks = code_blocks(self.content)
+        if not blocks:
+            self.notify("this message has no code block", severity="warning")
+            return
+        block = blocks[self._code_index % len(blocks)]
+        self._code_index += 1
+        self.post_message(self.CopyRequested(block, "code block"))
+
+
+def finish_note(reason: str | None, detail: str = "") -> str:
+    note = _FINISH_NOTE.get(reason or "", "")
+    if note and detail:
+        return f"{note} · {detail}"
+    return note or detail
+
+
+class ChatLog(VerticalScroll):
+    """The messages of one conversation; stays scrolled to the end while a reply streams."""
+
+    def __init__(self, conversation_id: int, **kwargs: object) -> None:
+        super().__init__(id=f"chat-{conversation_id}", classes="chat-log", **kwargs)  # type: ignore[arg-type]
+        self.conversation_id = conversation_id
+
+    def follow(self) -> None:
+        """Keep the end in view while a reply streams, until the user scrolls up.
+
+        Anchoring only once the messages overflow: an anchored log bottom-aligns short
+        content, leaving an empty gap above the first message.
+        """
+        if not self.is_anchored and self.max_scroll_y > 0:
+            self.anchor()
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self.follow)
+
+    def messages(self) -> list[MessageView]:
+        return list(self.query(MessageView))
+
+
+class ChatInput(TextArea):
+    """Multi-line message input: the send key submits, the newline keys insert a line break."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def __init__(self, *, send_keys: str, newline_keys: str, cursor_blink: bool = True) -> None:
+        super().__init__(id="input", soft_wrap=True, show_line_numbers=False, tab_behavior="focus")
+        self._send = {k.strip() for k in send_keys.split(",") if k.strip()}
+        self._newline = {k.strip() for k in newline_keys.split(",") if k.strip()}
+        self.cursor_blink = cursor_blink
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key in self._send:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self.text))
+            return
+        if event.key in self._newline:
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+
+class StatsPanel(Vertical):
+    """Live speed and acceptance figures; fed by the app's sampling timer, never per token."""
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="stats-speed", classes="panel")
+        yield Sparkline([], id="stats-spark")
+        yield Static(id="stats-spec", classes="panel")
+        yield Static(id="stats-tokens", classes="panel")
+
+    def show(self, f: Figures) -> None:
+        speed = _section("Speed", [
+                ("now", fmt(f.tokens_per_s_now, ".1f", " tok/s")),
+                ("reply", fmt(f.tokens_per_s_reply, ".1f", " tok/s")),
+                ("first token", fmt(f.ttft_s, ".2f", " s")),
+            ])
+        self.query_one("#stats-spark", Sparkline).data = list(f.speed_series[-60:])
+        spec = _section(f"Speculation · {f.strategy or DASH}", [
+                ("acceptance", fmt(f.acceptance_rate, ".2f")),
+                ("accepted/round", fmt(f.mean_accepted_len, ".2f")),
+                ("draft length", fmt(f.draft_len, "d")),
+                ("drafted", str(f.drafted) if f.acceptance_rate is not None else DASH),
+                ("accepted", str(f.accepted) if f.acceptance_rate is not None else DASH),
+            ])
+        used = f"{f.n_past} / {f.n_ctx}" if f.n_ctx else DASH
+        pct = f" ({100 * f.n_past / f.n_ctx:.0f}%)" if f.n_ctx else ""
+        tokens = _section("Tokens", [
+            ("prompt", str(f.prompt_tokens)),
+            ("generated", str(f.generated_tokens)),
+            ("context", used + pct),
+        ])
+        self._tables = [speed, spec, tokens]
+        for widget_id, table in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._tables):
+            self.query_one(widget_id, Static).update(table)
+
+    def text(self) -> str:
+        """The panels as plain text (tests and the log read figures from here)."""
+        return "\n".join(_plain(t) for t in getattr(self, "_tables", []))
+
+
+def _section(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column(ratio=1)
+    table.add_column(justify="right")
+    table.add_row(Text(title, style="bold"), "")
+    for name, value in rows:
+        table.add_row(Text(name, style="dim"), value)
+    return table
+
+
+def _plain(renderable: object) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=40, color_system=None, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+class ConversationList(ListView):
+    """Conversations, most recent first; selecting one opens it."""
+
+    class Opened(Message):
+        def __init__(self, conversation_id: int) -> None:
+            super().__init__()
+            self.conversation_id = conversation_id
+
+    async def show(self, conversations: list[Conversation], active: int | None) -> None:
+        await self.clear()
+        items = [
+            ListItem(Static(c.title, markup=False), id=f"conv-{c.id}", classes="conversation")
+            for c in conversations
+        ]
+        await self.extend(items)
+        for i, c in enumerate(conversations):
+            if c.id == active:
+                self.index = i
+
+    def on_list_view_selected(self, event: ListView.Selected) -> None:
+        event.stop()
+        if event.item.id and event.item.id.startswith("conv-"):
+            self.post_message(self.Opened(int(event.item.id.removeprefix("conv-"))))

@@ -1,0 +1,142 @@
+"""A scripted stand-in for the engine Session: a deterministic token stream with chosen
+timings and per-round draft counters, so the app's tests need no model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from potluck.engine.chat import Message
+from potluck.engine.errors import PotluckError
+from potluck.engine.events import Event, Finished, RoundStats, TokenText
+from potluck.engine.loader import EngineSpec
+from potluck.engine.sampling import SamplingParams
+from potluck.engine.session import LiveStats
+
+
+@dataclass(frozen=True)
+class Step:
+    """One round: text emitted after ``delay_s``, with the round's draft counters."""
+
+    text: str
+    drafted: int = 0
+    accepted: int = 0
+    draft_len: int = 0
+    delay_s: float = 0.0
+
+
+def words(text: str, delay_s: float = 0.0) -> list[Step]:
+    """Plain decoding of ``text`` one word per round."""
+    parts = text.split(" ")
+    return [Step(p + (" " if i < len(parts) - 1 else ""), delay_s=delay_s) for i, p in enumerate(parts)]
+
+
+Script = Callable[[str | None, list[Message]], list[Step]]
+
+
+class ScriptedSession:
+    """Implements what the app uses of ``Session``; every reply follows ``script``."""
+
+    def __init__(
+        self,
+        script: Script | list[Step],
+        *,
+        strategy: str = "autoregressive",
+        n_ctx: int = 4096,
+        fail: str | None = None,
+        tokens_per_s: float = 50.0,
+        ttft_s: float = 0.125,
+    ) -> None:
+        self.script = script if callable(script) else (lambda _u, _m, s=script: list(s))
+        self.strategy = strategy
+        self.messages: list[Message] = []
+        self.stats = LiveStats(n_ctx=n_ctx, strategy=strategy)
+        self.fail = fail
+        self.tokens_per_s = tokens_per_s
+        self.ttft_s = ttft_s
+        self.loaded: list[list[Message]] = []
+        self.prompts: list[str | None] = []
+        self.closed = False
+        self.running = threading.Event()
+        self._cancel = threading.Event()
+
+    def load_messages(self, messages: Sequence[Message]) -> None:
+        self.messages = list(messages)
+        self.loaded.append(list(messages))
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def generate(
+        self, user: str | None, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512
+    ) -> Iterator[Event]:
+        if self.fail is not None:
+            raise PotluckError(self.fail)
+        if user is not None:
+            self.messages.append(Message("user", user))
+        self.prompts.append(user)
+        return self._run(self.script(user, list(self.messages)))
+
+    def regenerate(
+        self, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512
+    ) -> Iterator[Event]:
+        if self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
+        return self.generate(None, sampling, max_tokens)
+
+    def _run(self, steps: list[Step]) -> Iterator[Event]:
+        self._cancel.clear()
+        prompt = sum(len(m.content.split()) + 4 for m in self.messages)
+        st = self.stats = LiveStats(
+            running=True, strategy=self.strategy, started_at=time.perf_counter(),
+            prompt_tokens=prompt, prefill_tokens=prompt, n_ctx=self.stats.n_ctx, n_past=prompt,
+        )
+        self.running.set()
+        reason, text, tokens = "stop", [], []
+        try:
+            for step in steps:
+                if self._cancel.wait(step.delay_s) if step.delay_s else self._cancel.is_set():
+                    reason = "cancelled"
+                    break
+                n = step.accepted + 1  # accepted drafts + the target's own token
+                ids = tuple(range(len(tokens), len(tokens) + n))
+                tokens += ids
+                text.append(step.text)
+                st.first_token_at = st.first_token_at or time.perf_counter()
+                st.new_tokens, st.rounds = len(tokens), st.rounds + 1
+                st.drafted += step.drafted
+                st.accepted += step.accepted
+                st.draft_len = step.draft_len
+                st.n_past = prompt + len(tokens)
+                yield RoundStats(step.drafted, step.accepted, n, step.draft_len, 0.0, 0.0)
+                yield TokenText(step.text, ids)
+        finally:
+            st.running = False
+            self.running.clear()
+            self.messages.append(Message("assistant", "".join(text)))
+        yield Finished(
+            reason=reason, text="".join(text), tokens=tuple(tokens), prompt_tokens=prompt,
+            prefill_tokens=prompt, ttft_s=self.ttft_s, prefill_s=0.0, decode_s=1.0,
+            tokens_per_s=self.tokens_per_s, prefill_tokens_per_s=0.0, drafted=st.drafted,
+            accepted=st.accepted, rounds=st.rounds, strategy=self.strategy,
+        )
+
+
+class FakeFactory:
+    """Session factory for ``build_app``: hands out sessions and remembers the specs asked."""
+
+    def __init__(self, make: Callable[[EngineSpec], ScriptedSession]) -> None:
+        self.make = make
+        self.specs: list[EngineSpec] = []
+        self.sessions: list[ScriptedSession] = []
+
+    def __call__(self, spec: EngineSpec) -> ScriptedSession:
+        self.specs.append(spec)
+        session = self.make(spec)
+        self.sessions.append(session)
+        return session
