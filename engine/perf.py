@@ -85,3 +85,49 @@ def measure(
         )
     finally:
         target.close()
+
+
+CONVERSATIONS = [
+    ["Hi! Who are you?", "What can you help me with?", "Give me a tip for learning Python."],
+    ["Name a fruit.", "What color is it?", "Write a haiku about it."],
+    ["What is 12 times 7?", "Now divide that by 4.", "Explain how you did it."],
+    ["Tell me about the moon.", "How far away is it?", "Could people live there?"],
+    ["Suggest a name for a cat.", "Why that name?", "Suggest one for a dog too."],
+]
+
+
+@dataclass(frozen=True)
+class HistoryCheck:
+    replies: int  # last-turn replies compared
+    differing: int  # replies whose greedy tokens differ between the two ways
+    first_divergence: list[int]  # token index where each differing reply first diverges
+    prefill_tokens: list[int]  # history length the fresh session prefilled in one go
+
+
+def history_consistency(model: Model, *, max_tokens: int = 64, n_threads: int = 0) -> HistoryCheck:
+    """Turn-by-turn conversation vs. the same history prefilled at once in a fresh session.
+
+    llama.cpp computes large batches slightly differently from small ones (DESIGN.md fact 4),
+    so the last reply can differ even though both are "plain greedy decoding".
+    """
+    from .session import Session
+    from .strategies.plain import Autoregressive
+
+    params = ContextParams(n_ctx=4096, n_threads=n_threads)
+    differing, divergence, prefilled = 0, [], []
+    for turns in CONVERSATIONS:
+        live = Session(model, LocalTarget(model, params), Autoregressive())
+        for text in turns:
+            *_, last = live.generate(text, max_tokens=max_tokens)
+        history = live.messages[:-1]  # everything but the last reply
+        fresh = Session(model, LocalTarget(model, params), Autoregressive())
+        fresh.load_messages(history[:-1])
+        *_, again = fresh.generate(history[-1].content, max_tokens=max_tokens)
+        prefilled.append(again.prefill_tokens)
+        if last.tokens != again.tokens:
+            differing += 1
+            pairs = zip(last.tokens + (-1,), again.tokens + (-1,))
+            divergence.append(next(i for i, (a, b) in enumerate(pairs) if a != b))
+        live.target.close()
+        fresh.target.close()
+    return HistoryCheck(len(CONVERSATIONS), differing, divergence, prefilled)

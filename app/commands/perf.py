@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ...engine.loader import resolve_model
-from ...engine.perf import measure
+from ...engine.perf import history_consistency, measure
 from ...engine.runtime import Model, default_threads
 from .common import positive_int
 
@@ -19,13 +19,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--runs", type=positive_int, default=5, help="repetitions; medians are reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_history_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:
     with Model(resolve_model(args.model)) as model:
         report = measure(model, n_threads=args.threads, runs=args.runs)
+        history = history_consistency(model, n_threads=args.threads) if args.history_check else None
     if args.json:
-        print(json.dumps({**asdict(report), "batch_cost": report.batch_cost}))
+        extra = {"history_check": asdict(history)} if history else {}
+        print(json.dumps({**asdict(report), "batch_cost": report.batch_cost, **extra}))
         return 0
     print(f"model {report.model}, {args.threads or default_threads()} threads, median of {report.runs} runs")
     print(f"decode   {report.decode_tokens_per_s:8.1f} tokens/s (single-token steps)")
@@ -33,4 +36,18 @@ def run(args: argparse.Namespace) -> int:
     print("batch cost (time of a k-token decode / 1-token decode):")
     for k, cost in report.batch_cost.items():
         print(f"  k={k:<3d} {report.batch_ms[k]:7.2f} ms  x{cost:.2f}")
+    if history:
+        print(
+            f"history check: {history.differing} of {history.replies} last replies differ between "
+            f"turn-by-turn decoding and a fresh session prefilling the history at once "
+            f"(first divergence at token {history.first_divergence}; histories of {history.prefill_tokens} tokens)"
+        )
     return 0
+
+
+def add_history_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--history-check",
+        action="store_true",
+        help="also compare turn-by-turn conversations with the same history prefilled at once",
+    )
