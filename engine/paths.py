@@ -67,3 +67,8 @@ def slices_dir() -> Path:
 def fixtures_dir() -> Path:
     """Synthetic benchmark targets built from the bundled model."""
     return _ensure(cache_dir() / "fixtures")
+
+
+def exports_dir() -> Path:
+    """Conversations exported as Markdown from the chat app."""
+    return _ensure(data_dir() / "exports")
