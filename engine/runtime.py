@@ -398,6 +398,7 @@ class Context:
                 f"could not create a llama.cpp context for {model.path} with n_ctx={params.n_ctx} "
                 f"({last_llama_error() or 'out of memory?'})"
             )
+        ll.llama_set_abort_callback(self._ptr, self._abort_cb, None)  # reaches the CPU backend too
         self._mem = ll.llama_get_memory(self._ptr)
         self.n_ctx: int = ll.llama_n_ctx(self._ptr)
         self.n_vocab = model.n_vocab

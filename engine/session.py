@@ -166,12 +166,28 @@ class Session:
         # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
         self._tokens = tokens[:reused]
         self._covered = ""
+        set_abort = getattr(target, "set_abort", None)
+        if set_abort is not None:  # Esc during a long prompt stops it mid-batch
+            set_abort(self._cancel.is_set)
         try:
             first_logits = target.decode(tokens[reused:])[-1].copy()
+        except InterruptedError:
+            target.truncate(reused)
+            st.running = False
+            self.messages.append(Message("assistant", ""))
+            yield Finished(
+                reason="cancelled", text="", tokens=(), prompt_tokens=len(tokens), prefill_tokens=0,
+                ttft_s=0.0, prefill_s=time.perf_counter() - t_start, decode_s=0.0, tokens_per_s=0.0,
+                prefill_tokens_per_s=0.0, strategy=self.strategy.name,
+            )
+            return
         except BaseException:
             target.truncate(reused)
             st.running = False
             raise
+        finally:
+            if set_abort is not None:
+                set_abort(None)
         self._tokens = list(tokens)
         self._covered = rendered
         t_prefill = time.perf_counter()

@@ -9,7 +9,7 @@ from the end, in the same KV cells that plain decoding would use (DESIGN.md fact
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -71,7 +71,11 @@ class LocalTarget:
         rows: list[np.ndarray] = []
         for start in range(0, n, self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            self.ctx.decode(chunk, self._n_past, outputs="all" if all_logits else "last")
+            try:
+                self.ctx.decode(chunk, self._n_past, outputs="all" if all_logits else "last")
+            except BaseException:  # aborted or failed mid-batch: drop the partial batch's cells
+                self.ctx.seq_rm(0, self._n_past, -1)
+                raise
             self._n_past += len(chunk)
             if all_logits:
                 out = self.ctx.logits(len(chunk))
@@ -84,6 +88,10 @@ class LocalTarget:
         if n_past < self._n_past:
             self.ctx.seq_rm(0, n_past, -1)
             self._n_past = n_past
+
+    def set_abort(self, fn: Callable[[], bool] | None) -> None:
+        """Poll ``fn`` during decodes; True aborts the running batch (``InterruptedError``)."""
+        self.ctx.set_abort(fn)
 
     def close(self) -> None:
         self.ctx.close()

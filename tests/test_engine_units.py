@@ -1,0 +1,104 @@
+"""Engine building blocks: sampling filters, UTF-8 streaming, GGUF merges, abort, chat format."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from potluck.engine.chat import ChatFormat, Message, TextStream
+from potluck.engine.gguf_tools import file_sha256, merge_layer_ranges, parse_recipe
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import Sampler, SamplingParams, probs
+from potluck.engine.session import Session
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.target import LocalTarget
+
+LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
+TOP3 = [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0]
+
+
+def test_greedy_is_one_hot_on_argmax() -> None:
+    p = probs(LOGITS, SamplingParams())
+    assert p.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_temperature_one_recovers_softmax() -> None:
+    p = probs(LOGITS, SamplingParams(temperature=1.0))
+    assert np.allclose(p, [0.5, 0.2, 0.15, 0.1, 0.05])
+
+
+def test_top_k_top_p_min_p_filters() -> None:
+    assert np.allclose(probs(LOGITS, SamplingParams(temperature=1.0, top_k=2)), [5 / 7, 2 / 7, 0, 0, 0])
+    # top-p 0.8: the smallest set with mass >= 0.8 is {0.5, 0.2, 0.15} (0.85)
+    assert np.allclose(probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.8)), TOP3)
+    # min-p 0.25: keep tokens with p >= 0.25 * 0.5
+    assert np.allclose(probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.25)), TOP3)
+
+
+def test_repeat_penalty_lowers_repeated_tokens() -> None:
+    logits = np.array([2.0, 2.0, -1.0], dtype=np.float32)
+    p = probs(logits, SamplingParams(temperature=1.0, repeat_penalty=2.0), history=[0, 2])
+    assert p[0] < p[1]
+    assert p[2] < probs(logits, SamplingParams(temperature=1.0))[2]
+
+
+def test_sampler_draws_follow_distribution() -> None:
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    counts = np.bincount([sampler.sample(LOGITS) for _ in range(20000)], minlength=5) / 20000
+    assert np.allclose(counts, [0.5, 0.2, 0.15, 0.1, 0.05], atol=0.015)
+
+
+def test_text_stream_holds_back_partial_utf8() -> None:
+    data = "né 🙂".encode()
+    stream = TextStream()
+    out = [stream.feed([data[i : i + 1]]) for i in range(len(data))]
+    assert "".join(out) + stream.flush() == "né 🙂"
+    assert all("\ufffd" not in o for o in out)
+
+
+def test_model_tokens_stream_back_to_text(model: Model) -> None:
+    text = "Grüße 🙂 — naïve café"
+    tokens = model.tokenize(text)
+    stream = TextStream()
+    assert "".join(stream.feed([model.token_bytes(t)]) for t in tokens) + stream.flush() == text
+
+
+def test_chat_template_renders_model_format(model: Model) -> None:
+    fmt = ChatFormat(model.chat_template)
+    text = fmt.render([Message("system", "S"), Message("user", "U")])
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_merge_and_slice_layers(model_path: Path, model: Model, tmp_path: Path) -> None:
+    identity = merge_layer_ranges(model_path, tmp_path / "same.gguf", [(0, 29)])
+    deeper = merge_layer_ranges(model_path, tmp_path / "deep.gguf", parse_recipe("0-19,10-29"))
+    assert parse_recipe("0-29x2") == [(0, 29), (0, 29)]
+    with Model(identity) as same, Model(deeper) as deep:
+        assert (same.n_layer, deep.n_layer) == (30, 40)
+        tokens = model.tokenize("Hello world")
+        a, b = LocalTarget(model, ContextParams(n_ctx=256)), LocalTarget(same, ContextParams(n_ctx=256))
+        assert np.array_equal(a.decode(tokens), b.decode(tokens))
+        a.close()
+        b.close()
+    assert len(file_sha256(identity)) == 64
+    with pytest.raises(Exception, match="outside"):
+        merge_layer_ranges(model_path, tmp_path / "bad.gguf", [(0, 30)])
+
+
+def test_abort_stops_prefill_and_cleans_cells(model: Model) -> None:
+    session = Session(model, LocalTarget(model, ContextParams(n_ctx=4096, n_batch=512)), Autoregressive())
+    long_text = "Describe this. " + "The sky is blue and the grass is green. " * 80
+    timer = threading.Timer(0.05, session.cancel)
+    timer.start()
+    events = list(session.generate(long_text, max_tokens=8))
+    timer.join()
+    assert events[-1].reason == "cancelled"
+    assert events[-1].tokens == ()  # stopped inside the prompt, not after it
+    assert session.target.n_past == session.target.ctx.seq_pos_max(0) + 1
+    # Decoding goes on normally after the abort (a fresh conversation reuses the cleaned cells).
+    session.load_messages([])
+    events = list(session.generate("Say hi.", max_tokens=4))
+    assert events[-1].tokens
+    session.target.close()
