@@ -1,0 +1,1 @@
+"""LAN membership: zeroconf advertise/browse of workers and the cluster token (auth)."""

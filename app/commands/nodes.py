@@ -1,0 +1,56 @@
+"""`potluck nodes`: list the workers advertising themselves on the LAN, with their figures."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ...discovery.lan import DiscoveredNode, Membership
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("nodes", help="list potluck workers found on the LAN (zeroconf)")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to listen (default 2)")
+    p.add_argument("--watch", action="store_true", help="keep listening; print nodes as they come and go")
+    p.add_argument(
+        "--interface", action="append", help="browse only on this interface address (repeatable)"
+    )
+
+
+def _row(n: DiscoveredNode) -> str:
+    flag = "" if n.compatible else f"  (protocol {n.protocol}: incompatible)"
+    return (
+        f"{n.node_id:<14}{n.address:<24}{n.cores:>6}{n.free_mb:>10}{n.speed:>9g}  {n.version}{flag}"
+    )
+
+
+HEADER = f"{'NODE':<14}{'ADDRESS':<24}{'CORES':>6}{'FREE MB':>10}{'SPEED':>9}  VERSION"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.watch:
+        print(HEADER, flush=True)
+        m = Membership(
+            interfaces=args.interface,
+            on_change=lambda kind, n: print(("+ " if kind == "added" else "- ") + _row(n), flush=True),
+        )
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            m.close()
+    m = Membership(interfaces=args.interface)
+    try:
+        time.sleep(args.timeout)
+        nodes = m.nodes()
+    finally:
+        m.close()
+    if not nodes:
+        print("no potluck workers found (start `potluck worker` on a PC of this LAN, or use --nodes)")
+        return 1
+    print(HEADER)
+    for n in nodes:
+        print(_row(n))
+    return 0

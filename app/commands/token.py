@@ -1,0 +1,29 @@
+"""`potluck token`: make the secret that lets a head and its workers talk (CURVE keys derive from it)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ...discovery.auth import generate_token, save_token, token_file
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("token", help="generate a cluster token (pass it to every worker and head)")
+    p.add_argument("--show", action="store_true", help="print the saved token instead of making one")
+    p.add_argument("--no-save", action="store_true", help="print a new token without saving it")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show:
+        path = token_file()
+        if not path.exists():
+            from ...engine.errors import PotluckError
+
+            raise PotluckError("no saved token; run `potluck token` to make one")
+        print(path.read_text(encoding="utf-8").strip())
+        return 0
+    token = generate_token()
+    if not args.no_save:
+        save_token(token)
+    print(token)
+    return 0

@@ -1,0 +1,75 @@
+"""`potluck worker`: lend this PC's cores and memory to a head on the LAN."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from ...discovery.auth import keys_from_token, resolve_token
+from ...engine import paths
+from ...engine.pipeline.profile import measure_profile
+from ...engine.pipeline.stage import Worker
+from ...engine.runtime import default_threads
+from ..cli import potluck_version
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="serve model layers to a head on the LAN (one per spare PC)")
+    p.add_argument("--port", type=int, default=5733, help="TCP port (0: any free port; default 5733)")
+    p.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
+    p.add_argument("--token", help="cluster token from `potluck token` (default: $POTLUCK_TOKEN or saved)")
+    p.add_argument("--cache-dir", type=Path, help="where received slices are kept (by sha256)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--no-zeroconf", action="store_true", help="do not advertise (heads must use --nodes)"
+    )
+    p.add_argument(
+        "--zeroconf-interface",
+        action="append",
+        help="advertise only on this interface address (repeatable; default: all)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.verbose:  # a worker's log lines (joins, loads, refusals) are its output
+        logging.getLogger("potluck").setLevel(logging.INFO)
+    keys = keys_from_token(resolve_token(args.token))
+    threads = args.threads or default_threads()
+    profile = measure_profile(threads)
+    cache = args.cache_dir or (paths.cache_dir() / "worker")
+    worker = Worker(
+        keys,
+        profile,
+        cache,
+        bind=args.bind,
+        port=args.port,
+        n_threads=threads,
+        potluck_version=potluck_version(),
+    )
+    advertiser = None
+    if not args.no_zeroconf:
+        from ...discovery.lan import Advertiser
+
+        advertiser = Advertiser(
+            profile, worker.port, potluck_version(), interfaces=args.zeroconf_interface
+        )
+        advertiser.start()
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    host = args.bind if args.bind not in ("0.0.0.0", "*") else "<this-machine>"
+    print(
+        f"potluck worker {profile.node_id} listening on {host}:{worker.port} "
+        f"({profile.cores} cores, {threads} threads, {profile.free_mb} MB free, speed {profile.speed:g})",
+        flush=True,
+    )
+    try:
+        worker.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if advertiser is not None:
+            advertiser.close()
+    print("potluck worker stopped", file=sys.stderr, flush=True)
+    return 0

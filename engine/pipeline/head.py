@@ -1,0 +1,439 @@
+"""The head side: :class:`PipelineTarget`, a :class:`~potluck.engine.target.Target` whose layers
+run on LAN workers, and :func:`open_pipeline`, which joins, plans, distributes and loads.
+
+Data path: head -> stage 1 -> ... -> stage N -> head. The head sends every transaction
+(decode, kv, reset) to stage 1 only; each stage applies it and forwards it, so KV
+operations and decodes happen in the same order everywhere. The last stage returns the
+logits of the requested rows. Prompt chunking is LocalTarget's (chunks of ``n_batch``),
+which keeps the output bit-identical to one machine (DESIGN.md fact 4); all chunks of a
+prompt are sent before the first result is awaited, so stages overlap during prefill.
+
+Failure: every link has a ZeroMQ monitor; a worker that dies (socket closed) or freezes
+(heartbeats stop, 2.5 s) or refuses a transaction is reported by name as a
+:class:`NodeFailedError`, the target becomes unusable and the session keeps the
+conversation. A stage that stays busy past ``stall_timeout_s`` is named the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from ..errors import ContextFullError, PotluckError
+from ..events import NodeStatus
+from ..gguf_tools import SPLITTABLE_ARCHS
+from . import wire
+from .plan import NodeInfo, SplitPlan, layer_costs, manual_plan, plan_split
+from .transfer import Progress, SliceCache, TransferStats, send_slice
+from .transport import AUTH_FAILED_EVENTS, CurveKeys, client_socket, endpoint, read_event
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 30.0
+STALL_TIMEOUT_S = 60.0
+SEND_TIMEOUT_MS = 3000
+
+
+class NodeFailedError(PotluckError):
+    """A worker died, froze, went away or refused work; the message names it."""
+
+
+class NodeLink:
+    """One CURVE DEALER connection from the head to one worker, with its monitor."""
+
+    def __init__(self, zctx: zmq.Context, keys: CurveKeys, address: str, head_id: bytes) -> None:
+        self.address = address
+        self.node_id = ""
+        self.layers: tuple[int, int] | None = None
+        self.welcome: wire.Welcome | None = None
+        self.handshaken = False
+        self.auth_failed = False
+        self.sock = client_socket(zctx, keys, head_id)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        self.sock.connect(endpoint(address))
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    def describe(self) -> str:
+        who = f"node {self.node_id} at {self.address}" if self.node_id else f"node at {self.address}"
+        return f"{who} (layers {self.layers[0]}-{self.layers[1]})" if self.layers else who
+
+    def drain_events(self) -> str | None:
+        """Apply pending monitor events; the reason this link is lost, if it is."""
+        lost = None
+        while True:
+            try:
+                event, _ = read_event(self.monitor) if self.monitor.poll(0) else (None, "")
+            except zmq.ZMQError:
+                return lost
+            if event is None:
+                return lost
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshaken = True
+            elif event in AUTH_FAILED_EVENTS:
+                self.auth_failed = True
+            elif self.handshaken and event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                lost = "disconnected (the worker stopped, crashed or froze)"
+
+    def send(self, msg: wire.Message) -> None:
+        frames = wire.encode(msg)
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise NodeFailedError(f"{self.describe()} is unreachable (send timed out)") from None
+        self.bytes_out += wire.frames_nbytes(frames)
+
+    def recv(self) -> wire.Message:
+        frames = self.sock.recv_multipart(copy=False)
+        self.bytes_in += sum(len(f.buffer) for f in frames)
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as e:
+            raise NodeFailedError(f"{self.describe()} sent a malformed message: {e}") from None
+        if isinstance(msg, wire.Error):
+            raise NodeFailedError(f"{self.describe()} refused: {msg.message}")
+        return msg
+
+    def request(self, msg: wire.Message, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.Message:
+        """Send ``msg`` and wait for this worker's reply, watching the connection meanwhile."""
+        self.send(msg)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                return self.recv()
+            lost = self.drain_events()
+            if lost:
+                raise NodeFailedError(f"{self.describe()} {lost}")
+        raise NodeFailedError(self._silence_reason(timeout_s))
+
+    def _silence_reason(self, timeout_s: float) -> str:
+        self.drain_events()
+        if self.auth_failed or not self.handshaken:
+            return (
+                f"{self.describe()} did not accept us within {timeout_s:g} s: not a potluck worker, "
+                "not running, or started with a different cluster token"
+            )
+        return f"{self.describe()} did not answer within {timeout_s:g} s"
+
+    def join(self, head_id: str, version: str, timeout_s: float = JOIN_TIMEOUT_S) -> wire.Welcome:
+        reply = self.request(wire.Hello(head_id, version), timeout_s)
+        if not isinstance(reply, wire.Welcome):
+            raise NodeFailedError(f"{self.describe()} answered hello with {reply.TYPE}")
+        self.welcome, self.node_id = reply, reply.node_id
+        return reply
+
+    def close(self, release: bool) -> None:
+        if release and self.handshaken:
+            try:
+                self.sock.send_multipart(wire.encode(wire.Release()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=100 if release else 0)
+
+
+@dataclass
+class WireStats:
+    """Traffic of one PipelineTarget (figures: bytes per token, per-decode latency)."""
+
+    decodes: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class PipelineTarget:
+    """A Target whose layers run on a chain of workers; sequence 0 is the conversation."""
+
+    def __init__(
+        self,
+        zctx: zmq.Context,
+        links: Sequence[NodeLink],
+        *,
+        n_vocab: int,
+        n_ctx: int,
+        n_batch: int,
+        plan: SplitPlan | None = None,
+        transfer: TransferStats | None = None,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+    ) -> None:
+        self._zctx = zctx
+        self.links = list(links)
+        self.n_vocab = n_vocab
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.plan = plan
+        self.transfer = transfer or TransferStats()
+        self.stall_timeout_s = stall_timeout_s
+        self.stats = WireStats()
+        self._n_past = 0
+        self._txn = 0
+        self._broken: str | None = None
+        self._poller = zmq.Poller()
+        for link in self.links:
+            self._poller.register(link.sock, zmq.POLLIN)
+            self._poller.register(link.monitor, zmq.POLLIN)
+
+    # -- Target protocol
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @property
+    def failure(self) -> str | None:
+        """Why this pipeline stopped working (None while healthy)."""
+        return self._broken
+
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode needs at least one token")
+        self._check_usable()
+        if self._n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"the conversation needs {self._n_past + n} tokens but the context holds "
+                f"{self.n_ctx}; start a new conversation or raise --ctx"
+            )
+        t0 = time.perf_counter()
+        ids = np.asarray(tokens, dtype="<i4")
+        sent: list[tuple[int, int]] = []  # (txn, n_tokens)
+        pos = self._n_past
+        try:
+            for start in range(0, n, self.n_batch):
+                chunk = ids[start : start + self.n_batch]
+                self._txn += 1
+                positions = np.arange(pos, pos + len(chunk), dtype="<i4")
+                msg = wire.decode_batch(self._txn, chunk, positions, outputs="all" if all_logits else "last")
+                self.links[0].send(msg)
+                sent.append((self._txn, len(chunk)))
+                pos += len(chunk)
+            rows: list[np.ndarray] = []
+            for txn, k in sent:
+                res = self._wait_result(txn)
+                self._n_past += k
+                rows.append(res.logits)
+        except NodeFailedError as e:
+            self._fail(str(e))
+            raise
+        self.stats.decodes += 1
+        self.stats.tokens += n
+        self.stats.seconds += time.perf_counter() - t0
+        if all_logits:
+            return rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return rows[-1][-1:]
+
+    def truncate(self, n_past: int) -> None:
+        if n_past >= self._n_past:
+            return
+        if self._broken is None:
+            try:
+                self.kv_op("rm", 0, p0=n_past)
+            except NodeFailedError:
+                pass  # recorded as the failure; the bookkeeping below still holds for the session
+        self._n_past = n_past
+
+    def close(self) -> None:
+        for link in reversed(self.links):
+            link.close(release=True)
+        self.links = []
+        self._zctx.term()
+
+    # -- more than the Target protocol (PipeInfer builds on these)
+    def kv_op(
+        self, op: str, seq: int, *, dst: int = -1, p0: int = -1, p1: int = -1, delta: int = 0,
+        run_id: int = 0,
+    ) -> None:
+        """Apply a KV sequence operation on every stage, in order with the decodes."""
+        self._check_usable()
+        self._txn += 1
+        try:
+            self.links[0].send(wire.KvOp(self._txn, run_id, op, seq, dst, p0, p1, delta))
+        except NodeFailedError as e:
+            self._fail(str(e))
+            raise
+
+    def reset(self) -> None:
+        """Clear every sequence on every stage (a new conversation)."""
+        self._check_usable()
+        self._txn += 1
+        self.links[0].send(wire.Reset(self._txn))
+        self._n_past = 0
+
+    def cancel(self, run_id: int) -> None:
+        """Tell every stage to skip ``run_id``'s pending work (out of band)."""
+        for link in self.links:
+            try:
+                link.send(wire.Cancel(run_id))
+            except NodeFailedError:
+                pass
+
+    def node_status(self) -> list[NodeStatus]:
+        state = "failed" if self._broken else "ok"
+        return [
+            NodeStatus(node=link.node_id or link.address, layers=link.layers or (0, 0), state=state,
+                       detail=link.address)
+            for link in self.links
+        ]
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """(bytes the head sent, bytes it received) on the data path and control so far."""
+        return sum(lk.bytes_out for lk in self.links), sum(lk.bytes_in for lk in self.links)
+
+    # -- internals
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise NodeFailedError(self._broken)
+
+    def _fail(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+            log.error("pipeline stopped: %s", why)
+
+    def _wait_result(self, txn: int) -> wire.Result:
+        deadline = time.monotonic() + self.stall_timeout_s
+        last = self.links[-1]
+        while True:
+            events = dict(self._poller.poll(100))
+            for link in self.links:
+                if link.monitor in events:
+                    lost = link.drain_events()
+                    if lost:
+                        raise NodeFailedError(f"{link.describe()} {lost}")
+                if link.sock in events:
+                    msg = link.recv()  # raises on an error reply
+                    if link is not last or not isinstance(msg, wire.Result):
+                        continue  # late control replies
+                    if msg.txn == txn:
+                        if msg.skip:
+                            raise NodeFailedError(f"{link.describe()} skipped transaction {txn}")
+                        return msg
+            if time.monotonic() > deadline:
+                raise NodeFailedError(self._stalled_reason())
+
+    def _stalled_reason(self) -> str:
+        """Name the stage that does not answer a ping (it is stuck computing)."""
+        for i, link in enumerate(self.links):
+            try:
+                link.send(wire.Ping(i))
+                if not link.sock.poll(1000):
+                    return f"{link.describe()} stalled: no reply for {self.stall_timeout_s:g} s"
+            except NodeFailedError as e:
+                return str(e)
+        return f"the pipeline returned nothing for {self.stall_timeout_s:g} s"
+
+
+# --------------------------------------------------------------------------- open
+
+
+def open_pipeline(
+    model_path: Path,
+    addresses: Sequence[str],
+    keys: CurveKeys,
+    *,
+    n_ctx: int = 4096,
+    n_batch: int = 512,
+    n_seq_max: int = 1,
+    kv_unified: bool = True,
+    split: Sequence[int] | None = None,
+    hidden_dtype: str = "f32",
+    potluck_version: str = "0",
+    on_plan: Callable[[SplitPlan], None] | None = None,
+    progress: Progress | None = None,
+    slice_cache: SliceCache | None = None,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
+) -> PipelineTarget:
+    """Join the workers at ``addresses``, plan the split, send slices, load the stages.
+
+    ``split``: fixed layer boundaries (e.g. ``[0, 9, 18]``), one stage per address in order;
+    None plans by free memory and speed score. ``on_plan`` sees the plan before anything loads.
+    """
+    if not addresses:
+        raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
+    model_path = Path(model_path)
+    costs = layer_costs(model_path)
+    if costs.arch not in SPLITTABLE_ARCHS:
+        raise PotluckError(
+            f"cannot split {model_path.name}: architecture {costs.arch!r} is not verified for "
+            f"exact layer splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
+        )
+    zctx = zmq.Context()
+    head_id = f"head-{os.urandom(6).hex()}"
+    links = [NodeLink(zctx, keys, addr, head_id.encode()) for addr in addresses]
+    try:
+        for link in links:
+            link.join(head_id, potluck_version, join_timeout_s)
+        ids = [lk.node_id for lk in links]
+        if len(set(ids)) != len(ids):
+            raise PotluckError("the same worker is listed twice in --nodes")
+        nodes = [
+            NodeInfo(lk.node_id, lk.address, lk.welcome.free_mb, lk.welcome.speed)  # type: ignore[union-attr]
+            for lk in links
+        ]
+        plan = manual_plan(costs, nodes, split, n_ctx) if split else plan_split(costs, nodes, n_ctx)
+        if on_plan:
+            on_plan(plan)
+        by_id = {lk.node_id: lk for lk in links}
+        used = [by_id[s.node.name] for s in plan.stages]
+        for lk in links:
+            if lk not in used:
+                lk.close(release=True)
+        links = used
+        for lk, s in zip(links, plan.stages):
+            lk.layers = (s.lo, s.hi)
+        cache = slice_cache or SliceCache()
+        slices = cache.slices(model_path, plan.bounds)
+        stats = TransferStats()
+        for lk, sl in zip(links, slices):
+            send_slice(lk.request, sl, stats, progress)
+        loaded: list[wire.Loaded] = []
+        for i, (lk, sl) in enumerate(zip(links, slices)):
+            last = i == len(links) - 1
+            reply = lk.request(
+                wire.Load(
+                    sha256=sl.sha256,
+                    layer_lo=sl.lo,
+                    layer_hi=sl.hi,
+                    first=i == 0,
+                    last=last,
+                    n_ctx=n_ctx,
+                    n_batch=n_batch,
+                    n_seq_max=n_seq_max,
+                    kv_unified=kv_unified,
+                    hidden_dtype=hidden_dtype,
+                    next_addr="" if last else endpoint(links[i + 1].address),
+                    upstream=head_id if i == 0 else f"fwd-{links[i - 1].node_id}",
+                    reply_to=head_id,
+                ),
+                REQUEST_TIMEOUT_S * 4,
+            )
+            if not isinstance(reply, wire.Loaded):
+                raise NodeFailedError(f"{lk.describe()} answered load with {reply.TYPE}")
+            loaded.append(reply)
+        return PipelineTarget(
+            zctx,
+            links,
+            n_vocab=loaded[-1].n_vocab,
+            n_ctx=min(ld.n_ctx for ld in loaded),
+            n_batch=n_batch,
+            plan=plan,
+            transfer=stats,
+            stall_timeout_s=stall_timeout_s,
+        )
+    except BaseException:
+        for lk in links:
+            lk.close(release=True)
+        zctx.term()
+        raise

@@ -1,0 +1,192 @@
+"""Split planning: contiguous layer ranges so every node fits and the slowest stage is fastest.
+
+A stage's time is estimated as its weight bytes divided by the node's measured speed score
+(decode is bound by reading weights; DESIGN.md fact 5 says measure, so the score is
+measured on each worker). A stage's memory is its layers' bytes, the token embeddings on
+the first stage, the output head on the last, its KV cache for ``n_ctx`` tokens and a
+fixed allowance for compute buffers. Dynamic programming over (nodes in order, layers)
+finds the assignment minimizing the bottleneck; nodes may get no layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PotluckError
+
+COMPUTE_OVERHEAD_MB = 96
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Sizes of one GGUF's parts, read from its header (no weights loaded)."""
+
+    arch: str
+    layer_bytes: tuple[int, ...]  # [n_layer] weight bytes per layer
+    embd_bytes: int  # token_embd (first stage)
+    head_bytes: int  # output_norm + output (last stage; tied models reuse token_embd)
+    kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_bytes)
+
+    @functools.cached_property
+    def prefix_bytes(self) -> list[int]:
+        """[n_layer + 1] prefix sums: the planner asks for range sizes O(nodes * L^2) times."""
+        return [0, *itertools.accumulate(self.layer_bytes)]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str  # node id
+    address: str  # host:port
+    free_mb: int
+    speed: float
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    node: NodeInfo
+    lo: int  # first layer (inclusive)
+    hi: int  # last layer (exclusive)
+    mem_mb: float
+    cost: float  # estimated relative time per token (bytes / speed)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    stages: tuple[StageAssignment, ...]
+    n_layer: int
+
+    @property
+    def bounds(self) -> list[int]:
+        return [s.lo for s in self.stages] + [self.n_layer]
+
+    def describe(self) -> list[str]:
+        """Lines the CLI prints before loading."""
+        worst = max(s.cost for s in self.stages) or 1.0
+        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s)"]
+        for i, s in enumerate(self.stages):
+            lines.append(
+                f"  stage {i + 1}: layers {s.lo:>3}-{s.hi:<3} on {s.node.name} ({s.node.address})  "
+                f"~{s.mem_mb:,.0f} MB of {s.node.free_mb:,} MB free, speed {s.node.speed:g}, "
+                f"load {s.cost / worst:.0%} of the slowest"
+            )
+        return lines
+
+
+def layer_costs(path: Path) -> LayerCosts:
+    """Per-layer weight bytes and the other sizes the planner needs, from the GGUF header."""
+    from ..gguf_tools import _reader
+
+    r = _reader(Path(path))
+    arch = str(r.fields["general.architecture"].contents())
+
+    def num(key: str, default: int) -> int:
+        f = r.fields.get(f"{arch}.{key}")
+        if f is None:
+            return default
+        v = f.contents()
+        return int(max(v)) if isinstance(v, list) else int(v)
+
+    n_layer = num("block_count", 0)
+    per_layer = [0] * n_layer
+    embd = head = 0
+    for t in r.tensors:
+        m = _BLK.match(t.name)
+        if m:
+            i = int(m.group(1))
+            if i < n_layer:
+                per_layer[i] += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            embd = int(t.n_bytes)
+        else:
+            head += int(t.n_bytes)
+    if "output.weight" not in {t.name for t in r.tensors}:
+        head += embd  # tied embeddings: the last stage reads token_embd as its output head
+    n_embd = num("embedding_length", 0)
+    n_head = num("attention.head_count", 1) or 1
+    n_head_kv = num("attention.head_count_kv", n_head) or n_head
+    head_dim = num("attention.key_length", n_embd // n_head)
+    kv = 2 * n_head_kv * head_dim * 2  # K and V, f16
+    return LayerCosts(arch, tuple(per_layer), embd, head, kv)
+
+
+def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
+    prefix = costs.prefix_bytes
+    return prefix[hi] - prefix[lo]
+
+
+def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int) -> float:
+    b = _range_bytes(costs, lo, hi) + costs.kv_bytes_per_token_layer * n_ctx * (hi - lo)
+    if lo == 0:
+        b += costs.embd_bytes
+    if hi == costs.n_layer:
+        b += costs.head_bytes
+    return b / (1 << 20) + COMPUTE_OVERHEAD_MB
+
+
+def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo) -> float:
+    b = _range_bytes(costs, lo, hi) + (costs.head_bytes if hi == costs.n_layer else 0)
+    return b / max(node.speed, 1e-9)
+
+
+def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int) -> StageAssignment:
+    return StageAssignment(node, lo, hi, stage_mem_mb(costs, lo, hi, n_ctx), _cost(costs, lo, hi, node))
+
+
+def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> SplitPlan:
+    """The contiguous assignment (nodes in the given order) with the smallest bottleneck."""
+    if not nodes:
+        raise PotluckError("no workers to split the model over")
+    n = costs.n_layer
+    inf = float("inf")
+    # best[k][j]: smallest bottleneck covering layers [0, j) with the first k nodes.
+    best = [[inf] * (n + 1) for _ in range(len(nodes) + 1)]
+    cut = [[-1] * (n + 1) for _ in range(len(nodes) + 1)]
+    best[0][0] = 0.0
+    for k, node in enumerate(nodes, start=1):
+        for j in range(n + 1):
+            best[k][j], cut[k][j] = best[k - 1][j], j  # this node takes no layers
+            for i in range(j):
+                if best[k - 1][i] == inf or stage_mem_mb(costs, i, j, n_ctx) > node.free_mb:
+                    continue
+                v = max(best[k - 1][i], _cost(costs, i, j, node))
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    if best[len(nodes)][n] == inf:
+        need = stage_mem_mb(costs, 0, n, n_ctx)
+        have = sum(nd.free_mb for nd in nodes)
+        raise PotluckError(
+            f"the model does not fit: it needs about {need:,.0f} MB in all and the "
+            f"{len(nodes)} worker(s) have {have:,} MB free; add workers or lower --ctx"
+        )
+    stages: list[StageAssignment] = []
+    j = n
+    for k in range(len(nodes), 0, -1):
+        i = cut[k][j]
+        if i < j:
+            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx))
+        j = i
+    return SplitPlan(tuple(reversed(stages)), n)
+
+
+def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int) -> SplitPlan:
+    """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1])."""
+    b = list(bounds)
+    if b[0] != 0:
+        b = [0, *b]
+    if b[-1] != costs.n_layer:
+        b = [*b, costs.n_layer]
+    if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != costs.n_layer:
+        raise PotluckError(f"split {b} is not increasing within 0..{costs.n_layer}")
+    if len(b) - 1 != len(nodes):
+        raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
+    return SplitPlan(tuple(_assign(costs, nd, lo, hi, n_ctx) for nd, lo, hi in zip(nodes, b, b[1:])), costs.n_layer)

@@ -1,0 +1,77 @@
+"""What a machine offers to the cluster: cores, free memory and a measured speed score.
+
+The planner divides layers by the speed score, so it only has to be proportional to how
+fast this machine runs llama.cpp layers; it is measured, never assumed (DESIGN.md fact 5).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    node_id: str
+    cores: int
+    free_mb: int
+    speed: float  # arbitrary units, proportional to the expected layer throughput
+
+
+def free_memory_mb() -> int:
+    """Memory available to new processes (MemAvailable), in MiB."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def measure_speed(threads: int, trials: int = 15) -> float:
+    """Single-core multiply-add throughput (GFLOP/s) times the threads llama.cpp will use.
+
+    A decode step streams weights through multiply-adds; numpy's elementwise kernels are
+    single-threaded, so this measures one core. The best of several short trials is kept,
+    so that other processes competing for the cores (or a cold cache) do not skew it.
+    """
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(1 << 18, dtype=np.float32)  # 1 MiB: the size of a weight tile
+    b = rng.standard_normal(1 << 18, dtype=np.float32)
+    out = np.empty_like(a)
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(8):
+            np.multiply(a, b, out=out)
+            np.add(out, a, out=out)
+        best = min(best, time.perf_counter() - t0)
+    gflops = 2 * 8 * a.size / best / 1e9
+    return round(gflops * max(1, threads), 2)
+
+
+def node_id() -> str:
+    """A short random id for this worker run (zeroconf instance names must differ)."""
+    return uuid.uuid4().hex[:12]
+
+
+def measure_profile(threads: int, nid: str | None = None) -> NodeProfile:
+    return NodeProfile(
+        node_id=nid or node_id(),
+        cores=usable_cores(),
+        free_mb=free_memory_mb(),
+        speed=measure_speed(threads),
+    )

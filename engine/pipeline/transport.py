@@ -1,0 +1,115 @@
+"""ZeroMQ sockets as the cluster uses them: CURVE keys bound to the token, heartbeats, limits.
+
+Every connection is CURVE-encrypted and authenticated. Both key pairs derive from the
+cluster token (:func:`potluck.discovery.auth.keys_from_token`), so only a holder of the
+token knows the server's public key (needed to connect at all) and the client secret key
+(checked by the worker's ZAP handler). ZeroMQ heartbeats run in libzmq's I/O thread, so a
+peer busy computing still answers them and only a dead or frozen process misses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.auth.thread
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
+ZAP_DOMAIN = "potluck"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """Z85-encoded CURVE key pairs shared by every member of one cluster."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def _common(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> zmq.Socket:
+    """A ROUTER that only completes the CURVE handshake with token holders."""
+    sock = ctx.socket(zmq.ROUTER)
+    _common(sock)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    sock.setsockopt(zmq.SNDTIMEO, 5000)  # never block forever on a peer that stopped reading
+    sock.curve_server = True
+    sock.curve_publickey = keys.server_public
+    sock.curve_secretkey = keys.server_secret
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    return sock
+
+
+def client_socket(ctx: zmq.Context, keys: CurveKeys, routing_id: bytes) -> zmq.Socket:
+    """A DEALER speaking CURVE to a worker's ROUTER, under a chosen routing id."""
+    sock = ctx.socket(zmq.DEALER)
+    _common(sock)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on completed connections
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+    return sock
+
+
+class _TokenCredentials:
+    """ZAP credentials check: the client's public key must be the token's client key."""
+
+    def __init__(self, keys: CurveKeys, on_reject: Callable[[str], None]) -> None:
+        self._allowed = keys.client_public
+        self._on_reject = on_reject
+
+    def callback(self, domain: str, key: bytes) -> bool:  # key: Z85, as pyzmq passes it
+        ok = key == self._allowed
+        if not ok:
+            self._on_reject(f"refused a CURVE client with a key not derived from the cluster token ({domain})")
+        return ok
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> zmq.auth.thread.ThreadAuthenticator:
+    """Run the ZAP handler that gates every CURVE server socket of ``ctx``."""
+    auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("potluck.zap"))
+    auth.start()
+    auth.configure_curve_callback(
+        domain=ZAP_DOMAIN, credentials_provider=_TokenCredentials(keys, lambda m: log.warning("%s", m))
+    )
+    return auth
+
+
+# Monitor events that mean "this peer is gone" (for a DEALER with one peer).
+LOST_EVENTS = {zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED}
+AUTH_FAILED_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+}
+
+
+def read_event(monitor: zmq.Socket) -> tuple[int, str]:
+    """(event id, endpoint) of one pending monitor message."""
+    msg = parse_monitor_message(monitor.recv_multipart())
+    endpoint = msg.get("endpoint", b"")
+    return int(msg["event"]), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def endpoint(address: str) -> str:
+    """``host:port`` (or a full endpoint) -> a ZeroMQ TCP endpoint."""
+    if "://" in address:
+        return address
+    return f"tcp://{address}"
