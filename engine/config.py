@@ -125,8 +125,8 @@ class KeySettings:
     system_prompt: str = "f4"
     picker: str = "ctrl+o"
     toggle_panels: str = "ctrl+t"
-    copy_reply: str = "f6"
-    copy_code: str = "f7"
+    copy_reply: str = "f3"
+    copy_code: str = "f5"
     export: str = "ctrl+s"
     log: str = "ctrl+l"
 

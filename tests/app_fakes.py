@@ -25,6 +25,7 @@ class Step:
     accepted: int = 0
     draft_len: int = 0
     delay_s: float = 0.0
+    gate: threading.Event | None = None  # the test opens it to let this step through
 
 
 def words(text: str, delay_s: float = 0.0) -> list[Step]:
@@ -100,6 +101,9 @@ class ScriptedSession:
         reason, text, tokens = "stop", [], []
         try:
             for step in steps:
+                if step.gate is not None:
+                    while not step.gate.wait(0.005) and not self._cancel.is_set():
+                        pass
                 if self._cancel.wait(step.delay_s) if step.delay_s else self._cancel.is_set():
                     reason = "cancelled"
                     break
@@ -140,3 +144,26 @@ class FakeFactory:
         session = self.make(spec)
         self.sessions.append(session)
         return session
+
+
+async def until(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "") -> None:
+    """Poll ``cond`` on the app's event loop until it holds (never a fixed pause)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        await asyncio.sleep(0.01)
+
+
+def run_async(fn: Callable[..., object]) -> Callable[..., None]:
+    """Run an ``async def`` test on a fresh event loop (no async pytest plugin needed)."""
+    import asyncio
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        asyncio.run(fn(*args, **kwargs))  # type: ignore[arg-type]
+
+    return wrapper

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.containers import Horizontal, Vertical
 from textual.message import Message as TMessage
 from textual.widgets import ContentSwitcher, Footer, Label, Static
@@ -35,7 +36,7 @@ from ..store import Conversation, Store, StoredMessage
 from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
 from .export import code_blocks, conversation_markdown, export_path
 from .screens import ConfirmScreen, LogScreen, Pick, PickerScreen, TextPromptScreen
-from .stats import Counters, SpeedMeter
+from .stats import Counters, Figures, SpeedMeter
 from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPanel, finish_note
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,8 @@ class PotluckApp(App[None]):
         _b("f4", "system_prompt", "System"),
         _b("ctrl+o", "picker", "Model"),
         _b("ctrl+t", "toggle_panels", "Panels"),
-        _b("f6", "copy_reply", "Copy"),
-        _b("f7", "copy_code", "Copy code"),
+        _b("f3", "copy_reply", "Copy"),
+        _b("f5", "copy_code", "Copy code"),
         _b("ctrl+s", "export", "Export"),
         _b("ctrl+l", "log", "Log"),
     ]
@@ -213,12 +214,15 @@ class PotluckApp(App[None]):
         yield Footer()
 
     async def on_mount(self) -> None:
+        # Widgets are looked up on the chat screen itself: a modal may be on top when a
+        # reply finishes or the panels' timer fires.
+        self._main = self.screen
         logging.getLogger("potluck").addHandler(self.log_buffer)
         if self.settings.ui.theme in self.available_themes:
             self.theme = self.settings.ui.theme
         else:
             log.warning("unknown theme %r in the settings; using the default", self.settings.ui.theme)
-        self.query_one(StatsPanel).display = self.settings.ui.show_panels
+        self._main.query_one(StatsPanel).display = self.settings.ui.show_panels
         try:
             self.store = Store.open(self.history_path)
         except PotluckError as e:
@@ -228,7 +232,7 @@ class PotluckApp(App[None]):
         conversations = self.store.conversations()
         first = conversations[0] if conversations else self._create_conversation()
         await self.open_conversation(first.id)
-        self.query_one(ChatInput).focus()
+        self._main.query_one(ChatInput).focus()
         self.sample_stats()
         if self.settings.ui.stats_interval_s > 0:
             self.set_interval(self.settings.ui.stats_interval_s, self.sample_stats)
@@ -255,7 +259,7 @@ class PotluckApp(App[None]):
     # ------------------------------------------------------------------ helpers
     @property
     def input(self) -> ChatInput:
-        return self.query_one(ChatInput)
+        return self._main.query_one(ChatInput)
 
     @property
     def busy(self) -> bool:
@@ -268,7 +272,7 @@ class PotluckApp(App[None]):
 
     def chat_log(self, conversation_id: int | None = None) -> ChatLog | None:
         cid = self.active if conversation_id is None else conversation_id
-        found = self.query(f"#chat-{cid}")
+        found = self._main.query(f"#chat-{cid}")
         return found.first(ChatLog) if found else None
 
     def _model_label(self) -> str:
@@ -286,7 +290,7 @@ class PotluckApp(App[None]):
             state = "no model (ctrl+o picks one)" if self.load_error else "starting…"
         else:
             state = "ready"
-        self.query_one("#status", Static).update(f"{state} · {self._model_label()}")
+        self._main.query_one("#status", Static).update(f"{state} · {self._model_label()}")
 
     def _history(self, conv: Conversation, messages: list[StoredMessage]) -> list[Message]:
         out = [Message("system", conv.system)] if conv.system else []
@@ -298,13 +302,13 @@ class PotluckApp(App[None]):
 
     async def refresh_conversations(self) -> None:
         assert self.store is not None
-        await self.query_one(ConversationList).show(self.store.conversations(), self.active)
+        await self._main.query_one(ConversationList).show(self.store.conversations(), self.active)
 
     async def open_conversation(self, conversation_id: int) -> None:
         """Show a conversation; its message log is built once and kept (a reply may stream
         into it while another conversation is on screen)."""
         assert self.store is not None
-        switcher = self.query_one("#chats", ContentSwitcher)
+        switcher = self._main.query_one("#chats", ContentSwitcher)
         chat = self.chat_log(conversation_id)
         if chat is None:
             chat = ChatLog(conversation_id)
@@ -352,6 +356,8 @@ class PotluckApp(App[None]):
             if old is not None:
                 old.close()
             log.info("model ready: %s", self._model_label())
+            self.meter = SpeedMeter()
+            self.sample_stats()
         self.update_status()
 
     # ------------------------------------------------------------------ engine: replies
@@ -481,13 +487,20 @@ class PotluckApp(App[None]):
     # ------------------------------------------------------------------ panels
     def sample_stats(self, now: float | None = None) -> None:
         """Timer callback: read the engine's counters (never per token) and redraw panels."""
+        panels = self._main.query(StatsPanel)
+        if not panels:
+            return  # shutting down
         if self.session is None:
-            return
-        figures = self.meter.sample(self.session.stats, self.clock() if now is None else now)
-        self.query_one(StatsPanel).show(figures)
+            figures = Figures()
+        else:
+            figures = self.meter.sample(self.session.stats, self.clock() if now is None else now)
+        try:
+            panels.first().show(figures)
+        except NoMatches:
+            pass  # the screen is being torn down
 
     def action_toggle_panels(self) -> None:
-        panel = self.query_one(StatsPanel)
+        panel = self._main.query_one(StatsPanel)
         panel.display = not panel.display
 
     # ------------------------------------------------------------------ actions

@@ -1,0 +1,412 @@
+"""Pilot tests of the chat app with a scripted fake session (no model, deterministic).
+
+Every wait polls a condition (``until``); nothing relies on a fixed pause.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from potluck.app.tui import PotluckApp, build_app
+from potluck.app.tui.catalog import ModelInfo
+from potluck.app.tui.screens import PickerScreen
+from potluck.app.tui.widgets import ChatLog, MessageView, StatsPanel
+from potluck.engine.config import Settings, UISettings, load_settings
+from potluck.engine.errors import PotluckError
+from potluck.engine.strategies.registry import STRATEGIES
+
+from .app_fakes import FakeFactory, ScriptedSession, Step, run_async, until, words
+
+SIZE = (120, 36)
+QUIET = Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0.05))
+
+
+def make_app(
+    tmp_path: Path,
+    factory: FakeFactory,
+    copied: list[str] | None = None,
+    **kwargs: object,
+) -> PotluckApp:
+    return build_app(
+        settings=kwargs.pop("settings", QUIET),  # type: ignore[arg-type]
+        session_factory=factory,
+        history_path=tmp_path / "history.sqlite3",
+        export_dir=tmp_path / "exports",
+        copy_fallback=lambda text: (copied.append(text) if copied is not None else None) or "test",
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def ready(app: PotluckApp) -> None:
+    await until(lambda: app.session is not None and not app.loading, what="the session to load")
+
+
+async def send(app: PotluckApp, pilot, text: str) -> None:  # noqa: ANN001
+    notes = len(app._notifications)
+    app.input.text = text
+    await pilot.press("enter")
+    # Sent (the input empties) or refused (a notification says why, the text stays).
+    await until(lambda: app.input.text == "" or len(app._notifications) > notes, what="the send")
+
+
+async def reply_done(app: PotluckApp) -> None:
+    await until(lambda: app.reply is None, what="the reply to finish")
+
+
+def views(app: PotluckApp) -> list[MessageView]:
+    chat = app.chat_log()
+    assert chat is not None
+    return chat.messages()
+
+
+@run_async
+async def test_send_streams_a_reply_and_stores_both_messages(tmp_path: Path) -> None:
+    steps = words("Hello! Here is some code:\n\n```python\nprint('hi')\n```\n", delay_s=0.005)
+    factory = FakeFactory(lambda spec: ScriptedSession(steps))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "say hi\nwith code")
+        assert app.input.text == ""  # sent: the input is cleared
+        await reply_done(app)
+        user, reply = views(app)
+        assert user.content == "say hi\nwith code"
+        assert reply.content == "Hello! Here is some code:\n\n```python\nprint('hi')\n```\n"
+        stored = app.store.messages(app.active)  # type: ignore[union-attr, arg-type]
+        assert [(m.role, m.content) for m in stored] == [("user", user.content), ("assistant", reply.content)]
+        assert stored[1].finish_reason == "stop"
+        conv = app.store.conversation(app.active)  # type: ignore[union-attr, arg-type]
+        assert conv is not None and conv.title == "say hi"  # titled from the first message
+        status = str(app.query_one("#status").render())
+        assert status.startswith("ready")
+
+
+@run_async
+async def test_newline_key_inserts_a_line_break_instead_of_sending(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("ok")))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await pilot.press("a", "ctrl+j", "b")
+        assert app.input.text == "a\nb" and app.reply is None
+        await pilot.press("enter")
+        await reply_done(app)
+        assert views(app)[0].content == "a\nb"
+
+
+@run_async
+async def test_panels_show_what_the_stream_implies(tmp_path: Path) -> None:
+    # 2 rounds: 3 of 4 drafts pass, then 3 of 4 again -> acceptance 0.75, 3.00 accepted/round.
+    steps = [Step("one two three four ", 4, 3, 4), Step("five six seven eight", 4, 3, 5)]
+    factory = FakeFactory(lambda spec: ScriptedSession(steps, strategy="sd", tokens_per_s=42.0))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        text = app.query_one(StatsPanel).text()
+        assert "acceptance" in text and "—" in text  # nothing drafted yet: dashes, not zeros
+        await send(app, pilot, "count")
+        await reply_done(app)
+        text = app.query_one(StatsPanel).text()
+        lines = {" ".join(line.split()[:-1]): line.split()[-1] for line in text.splitlines() if line.strip()}
+        assert lines["acceptance"] == "0.75"
+        assert lines["accepted/round"] == "3.00"
+        assert lines["draft length"] == "5"
+        assert lines["drafted"] == "8" and lines["accepted"] == "6"
+        assert lines["generated"] == "8"
+        assert "42.0 tok/s" in text and "0.12 s" in text
+        stored = app.store.messages(app.active)[-1]  # type: ignore[union-attr, arg-type]
+        assert stored.acceptance_rate == 0.75 and stored.strategy == "sd"
+
+
+@run_async
+async def test_plain_decoding_shows_dashes_not_zero_acceptance(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("a b c")))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "x")
+        await reply_done(app)
+        text = app.query_one(StatsPanel).text()
+        row = next(line for line in text.splitlines() if line.startswith("acceptance"))
+        assert row.split()[-1] == "—"
+
+
+@run_async
+async def test_escape_stops_mid_reply_and_keeps_the_partial_text(tmp_path: Path) -> None:
+    steps = words("this reply is cut", delay_s=0.01) + [Step(" never", delay_s=60.0)]
+    factory = FakeFactory(lambda spec: ScriptedSession(steps))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "go")
+        await until(lambda: views(app)[-1].content == "this reply is cut", what="the partial text")
+        await pilot.press("escape")
+        await reply_done(app)  # well before the 60 s step: the stop is immediate
+        reply = views(app)[-1]
+        assert reply.content == "this reply is cut"
+        assert reply.has_class("stopped")
+        stored = app.store.messages(app.active)[-1]  # type: ignore[union-attr, arg-type]
+        assert stored.content == "this reply is cut" and stored.stopped
+        # The next turn continues the conversation, partial reply included.
+        factory.sessions[0].script = lambda _u, _m: words("next")
+        await send(app, pilot, "again")
+        await reply_done(app)
+        assert [m.content for m in factory.sessions[0].loaded[-1]] == ["go", "this reply is cut"]
+
+
+@run_async
+async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
+    answers = iter(["first answer", "second answer"])
+    factory = FakeFactory(lambda spec: ScriptedSession(lambda _u, _m: words(next(answers))))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "question")
+        await reply_done(app)
+        await pilot.press("ctrl+r")
+        await until(lambda: app.reply is not None or views(app)[-1].content == "second answer")
+        await reply_done(app)
+        assert [v.content for v in views(app)] == ["question", "second answer"]
+        stored = app.store.messages(app.active)  # type: ignore[union-attr, arg-type]
+        assert [m.content for m in stored] == ["question", "second answer"]
+        session = factory.sessions[0]
+        assert session.prompts == ["question", None]  # regenerate answers the same history
+        assert [m.content for m in session.loaded[-1]] == ["question", "first answer"]
+
+
+@run_async
+async def test_switching_conversations_during_a_reply(tmp_path: Path) -> None:
+    gate = threading.Event()
+    steps = words("a slow reply")
+    steps[1:1] = [Step("", gate=gate)]
+    steps += words(" in the first chat")
+    factory = FakeFactory(lambda spec: ScriptedSession(steps))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        first = app.active
+        await send(app, pilot, "first")
+        await until(lambda: views(app)[-1].content != "", what="streaming to start")
+        await pilot.press("ctrl+n")  # new conversation while the reply streams
+        second = app.active
+        assert second != first and app.reply is not None
+        await pilot.press("h", "i")  # typing works during the reply
+        assert app.input.text == "hi" and views(app) == []
+        await pilot.press("enter")  # sending is refused while busy, text kept
+        assert app.input.text == "hi"
+        gate.set()
+        await reply_done(app)
+        assert app.store.messages(second) == []  # type: ignore[union-attr, arg-type]
+        stored = app.store.messages(first)  # type: ignore[union-attr, arg-type]
+        assert stored[-1].content == "a slow reply in the first chat"
+        await pilot.press("alt+down")  # back to the first conversation (list order: recent first)
+        await until(lambda: app.active == first)
+        assert views(app)[-1].content == "a slow reply in the first chat"
+
+
+@run_async
+async def test_restart_finds_the_history_and_continues_it(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("remembered reply")))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "remember me")
+        await reply_done(app)
+    assert factory.sessions[0].closed  # quitting frees the engine
+
+    factory2 = FakeFactory(lambda spec: ScriptedSession(words("continued")))
+    app2 = make_app(tmp_path, factory2)
+    async with app2.run_test(size=SIZE) as pilot:
+        await ready(app2)
+        assert [v.content for v in views(app2)] == ["remember me", "remembered reply"]
+        await send(app2, pilot, "and now?")
+        await reply_done(app2)
+        loaded = factory2.sessions[0].loaded[-1]
+        assert [(m.role, m.content) for m in loaded] == [
+            ("user", "remember me"),
+            ("assistant", "remembered reply"),
+        ]
+
+
+@run_async
+async def test_export_writes_markdown(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("**bold** answer")))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "Export test")
+        await reply_done(app)
+        await pilot.press("ctrl+s")
+        files = list((tmp_path / "exports").glob("*.md"))
+        assert len(files) == 1
+        assert files[0].read_text() == (
+            "# Export test\n\n## You\n\nExport test\n\n## Assistant\n\n**bold** answer\n"
+        )
+
+
+@run_async
+async def test_copy_reply_and_code_block(tmp_path: Path) -> None:
+    text = "Use this:\n\n```sh\nls -la\n```\n\nand this:\n\n```py\nprint(2)\n```"
+    factory = FakeFactory(lambda spec: ScriptedSession(words(text)))
+    copied: list[str] = []
+    app = make_app(tmp_path, factory, copied)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "cmds")
+        await reply_done(app)
+        await pilot.press("f3")
+        assert app.clipboard == text  # OSC 52 went out
+        await until(lambda: copied == [text], what="the clipboard fallback")
+        await pilot.press("f5")
+        assert app.clipboard == "print(2)"
+        views(app)[-1].focus()
+        await pilot.press("b")  # a focused message cycles through its code blocks
+        assert app.clipboard == "ls -la"
+        await pilot.press("y")
+        assert app.clipboard == text
+
+
+@run_async
+async def test_failed_send_restores_the_prompt_and_logs_the_error(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession([], fail="the prompt is 5000 tokens"))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "a very long prompt")
+        await until(lambda: app.reply is None and app.input.text == "a very long prompt")
+        assert views(app) == []
+        assert app.store.messages(app.active) == []  # type: ignore[union-attr, arg-type]
+        assert any("5000 tokens" in n.message for n in app._notifications)
+        await pilot.press("ctrl+l")
+        assert any("5000 tokens" in line for line in app.log_buffer.lines)
+        await pilot.press("escape")
+
+
+@run_async
+async def test_model_that_fails_to_load_is_reported_not_fatal(tmp_path: Path) -> None:
+    def broken(spec: object) -> ScriptedSession:
+        raise PotluckError("not a GGUF model file: /tmp/x.gguf")
+
+    app = make_app(tmp_path, FakeFactory(broken))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(lambda: app.load_error is not None)
+        assert "no model" in str(app.query_one("#status").render())
+        await send(app, pilot, "hello?")
+        assert app.input.text == "hello?"  # refused, kept
+        assert any("not a GGUF" in line for line in app.log_buffer.lines)
+
+
+@run_async
+async def test_rename_delete_and_system_prompt(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("ok")))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "one")
+        await reply_done(app)
+        await pilot.press("f2")
+        await until(lambda: app.screen.query("#prompt-text"))
+        app.screen.query_one("#prompt-text").value = "Renamed"  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await until(lambda: app.store.conversation(app.active).title == "Renamed")  # type: ignore[union-attr]
+
+        await pilot.press("f4")
+        await until(lambda: app.screen.query("#prompt-text"))
+        app.screen.query_one("#prompt-text").text = "Answer in French."  # type: ignore[attr-defined]
+        await pilot.press("ctrl+s")
+        await until(lambda: app.store.conversation(app.active).system == "Answer in French.")  # type: ignore[union-attr]
+        await send(app, pilot, "two")
+        await reply_done(app)
+        assert factory.sessions[0].loaded[-1][0].content == "Answer in French."
+
+        doomed = app.active
+        await pilot.press("f8")
+        await until(lambda: app.screen.query("#yes"))
+        await pilot.press("y")
+        await until(lambda: app.active != doomed, what=f"deletion {app.log_buffer.lines}")
+        assert app.store.conversation(doomed) is None  # type: ignore[union-attr, arg-type]
+        assert len(app.store.conversations()) == 1  # a fresh one replaces the last  # type: ignore[union-attr]
+        assert app.query(ChatLog).first().conversation_id == app.active
+
+
+FAKE_VOCAB = ModelInfo(None, "Target", "llama", 30, 100, vocab="v1")
+SAME_VOCAB = ModelInfo(Path("/models/small.gguf"), "Small", "llama", 8, 100, vocab="v1")
+OTHER_VOCAB = ModelInfo(Path("/models/other.gguf"), "Other", "gemma3", 18, 200, vocab="v2")
+
+
+class _Plain:
+    name, needs_draft, description = "autoregressive", False, "plain decoding"
+
+
+class _Spec:
+    name, needs_draft, description = "sd", True, "draft model speculation"
+
+
+@run_async
+async def test_picker_offers_only_what_works_and_reloads(tmp_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("ok")))
+    settings_path = tmp_path / "config.toml"
+    app = make_app(
+        tmp_path,
+        factory,
+        settings_path=settings_path,
+        model_catalog=lambda: [FAKE_VOCAB, SAME_VOCAB, OTHER_VOCAB],
+        strategies={"autoregressive": _Plain, "sd": _Spec},
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await pilot.press("ctrl+o")
+        await until(lambda: isinstance(app.screen, PickerScreen))
+        picker = app.screen
+        assert isinstance(picker, PickerScreen)
+
+        def ids(list_id: str) -> list[str]:
+            ol = picker.query_one(list_id)
+            return [str(ol.get_option_at_index(i).id) for i in range(ol.option_count)]  # type: ignore[attr-defined]
+
+        assert ids("#pick-draft") == ["-", "/models/small.gguf"]  # other.gguf: different vocabulary
+        assert ids("#pick-strategy") == ["autoregressive"]  # sd needs a draft, none chosen yet
+        assert "other" in str(picker.query_one("#picker-hidden").render()).lower()
+        picker.draft = SAME_VOCAB
+        picker._refresh_lists()
+        assert ids("#pick-strategy") == ["autoregressive", "sd"]
+        picker.strategy = "sd"
+        await pilot.press("ctrl+s")
+        await until(lambda: len(factory.sessions) == 2 and not app.loading)
+        spec = factory.specs[-1]
+        assert spec.strategy == "sd" and spec.draft == Path("/models/small.gguf")
+        assert factory.sessions[0].closed
+        saved = load_settings(settings_path)
+        assert saved.model.strategy == "sd" and saved.model.draft == "/models/small.gguf"
+
+
+@run_async
+async def test_picker_lists_the_registered_strategies(tmp_path: Path) -> None:
+    """Strategies other engineers add to the registry show up without touching the app."""
+    factory = FakeFactory(lambda spec: ScriptedSession(words("ok")))
+    app = make_app(tmp_path, factory, model_catalog=lambda: [FAKE_VOCAB, SAME_VOCAB])
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await pilot.press("ctrl+o")
+        await until(lambda: isinstance(app.screen, PickerScreen))
+        picker = app.screen
+        picker.draft = SAME_VOCAB  # type: ignore[attr-defined]
+        picker._refresh_lists()  # type: ignore[attr-defined]
+        ol = picker.query_one("#pick-strategy")
+        shown = {str(ol.get_option_at_index(i).id) for i in range(ol.option_count)}  # type: ignore[attr-defined]
+        assert shown == set(STRATEGIES)
+
+
+@pytest.mark.parametrize("key", ["ctrl+t"])
+@run_async
+async def test_panels_toggle(tmp_path: Path, key: str) -> None:
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession(words("ok"))))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        panel = app.query_one(StatsPanel)
+        assert panel.display
+        await pilot.press(key)
+        assert not panel.display

@@ -1,0 +1,77 @@
+"""Settings: defaults without a file, strict parsing, a lossless save/load round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from potluck.engine import paths
+from potluck.engine.config import (
+    KeySettings,
+    ModelSettings,
+    SamplingSettings,
+    Settings,
+    UISettings,
+    load_settings,
+    save_settings,
+)
+from potluck.engine.errors import PotluckError
+
+
+def test_missing_file_gives_defaults(tmp_home: Path) -> None:
+    assert not paths.config_file().exists()
+    assert load_settings() == Settings()
+
+
+def test_round_trip_keeps_every_changed_value(tmp_path: Path) -> None:
+    settings = Settings(
+        model=ModelSettings(path="/m/a.gguf", draft="/m/b.gguf", strategy="sd", library=("/m",)),
+        sampling=SamplingSettings(temperature=0.7, seed=3, max_tokens=64),
+        ui=UISettings(theme="nord", show_panels=False),
+        keys=KeySettings(regenerate="ctrl+g"),
+    )
+    path = save_settings(settings, tmp_path / "config.toml")
+    assert load_settings(path) == settings
+    text = path.read_text()
+    assert "n_ctx" not in text  # defaults are not written
+    assert 'regenerate = "ctrl+g"' in text
+
+
+def test_toml_values_are_coerced_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[sampling]\ntemperature = 1\n[model]\nlibrary = "~/models"\n')
+    s = load_settings(path)
+    assert s.sampling.temperature == 1.0 and isinstance(s.sampling.temperature, float)
+    assert s.model.library == ("~/models",)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[ui]\nthme = 'nord'\n", "unknown key 'thme' in [ui]"),
+        ("[colors]\na = 1\n", "unknown section [colors]"),
+        ("[model]\nn_ctx = 'big'\n", "[model] n_ctx must be int"),
+        ("[ui]\nshow_panels = 1\n", "[ui] show_panels must be bool"),
+        ("[model]\nn_ctx = true\n", "[model] n_ctx must be int"),
+        ("[model\n", "not valid TOML"),
+    ],
+)
+def test_bad_files_are_refused_with_the_key_named(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(toml)
+    with pytest.raises(PotluckError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_settings(path)
+
+
+def test_sampling_settings_are_validated() -> None:
+    assert SamplingSettings(temperature=0.5, top_k=5).params().top_k == 5
+    with pytest.raises(PotluckError):
+        SamplingSettings(top_p=0.0).params()
+    with pytest.raises(PotluckError):
+        SamplingSettings(max_tokens=0).params()
+
+
+def test_keymap_uses_binding_ids() -> None:
+    keymap = KeySettings(toggle_panels="f9").keymap()
+    assert keymap["toggle_panels"] == "f9" and keymap["stop"] == "escape"
