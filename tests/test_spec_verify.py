@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy.stats import chisquare
+
 from potluck.engine.verify import (
     TokenTree,
     chain_first_token_dist,
@@ -17,7 +19,6 @@ from potluck.engine.verify import (
     verify_greedy,
     verify_tree,
 )
-from scipy.stats import chisquare
 
 VOCAB = 7
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from .base import Strategy
 from .plain import Autoregressive
+from .speculative import DraftModelSpeculative, NgramSpeculative
 
 STRATEGIES: dict[str, type[Strategy]] = {
     Autoregressive.name: Autoregressive,
+    DraftModelSpeculative.name: DraftModelSpeculative,
+    NgramSpeculative.name: NgramSpeculative,
 }
 
 

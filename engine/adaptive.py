@@ -1,0 +1,101 @@
+"""Adaptive speculation length: a pure controller fed with per-round measurements.
+
+Minions (Wang et al. 2024, section 3.3) picks the speculation length ``s`` that minimises
+``t_LLM(s) / vl(s)``, the verification time per verified token, with a heuristic search: an
+online monitor records that ratio every round; once ``decision_threshold`` rounds have been
+recorded since the last change, fit a line through the monitored data; slope > 0 means the
+last move overshot, so ``s -= s_punish``; slope < 0 means there is room, so ``s += s_reward``.
+
+Two adaptations to a single machine, both measured at run time rather than assumed:
+- drafting and verification run one after the other here (Minions pipelines them), so the
+  cost of a round is ``draft_ms + verify_ms``, not the verification alone;
+- the line is fitted through (``s``, cost per emitted token) points of the current and the
+  previous setting, so its slope is the measured effect of the last move whichever way it
+  went (a fit against time would reward a move down by moving back up);
+- ``s = 0`` is plain decoding. It is a legal setting, so when drafting does not pay the
+  controller walks down to it and stays; it probes ``s = 1`` again after a back-off that
+  doubles each time plain decoding wins (acceptance may recover later in a reply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LengthConfig:
+    s_init: int = 4
+    s_max: int = 8
+    decision_threshold: int = 8  # rounds recorded before each decision (Minions)
+    s_reward: int = 1
+    s_punish: int = 1
+    max_backoff: int = 256  # most rounds spent at s = 0 before probing drafting again
+
+
+class SpeculationLength:
+    """Chooses how many tokens to draft next round from measured round costs."""
+
+    def __init__(self, config: LengthConfig = LengthConfig()) -> None:
+        self.config = config
+        self.s = max(0, min(config.s_init, config.s_max))
+        self._wait = config.decision_threshold  # rounds at s = 0 before probing s = 1
+        self._win_ms = 0.0  # monitored data since the last change of s
+        self._win_tokens = 0
+        self._win_rounds = 0
+        # per length: decayed (ms, emitted tokens) sums, so old windows fade as contexts change
+        self._seen: dict[int, tuple[float, float]] = {}
+        self._prev_s: int | None = None
+        self.decisions: list[int] = []  # every length chosen (reports and tests)
+
+    def length(self) -> int:
+        return self.s
+
+    def record(self, emitted: int, draft_ms: float, verify_ms: float) -> None:
+        """One round's measurement: the tokens it produced and what it cost."""
+        if emitted <= 0:
+            return
+        self._win_ms += draft_ms + verify_ms
+        self._win_tokens += emitted
+        self._win_rounds += 1
+        need = self._wait if self.s == 0 else self.config.decision_threshold
+        if self._win_rounds >= need:
+            self._decide()
+
+    def cost_per_token(self, s: int) -> float | None:
+        """Measured ms per emitted token at length ``s`` (None if never tried)."""
+        seen = self._seen.get(s)
+        return seen[0] / seen[1] if seen and seen[1] > 0 else None
+
+    def slope(self) -> float | None:
+        """Slope of the line fitted through (s, cost per token) of the last two settings."""
+        if self._prev_s is None or self._prev_s == self.s:
+            return None
+        xs = [self._prev_s, self.s]
+        ys = [self.cost_per_token(x) for x in xs]
+        if ys[0] is None or ys[1] is None:
+            return None
+        return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
+
+    def _decide(self) -> None:
+        cfg = self.config
+        old = self.s
+        ms, tok = self._seen.get(old, (0.0, 0.0))
+        self._seen[old] = (0.5 * ms + self._win_ms, 0.5 * tok + self._win_tokens)
+        self._win_ms, self._win_tokens, self._win_rounds = 0.0, 0, 0
+        slope = self.slope()
+        if old == 0:
+            new = 1  # plain decoding had its turn: probe drafting again
+        elif slope is not None and slope > 0:
+            new = max(0, old - cfg.s_punish)  # the last move overshot
+        else:
+            new = min(cfg.s_max, old + cfg.s_reward)  # room to speculate more (or explore)
+            if slope is not None:
+                self._wait = cfg.decision_threshold  # drafting pays: forget the back-off
+        if new == 0:
+            self._wait = min(self._wait * 2, cfg.max_backoff)
+        if new != old:
+            self._prev_s = old
+        self.s = new
+        self.decisions.append(new)

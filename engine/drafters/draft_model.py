@@ -1,0 +1,136 @@
+"""A small model with the target's vocabulary drafts by running ahead autoregressively.
+
+The draft keeps its own llama.cpp context (never the target's: fact 4 of DESIGN.md, other
+sequences' cells in the target context would change its logits). Each proposal first
+brings the draft's KV cache up to the conversation: the common prefix stays, the rest is
+re-decoded (usually the target's own token from the last round and, when every draft was
+accepted, the last draft). The draft's exactness does not matter, only its speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import PotluckError
+from ..runtime import Context, ContextParams, Model
+from ..sampling import Sampler, probs
+from . import Draft
+
+
+def vocabulary_digest(model: Model) -> str:
+    """SHA-256 over every token's bytes: two models can share ids only if this matches."""
+    h = hashlib.sha256()
+    for tok in range(model.n_vocab):
+        h.update(model.token_bytes(tok, special=True))
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def check_same_vocabulary(target: Model, draft: Model) -> None:
+    """Refuse a draft whose token ids do not mean what the target's mean."""
+    same = target.vocab_signature() == draft.vocab_signature() and vocabulary_digest(
+        target
+    ) == vocabulary_digest(draft)
+    if not same:
+        raise PotluckError(
+            f"draft model {draft.path.name} ({draft.n_vocab} tokens) does not share the "
+            f"vocabulary of target model {target.path.name} ({target.n_vocab} tokens); "
+            "pick a draft from the same model family"
+        )
+
+
+class DraftModelDrafter:
+    name = "draft-model"
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int = 0,
+        p_min: float = 0.0,
+        owns_model: bool = True,
+    ) -> None:
+        self.model = model
+        self.owns_model = owns_model
+        self.p_min = p_min  # stop drafting once the draft's own top probability falls below
+        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads))
+        self.tokens: list[int] = []  # what the draft's KV cache holds, in order
+        self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
+
+    # -- keeping the draft's cache in step with the conversation
+    def _synced_prefix(self, context: Sequence[int]) -> int:
+        """Length of the common prefix (one C-speed list comparison in the usual case)."""
+        n = min(len(self.tokens), len(context))
+        if self.tokens[:n] == list(context[:n]):
+            return n
+        i = 0
+        while self.tokens[i] == context[i]:
+            i += 1
+        return i
+
+    def observe(self, context: Sequence[int]) -> None:
+        """Decode what the draft has not seen of ``context``; leaves fresh logits after it."""
+        keep = self._synced_prefix(context)
+        if keep == len(context) and keep == len(self.tokens) and self._logits is not None:
+            return
+        keep = min(keep, len(context) - 1)  # at least one token to get fresh logits
+        self.ctx.seq_rm(0, keep, -1)
+        del self.tokens[keep:]
+        todo = list(context[keep:])
+        n_batch = self.ctx.params.n_batch
+        for start in range(0, len(todo), n_batch):
+            chunk = todo[start : start + n_batch]
+            self.ctx.decode(chunk, len(self.tokens))
+            self.tokens.extend(chunk)
+        self._logits = self.ctx.logits_row(-1)
+
+    def propose(self, context: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        if k <= 0:
+            return Draft([])
+        self.observe(context)
+        params = sampler.params
+        stochastic = not params.greedy
+        history = list(context)
+        drafts: list[int] = []
+        qs: list[np.ndarray] = []
+        for i in range(k):
+            logits = self._logits
+            assert logits is not None
+            if stochastic:
+                q = probs(logits, params, history)
+                x = sampler.draw(q)
+                qs.append(q)
+                confidence = float(q.max())
+            else:
+                q = probs(logits, params, history)  # one-hot argmax (with repeat penalty)
+                x = int(np.argmax(q))
+                confidence = self._top_prob(logits) if self.p_min > 0 else 1.0
+            drafts.append(x)
+            history.append(x)
+            if i == k - 1 or confidence < self.p_min:
+                break
+            self.ctx.decode([x], len(self.tokens))
+            self.tokens.append(x)
+            self._logits = self.ctx.logits_row(-1)
+        # the last draft is not in the draft's cache yet: logits are stale until observe()
+        self._logits = None
+        return Draft(drafts, qs if stochastic else None)
+
+    @staticmethod
+    def _top_prob(logits: np.ndarray) -> float:
+        z = logits - logits.max()
+        return float(1.0 / np.exp(z, dtype=np.float64).sum())
+
+    def reset(self) -> None:
+        self.ctx.clear()
+        self.tokens = []
+        self._logits = None
+
+    def close(self) -> None:
+        self.ctx.close()
+        if self.owns_model:
+            self.model.close()

@@ -1,0 +1,191 @@
+"""Speculative decoding on one machine: draft, verify in one target batch, keep the prefix.
+
+Two strategies share this loop and differ only in where drafts come from:
+- ``sd``: a small draft model with the target's vocabulary (Leviathan et al. 2023);
+- ``anpd``: multi-level N-gram tables over the conversation itself (Ou et al. 2024).
+
+Each round (compare llama.cpp's examples/speculative-simple):
+1. choose the speculation length ``s`` (Minions' adaptive selector, :mod:`..adaptive`);
+2. draft up to ``s`` tokens after the conversation;
+3. decode the pending token and the drafts in ONE target batch of at most
+   ``MAX_EXACT_BATCH`` tokens, which computes every row exactly like single steps;
+4. accept a prefix of the drafts plus one token of the target's own (:mod:`..verify`);
+5. trim the rejected drafts from the KV tail, so every kept token sits in the cell plain
+   decoding would have put it in: greedy output is token-for-token plain decoding's;
+6. report the round's counters and feed its cost back to the length selector.
+
+The token the target chose last is *pending*: it is part of the conversation but enters
+the KV cache as the first row of the next round's batch (so ``s = 0`` is plain decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..adaptive import LengthConfig, SpeculationLength
+from ..drafters import Draft, Drafter
+from ..errors import PotluckError
+from ..sampling import Sampler, probs
+from ..target import MAX_EXACT_BATCH
+from ..verify import Verdict, verify_chain, verify_greedy
+from .base import Generation, Round, Strategy
+
+if TYPE_CHECKING:
+    from ..loader import EngineSpec
+    from ..runtime import Model
+
+
+class Speculative(Strategy):
+    """Draft/verify rounds over any :class:`Drafter` (subclasses pick the drafter)."""
+
+    name = "speculative"
+    description = "draft, verify in one batch, keep the accepted prefix"
+
+    def __init__(self, drafter: Drafter, length: LengthConfig, *, adaptive: bool = True) -> None:
+        self.drafter = drafter
+        self.length_config = length
+        self.adaptive = adaptive
+        self.length = SpeculationLength(length)
+
+    def run(self, g: Generation) -> Iterator[Round]:
+        target, sampler = g.target, g.sampler
+        pending: list[int] = []  # last emitted token: in g.history, not yet in the KV cache
+        head_logits = g.first_logits  # target logits after g.history while nothing is pending
+
+        while True:
+            # 1. how far to speculate: never past the reply's end or the exact batch size
+            s = self.length.length() if self.adaptive else self.length_config.s_max
+            k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
+
+            # 2. draft
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(g.history, k, sampler) if k > 0 else Draft([])
+            drafts = draft.tokens[:k]
+            t1 = time.perf_counter()
+
+            # 3. one target decode: row i holds the logits after the conversation + drafts[:i]
+            batch = pending + drafts
+            rows = target.decode(batch, all_logits=True) if batch else None
+            after = _rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
+
+            # 4. accept a prefix of the drafts and one token of the target's own
+            verdict = _verify(drafts, draft.q, after, g.history, sampler)
+            # 5. rejected drafts leave the KV cache from the tail
+            target.truncate(len(g.history) + verdict.n_accepted)
+            t2 = time.perf_counter()
+
+            # 6. report, and let the measured cost steer the next speculation length
+            tokens = verdict.tokens(drafts)
+            draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+            self.length.record(len(tokens), draft_ms, verify_ms)
+            yield Round(
+                tokens=tokens,
+                drafted=len(drafts),
+                accepted=verdict.n_accepted,
+                draft_len=k,
+                draft_ms=draft_ms,
+                verify_ms=verify_ms,
+            )
+            if g.done or g.remaining <= 0:
+                return
+            pending = [tokens[-1]]
+
+    def reset(self) -> None:
+        self.drafter.reset()
+        self.length = SpeculationLength(self.length_config)
+
+    def close(self) -> None:
+        self.drafter.close()
+
+
+def _rows_after_drafts(
+    rows: np.ndarray | None, pending: bool, head_logits: np.ndarray, k: int
+) -> list[np.ndarray]:
+    """Target logits after the conversation plus 0..k drafts (views, no copies)."""
+    if pending:
+        assert rows is not None
+        return [rows[i] for i in range(k + 1)]
+    return [head_logits] + ([rows[i] for i in range(k)] if rows is not None else [])
+
+
+def _verify(
+    drafts: list[int],
+    q: list[np.ndarray] | None,
+    after: list[np.ndarray],
+    history: list[int],
+    sampler: Sampler,
+) -> Verdict:
+    """Greedy or stochastic acceptance; p goes through the same filters plain sampling uses."""
+    params = sampler.params
+
+    def recent(i: int) -> list[int]:
+        """History the repetition penalty sees at draft position i (empty when it is off)."""
+        if params.repeat_penalty == 1.0:
+            return []
+        return history[-params.repeat_last_n :] + drafts[:i]
+
+    if params.greedy:
+        return verify_greedy(drafts, lambda i: sampler.sample(after[i], recent(i)))
+    return verify_chain(
+        drafts,
+        lambda i: probs(after[i], params, recent(i)),
+        q[: len(drafts)] if q is not None else None,
+        sampler.uniform,
+    )
+
+
+def _int_option(spec: EngineSpec, key: str, default: int, lo: int, hi: int) -> int:
+    value = spec.strategy_options.get(key, default)
+    if not isinstance(value, int) or not lo <= value <= hi:
+        raise PotluckError(f"strategy option {key} must be a whole number in {lo}..{hi}, got {value!r}")
+    return value
+
+
+class DraftModelSpeculative(Speculative):
+    name = "sd"
+    needs_draft = True
+    description = "speculative decoding with a small draft model (--draft)"
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        from ..drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+        from ..runtime import Model
+
+        if spec.draft is None:
+            raise PotluckError(
+                "strategy 'sd' needs a draft model: pass --draft PATH "
+                "(a small GGUF with the target's vocabulary)"
+            )
+        s_max = _int_option(spec, "k", 12, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "s_init", min(4, s_max), 0, s_max)
+        draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
+        try:
+            check_same_vocabulary(target_model, draft_model)
+            p_min = float(spec.strategy_options.get("p_min", 0.0))  # type: ignore[arg-type]
+            drafter = DraftModelDrafter(
+                draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=p_min
+            )
+        except BaseException:
+            draft_model.close()
+            raise
+        adaptive = bool(spec.strategy_options.get("adaptive", True))
+        return cls(drafter, LengthConfig(s_init=s_init, s_max=s_max), adaptive=adaptive)
+
+
+class NgramSpeculative(Speculative):
+    name = "anpd"
+    description = "adaptive multi-level N-gram drafts from the conversation (no draft model)"
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        from ..drafters.ngram import NgramDrafter
+
+        n_max = _int_option(spec, "n", 5, 2, 16)  # ANPD's defaults: N = 5, K = 7
+        k = _int_option(spec, "k", 7, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "s_init", k, 0, k)
+        adaptive = bool(spec.strategy_options.get("adaptive", True))
+        return cls(NgramDrafter(n_max), LengthConfig(s_init=s_init, s_max=k), adaptive=adaptive)

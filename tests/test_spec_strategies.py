@@ -1,0 +1,204 @@
+"""`sd` and `anpd` are lossless: greedy output equals plain decoding token for token, and a
+sampled token follows the target's distribution (and would not with a broken verifier)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from potluck.engine.events import Finished, RoundStats
+from potluck.engine.gguf_tools import merge_layer_ranges
+from potluck.engine.loader import EngineSpec
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import Sampler, SamplingParams, probs
+from potluck.engine.session import Session
+from potluck.engine.strategies import speculative
+from potluck.engine.strategies.base import Generation, Strategy
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.strategies.registry import get_strategy_class
+from potluck.engine.target import MAX_EXACT_BATCH, LocalTarget
+from potluck.engine.verify import verify_chain
+
+# Five prompts across the benchmark families; three of them run to the 256-token limit.
+LONG_PROMPTS = [
+    "Write a long, detailed story about a robot who learns to cook. Use many paragraphs.",
+    "Rewrite this Python code with snake_case names and return the whole code:\n\n"
+    "def computeTotal(itemList, taxRate):\n    runningSum = 0\n    for singleItem in itemList:\n"
+    "        runningSum += singleItem.unitPrice * singleItem.itemCount\n"
+    "    return runningSum * (1 + taxRate)\n",
+    "Summarize in detail: The city council met on Tuesday to discuss the new public transport "
+    "plan. It proposes three bus lines, a bike-sharing program and longer opening hours for the "
+    "central station. Members disagreed about the cost; a business association supported it.",
+    "Explain in detail how a hash table works, with examples, collisions, resizing and complexity.",
+    "Write a Python class for a bank account with deposit, withdraw, balance and history, "
+    "with docstrings and tests.",
+]
+MAX_TOKENS = 256
+# One thread: this box has 2 cores shared with other jobs, and two spinning threads on a
+# busy box run 4x slower. Exactness holds for any thread count as long as it is the same.
+THREADS = 1
+TURN_TOKENS = 64
+TURNS = ["Name a fruit and describe it.", "Now list three more, each with a recipe.", "Thanks!"]
+
+
+@pytest.fixture(scope="module")
+def draft_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A deliberately weak draft (20 of the 30 layers): many rejections to get right."""
+    return merge_layer_ranges(model_path, tmp_path_factory.mktemp("draft") / "d.gguf", [(0, 19)])
+
+
+def build(name: str, model: Model, draft: Path | None = None, **options: object) -> Strategy:
+    spec = EngineSpec(
+        strategy=name, draft=draft, n_ctx=2048, n_threads=THREADS, strategy_options=dict(options)
+    )
+    return get_strategy_class(name).build(model, spec)
+
+
+def make_session(model: Model, strategy: Strategy) -> Session:
+    return Session(model, LocalTarget(model, ContextParams(n_ctx=2048, n_threads=THREADS)), strategy)
+
+
+def reply(session: Session, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[list[int], list]:
+    rounds: list[RoundStats] = []
+    for ev in session.generate(prompt, SamplingParams(), max_tokens):
+        if isinstance(ev, RoundStats):
+            rounds.append(ev)
+        elif isinstance(ev, Finished):
+            return list(ev.tokens), rounds
+    raise AssertionError("no Finished event")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Model) -> dict[str, list[int]]:
+    """Plain decoding's greedy replies: each prompt alone, then one multi-turn conversation."""
+    out: dict[str, list[int]] = {}
+    for prompt in LONG_PROMPTS:
+        s = make_session(model, Autoregressive())
+        out[prompt] = reply(s, prompt)[0]
+        s.close()
+    s = make_session(model, Autoregressive())
+    for i, turn in enumerate(TURNS):
+        out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
+    s.close()
+    assert sum(len(v) >= MAX_TOKENS for v in out.values()) >= 3
+    return out
+
+
+def spec_sessions(model: Model, draft_path: Path) -> Iterator[tuple[str, Strategy]]:
+    yield "anpd", build("anpd", model)
+    yield "sd", build("sd", model, draft_path)
+
+
+def test_greedy_equals_plain_decoding(
+    model: Model, draft_path: Path, reference: dict[str, list[int]]
+) -> None:
+    for name, strategy in spec_sessions(model, draft_path):
+        drafted = accepted = 0
+        for prompt in LONG_PROMPTS:
+            session = make_session(model, strategy)
+            tokens, rounds = reply(session, prompt)
+            session.target.close()
+            assert tokens == reference[prompt], f"{name} differs on {prompt[:30]!r}"
+            drafted += sum(r.drafted for r in rounds)
+            accepted += sum(r.accepted for r in rounds)
+            assert all(r.draft_len + 1 <= MAX_EXACT_BATCH for r in rounds)
+        assert drafted > 0 and 0 < accepted < drafted, (name, drafted, accepted)
+        strategy.close()
+
+
+def test_multi_turn_greedy_equals_plain_decoding(
+    model: Model, draft_path: Path, reference: dict[str, list[int]]
+) -> None:
+    for name, strategy in spec_sessions(model, draft_path):
+        session = make_session(model, strategy)
+        for i, turn in enumerate(TURNS):
+            assert reply(session, turn, TURN_TOKENS)[0] == reference[f"turn{i}"], f"{name} turn {i}"
+        session.close()
+
+
+def test_long_fixed_drafts_stay_exact(model: Model, reference: dict[str, list[int]]) -> None:
+    """Speculation length fixed at the largest exact batch: 47 drafts + the pending token."""
+    strategy = build("anpd", model, k=MAX_EXACT_BATCH - 1, adaptive=False)
+    session = make_session(model, strategy)
+    prompt = LONG_PROMPTS[1]  # code editing: long n-gram matches
+    tokens, rounds = reply(session, prompt, 128)
+    assert tokens == reference[prompt][:128]
+    assert max(r.drafted for r in rounds) > 10
+    assert max(r.draft_len for r in rounds) <= MAX_EXACT_BATCH - 1
+    session.close()
+
+
+# --------------------------------------------------------------------------- sampling
+
+SAMPLED = SamplingParams(temperature=0.8)
+# Positions where a wrong residual step shows: the N-gram drafter proposes " apples", which
+# the target gives p = 0.49 at T = 0.8 (a broken verifier: 0.74); the weak draft model puts
+# q = 0.99 on " and", which the target gives p = 0.22 (broken: 0.39).
+RAW_PROMPTS = {
+    "anpd": "My favourite fruits: apples, pears, plums. Her favourite fruits:",
+    "sd": "Colors: red, green,",
+}
+TRIALS = 200
+
+
+def first_tokens(
+    model: Model, strategy: Strategy, text: str, trials: int
+) -> tuple[list[int], np.ndarray]:
+    """The first token of ``trials`` replies, one seed each; and the target's exact p there."""
+    target = LocalTarget(model, ContextParams(n_ctx=256, n_threads=THREADS))
+    prompt = model.tokenize(text, add_special=True)
+    first_logits = target.decode(prompt)[-1].copy()
+    out = []
+    for seed in range(trials):
+        target.truncate(len(prompt))
+        g = Generation(
+            target=target,
+            sampler=Sampler(SamplingParams(temperature=0.8, seed=seed)),
+            history=list(prompt),
+            first_logits=first_logits,
+            max_new=8,
+            is_eog=model.is_eog,
+        )
+        rounds = strategy.run(g)
+        first = next(rounds)
+        assert first.drafted > 0  # the verifier, not plain sampling, chose this token
+        out.append(first.tokens[0])
+        rounds.close()
+    target.close()
+    return out, probs(first_logits, SAMPLED)
+
+
+def chi2_pvalue(tokens: list[int], p: np.ndarray) -> float:
+    """Goodness of fit against p, likely tokens as their own bins and the tail lumped."""
+    counts = np.bincount(tokens, minlength=p.shape[0]).astype(float)
+    n = len(tokens)
+    big = np.flatnonzero(p * n >= 5)
+    obs = [*counts[big], n - counts[big].sum()]
+    exp = [*(p[big] * n), n - (p[big] * n).sum()]
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
+def broken_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    return np.asarray(p, dtype=np.float64)
+
+
+@pytest.mark.parametrize("name", ["anpd", "sd"])
+def test_sampled_token_follows_target_distribution(
+    name: str, model: Model, draft_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strategy = build(name, model, draft_path, k=2, adaptive=False)
+    tokens, p = first_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
+    assert chi2_pvalue(tokens, p) > 1e-3
+    # The same run with a verifier that resamples from p after a rejection must fail.
+    broken = functools.partial(verify_chain, residual_fn=broken_residual)
+    monkeypatch.setattr(speculative, "verify_chain", broken)
+    tokens, p = first_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
+    assert chi2_pvalue(tokens, p) < 1e-4
+    strategy.close()
