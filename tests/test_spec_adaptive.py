@@ -7,18 +7,25 @@ import numpy as np
 from potluck.engine.adaptive import LengthConfig, SpeculationLength
 
 
-def simulate(alpha: float, draft_ms: float, rounds: int = 600, seed: int = 0) -> SpeculationLength:
-    """A synthetic machine: batch cost grows like DESIGN.md fact 5, acceptance is i.i.d."""
+def simulate(
+    alpha: float, draft_ms: float, rounds: int = 600, seed: int = 0
+) -> tuple[SpeculationLength, list[int]]:
+    """A synthetic machine: batch cost grows like DESIGN.md fact 5, acceptance is i.i.d.
+
+    Returns the controller and the length used in every round.
+    """
     rng = np.random.default_rng(seed)
     ctl = SpeculationLength(LengthConfig(s_init=4, s_max=12))
+    used: list[int] = []
     for _ in range(rounds):
         k = ctl.length()
+        used.append(k)
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
         verify_ms = 10.0 * (1 + 0.45 * k) * rng.uniform(0.95, 1.05)
         ctl.record(accepted + 1, draft_ms * k, verify_ms)
-    return ctl
+    return ctl, used
 
 
 def expected_cost_per_token(alpha: float, draft_ms: float, k: int) -> float:
@@ -27,19 +34,22 @@ def expected_cost_per_token(alpha: float, draft_ms: float, k: int) -> float:
 
 
 def test_good_drafts_settle_near_the_best_length() -> None:
-    best = min(range(13), key=lambda k: expected_cost_per_token(0.9, 0.05, k))
+    costs = [expected_cost_per_token(0.9, 0.05, k) for k in range(13)]
     for seed in range(3):
-        recent = simulate(alpha=0.9, draft_ms=0.05, seed=seed).decisions[-30:]
-        # a hill climber on a flat optimum wanders around it; it must not wander off
-        assert abs(float(np.median(recent)) - best) <= 2, (best, recent)
-        assert recent.count(0) <= 2
+        recent = simulate(alpha=0.9, draft_ms=0.05, seed=seed)[1][-300:]
+        # a hill climber on a flat optimum wanders around it; it must not wander off:
+        # the lengths it picks cost at most 15 % more per token than the best length
+        assert np.mean([costs[s] for s in recent]) <= 1.15 * min(costs), recent
+        assert recent.count(0) <= 30
 
 
 def test_bad_drafts_fall_back_to_plain_decoding() -> None:
-    ctl = simulate(alpha=0.1, draft_ms=2.0, rounds=1500)
+    ctl, used = simulate(alpha=0.1, draft_ms=2.0, rounds=1500)
     # most rounds at s = 0, with rare probes of s = 1 whose back-off keeps growing
-    tail = ctl.decisions[-10:]
-    assert tail.count(0) >= 4 and max(tail) <= 1
+    tail = used[-500:]
+    assert tail.count(0) >= 450 and max(tail) <= 1
+    plain = expected_cost_per_token(0.1, 2.0, 0)
+    assert np.mean([expected_cost_per_token(0.1, 2.0, s) for s in tail]) <= 1.05 * plain
     assert ctl._wait > ctl.config.decision_threshold
 
 
