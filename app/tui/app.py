@@ -13,15 +13,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Protocol
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.css.query import NoMatches
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message as TMessage
 from textual.widgets import ContentSwitcher, Footer, Label, Static
 
@@ -42,6 +42,7 @@ from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPan
 log = logging.getLogger(__name__)
 
 NEW_TITLE = "New chat"
+TEXT_PUMP_S = 1 / 20  # how often streamed text is drawn
 
 
 class ChatSession(Protocol):
@@ -93,12 +94,19 @@ class Reply:
     previous_text: str = ""
     previous_note: str = ""
     got_text: bool = False
+    # Text the engine thread produced that the UI has not drawn yet (guarded by the lock).
+    pending: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def push(self, text: str) -> None:  # engine thread
+        with self.lock:
+            self.pending.append(text)
 
-class ReplyText(TMessage):
-    def __init__(self, reply: Reply, text: str) -> None:
-        super().__init__()
-        self.reply, self.text = reply, text
+    def take(self) -> str:  # UI thread
+        with self.lock:
+            text = "".join(self.pending)
+            self.pending.clear()
+        return text
 
 
 class ReplyFinished(TMessage):
@@ -236,6 +244,7 @@ class PotluckApp(App[None]):
         self.sample_stats()
         if self.settings.ui.stats_interval_s > 0:
             self.set_interval(self.settings.ui.stats_interval_s, self.sample_stats)
+        self.set_interval(TEXT_PUMP_S, self._pump_reply_text)
         self.start_loading(self.spec)
 
     def on_unmount(self) -> None:
@@ -380,7 +389,7 @@ class PotluckApp(App[None]):
                 events = reply.session.generate(reply.user_text, sampling, s.max_tokens)
             for event in events:
                 if isinstance(event, TokenText) and event.text:
-                    self.post_message(ReplyText(reply, event.text))
+                    reply.push(event.text)  # drawn by the UI's pump, not per token
                 elif isinstance(event, Finished):
                     self.post_message(ReplyFinished(reply, event))
         except PotluckError as e:
@@ -425,14 +434,21 @@ class PotluckApp(App[None]):
         await self.refresh_conversations()
         return True
 
-    async def on_reply_text(self, event: ReplyText) -> None:
-        reply = event.reply
-        reply.got_text = True
-        if reply.view.is_attached:
-            await reply.view.append(event.text)
+    async def _pump_reply_text(self) -> None:
+        """Draw what the engine streamed since the last tick (a few times a second, so a
+        fast engine never floods the event loop with one repaint per token)."""
+        reply = self.reply
+        if reply is None:
+            return
+        text = reply.take()
+        if text:
+            reply.got_text = True
+            if reply.view.is_attached:
+                await reply.view.append(text)
 
     async def on_reply_finished(self, event: ReplyFinished) -> None:
         reply, f = event.reply, event.finished
+        await self._pump_reply_text()
         self.reply = None
         self.meter.finish(f)
         note = finish_note(f.reason)
@@ -458,6 +474,7 @@ class PotluckApp(App[None]):
 
     async def on_reply_failed(self, event: ReplyFailed) -> None:
         reply = event.reply
+        await self._pump_reply_text()
         self.reply = None
         self.report_error(event.error)
         assert self.store is not None

@@ -1,0 +1,105 @@
+"""Snapshot tests (pytest-textual-snapshot): main screen, live panels, picker.
+
+Deterministic by construction: fixed terminal size, no cursor blink, no panel timer (the
+panels are sampled by the test at chosen instants), a fake model catalog and strategy
+table, fixed fake figures. Update on purpose only: ``pytest --snapshot-update``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from potluck.app.tui import PotluckApp, build_app
+from potluck.app.tui.catalog import ModelInfo
+from potluck.app.tui.screens import PickerScreen
+from potluck.engine.config import Settings, UISettings
+from potluck.engine.session import LiveStats
+
+from .app_fakes import FakeFactory, ScriptedSession, Step, until, words
+
+SIZE = (110, 34)
+STILL = Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0))
+REPLY = (
+    "Sure! Here is a function that reverses a string:\n\n"
+    "```python\ndef reverse(s: str) -> str:\n    return s[::-1]\n```\n\n"
+    "It uses **slicing** with a step of `-1`."
+)
+
+
+class _Plain:
+    name, needs_draft, description = "autoregressive", False, "plain decoding"
+
+
+class _Spec:
+    name, needs_draft, description = "sd", True, "draft model speculation"
+
+
+CATALOG = [
+    ModelInfo(None, "SmolLM2-135M-Instruct (bundled)", "llama", 30, 49152, vocab="a"),
+    ModelInfo(Path("/models/smollm2-1.7b.gguf"), "SmolLM2-1.7B-Instruct", "llama", 24, 49152, vocab="a"),
+    ModelInfo(Path("/models/gemma-3-270m.gguf"), "Gemma 3 270M", "gemma3", 18, 262144, vocab="b"),
+]
+
+
+def make(tmp_path: Path, steps: list[Step]) -> tuple[PotluckApp, FakeFactory]:
+    factory = FakeFactory(lambda spec: ScriptedSession(steps, strategy="sd", tokens_per_s=61.5))
+    app = build_app(
+        settings=STILL,
+        session_factory=factory,
+        history_path=tmp_path / "history.sqlite3",
+        export_dir=tmp_path / "exports",
+        model_catalog=lambda: list(CATALOG),
+        strategies={"autoregressive": _Plain, "sd": _Spec},
+        copy_fallback=lambda text: "test",
+        clock=lambda: 0.0,
+    )
+    return app, factory
+
+
+async def converse(app: PotluckApp, pilot) -> None:  # noqa: ANN001
+    await until(lambda: app.session is not None)
+    app.input.text = "Write a Python function that reverses a string."
+    await pilot.press("enter")
+    await until(lambda: app.reply is None and len(app.store.messages(app.active)) == 2)  # type: ignore[union-attr, arg-type]
+    app.input.text = ""
+    await pilot.pause()
+
+
+def test_main_screen(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
+    app, _ = make(tmp_path, words(REPLY) + [Step("", drafted=4, accepted=3, draft_len=4)])
+    assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: converse(app, pilot))
+
+
+def test_live_panels_mid_reply(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
+    app, factory = make(tmp_path, words(REPLY))
+
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await converse(app, pilot)
+        session = factory.sessions[0]
+        # A reply in progress, sampled by hand at fixed instants: 3 of 4 drafts pass per round.
+        session.stats = stats = LiveStats(
+            running=True, strategy="sd", started_at=10.0, first_token_at=10.08,
+            prompt_tokens=180, prefill_tokens=40, n_ctx=4096, n_past=180,
+        )
+        for i, t in enumerate([10.25, 10.5, 10.75, 11.0, 11.25, 11.5, 11.75, 12.0]):
+            stats.rounds = 3 * (i + 1)
+            stats.drafted, stats.accepted = 4 * stats.rounds, 3 * stats.rounds
+            stats.new_tokens = stats.accepted + stats.rounds - (i % 3)
+            stats.draft_len = 4 + i % 2
+            stats.n_past = 180 + stats.new_tokens
+            app.sample_stats(now=t)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_picker(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
+    app, _ = make(tmp_path, words("ok"))
+
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await until(lambda: app.session is not None)
+        await pilot.press("ctrl+o")
+        await until(lambda: isinstance(app.screen, PickerScreen))
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
