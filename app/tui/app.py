@@ -286,7 +286,7 @@ class PotluckApp(App[None]):
 
     def _model_label(self) -> str:
         spec = self.spec
-        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME
+        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME.split(" (")[0] + " (bundled)"
         draft = f" + draft {spec.draft.name}" if spec.draft else ""
         return f"{name} · {spec.strategy}{draft}"
 

@@ -196,7 +196,8 @@ class StatsPanel(Vertical):
                 ("first token", fmt(f.ttft_s, ".2f", " s")),
             ])
         self.query_one("#stats-spark", Sparkline).data = list(f.speed_series[-60:])
-        spec = _section(f"Speculation · {f.strategy or DASH}", [
+        spec = _section("Speculation", [
+                ("strategy", f.strategy or DASH),
                 ("acceptance", fmt(f.acceptance_rate, ".2f")),
                 ("accepted/round", fmt(f.mean_accepted_len, ".2f")),
                 ("draft length", fmt(f.draft_len, "d")),
