@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..assets import default_model_path
 from .errors import ModelError
 from .runtime import ContextParams, Model
 from .session import Session
 from .strategies.registry import get_strategy_class
-from .target import LocalTarget
+from .target import LocalTarget, Target
+
+if TYPE_CHECKING:
+    from .pipeline.plan import SplitPlan
+    from .pipeline.transport import CurveKeys
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Run the target on LAN workers (cluster mode); the draft and sampling stay on the head."""
+
+    nodes: tuple[str, ...]  # host:port of each worker, in pipeline order
+    keys: CurveKeys  # from the cluster token (potluck.discovery.auth.keys_from_token)
+    split: tuple[int, ...] | None = None  # fixed layer boundaries; None: plan by memory and speed
+    hidden_dtype: str = "f32"  # "f16" halves the bytes between stages (see the closing note)
+    potluck_version: str = "0"
+    on_plan: Callable[[SplitPlan], None] | None = field(default=None, compare=False)
+    progress: Callable[[str, int, int], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -23,6 +42,7 @@ class EngineSpec:
     system: str | None = None
     use_extra_bufts: bool | None = None
     strategy_options: dict[str, object] = field(default_factory=dict)
+    cluster: ClusterSpec | None = None  # None: the whole target on this machine
 
 
 def resolve_model(path: Path | str | None) -> Path:
@@ -41,9 +61,32 @@ def open_session(spec: EngineSpec) -> Session:
     strategy_cls = get_strategy_class(spec.strategy)
     model = Model(resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts)
     try:
-        target = LocalTarget(model, ContextParams(n_ctx=spec.n_ctx, n_threads=spec.n_threads))
-        strategy = strategy_cls.build(model, spec)
+        target = _open_target(model, spec)
+        try:
+            strategy = strategy_cls.build(model, spec)
+        except BaseException:
+            target.close()
+            raise
     except BaseException:
         model.close()
         raise
     return Session(model, target, strategy, system=spec.system)
+
+
+def _open_target(model: Model, spec: EngineSpec) -> Target:
+    if spec.cluster is None:
+        return LocalTarget(model, ContextParams(n_ctx=spec.n_ctx, n_threads=spec.n_threads))
+    from .pipeline.head import open_pipeline
+
+    c = spec.cluster
+    return open_pipeline(
+        model.path,
+        c.nodes,
+        c.keys,
+        n_ctx=spec.n_ctx,
+        split=c.split,
+        hidden_dtype=c.hidden_dtype,
+        potluck_version=c.potluck_version,
+        on_plan=c.on_plan,
+        progress=c.progress,
+    )

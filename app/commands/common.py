@@ -35,6 +35,72 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
 
 
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """Cluster mode: run the target's layers on `potluck worker`s of the LAN."""
+    g = p.add_argument_group("cluster")
+    g.add_argument(
+        "--nodes",
+        help="workers as host:port,... in pipeline order, or 'auto' to find them with zeroconf",
+    )
+    g.add_argument("--token", help="cluster token (default: $POTLUCK_TOKEN or the saved one)")
+    g.add_argument("--split", help="fixed layer boundaries, e.g. 0,12,30 (default: planned)")
+    g.add_argument(
+        "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"
+    )
+    g.add_argument("--discover-timeout", type=float, default=2.0, help="seconds to browse for 'auto'")
+
+
+def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
+    """The ClusterSpec for ``--nodes`` (None without it); prints the plan and transfer progress."""
+    nodes_arg = getattr(args, "nodes", None)
+    if not nodes_arg:
+        return None
+    from ...discovery.auth import keys_from_token, resolve_token
+    from ...engine.loader import ClusterSpec
+    from ..cli import potluck_version
+
+    keys = keys_from_token(resolve_token(args.token))
+    if nodes_arg == "auto":
+        from ...discovery.lan import browse
+
+        found = [n for n in browse(args.discover_timeout) if n.compatible]
+        if not found:
+            raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
+        nodes = tuple(n.address for n in found)
+    else:
+        nodes = tuple(a.strip() for a in nodes_arg.split(",") if a.strip())
+        for a in nodes:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise PotluckError(f"--nodes entry {a!r} is not host:port")
+    split = None
+    if args.split:
+        try:
+            split = tuple(int(x) for x in args.split.split(","))
+        except ValueError:
+            raise PotluckError(f"--split must be layer numbers like 0,12,30, got {args.split!r}") from None
+    return ClusterSpec(
+        nodes=nodes,
+        keys=keys,
+        split=split,
+        hidden_dtype="f16" if args.hidden_f16 else "f32",
+        potluck_version=potluck_version(),
+        on_plan=lambda plan: print("\n".join(plan.describe()), file=sys.stderr, flush=True),
+        progress=_progress_bar,
+    )
+
+
+def _progress_bar(what: str, done: int, total: int) -> None:
+    if not sys.stderr.isatty() and done < total:
+        return
+    width = 30
+    filled = int(width * done / total) if total else width
+    end = "\n" if done >= total else ""
+    sys.stderr.write(f"\r  sending {what}: [{'#' * filled}{'.' * (width - filled)}] "
+                     f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB{end}")
+    sys.stderr.flush()
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
@@ -53,6 +119,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         n_ctx=args.ctx,
         n_threads=args.threads,
         system=args.system,
+        cluster=cluster_spec(args),
     )
 
 

@@ -8,13 +8,21 @@ import sys
 
 from ...engine.events import Finished, TokenText
 from ...engine.loader import open_session
-from .common import add_model_args, add_sampling_args, engine_spec, read_prompt, sampling_params
+from .common import (
+    add_cluster_args,
+    add_model_args,
+    add_sampling_args,
+    engine_spec,
+    read_prompt,
+    sampling_params,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate one reply to PROMPT (or stdin) and print it")
     add_model_args(p)
     add_sampling_args(p)
+    add_cluster_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end, nothing else")
     p.add_argument("prompt", nargs="?", help="the user message ('-' or omitted: read stdin)")
 

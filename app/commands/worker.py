@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", type=Path, help="where received slices are kept (by sha256)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
+        "--max-message-mb", type=int, default=256, help="largest message accepted (default 256 MB)"
+    )
+    p.add_argument(
         "--no-zeroconf", action="store_true", help="do not advertise (heads must use --nodes)"
     )
     p.add_argument(
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         bind=args.bind,
         port=args.port,
         n_threads=threads,
+        max_msg_bytes=args.max_message_mb << 20,
         potluck_version=potluck_version(),
     )
     advertiser = None

@@ -31,7 +31,7 @@ from ..events import NodeStatus
 from ..gguf_tools import SPLITTABLE_ARCHS
 from . import wire
 from .plan import NodeInfo, SplitPlan, layer_costs, manual_plan, plan_split
-from .transfer import Progress, SliceCache, TransferStats, send_slice
+from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
 from .transport import AUTH_FAILED_EVENTS, CurveKeys, client_socket, endpoint, read_event
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,9 @@ class NodeLink:
         try:
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
+            self.drain_events()
+            if not self.handshaken:  # IMMEDIATE: nothing queues before the CURVE handshake
+                raise NodeFailedError(self._silence_reason(SEND_TIMEOUT_MS / 1000)) from None
             raise NodeFailedError(f"{self.describe()} is unreachable (send timed out)") from None
         self.bytes_out += wire.frames_nbytes(frames)
 
@@ -180,6 +183,8 @@ class PipelineTarget:
         self.stats = WireStats()
         self._n_past = 0
         self._txn = 0
+        self._run_id = 0
+        self._abort_fn: Callable[[], bool] | None = None
         self._broken: str | None = None
         self._poller = zmq.Poller()
         for link in self.links:
@@ -208,22 +213,32 @@ class PipelineTarget:
             )
         t0 = time.perf_counter()
         ids = np.asarray(tokens, dtype="<i4")
-        sent: list[tuple[int, int]] = []  # (txn, n_tokens)
+        self._run_id += 1
+        run_id = self._run_id
+        sent: list[int] = []  # txn of each chunk
         pos = self._n_past
         try:
             for start in range(0, n, self.n_batch):
                 chunk = ids[start : start + self.n_batch]
                 self._txn += 1
                 positions = np.arange(pos, pos + len(chunk), dtype="<i4")
-                msg = wire.decode_batch(self._txn, chunk, positions, outputs="all" if all_logits else "last")
+                outputs = "all" if all_logits else "last"
+                msg = wire.decode_batch(self._txn, chunk, positions, outputs=outputs, run_id=run_id)
                 self.links[0].send(msg)
-                sent.append((self._txn, len(chunk)))
+                sent.append(self._txn)
                 pos += len(chunk)
             rows: list[np.ndarray] = []
-            for txn, k in sent:
-                res = self._wait_result(txn)
-                self._n_past += k
-                rows.append(res.logits)
+            cancelled = False
+            for txn in sent:
+                res = self._wait_result(txn, run_id if not cancelled else None)
+                cancelled = cancelled or res is None or res.skip
+                if not cancelled and res is not None:
+                    rows.append(res.logits)
+            if cancelled:
+                # Stages that computed part of the run hold its cells: drop them everywhere.
+                self.kv_op("rm", 0, p0=self._n_past)
+                raise InterruptedError("decode cancelled")
+            self._n_past = pos
         except NodeFailedError as e:
             self._fail(str(e))
             raise
@@ -233,6 +248,11 @@ class PipelineTarget:
         if all_logits:
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1:]
+
+    def set_abort(self, fn: Callable[[], bool] | None) -> None:
+        """Poll ``fn`` while waiting for results; True cancels the running decode (PipeInfer's
+        cancel message: stages skip the run's remaining batches), then ``InterruptedError``."""
+        self._abort_fn = fn
 
     def truncate(self, n_past: int) -> None:
         if n_past >= self._n_past:
@@ -301,11 +321,17 @@ class PipelineTarget:
             self._broken = why
             log.error("pipeline stopped: %s", why)
 
-    def _wait_result(self, txn: int) -> wire.Result:
+    def _wait_result(self, txn: int, run_id: int | None) -> wire.Result | None:
+        """The last stage's result for ``txn``; None once ``run_id`` was cancelled by the abort
+        callback (its results are still drained, so that order is kept)."""
         deadline = time.monotonic() + self.stall_timeout_s
         last = self.links[-1]
+        cancelled = run_id is None
         while True:
-            events = dict(self._poller.poll(100))
+            if not cancelled and self._abort_fn is not None and self._abort_fn():
+                self.cancel(run_id)  # type: ignore[arg-type]
+                cancelled = True
+            events = dict(self._poller.poll(50))
             for link in self.links:
                 if link.monitor in events:
                     lost = link.drain_events()
@@ -316,9 +342,7 @@ class PipelineTarget:
                     if link is not last or not isinstance(msg, wire.Result):
                         continue  # late control replies
                     if msg.txn == txn:
-                        if msg.skip:
-                            raise NodeFailedError(f"{link.describe()} skipped transaction {txn}")
-                        return msg
+                        return None if cancelled else msg
             if time.monotonic() > deadline:
                 raise NodeFailedError(self._stalled_reason())
 
@@ -397,7 +421,8 @@ def open_pipeline(
         slices = cache.slices(model_path, plan.bounds)
         stats = TransferStats()
         for lk, sl in zip(links, slices):
-            send_slice(lk.request, sl, stats, progress)
+            room = lk.welcome.max_message - (64 << 10)  # type: ignore[union-attr]
+            send_slice(lk.request, sl, stats, progress, chunk_bytes=max(1 << 16, min(CHUNK_BYTES, room)))
         loaded: list[wire.Loaded] = []
         for i, (lk, sl) in enumerate(zip(links, slices)):
             last = i == len(links) - 1

@@ -220,11 +220,9 @@ class Worker:
             self.handle(frames[0].bytes, frames[1:])
 
     def _log_handshake_failures(self) -> None:
-        while True:
+        while self.monitor.poll(0):
             try:
-                event, where = read_event(self.monitor)
-            except zmq.Again:
-                return
+                event, _ = read_event(self.monitor)
             except zmq.ZMQError:
                 return
             if event in AUTH_FAILED_EVENTS:
@@ -275,7 +273,10 @@ class Worker:
             log.info("head %s joined", msg.head_id)
             p = self.profile
             state = "idle"
-            self._send(ident, wire.Welcome(p.node_id, self.version, p.cores, p.free_mb, p.speed, state))
+            welcome = wire.Welcome(
+                p.node_id, self.version, p.cores, p.free_mb, p.speed, state, self.max_msg_bytes
+            )
+            self._send(ident, welcome)
         elif isinstance(msg, wire.Offer):
             self._send(ident, wire.OfferReply(msg.sha256, self._offer(msg)))
         elif isinstance(msg, wire.Chunk):
@@ -386,9 +387,9 @@ class Worker:
             raise PotluckError("no stage is loaded")
         if ident != st.load.upstream.encode():
             raise PotluckError("pipeline traffic from a peer that is not this stage's upstream")
-        if msg.txn != self.txn + 1:
-            raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
         try:
+            if msg.txn != self.txn + 1:
+                raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
             if isinstance(msg, wire.Decode):
                 self._decode(st, msg)
             else:
@@ -399,10 +400,13 @@ class Worker:
                 self.txn = msg.txn
                 if self.forward is not None:
                     self._forward(list(frames))
-        except PotluckError as e:
+        except Exception as e:  # the head is told (not the upstream forwarder, which never reads)
             self.rejected += 1
-            log.warning("transaction %d failed: %s", msg.txn, e)
-            self._send(self.head, wire.Error(self.node, "failed", str(e), msg.txn))
+            if isinstance(e, PotluckError):
+                log.warning("transaction %d failed: %s", msg.txn, e)
+            else:
+                log.exception("transaction %d failed", msg.txn)
+            self._send(self.head, wire.Error(self.node, "failed", f"{e}", msg.txn))
 
     def _decode(self, st: StageCompute, msg: wire.Decode) -> None:
         skip = msg.skip or msg.run_id in self.cancelled

@@ -103,6 +103,7 @@ def send_slice(
     sl: SliceFile,
     stats: TransferStats,
     progress: Progress | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> None:
     """Offer the slice; stream it if the worker lacks it. ``request`` sends and awaits the reply."""
     reply = request(wire.Offer(sl.sha256, sl.size))
@@ -115,7 +116,7 @@ def send_slice(
         return
     t0 = time.perf_counter()
     done = 0
-    for chunk in chunks(sl):
+    for chunk in chunks(sl, chunk_bytes):
         ack = request(chunk)
         assert isinstance(ack, wire.ChunkAck)
         done = ack.received

@@ -92,6 +92,7 @@ class Welcome(Message):
     free_mb: int
     speed: float
     state: str
+    max_message: int  # bytes: the head sizes file chunks below it
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             raise TypeError(f"{cls.__name__}.{name}: unsupported dtype {arr.dtype}")
         arr = np.ascontiguousarray(arr, dtype=DTYPES[dt])
         specs.append([name, dt, list(arr.shape)])
-        buffers.append(memoryview(arr).cast("B"))
+        buffers.append(arr.reshape(-1).view(np.uint8).data)
     header = json.dumps({"type": cls.TYPE, "f": fields, "a": specs}, separators=(",", ":"))
     return [MAGIC, header.encode(), *buffers]
 

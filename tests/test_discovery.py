@@ -1,0 +1,64 @@
+"""Cluster auth keys and zeroconf discovery, bound to loopback only (DESIGN.md fact 13)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from potluck.discovery.auth import generate_token, keys_from_token, resolve_token, save_token
+from potluck.discovery.lan import Advertiser, Membership, browse
+from potluck.engine.errors import PotluckError
+from potluck.engine.pipeline.profile import NodeProfile
+
+LOOPBACK = ["127.0.0.1"]
+
+
+def test_keys_are_derived_from_the_token() -> None:
+    t1, t2 = generate_token(), generate_token()
+    assert t1 != t2 and len(t1) > 40
+    assert keys_from_token(t1) == keys_from_token(t1)
+    k1, k2 = keys_from_token(t1), keys_from_token(t2)
+    assert k1.server_public != k2.server_public and k1.client_public != k2.client_public
+    assert k1.server_public != k1.client_public
+    assert len(k1.server_public) == 40  # Z85 of 32 bytes
+
+
+def test_token_resolution(tmp_home, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POTLUCK_TOKEN", raising=False)
+    with pytest.raises(PotluckError, match="potluck token"):
+        resolve_token(None)
+    token = generate_token()
+    save_token(token)
+    assert resolve_token(None) == token
+    monkeypatch.setenv("POTLUCK_TOKEN", "x" * 20)
+    assert resolve_token(None) == "x" * 20
+    assert resolve_token("y" * 20) == "y" * 20
+    with pytest.raises(PotluckError, match="too short"):
+        resolve_token("short")
+
+
+def test_advertised_workers_are_found_and_leave() -> None:
+    profiles = [NodeProfile(f"testnode{i}", 4, 1000 + i, 2.5) for i in range(2)]
+    ads = [Advertiser(p, 40000 + i, "9.9", interfaces=LOOPBACK) for i, p in enumerate(profiles)]
+    events: list[tuple[str, str]] = []
+    watcher = Membership(interfaces=LOOPBACK, on_change=lambda kind, n: events.append((kind, n.node_id)))
+    try:
+        for ad in ads:
+            ad.start()
+        found = {n.node_id: n for n in browse(8.0, interfaces=LOOPBACK, expect=2)}
+        assert {"testnode0", "testnode1"} <= set(found)
+        n1 = found["testnode1"]
+        assert n1.address == "127.0.0.1:40001" and n1.cores == 4 and n1.free_mb == 1001
+        assert n1.speed == 2.5 and n1.version == "9.9" and n1.compatible
+        ads[0].close()
+        watcher.wait_for(2, 5.0)
+        for _ in range(100):
+            if ("removed", "testnode0") in events:
+                break
+            time.sleep(0.05)
+        assert ("added", "testnode1") in events and ("removed", "testnode0") in events
+    finally:
+        watcher.close()
+        for ad in ads:
+            ad.close()

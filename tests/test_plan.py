@@ -1,0 +1,61 @@
+"""Split planning: every stage fits its node, the bottleneck is minimal, errors are clear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.errors import PotluckError
+from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, layer_costs, manual_plan, plan_split
+
+MB = 1 << 20
+
+
+def costs(n: int = 30, layer_mb: float = 10) -> LayerCosts:
+    return LayerCosts("llama", tuple([int(layer_mb * MB)] * n), 20 * MB, 20 * MB, 0)
+
+
+def node(name: str, free_mb: int = 10_000, speed: float = 1.0) -> NodeInfo:
+    return NodeInfo(name, f"{name}:1", free_mb, speed)
+
+
+def test_equal_nodes_get_balanced_contiguous_ranges() -> None:
+    plan = plan_split(costs(), [node("a"), node("b"), node("c")], n_ctx=512)
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == 30
+    sizes = [s.hi - s.lo for s in plan.stages]
+    assert len(sizes) == 3 and max(sizes) - min(sizes) <= 3  # the head weights sit on the last stage
+
+
+def test_faster_node_gets_more_layers() -> None:
+    plan = plan_split(costs(), [node("slow", speed=1.0), node("fast", speed=3.0)], n_ctx=512)
+    slow, fast = plan.stages
+    assert fast.hi - fast.lo > 2 * (slow.hi - slow.lo)
+
+
+def test_memory_limits_are_respected() -> None:
+    c = costs()
+    plan = plan_split(c, [node("small", free_mb=200, speed=10.0), node("big", free_mb=10_000)], n_ctx=512)
+    assert all(s.mem_mb <= s.node.free_mb for s in plan.stages)
+    assert plan.stages[0].hi - plan.stages[0].lo < 15
+
+
+def test_model_too_big_is_a_clear_error() -> None:
+    with pytest.raises(PotluckError, match="does not fit"):
+        plan_split(costs(), [node("a", free_mb=100), node("b", free_mb=100)], n_ctx=512)
+
+
+def test_manual_plan_checks_counts() -> None:
+    c = costs()
+    assert manual_plan(c, [node("a"), node("b")], [0, 9, 30], 512).bounds == [0, 9, 30]
+    assert manual_plan(c, [node("a"), node("b")], [9], 512).bounds == [0, 9, 30]
+    with pytest.raises(PotluckError, match="2 stages but 3"):
+        manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 30], 512)
+
+
+def test_layer_costs_of_the_default_model(model_path: Path) -> None:
+    c = layer_costs(model_path)
+    assert c.arch == "llama" and c.n_layer == 30
+    assert all(b > 0 for b in c.layer_bytes) and c.embd_bytes > 0 and c.kv_bytes_per_token_layer > 0
+    lines = plan_split(c, [node("a"), node("b")], 1024).describe()
+    assert lines[0].startswith("split plan: 30 layers over 2")
