@@ -20,8 +20,8 @@ def override_home(path: Path | None) -> None:
 
 def _base(env_var: str, fallback: str) -> Path:
     home = _override or (Path(os.environ["POTLUCK_HOME"]) if os.environ.get("POTLUCK_HOME") else None)
-    if home is not None:
-        return home / fallback.rsplit("/", 1)[-1]
+    if home is not None:  # one folder per kind: config, data, cache, state
+        return home / env_var.removeprefix("XDG_").removesuffix("_HOME").lower()
     root = os.environ.get(env_var) or str(Path.home() / fallback)
     return Path(root) / "potluck"
 
