@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from potluck.engine.chat import Message
 from potluck.engine.events import Finished
 from potluck.engine.gguf_tools import slice_layers

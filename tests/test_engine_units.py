@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from potluck.engine.chat import ChatFormat, Message, TextStream
 from potluck.engine.gguf_tools import file_sha256, merge_layer_ranges, parse_recipe
 from potluck.engine.runtime import ContextParams, Model
