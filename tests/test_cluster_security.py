@@ -87,7 +87,7 @@ def fuzz_cases(rng: random.Random) -> Iterator[list[bytes]]:
             produced += 1
             yield frames
     # Well-formed messages that a serving stage must refuse (wrong txn, bad shapes, ids).
-    for i in range(100):
+    for _ in range(100):
         n = rng.randint(1, 8)
         pos = np.arange(n, dtype=np.int32) + rng.choice([0, 10**6])
         inputs = rng.choice([
