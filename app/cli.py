@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ..engine.errors import PotluckError
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
-COMMANDS = ["chat", "generate", "models", "perf", "locate", "worker", "nodes", "token"]
+COMMANDS = ["chat", "generate", "models", "perf", "locate", "worker", "nodes", "token", "bench"]
 
 
 def potluck_version() -> str:

@@ -19,6 +19,7 @@ Two adaptations to a single machine, both measured at run time rather than assum
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,3 +100,47 @@ class SpeculationLength:
             self._prev_s = old
         self.s = new
         self.decisions.append(new)
+
+
+class DraftBreakEven:
+    """How likely a drafted token must be accepted to be worth drafting and verifying.
+
+    One more draft token makes the verify batch longer by a measured ``m`` ms and costs
+    ``d`` ms to draft; it saves a whole plain step (``a`` ms) only if accepted. It pays when
+    P(accept) > (m + d) / a. On this box batches cost nearly linearly (DESIGN.md fact 5:
+    compute-bound), so the threshold is high; on memory-bound machines the batch curve is
+    flat and it falls towards 0. ``a`` and ``m`` come from a least-squares line through the
+    (batch size, verify ms) of recent rounds, so nothing about the machine is assumed.
+    """
+
+    def __init__(self, window: int = 96, prior: float = 0.6) -> None:
+        self._verify: deque[tuple[int, float]] = deque(maxlen=window)
+        self._draft_ms = 0.0
+        self._drafted = 0.0
+        self.prior = prior
+
+    def record(self, batch: int, verify_ms: float, drafted: int, draft_ms: float) -> None:
+        if batch > 0:
+            self._verify.append((batch, verify_ms))
+        if drafted > 0:  # decayed totals: the draft's speed may change with its context
+            self._draft_ms = 0.9 * self._draft_ms + draft_ms
+            self._drafted = 0.9 * self._drafted + drafted
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, m): verify ms of a 1-token batch and of each extra token, if measurable."""
+        if len({b for b, _ in self._verify}) < 2:
+            return None
+        b = np.array([b for b, _ in self._verify], dtype=float)
+        ms = np.array([t for _, t in self._verify], dtype=float)
+        m, a1 = np.polyfit(b - 1.0, ms, 1)
+        if a1 <= 0:
+            return None
+        return float(a1), max(0.0, float(m))
+
+    def threshold(self) -> float:
+        fit = self.line()
+        if fit is None:
+            return self.prior
+        a, m = fit
+        d = self._draft_ms / self._drafted if self._drafted else 0.0
+        return min(1.0, (m + d) / a)

@@ -57,6 +57,7 @@ class DraftModelDrafter:
         self.model = model
         self.owns_model = owns_model
         self.p_min = p_min  # stop drafting once the draft's own top probability falls below
+        self.break_even = 0.0  # measured at run time by the strategy (adaptive.DraftBreakEven)
         self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads))
         self.tokens: list[int] = []  # what the draft's KV cache holds, in order
         self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
@@ -94,24 +95,29 @@ class DraftModelDrafter:
         self.observe(context)
         params = sampler.params
         stochastic = not params.greedy
-        history = list(context)
+        penalty = params.repeat_penalty != 1.0
+        recent = list(context[-params.repeat_last_n :]) if penalty else []
+        threshold = max(self.p_min, self.break_even)
         drafts: list[int] = []
         qs: list[np.ndarray] = []
+        chance = 1.0  # that every draft so far is accepted, by the draft's own confidence
         for i in range(k):
             logits = self._logits
             assert logits is not None
-            if stochastic:
-                q = probs(logits, params, history)
-                x = sampler.draw(q)
-                qs.append(q)
-                confidence = float(q.max())
-            else:
-                q = probs(logits, params, history)  # one-hot argmax (with repeat penalty)
-                x = int(np.argmax(q))
-                confidence = self._top_prob(logits) if self.p_min > 0 else 1.0
+            q = probs(logits, params, recent)  # greedy: one-hot argmax (with the penalty)
+            # the draft's confidence stands in for its chance of acceptance: stop drafting
+            # when the next token cannot pay for its share of the verify batch (decided
+            # before drawing, so a drafted token is still an unbiased draw from q)
+            chance *= float(q.max()) if stochastic else self._top_prob(logits)
+            if chance < threshold:
+                break
+            x = sampler.draw(q) if stochastic else int(np.argmax(q))
             drafts.append(x)
-            history.append(x)
-            if i == k - 1 or confidence < self.p_min:
+            if stochastic:
+                qs.append(q)
+            if penalty:
+                recent.append(x)
+            if i == k - 1:
                 break
             self.ctx.decode([x], len(self.tokens))
             self.tokens.append(x)

@@ -4,15 +4,31 @@ Tables are initialised from the prompt and updated with every accepted token; dr
 asks the longest context first and stops as soon as no level matches, so a round with no
 evidence costs nothing but a plain decode. All per-token work runs in
 :mod:`potluck.engine.kernels.ngram` over numpy token arrays.
+
+One addition to the paper: each level's hit rate is learned from what the target accepted
+(``observe``), and drafting stops once the chance that the whole draft so far is accepted
+(the product of the hit rates of the levels that produced it, plus an exploration bonus)
+falls below ``break_even``, the acceptance probability a draft token needs to pay for its
+share of the verify batch (:class:`potluck.engine.adaptive.DraftBreakEven`). With
+``break_even = 0`` this is exactly ANPD's K-step multi-level drafting.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..kernels.ngram import NgramTables, warm_up
 from ..sampling import Sampler
 from . import Draft
+
+# Hit rates by level measured on SmolLM2 replies (code editing, summaries, chat), used
+# as a weak prior (PRIOR_WEIGHT pseudo-drafts) until this conversation's own rates arrive.
+PRIOR_HIT_RATE = {2: 0.2, 3: 0.45, 4: 0.65}
+PRIOR_HIT_RATE_LONG = 0.85
+PRIOR_WEIGHT = 4.0
+EXPLORE = 0.2  # bonus / sqrt(attempts): levels with little evidence still get tried
 
 
 class NgramDrafter:
@@ -22,26 +38,56 @@ class NgramDrafter:
         self.n_max = n_max
         warm_up()  # compile or load the kernels now, not in the first round
         self.tables = NgramTables(n_max)
+        self.break_even = 0.0
+        self.attempts = np.zeros(n_max + 1)
+        self.hits = np.zeros(n_max + 1)
+        for n in range(2, n_max + 1):
+            self.attempts[n] = PRIOR_WEIGHT
+            self.hits[n] = PRIOR_WEIGHT * PRIOR_HIT_RATE.get(n, PRIOR_HIT_RATE_LONG)
+        self._last: tuple[int, list[int], list[int]] | None = None  # start, tokens, levels
 
     def observe(self, context: Sequence[int]) -> None:
-        """Append the tokens of ``context`` the tables have not seen.
+        """Append the tokens of ``context`` the tables have not seen; score the last draft.
 
         The conversation normally only grows; if it was edited (its length shrank or the
         last token we saw changed) the tables are rebuilt. The check is O(1): a change
         deeper in the history only makes drafts worse, never the output wrong.
         """
+        self._score_last_draft(context)
         t = self.tables
         if len(context) < t.n or (t.n and context[t.n - 1] != t.last_token()):
             self.tables = t = NgramTables(self.n_max)
         if len(context) > t.n:
             t.extend(context[t.n :])
 
+    def _score_last_draft(self, context: Sequence[int]) -> None:
+        if self._last is None:
+            return
+        start, tokens, levels = self._last
+        self._last = None
+        for j, (tok, lvl) in enumerate(zip(tokens, levels)):
+            if start + j >= len(context):
+                return  # the reply ended inside the draft: no verdict on the rest
+            self.attempts[lvl] += 1
+            if context[start + j] != tok:
+                return  # later drafts were never judged on their own
+            self.hits[lvl] += 1
+
+    def level_rates(self) -> np.ndarray:
+        """Optimistic hit rate per level: measured rate plus a bonus that fades with evidence."""
+        rate = self.hits / np.maximum(self.attempts, 1e-9)
+        bonus = EXPLORE / np.sqrt(np.maximum(self.attempts, 1.0))
+        return np.minimum(1.0, rate + bonus)
+
     def propose(self, context: Sequence[int], k: int, sampler: Sampler) -> Draft:
         self.observe(context)
-        return Draft(self.tables.draft(k))
+        tokens, levels = self.tables.draft(k, self.level_rates(), self.break_even)
+        if tokens:
+            self._last = (len(context), tokens, levels)
+        return Draft(tokens)
 
     def reset(self) -> None:
-        self.tables = NgramTables(self.n_max)
+        self.__init__(self.n_max)  # type: ignore[misc]
 
     def close(self) -> None:
         pass

@@ -134,13 +134,19 @@ def ngram_draft(
     k: int,
     ctx_pos: np.ndarray,
     ctx_lvl: np.ndarray,
-    out: np.ndarray,  # int32 [>= k]
+    rate: np.ndarray,  # float64 [n_max + 1]: estimated hit rate of each level
+    threshold: float,  # stop once the chance that the whole draft is accepted falls below
+    out: np.ndarray,  # int32 [>= k] drafted tokens
+    out_lvl: np.ndarray,  # int8 [>= k] level that produced each token
 ) -> int:
     """Draft up to ``k`` tokens after ``toks[:n_toks]`` by iterated multi-level queries.
 
-    Stops early when no level matches (ANPD drafts nothing it has no evidence for).
-    Returns the number of tokens written to ``out``.
+    Stops early when no level matches (ANPD drafts nothing it has no evidence for), or
+    when the product of the hit rates of the levels used so far (the chance that every
+    draft up to here is accepted) drops below ``threshold``; with ``threshold = 0`` this
+    is ANPD's plain K-step drafting. Returns the number of tokens written to ``out``.
     """
+    chance = 1.0
     win = np.empty(n_max - 1 + k, dtype=np.int32)
     w = 0
     for i in range(max(0, n_toks - (n_max - 1)), n_toks):
@@ -154,8 +160,12 @@ def ngram_draft(
             x = _find(toks, win, w - 1, n, 1, ctx_pos, ctx_lvl)
             if x >= 0:
                 found = toks[ctx_pos[x]]
+                out_lvl[j] = n
                 break
         if found < 0:
+            return j
+        chance *= rate[out_lvl[j]]
+        if chance < threshold:
             return j
         out[j] = found
         win[w] = found
@@ -246,12 +256,19 @@ class NgramTables:
         self.contexts.used += x
         self.n = end
 
-    def draft(self, k: int) -> list[int]:
+    def draft(
+        self, k: int, rate: np.ndarray | None = None, threshold: float = 0.0
+    ) -> tuple[list[int], list[int]]:
+        """Up to ``k`` tokens and the level that produced each (see :func:`ngram_draft`)."""
         if k <= 0 or self.n == 0:
-            return []
+            return [], []
+        if rate is None:
+            rate = np.ones(self.n_max + 1, dtype=np.float64)
         out = np.empty(k, dtype=np.int32)
-        m = ngram_draft(self.toks, self.n, self.n_max, k, self.contexts.pos, self.contexts.lvl, out)
-        return out[:m].tolist()
+        lvl = np.empty(k, dtype=np.int8)
+        pos, levels = self.contexts.pos, self.contexts.lvl
+        m = ngram_draft(self.toks, self.n, self.n_max, k, pos, levels, rate, threshold, out, lvl)
+        return out[:m].tolist(), lvl[:m].tolist()
 
     def last_token(self) -> int:
         return int(self.toks[self.n - 1]) if self.n else -1
@@ -262,6 +279,7 @@ def warm_up() -> None:
     t = NgramTables(3, capacity=8)
     t.extend([1, 2, 3, 1, 2, 3, 1, 2] * 3)
     t.draft(3)
+    t.draft(3, np.full(4, 0.5), 0.3)
 
 
 # --------------------------------------------------------------------------- plain-Python reference
@@ -288,22 +306,32 @@ class NgramReference:
                 count, _ = nexts.get(int(tok), (0, -1))
                 nexts[int(tok)] = (count + 1, t)
 
-    def query(self, context: Sequence[int]) -> int | None:
+    def query(self, context: Sequence[int]) -> tuple[int, int] | None:
+        """(token, level) from the longest context that was seen, or None."""
         for n in range(self.n_max, 1, -1):
             if len(context) < n - 1:
                 continue
             nexts = self.stats.get((n, tuple(context[len(context) - n + 1 :])))
             if nexts:
-                return max(nexts.items(), key=lambda kv: kv[1])[0]  # (count, recency)
+                return max(nexts.items(), key=lambda kv: kv[1])[0], n  # (count, recency)
         return None
 
-    def draft(self, k: int) -> list[int]:
+    def draft(
+        self, k: int, rate: Sequence[float] | None = None, threshold: float = 0.0
+    ) -> tuple[list[int], list[int]]:
+        rate = [1.0] * (self.n_max + 1) if rate is None else list(rate)
         window = list(self.toks)
         out: list[int] = []
+        levels: list[int] = []
+        chance = 1.0
         for _ in range(k):
-            tok = self.query(window)
-            if tok is None:
+            hit = self.query(window)
+            if hit is None:
                 break
-            out.append(tok)
-            window.append(tok)
-        return out
+            chance *= rate[hit[1]]
+            if chance < threshold:
+                break
+            out.append(hit[0])
+            levels.append(hit[1])
+            window.append(hit[0])
+        return out, levels

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..adaptive import LengthConfig, SpeculationLength
+from ..adaptive import DraftBreakEven, LengthConfig, SpeculationLength
 from ..drafters import Draft, Drafter
 from ..errors import PotluckError
 from ..sampling import Sampler, probs
@@ -50,6 +50,7 @@ class Speculative(Strategy):
         self.length_config = length
         self.adaptive = adaptive
         self.length = SpeculationLength(length)
+        self.break_even = DraftBreakEven()
 
     def run(self, g: Generation) -> Iterator[Round]:
         target, sampler = g.target, g.sampler
@@ -57,9 +58,12 @@ class Speculative(Strategy):
         head_logits = g.first_logits  # target logits after g.history while nothing is pending
 
         while True:
-            # 1. how far to speculate: never past the reply's end or the exact batch size
+            # 1. how far to speculate: never past the reply's end or the exact batch size;
+            #    and how likely a draft token must be to pay for its share of the batch
             s = self.length.length() if self.adaptive else self.length_config.s_max
             k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
+            if self.adaptive and hasattr(self.drafter, "break_even"):
+                self.drafter.break_even = self.break_even.threshold()
 
             # 2. draft
             t0 = time.perf_counter()
@@ -82,6 +86,7 @@ class Speculative(Strategy):
             tokens = verdict.tokens(drafts)
             draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             self.length.record(len(tokens), draft_ms, verify_ms)
+            self.break_even.record(len(batch), verify_ms, len(drafts), draft_ms)
             yield Round(
                 tokens=tokens,
                 drafted=len(drafts),
@@ -97,6 +102,7 @@ class Speculative(Strategy):
     def reset(self) -> None:
         self.drafter.reset()
         self.length = SpeculationLength(self.length_config)
+        self.break_even = DraftBreakEven()
 
     def close(self) -> None:
         self.drafter.close()

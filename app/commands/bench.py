@@ -1,0 +1,184 @@
+"""`potluck bench`: decoding strategies side by side on shipped prompt families.
+
+Also builds the synthetic benchmark targets (``--build-fixtures``) and measures the N-gram
+drafter's cost per token at growing context sizes (``--ngram-scaling``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ...engine.benchmark import (
+    BASELINE,
+    FAMILIES,
+    PEER,
+    BenchConfig,
+    BenchRow,
+    ngram_scaling,
+    run_bench,
+)
+from ...engine.errors import PotluckError
+from ...engine.fixtures import RECIPES, build_all, build_fixture
+from ...engine.loader import resolve_model
+from .common import positive_int
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark decoding strategies against plain decoding and a peer",
+        description="Runs strategies side by side in one process on the same prompts "
+        "(greedy) and reports tokens/s, speedup vs plain decoding, acceptance and whether "
+        f"the output is identical to plain decoding. Baselines: {BASELINE} and '{PEER}' "
+        "(llama-cpp-python's LlamaPromptLookupDecoding).",
+    )
+    p.add_argument("-m", "--model", type=Path, help="target GGUF (default: the bundled model)")
+    p.add_argument(
+        "--target-recipe",
+        metavar="RECIPE",
+        help="use a synthetic target built from the bundled model's layers "
+        f"(e.g. {', '.join(RECIPES)}); the bundled model becomes the default draft",
+    )
+    p.add_argument("--draft", type=Path, help="draft GGUF for the 'sd' strategy")
+    p.add_argument(
+        "--strategies",
+        default=None,
+        help=f"comma-separated names, '{PEER}' for the peer (default: anpd,{PEER}, plus sd "
+        "when a draft is given); plain decoding always runs as the baseline",
+    )
+    p.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"prompt families (default: {','.join(FAMILIES)})",
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per reply (128)")
+    p.add_argument("--reps", type=positive_int, default=3, help="repetitions; medians are reported (3)")
+    p.add_argument("--ctx", type=positive_int, default=4096, help="context size (4096)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="strategy option, e.g. k=7, n=5, adaptive=false (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON array, one object per row")
+    p.add_argument(
+        "--build-fixtures",
+        action="store_true",
+        help=f"build the synthetic targets ({', '.join(RECIPES)}) and exit",
+    )
+    p.add_argument(
+        "--ngram-scaling",
+        action="store_true",
+        help="measure the N-gram drafter's cost per token at growing context sizes and exit",
+    )
+
+
+def _parse_options(items: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise PotluckError(f"--option expects KEY=VALUE, got {item!r}")
+        value: object
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[key] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.build_fixtures:
+        for fx in build_all():
+            print(f"{fx.recipe:<12} {fx.n_layer:>4} layers  {fx.path}  ({RECIPES[fx.recipe]})")
+        return 0
+    if args.ngram_scaling:
+        rows = ngram_scaling()
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print(f"{'context':>8}  {'us/token':>9}  {'prefill us/token':>16}  {'draft len':>9}")
+            for r in rows:
+                print(
+                    f"{r['context_tokens']:>8}  {r['us_per_token']:>9.1f}  "
+                    f"{r['prefill_us_per_token']:>16.2f}  {r['mean_draft_len']:>9.2f}"
+                )
+        return 0
+
+    model, draft = args.model, args.draft
+    if args.target_recipe:
+        if model is not None:
+            raise PotluckError("pass either -m or --target-recipe, not both")
+        model = build_fixture(args.target_recipe).path
+        draft = draft or resolve_model(None)
+    if args.strategies:
+        names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    else:
+        names = ("anpd", PEER) + (("sd",) if draft is not None else ())
+    if "sd" in names and draft is None:
+        raise PotluckError("strategy 'sd' needs a draft model: pass --draft PATH or --target-recipe")
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    cfg = BenchConfig(
+        model=model,
+        draft=draft,
+        recipe=args.target_recipe,
+        strategies=names,
+        families=families,
+        max_tokens=args.max_tokens,
+        reps=args.reps,
+        n_ctx=args.ctx,
+        n_threads=args.threads,
+        options=_parse_options(args.option),
+    )
+    progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    rows = run_bench(cfg, progress)
+    if args.json:
+        print(json.dumps([r.as_json() for r in rows], ensure_ascii=False))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    if not rows:
+        return "(no rows)"
+    r0 = rows[0]
+    head = [
+        f"target: {r0.target} ({r0.target_layers} layers"
+        + (f", recipe {r0.recipe}" if r0.recipe else "")
+        + ")",
+        f"max tokens {r0.max_tokens}, reps {r0.reps} (medians), threads {r0.threads or 'all'}",
+    ]
+    for r in rows:
+        if r.cost_ratio is not None:
+            head.append(f"draft: {r.draft}, cost ratio target/draft {r.cost_ratio:.2f}")
+            break
+    cols = (
+        f"{'family':<14}{'strategy':<16}{'tok/s':>8}{'speedup':>9}{'accept':>8}"
+        f"{'acc/rnd':>8}{'s/rnd':>7}{'draft ms/t':>11}{'verify ms/t':>12}  identical"
+    )
+    lines = [*head, "", cols, "-" * len(cols)]
+    for r in rows:
+        lines.append(
+            f"{r.family:<14}{r.strategy:<16}{r.tokens_per_s:>8.1f}{r.speedup:>8.2f}x"
+            f"{_fmt(r.acceptance_rate, '.2f'):>8}{_fmt(r.mean_accepted_len, '.2f'):>8}"
+            f"{_fmt(r.mean_draft_len, '.1f'):>7}{_fmt(r.draft_ms_per_token, '.2f'):>11}"
+            f"{_fmt(r.verify_ms_per_token, '.2f'):>12}  {'yes' if r.identical_to_ar else 'NO'}"
+        )
+    return "\n".join(lines)
