@@ -53,7 +53,7 @@ def pipeline(model_path: Path, ws: list[WorkerProc], cache: SliceCache, **kw) ->
 
 
 def converse(model: Model, target: Target, strategy_name: str, draft: Path | None) -> list[tuple[int, ...]]:
-    spec = EngineSpec(strategy=strategy_name, draft=draft, n_ctx=N_CTX)
+    spec = EngineSpec(strategy=strategy_name, draft=draft, n_ctx=N_CTX, n_threads=1)
     strategy = STRATEGIES[strategy_name].build(model, spec)
     session = Session(model, target, strategy, system="Be brief.")
     try:
@@ -68,7 +68,8 @@ def converse(model: Model, target: Target, strategy_name: str, draft: Path | Non
 
 
 def reference(model: Model, strategy_name: str = "autoregressive", draft: Path | None = None) -> list[tuple[int, ...]]:
-    target = LocalTarget(model, ContextParams(n_ctx=N_CTX))
+    # One thread: on 2 shared cores, llama.cpp's all-core default stalls on busy siblings.
+    target = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
     try:
         return converse(model, target, strategy_name, draft)
     finally:
@@ -141,7 +142,7 @@ def test_cancel_mid_prefill_keeps_stages_consistent(
 ) -> None:
     """Abort while a multi-chunk prompt is in flight: every stage drops the run, then decodes
     exactly as if nothing happened (the run id + cancel message of the protocol)."""
-    params = ContextParams(n_ctx=N_CTX, n_batch=16)
+    params = ContextParams(n_ctx=N_CTX, n_batch=16, n_threads=1)
     target = pipeline(model_path, workers[:2], slice_cache, split=[0, 15, 30], n_batch=16)
     local = LocalTarget(model, params)
     try:

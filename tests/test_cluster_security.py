@@ -118,7 +118,7 @@ def test_fuzzed_worker_stays_up_unchanged_and_serves_a_valid_head(
 ) -> None:
     keys = keys_from_token(TOKEN)
     target = open_pipeline(model_path, [worker.address], keys, n_ctx=512, slice_cache=SliceCache(tmp_path))
-    local = LocalTarget(model, ContextParams(n_ctx=512))
+    local = LocalTarget(model, ContextParams(n_ctx=512, n_threads=1))
     ctx = zmq.Context()
     fuzzer = client_socket(ctx, keys, b"fuzzer")
     try:

@@ -59,3 +59,30 @@ def test_layer_costs_of_the_default_model(model_path: Path) -> None:
     assert all(b > 0 for b in c.layer_bytes) and c.embd_bytes > 0 and c.kv_bytes_per_token_layer > 0
     lines = plan_split(c, [node("a"), node("b")], 1024).describe()
     assert lines[0].startswith("split plan: 30 layers over 2")
+
+
+def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A model whose per-layer structure we have not verified is never split (no worker needed)."""
+    import gguf
+    import numpy as np
+
+    from potluck.discovery.auth import keys_from_token
+    from potluck.engine.gguf_tools import slice_layers
+    from potluck.engine.pipeline.head import open_pipeline
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), arch="qwen2")
+    w.add_block_count(2)
+    w.add_embedding_length(4)
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    keys = keys_from_token("potluck-test-token-0123456789abcdef")
+    with pytest.raises(PotluckError, match="'qwen2' is not verified for exact layer splitting") as err:
+        open_pipeline(path, ["127.0.0.1:9"], keys)
+    assert "\n" not in str(err.value)
+    with pytest.raises(PotluckError, match="not verified"):
+        slice_layers(path, tmp_path / "s.gguf", 0, 1)

@@ -288,7 +288,11 @@ class PipelineTarget:
         """Clear every sequence on every stage (a new conversation)."""
         self._check_usable()
         self._txn += 1
-        self.links[0].send(wire.Reset(self._txn))
+        try:
+            self.links[0].send(wire.Reset(self._txn))
+        except NodeFailedError as e:
+            self._fail(str(e))
+            raise
         self._n_past = 0
 
     def cancel(self, run_id: int) -> None:
