@@ -168,3 +168,26 @@ def test_fuzzed_worker_stays_up_unchanged_and_serves_a_valid_head(
         ctx.term()
         local.close()
         target.close()
+
+
+def test_worker_survives_a_head_that_vanishes(
+    worker: WorkerProc, model: Model, model_path: Path, tmp_path: Path
+) -> None:
+    """A head that dies without releasing its stage: the worker waits, the next head is served."""
+    keys = keys_from_token(TOKEN)
+    cache = SliceCache(tmp_path)
+    prompt = model.tokenize("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    gone = open_pipeline(model_path, [worker.address], keys, n_ctx=512, slice_cache=cache)
+    gone.decode(prompt)
+    for link in gone.links:  # as if the head process had crashed: no release message
+        link.close(release=False)
+    gone._zctx.term()
+    local = LocalTarget(model, ContextParams(n_ctx=512, n_threads=1))
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=512, slice_cache=cache)
+    try:
+        assert target.transfer.bytes_sent == 0
+        assert np.array_equal(local.decode(prompt, all_logits=True), target.decode(prompt, all_logits=True))
+    finally:
+        local.close()
+        target.close()
+    assert worker.alive()
