@@ -160,3 +160,20 @@ def test_cancel_mid_prefill_keeps_stages_consistent(
     finally:
         local.close()
         target.close()
+
+
+def test_generate_command_with_nodes_matches_one_machine(
+    workers: list[WorkerProc], tmp_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from potluck.app.cli import main
+
+    common = ["generate", "--max-tokens", "8", "--json", "-t", "1", "What is the capital of France?"]
+    assert main(common) == 0
+    local = json.loads(capsys.readouterr().out)
+    nodes = ",".join(w.address for w in workers[:2])
+    assert main([*common[:1], "--nodes", nodes, "--token", TOKEN, "--split", "0,15,30", *common[1:]]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["tokens"] == local["tokens"]
+    assert "split plan: 30 layers over 2 stage(s)" in captured.err and "layers   0-15" in captured.err

@@ -62,3 +62,14 @@ def test_advertised_workers_are_found_and_leave() -> None:
         watcher.close()
         for ad in ads:
             ad.close()
+
+
+def test_token_and_nodes_commands(tmp_home, capsys: pytest.CaptureFixture[str]) -> None:
+    from potluck.app.cli import main
+
+    assert main(["token"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert main(["token", "--show"]) == 0
+    assert capsys.readouterr().out.strip() == token and token.startswith("potluck-")
+    assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "0.3"]) == 1
+    assert "no potluck workers found" in capsys.readouterr().out
