@@ -115,16 +115,11 @@ class DraftBreakEven:
 
     def __init__(self, window: int = 96, prior: float = 0.6) -> None:
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
-        self._draft_ms = 0.0
-        self._drafted = 0.0
         self.prior = prior
 
-    def record(self, batch: int, verify_ms: float, drafted: int, draft_ms: float) -> None:
+    def record(self, batch: int, verify_ms: float) -> None:
         if batch > 0:
             self._verify.append((batch, verify_ms))
-        if drafted > 0:  # decayed totals: the draft's speed may change with its context
-            self._draft_ms = 0.9 * self._draft_ms + draft_ms
-            self._drafted = 0.9 * self._drafted + drafted
 
     def line(self) -> tuple[float, float] | None:
         """(a, m): verify ms of a 1-token batch and of each extra token, if measurable."""
@@ -137,10 +132,10 @@ class DraftBreakEven:
             return None
         return float(a1), max(0.0, float(m))
 
-    def threshold(self) -> float:
+    def threshold(self, draft_step_ms: float = 0.0) -> float:
+        """``draft_step_ms``: what drafting one more token costs (a draft model's step)."""
         fit = self.line()
         if fit is None:
             return self.prior
         a, m = fit
-        d = self._draft_ms / self._drafted if self._drafted else 0.0
-        return min(1.0, (m + d) / a)
+        return min(1.0, (m + draft_step_ms) / a)

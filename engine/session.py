@@ -190,6 +190,7 @@ class Session:
                 set_abort(None)
         self._tokens = list(tokens)
         self._covered = rendered
+        self.strategy.prepare(self._tokens)  # e.g. a draft model's own prompt processing
         t_prefill = time.perf_counter()
         st.n_past = target.n_past
 

@@ -10,6 +10,7 @@ accepted, the last draft). The draft's exactness does not matter, only its speed
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,6 +59,7 @@ class DraftModelDrafter:
         self.owns_model = owns_model
         self.p_min = p_min  # stop drafting once the draft's own top probability falls below
         self.break_even = 0.0  # measured at run time by the strategy (adaptive.DraftBreakEven)
+        self.step_ms = 0.0  # measured cost of one draft step (decayed average)
         self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads))
         self.tokens: list[int] = []  # what the draft's KV cache holds, in order
         self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
@@ -85,7 +87,10 @@ class DraftModelDrafter:
         n_batch = self.ctx.params.n_batch
         for start in range(0, len(todo), n_batch):
             chunk = todo[start : start + n_batch]
+            t = time.perf_counter()
             self.ctx.decode(chunk, len(self.tokens))
+            if len(chunk) == 1:
+                self._note_step((time.perf_counter() - t) * 1e3)
             self.tokens.extend(chunk)
         self._logits = self.ctx.logits_row(-1)
 
@@ -119,12 +124,18 @@ class DraftModelDrafter:
                 recent.append(x)
             if i == k - 1:
                 break
+            t = time.perf_counter()
             self.ctx.decode([x], len(self.tokens))
+            self._note_step((time.perf_counter() - t) * 1e3)
             self.tokens.append(x)
             self._logits = self.ctx.logits_row(-1)
         # the last draft is not in the draft's cache yet: logits are stale until observe()
         self._logits = None
         return Draft(drafts, qs if stochastic else None)
+
+    def _note_step(self, ms: float) -> None:
+        """Decayed average of one single-token draft decode (the marginal drafting cost)."""
+        self.step_ms = ms if self.step_ms == 0.0 else 0.8 * self.step_ms + 0.2 * ms
 
     @staticmethod
     def _top_prob(logits: np.ndarray) -> float:

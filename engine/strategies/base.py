@@ -72,6 +72,13 @@ class Strategy(ABC):
         """Create the strategy for ``target_model`` (strategies with a draft load it here)."""
         return cls()
 
+    def prepare(self, history: list[int]) -> None:
+        """Process the prompt before decoding starts (a draft model's prefill); optional.
+
+        Called by the session after the target's prefill, so the time counts as prompt
+        processing (time to first token), not as decoding, as in llama.cpp's examples.
+        """
+
     @abstractmethod
     def run(self, g: Generation) -> Iterator[Round]:
         """Yield rounds until ``g.done`` is set (or the context is full)."""

@@ -63,7 +63,10 @@ class Speculative(Strategy):
             s = self.length.length() if self.adaptive else self.length_config.s_max
             k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
             if self.adaptive and hasattr(self.drafter, "break_even"):
-                self.drafter.break_even = self.break_even.threshold()
+                step_ms = float(getattr(self.drafter, "step_ms", 0.0))
+                self.drafter.break_even = self.break_even.threshold(step_ms)
+                if self.drafter.break_even >= 1.0:
+                    k = 0  # not even a sure draft pays here now: plain step, no draft sync
 
             # 2. draft
             t0 = time.perf_counter()
@@ -86,7 +89,7 @@ class Speculative(Strategy):
             tokens = verdict.tokens(drafts)
             draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             self.length.record(len(tokens), draft_ms, verify_ms)
-            self.break_even.record(len(batch), verify_ms, len(drafts), draft_ms)
+            self.break_even.record(len(batch), verify_ms)
             yield Round(
                 tokens=tokens,
                 drafted=len(drafts),
@@ -98,6 +101,11 @@ class Speculative(Strategy):
             if g.done or g.remaining <= 0:
                 return
             pending = [tokens[-1]]
+
+    def prepare(self, history: list[int]) -> None:
+        """Let the drafter read the prompt now (a draft model prefills it) so that the
+        first round's draft time is drafting only."""
+        self.drafter.observe(history)
 
     def reset(self) -> None:
         self.drafter.reset()
