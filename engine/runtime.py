@@ -351,6 +351,10 @@ def ggml() -> ctypes.CDLL:
 # --------------------------------------------------------------------------- context
 
 
+GGML_TYPE_F16 = 1
+GGML_TYPE_BF16 = 30
+
+
 @dataclass(frozen=True)
 class ContextParams:
     n_ctx: int = 4096
@@ -360,6 +364,12 @@ class ContextParams:
     flash_attn: bool = True
     kv_unified: bool = True
     capture_layer: int | None = None  # capture "l_out-N" (hidden states after layer N)
+    # KV cache type. BF16, not llama.cpp's F16 default: with an F16/F32 cache and >1 thread,
+    # a single-token decode over >= 512 KV cells takes a split-KV flash-attention path whose
+    # reduction order differs from a multi-token batch (max |logit diff| ~1.0, flips greedy
+    # tokens), which would break lossless speculation past ~256 tokens of context. BF16 never
+    # takes that path (measured: 0.0 diff at 100-1500 cells) and decodes as fast or faster.
+    kv_type: int = GGML_TYPE_BF16
 
 
 class Context:
@@ -378,6 +388,8 @@ class Context:
         cp.n_threads_batch = threads
         cp.flash_attn_type = 1 if params.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
         cp.kv_unified = params.kv_unified
+        cp.type_k = params.kv_type
+        cp.type_v = params.kv_type
         cp.no_perf = True
         self._abort_fn: Callable[[], bool] | None = None
         self._abort_cb = ll.ggml_abort_callback(self._abort_trampoline)

@@ -13,7 +13,7 @@ from potluck.engine.chat import Message
 from potluck.engine.events import Finished
 from potluck.engine.gguf_tools import slice_layers
 from potluck.engine.loader import EngineSpec, open_session
-from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.runtime import GGML_TYPE_BF16, ContextParams, Model
 from potluck.engine.sampling import SamplingParams
 from potluck.engine.session import Session
 from potluck.engine.split import SplitTarget
@@ -65,7 +65,8 @@ def oracle(model_path: Path) -> Iterator[object]:
     lc.llama_model_default_params = no_extra_bufts
     try:
         llm = llama_cpp.Llama(
-            str(model_path), n_ctx=2048, n_batch=512, flash_attn=True, verbose=False, n_threads=2
+            str(model_path), n_ctx=2048, n_batch=512, flash_attn=True, verbose=False, n_threads=2,
+            type_k=GGML_TYPE_BF16, type_v=GGML_TYPE_BF16,  # potluck's KV type (runtime.ContextParams)
         )
     finally:
         lc.llama_model_default_params = original
@@ -185,3 +186,39 @@ def test_open_session_defaults_decode(tmp_home: Path) -> None:
         assert reply(s, "Hello", n=4).tokens
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("n_kv", [100, 700])
+def test_verify_batches_equal_single_steps_with_all_threads_at_long_context(model: Model, n_kv: int) -> None:
+    """Regression: with an F16 KV cache and 2 threads, single steps past 512 KV cells took a
+    split-KV attention path and differed from batches (speculation was not lossless)."""
+    filler = model.tokenize(" The quick brown fox jumps over the lazy dog and runs far away.")
+    prompt = (filler * 100)[:n_kv]
+    follow = model.tokenize(" Sure, here is a function that sorts numbers in a list")[:8]
+    target = LocalTarget(model, ContextParams(n_ctx=2048, n_threads=2))
+    try:
+        target.decode(prompt)
+        singles = np.stack([target.decode([t])[0].copy() for t in follow])
+        for k in (2, 8):
+            target.truncate(n_kv)
+            assert np.array_equal(singles[:k], target.decode(follow[:k], all_logits=True))
+    finally:
+        target.close()
+
+
+def test_anpd_equals_plain_past_512_cells_with_two_threads(model: Model) -> None:
+    """The symptom of the regression above, end to end: a long reply with all threads."""
+    from potluck.engine.benchmark import load_prompts
+    from potluck.engine.loader import EngineSpec
+    from potluck.engine.strategies.registry import get_strategy_class
+
+    prompt = load_prompts("code_editing")[2]
+    outputs = []
+    for name in ("autoregressive", "anpd"):
+        strategy = get_strategy_class(name).build(model, EngineSpec(strategy=name, n_threads=2))
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048, n_threads=2)), strategy)
+        finished = reply(s, prompt, n=352)
+        assert finished.prompt_tokens + len(finished.tokens) > 512
+        outputs.append(finished.tokens)
+        s.close()
+    assert outputs[0] == outputs[1]
