@@ -114,19 +114,23 @@ class DraftBreakEven:
     """
 
     def __init__(self, window: int = 96, prior: float = 0.6) -> None:
-        self._verify: deque[tuple[int, float]] = deque(maxlen=window)
+        # Recent timings per batch size: a long run of plain steps (size 1) must not evict
+        # the multi-token measurements, or the line is lost and drafting (and a draft
+        # model's costly catch-up) would restart from the prior again and again.
+        self._per_size = max(4, window // 8)
+        self._verify: dict[int, deque[float]] = {}
         self.prior = prior
 
     def record(self, batch: int, verify_ms: float) -> None:
         if batch > 0:
-            self._verify.append((batch, verify_ms))
+            self._verify.setdefault(batch, deque(maxlen=self._per_size)).append(verify_ms)
 
     def line(self) -> tuple[float, float] | None:
         """(a, m): verify ms of a 1-token batch and of each extra token, if measurable."""
-        if len({b for b, _ in self._verify}) < 2:
+        if len(self._verify) < 2:
             return None
-        b = np.array([b for b, _ in self._verify], dtype=float)
-        ms = np.array([t for _, t in self._verify], dtype=float)
+        b = np.array([size for size, times in self._verify.items() for _ in times], dtype=float)
+        ms = np.array([t for times in self._verify.values() for t in times], dtype=float)
         m, a1 = np.polyfit(b - 1.0, ms, 1)
         if a1 <= 0:
             return None
