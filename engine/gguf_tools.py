@@ -159,7 +159,6 @@ def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
     _copy_fields(r, w, arch, len(layer_map), layer_map)
     if arch == "gemma3":
         key = f"{arch}.attention.sliding_window_pattern"
-        w.fields.pop(key, None) if hasattr(w, "fields") else None
         _drop_kv(w, key)
         w.add_array(key, _gemma3_swa_pattern(r, arch, layer_map))
 

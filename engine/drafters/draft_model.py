@@ -66,9 +66,16 @@ class DraftModelDrafter:
 
     # -- keeping the draft's cache in step with the conversation
     def _synced_prefix(self, context: Sequence[int]) -> int:
-        """Length of the common prefix (one C-speed list comparison in the usual case)."""
+        """Length of the common prefix of the draft's cache and ``context``.
+
+        The conversation normally only grows, with at most the last round's drafts to undo,
+        so the usual case compares a short tail (O(1) per round, not O(context)); a changed
+        tail falls back to a full scan. An edit deeper than the tail goes unnoticed: drafts
+        get worse, the output never changes (every draft is verified).
+        """
         n = min(len(self.tokens), len(context))
-        if self.tokens[:n] == list(context[:n]):
+        tail = max(0, n - 64)
+        if self.tokens[tail:n] == list(context[tail:n]):
             return n
         i = 0
         while self.tokens[i] == context[i]:
