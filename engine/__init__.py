@@ -1,15 +1,16 @@
 """potluck's inference engine: usable and testable without the app (it never imports it).
 
 Public API: build a :class:`Session` with :func:`open_session` from an :class:`EngineSpec`,
-call ``session.generate(text, sampling, max_tokens)`` and render the events it yields.
+call ``session.generate(text, sampling, max_tokens)`` and render the events it yields
+(every event carries its reply's ``run_id``); ``session.cancel()`` stops a reply.
 """
 
 from .chat import Message
 from .errors import ContextFullError, DecodeError, ModelError, PotluckError
-from .events import Event, Finished, NodeStatus, RoundStats, TokenText
+from .events import Event, Finished, NodeStatus, ReplyStarted, RoundStats, TokenText
 from .loader import EngineSpec, open_session
 from .sampling import SamplingParams
-from .session import LiveStats, Session
+from .session import Session
 
 __all__ = [
     "ContextFullError",
@@ -17,11 +18,11 @@ __all__ = [
     "EngineSpec",
     "Event",
     "Finished",
-    "LiveStats",
     "Message",
     "ModelError",
     "NodeStatus",
     "PotluckError",
+    "ReplyStarted",
     "RoundStats",
     "SamplingParams",
     "Session",

@@ -70,11 +70,11 @@ def chat_prompt_tokens(model: Model, user: str) -> list[int]:
 def decode_ms_per_token(model: Model, n_threads: int, steps: int = 16) -> float:
     """Median single-token decode time after a short prompt (cost ratio of two models)."""
     with Context(model, ContextParams(n_ctx=256, n_threads=n_threads)) as ctx:
-        ctx.decode(list(range(100, 132)), 0)
+        ctx.run_tokens(list(range(100, 132)), 0)
         times = []
         for i in range(steps):
             t = time.perf_counter()
-            ctx.decode([100 + i], 32 + i)
+            ctx.run_tokens([100 + i], 32 + i)
             times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
 
@@ -320,14 +320,14 @@ def ngram_scaling(
     k: int = 7,
     seed: int = 0,
 ) -> list[dict[str, float]]:
-    """Drafter cost per generated token (observe one token + draft k) at several context sizes.
+    """Drafter cost per generated token (take in one token + draft k) at several context sizes.
 
     The stream is Zipf-distributed token ids over a 49k vocabulary with repeated spans, so
     that queries hit, miss and chain like they do on text. Flat figures across sizes show
     the cost does not grow with the context.
     """
+    from .drafters import DraftRequest
     from .drafters.ngram import NgramDrafter
-    from .sampling import Sampler
 
     rng = np.random.default_rng(seed)
     total = max(sizes) + steps
@@ -336,17 +336,18 @@ def ngram_scaling(
         src = int(rng.integers(0, max(1, start)))
         stream[start : start + 32] = stream[src : src + 32]
     history = stream.tolist()
-    sampler = Sampler(SamplingParams())
     out = []
     for size in sizes:
         drafter = NgramDrafter(n_max)
         t = time.perf_counter()
-        drafter.observe(history[:size])
+        drafter.begin(history[:size], rng)
         init_s = time.perf_counter() - t
         t = time.perf_counter()
         drafted = 0
         for i in range(size, size + steps):
-            drafted += len(drafter.propose(_Prefix(history, i + 1), k, sampler).tokens)
+            draft = drafter.draft(DraftRequest(_Prefix(history, i + 1), k, 0.0, SamplingParams()))
+            drafter.accept(0)
+            drafted += len(draft.tokens)
         step_s = time.perf_counter() - t
         out.append(
             {

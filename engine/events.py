@@ -1,8 +1,11 @@
 """What a generation streams to its consumer (CLI, TUI, benchmarks). Data only.
 
-A generation yields any number of :class:`TokenText` and :class:`RoundStats`, then one
-:class:`Finished`. Counters are per round because the panels and the adaptive
-selectors read them.
+A reply yields one :class:`ReplyStarted`, then any number of :class:`TokenText`,
+:class:`RoundStats` and :class:`NodeStatus`, then one :class:`Finished`. Every event carries
+the ``run_id`` of its reply, so a consumer that has more than one reply in flight (or a
+late event of a cancelled one) can tell them apart. Counters are per round because the
+panels and the adaptive selectors read them; consumers add them up themselves instead of
+polling engine state.
 """
 
 from __future__ import annotations
@@ -11,9 +14,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class ReplyStarted:
+    """The prompt is known (prefill is about to run)."""
+
+    run_id: int
+    strategy: str
+    prompt_tokens: int  # tokens of the whole rendered conversation
+    prefill_tokens: int  # tokens that must be processed now (the rest is cached)
+    n_ctx: int  # tokens the conversation may hold
+
+
+@dataclass(frozen=True)
 class TokenText:
     """Newly accepted tokens and the valid UTF-8 text they complete."""
 
+    run_id: int
     text: str
     token_ids: tuple[int, ...]
 
@@ -22,21 +37,24 @@ class TokenText:
 class RoundStats:
     """One draft/verify round (plain decoding: one token, nothing drafted)."""
 
+    run_id: int
     drafted: int
     accepted: int
     emitted: int
-    draft_len: int
+    draft_len: int  # speculation length chosen for the round
     draft_ms: float
     verify_ms: float
+    n_past: int  # tokens in the KV cache after the round
 
 
 @dataclass(frozen=True)
 class NodeStatus:
     """A pipeline stage's health as seen by the head (cluster mode)."""
 
+    run_id: int
     node: str
     layers: tuple[int, int]
-    state: str
+    state: str  # "ok" or "failed"
     detail: str = ""
 
 
@@ -44,6 +62,7 @@ class NodeStatus:
 class Finished:
     """The end of a reply, with its totals."""
 
+    run_id: int
     reason: str  # "stop" (end-of-generation token), "length", "cancelled", "context_full"
     text: str
     tokens: tuple[int, ...]
@@ -58,6 +77,7 @@ class Finished:
     accepted: int = 0
     rounds: int = 0
     strategy: str = "autoregressive"
+    n_past: int = 0  # tokens in the KV cache after the reply
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -69,4 +89,4 @@ class Finished:
         return self.accepted / self.rounds if self.rounds and self.drafted else None
 
 
-Event = TokenText | RoundStats | NodeStatus | Finished
+Event = ReplyStarted | TokenText | RoundStats | NodeStatus | Finished

@@ -57,11 +57,18 @@ def resolve_model(path: Path | str | None) -> Path:
 
 
 def open_session(spec: EngineSpec) -> Session:
-    """Load the target (and whatever the strategy needs) and return a fresh session."""
+    """Load the target (and whatever the strategy needs) and return a fresh session.
+
+    In cluster mode the target is opened vocab-only on this machine: the head tokenizes,
+    renders the chat template and samples, but never maps a weight of the target.
+    """
     strategy_cls = get_strategy_class(spec.strategy)
-    model = Model(resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts)
+    strategy_cls.check_options(spec.strategy_options)
+    model = Model(
+        resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts, vocab_only=spec.cluster is not None
+    )
     try:
-        target = _open_target(model, spec)
+        target = _open_target(model, spec, strategy_cls.n_sequences)
         try:
             strategy = strategy_cls.build(model, spec)
         except BaseException:
@@ -73,9 +80,14 @@ def open_session(spec: EngineSpec) -> Session:
     return Session(model, target, strategy, system=spec.system)
 
 
-def _open_target(model: Model, spec: EngineSpec) -> Target:
+def _open_target(model: Model, spec: EngineSpec, n_sequences: int) -> Target:
+    # Side sequences get KV streams of their own so they never change sequence 0's numbers.
+    unified = n_sequences == 1
     if spec.cluster is None:
-        return LocalTarget(model, ContextParams(n_ctx=spec.n_ctx, n_threads=spec.n_threads))
+        params = ContextParams(
+            n_ctx=spec.n_ctx, n_threads=spec.n_threads, n_seq_max=n_sequences, kv_unified=unified
+        )
+        return LocalTarget(model, params)
     from .pipeline.head import open_pipeline
 
     c = spec.cluster
@@ -84,6 +96,8 @@ def _open_target(model: Model, spec: EngineSpec) -> Target:
         c.nodes,
         c.keys,
         n_ctx=spec.n_ctx,
+        n_seq_max=n_sequences,
+        kv_unified=unified,
         split=c.split,
         hidden_dtype=c.hidden_dtype,
         potluck_version=c.potluck_version,

@@ -1,15 +1,17 @@
 """The only module that imports ``llama_cpp``: typed, closeable wrappers over its C API.
 
 Objects here do what they are told and never decide anything: :class:`Model` (weights and
-vocabulary), :class:`Context` (a KV cache plus decode, logits, KV sequence operations, an
-abort callback and capture of one named intermediate tensor) and :class:`Batch` (token ids
-or embeddings with explicit positions, sequence ids and output flags).
+vocabulary), :class:`Context` (a KV cache plus batch runs, logits, KV operations, an abort
+flag and capture of one named intermediate tensor) and :class:`Batch` (token ids or
+embeddings with explicit positions, sequence ids and output flags).
 
-Facts this module relies on (see DESIGN.md):
+Facts this module relies on (docs/facts.md):
 - CPUs with AMX crash inside ``llama_decode`` when llama.cpp uses its AMX "extra buffer
-  type"; extra buffer types are therefore off by default on such CPUs.
+  type"; extra buffer types are therefore off by default on such CPUs (§1).
 - Flash attention on makes a k-token batch (k <= 48) compute each position exactly like k
-  single-token steps, which is what lets speculative decoding be bit-exact.
+  single-token steps, which is what lets speculative decoding be bit-exact (§3).
+- With per-sequence KV streams, a ranged ``seq_cp`` across streams aborts the process
+  inside llama.cpp; :meth:`Context.apply_kv` refuses it for every caller (§4).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import llama_cpp as ll
 import numpy as np
 
 from .errors import DecodeError, ModelError
+from .kv import KvOp
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +121,18 @@ class Model:
         *,
         use_extra_bufts: bool | None = None,
         use_mmap: bool = True,
+        vocab_only: bool = False,
     ) -> None:
+        """``vocab_only``: tokenizer, chat template and metadata without mapping any weight
+        (a cluster head never computes a layer of the target)."""
         init_backend()
         self.path = Path(path)
         check_gguf_file(self.path)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_mmap = use_mmap
+        params.vocab_only = vocab_only
+        self.vocab_only = vocab_only
         params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
         _last_error_lines.clear()
         self._ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
@@ -355,31 +363,44 @@ GGML_TYPE_F16 = 1
 GGML_TYPE_BF16 = 30
 
 
+def _libc_strlen_address() -> int:
+    libc = ctypes.CDLL(None)
+    return ctypes.cast(libc.strlen, ctypes.c_void_p).value or 0
+
+
 @dataclass(frozen=True)
 class ContextParams:
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # tokens per sequence (with per-sequence KV streams, each gets this many)
     n_batch: int = 512
     n_seq_max: int = 1
     n_threads: int = 0  # 0: all usable cores
     flash_attn: bool = True
+    # False: one KV stream per sequence, so work in a side sequence never changes the numbers
+    # of sequence 0 (docs/facts.md §4); True: one shared cache, cheap metadata-only seq_cp.
     kv_unified: bool = True
     capture_layer: int | None = None  # capture "l_out-N" (hidden states after layer N)
     # KV cache type. BF16, not llama.cpp's F16 default: with an F16/F32 cache and >1 thread,
     # a single-token decode over >= 512 KV cells takes a split-KV flash-attention path whose
     # reduction order differs from a multi-token batch (max |logit diff| ~1.0, flips greedy
     # tokens), which would break lossless speculation past ~256 tokens of context. BF16 never
-    # takes that path (measured: 0.0 diff at 100-1500 cells) and decodes as fast or faster.
+    # takes that path (docs/facts.md §3) and decodes as fast or faster.
     kv_type: int = GGML_TYPE_BF16
 
 
 class Context:
-    """One KV cache over a :class:`Model`, with decode, logits and KV sequence operations."""
+    """One KV cache over a :class:`Model`, with batch runs, logits and KV operations.
+
+    Not thread-safe: one thread runs batches; any thread may call :meth:`request_abort`.
+    """
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()) -> None:
+        if model.vocab_only:
+            raise ModelError(f"{model.path} was loaded without weights (vocabulary only)")
         self.model = model
         self.params = params
         cp = ll.llama_context_default_params()
-        cp.n_ctx = params.n_ctx
+        streams = 1 if params.kv_unified else max(1, params.n_seq_max)
+        cp.n_ctx = params.n_ctx * streams  # llama.cpp divides n_ctx among the streams
         cp.n_batch = params.n_batch
         cp.n_ubatch = params.n_batch
         cp.n_seq_max = params.n_seq_max
@@ -391,11 +412,16 @@ class Context:
         cp.type_k = params.kv_type
         cp.type_v = params.kv_type
         cp.no_perf = True
-        self._abort_fn: Callable[[], bool] | None = None
-        self._abort_cb = ll.ggml_abort_callback(self._abort_trampoline)
+        # The abort callback is polled by llama.cpp's compute thread at every graph node. A
+        # Python callback would take the GIL hundreds of times per batch and stall whenever
+        # another Python thread runs (the UI, a drafter), so the callback is libc's strlen
+        # over a 2-byte flag buffer: it returns 1 (abort) once byte 0 is set, 0 otherwise,
+        # and never touches Python. (bool and size_t both come back in the return register.)
+        self._abort_flag = ctypes.create_string_buffer(2)
+        self._abort_cb = ll.ggml_abort_callback(_libc_strlen_address())
         cp.abort_callback = self._abort_cb
-        cp.abort_callback_data = None
-        self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a decode
+        cp.abort_callback_data = ctypes.cast(self._abort_flag, ctypes.c_void_p)
+        self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a run
         self._capture_name: bytes | None = None
         self._eval_cb = None
         if params.capture_layer is not None:
@@ -410,9 +436,10 @@ class Context:
                 f"could not create a llama.cpp context for {model.path} with n_ctx={params.n_ctx} "
                 f"({last_llama_error() or 'out of memory?'})"
             )
-        ll.llama_set_abort_callback(self._ptr, self._abort_cb, None)  # reaches the CPU backend too
+        # reaches the CPU backend's thread pool too
+        ll.llama_set_abort_callback(self._ptr, self._abort_cb, ctypes.cast(self._abort_flag, ctypes.c_void_p))
         self._mem = ll.llama_get_memory(self._ptr)
-        self.n_ctx: int = ll.llama_n_ctx(self._ptr)
+        self.n_ctx: int = ll.llama_n_ctx_seq(self._ptr)  # per sequence
         self.n_vocab = model.n_vocab
         self._batch = Batch(params.n_batch, n_seq_max=max(1, params.n_seq_max))
 
@@ -437,17 +464,13 @@ class Context:
         except Exception:
             pass
 
-    # -- callbacks
-    def set_abort(self, fn: Callable[[], bool] | None) -> None:
-        """``fn`` is polled during a decode; returning True aborts it (decode returns 2)."""
-        self._abort_fn = fn
+    # -- abort
+    def request_abort(self) -> None:
+        """Make the running (or next) batch stop at llama.cpp's next poll; any thread."""
+        self._abort_flag[0] = b"\x01"
 
-    def _abort_trampoline(self, _data: ctypes.c_void_p) -> bool:
-        fn = self._abort_fn
-        try:
-            return bool(fn()) if fn is not None else False
-        except Exception:  # never raise through C
-            return False
+    def clear_abort(self) -> None:
+        self._abort_flag[0] = b"\x00"
 
     def _eval_trampoline(self, tensor: ctypes.c_void_p, ask: bool, _data: ctypes.c_void_p) -> bool:
         try:
@@ -467,9 +490,10 @@ class Context:
             log.exception("capture callback failed")
             return True
 
-    # -- decode
-    def decode_batch(self, batch: Batch) -> None:
-        """Run one batch; raises :class:`DecodeError` on failure, ``InterruptedError`` on abort."""
+    # -- running batches (llama_decode)
+    def run_batch(self, batch: Batch) -> None:
+        """Run one batch; raises :class:`DecodeError` on failure, ``InterruptedError`` on abort
+        (llama.cpp has then removed the batch's cells from every sequence it touched)."""
         self.captured = None
         rc = ll.llama_decode(self._ptr, batch.raw)
         if rc == 2:
@@ -479,7 +503,7 @@ class Context:
         if self._capture_name is not None and self.captured is None:
             raise DecodeError(f"no tensor named {self._capture_name.decode()} was computed")
 
-    def decode(
+    def run_tokens(
         self,
         tokens: Sequence[int],
         pos0: int,
@@ -487,28 +511,62 @@ class Context:
         seq_id: int = 0,
         outputs: Sequence[bool] | str = "last",
     ) -> None:
-        """Decode ``tokens`` at positions ``pos0...`` in one sequence (one batch, <= n_batch)."""
+        """Run ``tokens`` at positions ``pos0...`` of one sequence (one batch, <= n_batch)."""
         n = len(tokens)
         self._batch.set_tokens(tokens, range(pos0, pos0 + n), seq_id, outputs)
-        self.decode_batch(self._batch)
+        self.run_batch(self._batch)
 
     def logits_row(self, i: int) -> np.ndarray:
-        """Logits of batch row ``i`` (-1: last output) as a float32 view [vocab] (valid until next decode)."""
+        """Logits of batch row ``i`` (-1: last output) as a float32 view [vocab] (valid until next run)."""
         ptr = ll.llama_get_logits_ith(self._ptr, i)
         if not ptr:
             raise DecodeError(f"no logits for batch row {i} (was it marked as an output?)")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def logits(self, n_rows: int) -> np.ndarray:
-        """Logits of the last decode's ``n_rows`` output rows in batch order: float32 view [n_rows, vocab]."""
+        """Logits of the last run's ``n_rows`` output rows in batch order: float32 view [n_rows, vocab]."""
         ptr = ll.llama_get_logits(self._ptr)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
 
-    # -- KV sequence operations (positions: p0 inclusive, p1 exclusive, -1 = open end)
+    # -- KV operations (positions: p0 inclusive, p1 exclusive, -1 = open end)
+    def check_kv(self, op: KvOp) -> None:
+        """Raise ``ValueError`` for an operation llama.cpp would reject or abort the process on."""
+        n_seq = max(1, self.params.n_seq_max)
+        if not 0 <= op.seq < n_seq or (op.op == "cp" and not 0 <= op.dst < n_seq):
+            raise ValueError(f"sequence id outside 0..{n_seq - 1}: {op}")
+        if op.op == "cp" and self._ranged_cross_stream(op.seq, op.dst, op.p0, op.p1):
+            raise ValueError(
+                f"seq_cp {op.seq}->{op.dst} [{op.p0}, {op.p1}) across KV streams: only whole "
+                "sequences (p0 = p1 = -1) can be copied"
+            )
+
+    def apply_kv(self, op: KvOp) -> None:
+        """Apply a :class:`~potluck.engine.kv.KvOp` after :meth:`check_kv`."""
+        self.check_kv(op)
+        if op.op == "rm":
+            self.seq_rm(op.seq, op.p0, op.p1)
+        elif op.op == "cp":
+            self.seq_cp(op.seq, op.dst, op.p0, op.p1)
+        elif op.op == "keep":
+            self.seq_keep(op.seq)
+        else:
+            self.seq_add(op.seq, op.p0, op.p1, op.delta)
+
+    def _ranged_cross_stream(self, src: int, dst: int, p0: int, p1: int) -> bool:
+        return not self.params.kv_unified and src != dst and (p0 > 0 or p1 >= 0)
+
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(ll.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy ``src`` [p0, p1) into ``dst``. Across KV streams (``kv_unified=False``) only
+        whole sequences can be copied and ``dst`` is replaced: llama.cpp aborts the whole
+        process on a ranged copy (GGML_ASSERT in llama_kv_cache::seq_cp), so it is refused."""
+        if self._ranged_cross_stream(src, dst, p0, p1):
+            raise ValueError(
+                f"seq_cp {src}->{dst} [{p0}, {p1}) across KV streams: only whole sequences "
+                "(p0 = p1 = -1) can be copied"
+            )
         ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     def seq_keep(self, seq_id: int) -> None:

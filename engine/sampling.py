@@ -89,12 +89,19 @@ def probs(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = (
     return p
 
 
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw: one uniform per token, so the RNG stream is easy to reason about."""
+    u = rng.random()
+    idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
+    return min(idx, p.shape[0] - 1)
+
+
 class Sampler:
     """Draws tokens for one generation; owns its RNG so runs with one seed repeat exactly."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None) -> None:
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = rng if rng is not None else np.random.default_rng(params.seed)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         if self.params.greedy and self.params.repeat_penalty == 1.0:
@@ -102,10 +109,7 @@ class Sampler:
         return self.draw(probs(logits, self.params, history))
 
     def draw(self, p: np.ndarray) -> int:
-        """Inverse-CDF draw: one uniform per token, so the RNG stream is easy to reason about."""
-        u = self.rng.random()
-        idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
-        return min(idx, p.shape[0] - 1)
+        return draw(p, self.rng)
 
     def uniform(self) -> float:
         return float(self.rng.random())

@@ -2,45 +2,29 @@
 
 ``Session.generate`` renders the conversation with the model's chat template, processes
 only the tokens the KV cache does not hold yet, runs the chosen strategy and yields
-:mod:`.events`. No algorithm and no ctypes live here.
+:mod:`.events`, each tagged with the reply's run id. Consumers keep their own counters from
+those events; the session exposes no mutable statistics. No algorithm and no ctypes here.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 from .chat import ChatFormat, Message, TextStream
 from .errors import ContextFullError, PotluckError
-from .events import Event, Finished, RoundStats, TokenText
+from .events import Event, Finished, ReplyStarted, RoundStats, TokenText
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
 from .strategies.base import Generation, Strategy
 from .target import Target
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LiveStats:
-    """Counters the UI samples on a timer while a reply streams (mutated in place)."""
-
-    running: bool = False
-    strategy: str = ""
-    started_at: float = 0.0
-    first_token_at: float = 0.0
-    new_tokens: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    draft_len: int = 0
-    n_past: int = 0
-    n_ctx: int = 0
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -72,8 +56,10 @@ class Session:
         self.messages: list[Message] = []
         if system:
             self.messages.append(Message("system", system))
-        self.stats = LiveStats(n_ctx=target.n_ctx)
         self._cancel = threading.Event()
+        self._reply_ids = itertools.count(1)
+        self.run_id = 0  # the reply running now or last (events carry it)
+        self._prefill_run: int | None = None  # target run of a prompt being processed
         self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
         self._covered = ""  # rendered text that self._tokens stand for
 
@@ -92,9 +78,15 @@ class Session:
         """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
         self.messages = list(messages)
 
-    def cancel(self) -> None:
-        """Stop the running reply after the current step; safe from any thread."""
+    def cancel(self, run_id: int | None = None) -> None:
+        """Stop reply ``run_id`` (None: the running one) after the current step, or mid-batch
+        while its prompt is processed; safe from any thread. A finished reply is left alone."""
+        if run_id is not None and run_id != self.run_id:
+            return
         self._cancel.set()
+        prefill = self._prefill_run
+        if prefill is not None:
+            self.target.cancel(prefill)
 
     @property
     def conversation_tokens(self) -> int:
@@ -150,64 +142,59 @@ class Session:
     ) -> Iterator[Event]:
         target = self.target
         self._cancel.clear()
-        st = self.stats
+        run_id = self.run_id = next(self._reply_ids)
         t_start = time.perf_counter()
         reused = common_prefix_len(self._tokens[: target.n_past], tokens)
         reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits
         target.truncate(reused)
-        self.stats = st = LiveStats(
-            running=True,
-            strategy=self.strategy.name,
-            started_at=t_start,
-            prompt_tokens=len(tokens),
-            prefill_tokens=len(tokens) - reused,
-            n_ctx=target.n_ctx,
-        )
         # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
         self._tokens = tokens[:reused]
         self._covered = ""
-        set_abort = getattr(target, "set_abort", None)
-        if set_abort is not None:  # Esc during a long prompt stops it mid-batch
-            set_abort(self._cancel.is_set)
+        yield ReplyStarted(run_id, self.strategy.name, len(tokens), len(tokens) - reused, target.n_ctx)
+        yield from target.node_status(run_id)
+        # Esc during a long prompt reaches the running batch through the target's cancel.
+        self._prefill_run = target.new_run()
         try:
-            first_logits = target.decode(tokens[reused:])[-1].copy()
+            if self._cancel.is_set():
+                raise InterruptedError("cancelled before the prompt was processed")
+            first_logits = target.decode(tokens[reused:], run_id=self._prefill_run)[-1].copy()
         except InterruptedError:
             target.truncate(reused)
-            st.running = False
             self.messages.append(Message("assistant", ""))
             yield Finished(
-                reason="cancelled", text="", tokens=(), prompt_tokens=len(tokens), prefill_tokens=0,
-                ttft_s=0.0, prefill_s=time.perf_counter() - t_start, decode_s=0.0, tokens_per_s=0.0,
-                prefill_tokens_per_s=0.0, strategy=self.strategy.name,
+                run_id=run_id, reason="cancelled", text="", tokens=(), prompt_tokens=len(tokens),
+                prefill_tokens=0, ttft_s=0.0, prefill_s=time.perf_counter() - t_start, decode_s=0.0,
+                tokens_per_s=0.0, prefill_tokens_per_s=0.0, strategy=self.strategy.name, n_past=target.n_past,
             )
             return
         except BaseException:
             target.truncate(reused)
-            st.running = False
             raise
         finally:
-            if set_abort is not None:
-                set_abort(None)
+            self._prefill_run = None
         self._tokens = list(tokens)
         self._covered = rendered
-        self.strategy.prepare(self._tokens)  # e.g. a draft model's own prompt processing
-        t_prefill = time.perf_counter()
-        st.n_past = target.n_past
-
+        seeds = np.random.SeedSequence(sampling.seed)
         g = Generation(
+            run_id=run_id,
             target=target,
-            sampler=Sampler(sampling),
+            sampler=Sampler(sampling, np.random.default_rng(seeds)),
+            seeds=seeds,
             history=self._tokens,  # shared list: rounds append to it
             first_logits=first_logits,
             max_new=max_tokens,
             is_eog=self.model.is_eog,
             cancel=self._cancel,
         )
+        self.strategy.prepare(g)  # e.g. a draft model's own prompt processing (counts as prefill)
+        t_prefill = time.perf_counter()
+
         out: list[int] = []
         stream = TextStream()
         text_parts: list[str] = []
         reason = "length"
         drafted = accepted = rounds = 0
+        first_token_at = 0.0
         try:
             for rnd in self.strategy.run(g):
                 kept: list[int] = []
@@ -224,25 +211,22 @@ class Session:
                 rounds += 1
                 drafted += rnd.drafted
                 accepted += rnd.accepted
-                now = time.perf_counter()
-                if st.first_token_at == 0.0:
-                    st.first_token_at = now
-                st.new_tokens, st.drafted, st.accepted, st.rounds = len(out), drafted, accepted, rounds
-                st.draft_len = rnd.draft_len
-                st.n_past = target.n_past
+                first_token_at = first_token_at or time.perf_counter()
                 yield RoundStats(
+                    run_id=run_id,
                     drafted=rnd.drafted,
                     accepted=rnd.accepted,
                     emitted=len(kept),
                     draft_len=rnd.draft_len,
                     draft_ms=rnd.draft_ms,
                     verify_ms=rnd.verify_ms,
+                    n_past=target.n_past,
                 )
                 visible = [t for t in kept if not self.model.is_eog(t)]
                 delta = stream.feed(self.model.token_bytes(t) for t in visible)
                 if delta or kept:
                     text_parts.append(delta)
-                    yield TokenText(delta, tuple(kept))
+                    yield TokenText(run_id, delta, tuple(kept))
                 if reason == "stop" or g.n_new >= g.max_new:
                     g.done = True
                 elif self._cancel.is_set():
@@ -262,13 +246,13 @@ class Session:
             reply = "".join(text_parts)
             self.messages.append(Message("assistant", reply))
             self._covered = rendered + self.model.detokenize(out, special=True)
-            st.running = False
-            st.n_past = target.n_past
         t_end = time.perf_counter()
-        ttft = (st.first_token_at or t_end) - t_start
+        ttft = (first_token_at or t_end) - t_start
         decode_s = t_end - t_prefill
         prefill_s = t_prefill - t_start
+        yield from target.node_status(run_id)
         yield Finished(
+            run_id=run_id,
             reason=reason,
             text=reply,
             tokens=tuple(out),
@@ -283,6 +267,7 @@ class Session:
             accepted=accepted,
             rounds=rounds,
             strategy=self.strategy.name,
+            n_past=target.n_past,
         )
 
     def close(self) -> None:

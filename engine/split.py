@@ -1,109 +1,94 @@
-"""A model split by layer ranges: stages that pass hidden states from one to the next.
+"""A model split by layer ranges, run as a pipeline of stages inside this process.
 
-Each stage is a GGUF slice (:func:`.gguf_tools.slice_layers`) in its own context with its
-own KV cache of its layers. A stage that is not last captures ``l_out-{n_layer-1}`` (the
-residual stream after its last layer) and the next stage takes it as embedding input
-(DESIGN.md fact 3). :class:`SplitTarget` chains stages in one process; the cluster head
-uses the same :class:`Stage` on remote workers.
+Each stage (a GGUF slice from :func:`.gguf_tools.slice_layers`) has its own context, KV cache
+and :class:`~.runner.StageRunner` thread, so consecutive jobs overlap across stages exactly
+as they do across the machines of a cluster. The stages are the same :class:`~.stage.Stage`
+a cluster worker runs; this target is how the tests check a split at the logits level and
+how benchmarks measure a split without a network.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import replace
+from concurrent.futures import Future
 
 import numpy as np
 
-from .errors import ContextFullError
-from .runtime import Batch, Context, ContextParams, Model
+from .jobs import DecodeJob, Ticket
+from .kv import KvOp
+from .runner import StageRunner, WorkItem
+from .runtime import ContextParams, Model
+from .stage import Stage
+from .target import TargetBase
 
 
-class Stage:
-    """One layer range with its KV cache. ``first``: takes token ids; ``last``: yields logits."""
-
-    def __init__(self, model: Model, *, first: bool, last: bool, params: ContextParams) -> None:
-        self.model = model
-        self.first = first
-        self.last = last
-        capture = None if last else model.n_layer - 1
-        self.ctx = Context(model, replace(params, capture_layer=capture))
-        self._embd_batch = None if first else Batch(params.n_batch, n_embd=model.n_embd)
-
-    def forward(
-        self,
-        inputs: Sequence[int] | np.ndarray,
-        pos0: int,
-        *,
-        outputs: str = "last",
-        seq_id: int = 0,
-    ) -> np.ndarray:
-        """Run one batch: hidden states [n, n_embd] (not last) or logits [rows, vocab] (last)."""
-        n = len(inputs)
-        # A capturing stage must mark every row as output, or its last layer keeps only those rows.
-        flags = outputs if self.last else "all"
-        if self.first:
-            self.ctx.decode(list(inputs), pos0, seq_id=seq_id, outputs=flags)  # type: ignore[arg-type]
-        else:
-            assert self._embd_batch is not None
-            self._embd_batch.set_embeddings(np.asarray(inputs), range(pos0, pos0 + n), seq_id, flags)
-            self.ctx.decode_batch(self._embd_batch)
-        if not self.last:
-            assert self.ctx.captured is not None
-            return self.ctx.captured
-        if outputs == "all":
-            return self.ctx.logits(n)
-        return self.ctx.logits_row(-1)[None, :]
-
-    def truncate(self, n_past: int, seq_id: int = 0) -> None:
-        self.ctx.seq_rm(seq_id, n_past, -1)
-
-    def close(self) -> None:
-        self.ctx.close()
-        if self._embd_batch is not None:
-            self._embd_batch.close()
-
-
-class SplitTarget:
-    """A :class:`~.target.Target` made of stages run one after another in this process."""
+class SplitTarget(TargetBase):
+    """A :class:`~.target.Target` whose stages pass hidden states from one thread to the next."""
 
     def __init__(self, models: Sequence[Model], params: ContextParams | None = None) -> None:
+        super().__init__()
         params = params or ContextParams()
         last = len(models) - 1
         self.stages = [Stage(m, first=i == 0, last=i == last, params=params) for i, m in enumerate(models)]
+        self.runners = [StageRunner(s, name=f"stage{i}") for i, s in enumerate(self.stages)]
         self.n_vocab = models[0].n_vocab
-        self.n_ctx = self.stages[0].ctx.n_ctx
+        self.n_ctx = min(s.n_ctx for s in self.stages)
         self.n_batch = params.n_batch
+        self.n_seq_max = self.stages[0].n_seq_max
+        self._pending: dict[int, Future] = {}
+        self._seq = itertools.count(1)
+
+    def submit(self, job: DecodeJob) -> Ticket:
+        self.stages[0].check(job)
+        done: Future = Future()
+        self._forward(0, job, done)
+        seq_no = next(self._seq)
+        self._pending[seq_no] = done
+        return Ticket(job.run_id, seq_no)
+
+    def _forward(self, i: int, job: DecodeJob, done: Future) -> None:
+        """Queue ``job`` on stage ``i``; its output becomes stage ``i+1``'s input (in the
+        runner thread of stage ``i``, so per-stage order is submission order)."""
+
+        def next_stage(fut: Future) -> None:
+            err = fut.exception()
+            if err is not None:
+                done.set_exception(err)  # a skipped or aborted run goes no further
+            elif i == len(self.runners) - 1:
+                done.set_result(fut.result())
+            else:
+                hidden = DecodeJob(job.run_id, fut.result(), job.positions, job.seq_ids, job.outputs)
+                self._forward(i + 1, hidden, done)
+
+        self.runners[i].submit(job).add_done_callback(next_stage)
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        return self._pending.pop(ticket.seq_no).result()
+
+    def cancel(self, run_id: int) -> None:
+        for runner in self.runners:
+            runner.cancel(run_id)
+
+    def kv(self, op: KvOp) -> None:
+        self.stages[0].ctx.check_kv(op)
+        self._forward_kv(0, op)
+
+    def _forward_kv(self, i: int, op: WorkItem) -> None:
+        fut = self.runners[i].submit(op)
+        if i + 1 < len(self.runners):
+            fut.add_done_callback(lambda _f: self._forward_kv(i + 1, op))
+
+    def reset(self) -> None:
+        self._forward_kv(0, Stage.clear)
         self._n_past = 0
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
-        if self._n_past + len(tokens) > self.n_ctx:
-            raise ContextFullError(
-                f"the conversation needs {self._n_past + len(tokens)} tokens but the context holds "
-                f"{self.n_ctx}; start a new conversation or raise --ctx"
-            )
-        rows: list[np.ndarray] = []
-        out: np.ndarray = np.empty(0)
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = list(tokens[start : start + self.n_batch])
-            x: Sequence[int] | np.ndarray = chunk
-            for stage in self.stages:
-                x = stage.forward(x, self._n_past, outputs="all" if all_logits else "last")
-            self._n_past += len(chunk)
-            out = np.asarray(x)
-            if all_logits:
-                rows.append(out.copy())
-        return np.concatenate(rows) if all_logits else out
-
-    def truncate(self, n_past: int) -> None:
-        if n_past < self._n_past:
-            for stage in self.stages:  # KV operations apply on every stage, in pipeline order
-                stage.truncate(n_past)
-            self._n_past = n_past
+    def pos_max(self) -> list[list[int]]:
+        """Last position per sequence on every stage, once all work queued so far ran."""
+        return [r.submit(Stage.pos_max).result() for r in self.runners]
 
     def close(self) -> None:
-        for stage in reversed(self.stages):
+        for runner, stage in zip(reversed(self.runners), reversed(self.stages)):
+            runner.close()
             stage.close()
+

@@ -1,65 +1,124 @@
-"""The model a strategy verifies against: a KV cache of one canonical sequence plus logits.
+"""The model a strategy verifies against: runs of decode jobs over KV sequences.
 
-Strategies only see the :class:`Target` protocol, so the same strategy runs on a local
-llama.cpp context, on layer stages chained in one process (:mod:`.split`) or on a pipeline
-of LAN workers. Sequence 0 is the canonical conversation; ``n_past`` tokens of it are in
-the KV cache, at positions ``0..n_past-1`` and, because rejected tails are always trimmed
-from the end, in the same KV cells that plain decoding would use (DESIGN.md fact 4).
+Strategies see the :class:`Target` protocol only, so one strategy runs on a local llama.cpp
+context, on stages chained in this process (:mod:`.split`) or on a pipeline of LAN workers.
+
+- Work is submitted as :class:`~.jobs.DecodeJob`s (``submit`` -> ticket, ``wait`` -> logits)
+  and several may be in flight; ``cancel(run_id)`` skips or aborts a run's jobs. KV
+  operations (:class:`~.kv.KvOp`) are queued in order with the jobs.
+- Sequence 0 is the canonical conversation. ``decode``/``truncate`` are small helpers over
+  the above for it: ``n_past`` tokens sit at positions ``0..n_past-1`` and, because rejected
+  tails are always trimmed from the end, in the KV cells plain decoding would use
+  (docs/facts.md §3).
+- With ``n_seq_max > 1`` and ``kv_unified=False`` each sequence has its own KV stream, so
+  work in a side sequence never changes the canonical sequence's numbers (docs/facts.md §4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 import numpy as np
 
-from .errors import ContextFullError
-from .runtime import Context, ContextParams, Model
+from .errors import ContextFullError, PotluckError
+from .events import NodeStatus
+from .jobs import DecodeJob, RunCancelled, Ticket
+from .kv import KvOp
+from .runner import StageRunner
+from .runtime import ContextParams, Model
+from .stage import Stage
 
 # A k-token batch computes each row exactly like k single-token steps only up to 48 tokens
-# (flash attention, measured): verification batches must stay at or below this size.
+# (flash attention, docs/facts.md §3): verification batches must stay at or below this size.
 MAX_EXACT_BATCH = 48
 
 
 class Target(Protocol):
     n_vocab: int
-    n_ctx: int
+    n_ctx: int  # tokens per sequence
     n_batch: int
+    n_seq_max: int
 
+    # -- runs
+    def new_run(self) -> int:
+        """A fresh run id (every job belongs to one run)."""
+        ...
+
+    def submit(self, job: DecodeJob) -> Ticket:
+        """Queue ``job`` behind everything submitted before it; returns at once."""
+        ...
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        """The job's logits [n_outputs, vocab] (owned). Raises :class:`RunCancelled` if its run
+        was cancelled first. Tickets may be redeemed in any order, each once."""
+        ...
+
+    def cancel(self, run_id: int) -> None:
+        """Skip ``run_id``'s queued jobs and abort its running one; any thread."""
+        ...
+
+    def kv(self, op: KvOp) -> None:
+        """Queue a KV operation, applied after every job submitted before it."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every sequence (a new conversation)."""
+        ...
+
+    # -- the canonical sequence
     @property
     def n_past(self) -> int: ...
 
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
-        """Append ``tokens`` to sequence 0; logits [n_rows, vocab] for every row or the last one.
-
-        The returned array may be a view that the next call overwrites: copy what you keep.
-        """
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, run_id: int | None = None) -> np.ndarray:
+        """Append ``tokens`` to sequence 0: logits [n_rows, vocab] for every row or the last one."""
         ...
 
     def truncate(self, n_past: int) -> None:
-        """Forget every token at position >= ``n_past`` (rejected drafts, edited history)."""
+        """Forget every token of sequence 0 at position >= ``n_past``."""
+        ...
+
+    def node_status(self, run_id: int) -> list[NodeStatus]:
+        """Health of the machines behind this target (empty on one machine)."""
         ...
 
     def close(self) -> None: ...
 
 
-class LocalTarget:
-    """A whole model in one llama.cpp context on this machine."""
+class TargetBase:
+    """The canonical-sequence helpers, written once over submit / wait / cancel / kv."""
 
-    def __init__(self, model: Model, params: ContextParams | None = None) -> None:
-        self.model = model
-        self.ctx = Context(model, params or ContextParams())
-        self.n_vocab = model.n_vocab
-        self.n_ctx = self.ctx.n_ctx
-        self.n_batch = self.ctx.params.n_batch
+    n_vocab: int
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+
+    def __init__(self) -> None:
         self._n_past = 0
+        self._runs = itertools.count(1)
+
+    def new_run(self) -> int:
+        return next(self._runs)
+
+    def submit(self, job: DecodeJob) -> Ticket:
+        raise NotImplementedError
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        raise NotImplementedError
+
+    def cancel(self, run_id: int) -> None:
+        raise NotImplementedError
+
+    def kv(self, op: KvOp) -> None:
+        raise NotImplementedError
 
     @property
     def n_past(self) -> int:
         return self._n_past
 
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, run_id: int | None = None) -> np.ndarray:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
@@ -68,30 +127,81 @@ class LocalTarget:
                 f"the conversation needs {self._n_past + n} tokens but the context holds "
                 f"{self.n_ctx}; start a new conversation or raise --ctx"
             )
+        run = self.new_run() if run_id is None else run_id
+        outputs = "all" if all_logits else "last"
+        tickets = [
+            self.submit(DecodeJob.tokens(run, tokens[i : i + self.n_batch], self._n_past + i, outputs=outputs))
+            for i in range(0, n, self.n_batch)
+        ]
         rows: list[np.ndarray] = []
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            try:
-                self.ctx.decode(chunk, self._n_past, outputs="all" if all_logits else "last")
-            except BaseException:  # aborted or failed mid-batch: drop the partial batch's cells
-                self.ctx.seq_rm(0, self._n_past, -1)
-                raise
-            self._n_past += len(chunk)
-            if all_logits:
-                out = self.ctx.logits(len(chunk))
-                rows.append(out if n <= self.n_batch else out.copy())
+        try:
+            for t in tickets:
+                rows.append(self.wait(t))
+        except BaseException:
+            # Cancelled or failed mid-prompt: settle the run's other jobs, then drop whatever
+            # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
+            self.cancel(run)
+            for t in tickets[len(rows) + 1 :]:
+                try:
+                    self.wait(t)
+                except (RunCancelled, PotluckError):
+                    pass
+            self.kv(KvOp.rm(0, self._n_past))
+            raise
+        self._n_past += n
         if all_logits:
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
-        return self.ctx.logits_row(-1)[None, :]
+        return rows[-1][-1:]
 
     def truncate(self, n_past: int) -> None:
         if n_past < self._n_past:
-            self.ctx.seq_rm(0, n_past, -1)
+            self.kv(KvOp.rm(0, n_past))
             self._n_past = n_past
 
-    def set_abort(self, fn: Callable[[], bool] | None) -> None:
-        """Poll ``fn`` during decodes; True aborts the running batch (``InterruptedError``)."""
-        self.ctx.set_abort(fn)
+    def node_status(self, run_id: int) -> list[NodeStatus]:
+        return []
+
+
+class LocalTarget(TargetBase):
+    """A whole model in one llama.cpp context on this machine, computed on its own thread."""
+
+    def __init__(self, model: Model, params: ContextParams | None = None) -> None:
+        super().__init__()
+        params = params or ContextParams()
+        self.model = model
+        self.stage = Stage(model, first=True, last=True, params=params)
+        self.runner = StageRunner(self.stage, name="target")
+        self.n_vocab = model.n_vocab
+        self.n_ctx = self.stage.n_ctx
+        self.n_batch = params.n_batch
+        self.n_seq_max = self.stage.n_seq_max
+        self._pending: dict[int, Future] = {}
+        self._seq = itertools.count(1)
+
+    def submit(self, job: DecodeJob) -> Ticket:
+        self.stage.check(job)
+        seq_no = next(self._seq)
+        self._pending[seq_no] = self.runner.submit(job)
+        return Ticket(job.run_id, seq_no)
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        return self._pending.pop(ticket.seq_no).result()
+
+    def cancel(self, run_id: int) -> None:
+        self.runner.cancel(run_id)
+
+    def kv(self, op: KvOp) -> None:
+        self.stage.ctx.check_kv(op)
+        self.runner.submit(op)
+
+    def reset(self) -> None:
+        self.runner.submit(Stage.clear)
+        self._n_past = 0
+
+    def pos_max(self) -> list[int]:
+        """Last position per sequence (-1: empty), once all work queued so far ran."""
+        return self.runner.submit(Stage.pos_max).result()
 
     def close(self) -> None:
-        self.ctx.close()
+        self.runner.close()
+        self.stage.close()

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 from potluck.engine.chat import Message
 from potluck.engine.errors import PotluckError
-from potluck.engine.events import Event, Finished, RoundStats, TokenText
+from potluck.engine.events import Event, Finished, ReplyStarted, RoundStats, TokenText
 from potluck.engine.loader import EngineSpec
 from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import LiveStats
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class ScriptedSession:
         self.script = script if callable(script) else (lambda _u, _m, s=script: list(s))
         self.strategy = strategy
         self.messages: list[Message] = []
-        self.stats = LiveStats(n_ctx=n_ctx, strategy=strategy)
+        self.n_ctx = n_ctx
         self.fail = fail
         self.tokens_per_s = tokens_per_s
         self.ttft_s = ttft_s
@@ -61,14 +60,16 @@ class ScriptedSession:
         self.prompts: list[str | None] = []
         self.closed = False
         self.running = threading.Event()
+        self.run_id = 0  # the latest reply's
         self._cancel = threading.Event()
 
     def load_messages(self, messages: Sequence[Message]) -> None:
         self.messages = list(messages)
         self.loaded.append(list(messages))
 
-    def cancel(self) -> None:
-        self._cancel.set()
+    def cancel(self, run_id: int | None = None) -> None:
+        if run_id is None or run_id == self.run_id:
+            self._cancel.set()
 
     def close(self) -> None:
         self.closed = True
@@ -92,14 +93,13 @@ class ScriptedSession:
 
     def _run(self, steps: list[Step]) -> Iterator[Event]:
         self._cancel.clear()
+        self.run_id = run = self.run_id + 1
         prompt = sum(len(m.content.split()) + 4 for m in self.messages)
-        st = self.stats = LiveStats(
-            running=True, strategy=self.strategy, started_at=time.perf_counter(),
-            prompt_tokens=prompt, prefill_tokens=prompt, n_ctx=self.stats.n_ctx, n_past=prompt,
-        )
         self.running.set()
         reason, text, tokens = "stop", [], []
+        drafted = accepted = rounds = 0
         try:
+            yield ReplyStarted(run, self.strategy, prompt, prompt, self.n_ctx)
             for step in steps:
                 if step.gate is not None:
                     while not step.gate.wait(0.005) and not self._cancel.is_set():
@@ -111,23 +111,17 @@ class ScriptedSession:
                 ids = tuple(range(len(tokens), len(tokens) + n))
                 tokens += ids
                 text.append(step.text)
-                st.first_token_at = st.first_token_at or time.perf_counter()
-                st.new_tokens, st.rounds = len(tokens), st.rounds + 1
-                st.drafted += step.drafted
-                st.accepted += step.accepted
-                st.draft_len = step.draft_len
-                st.n_past = prompt + len(tokens)
-                yield RoundStats(step.drafted, step.accepted, n, step.draft_len, 0.0, 0.0)
-                yield TokenText(step.text, ids)
+                rounds, drafted, accepted = rounds + 1, drafted + step.drafted, accepted + step.accepted
+                yield RoundStats(run, step.drafted, step.accepted, n, step.draft_len, 0.0, 0.0, prompt + len(tokens))
+                yield TokenText(run, step.text, ids)
         finally:
-            st.running = False
             self.running.clear()
             self.messages.append(Message("assistant", "".join(text)))
         yield Finished(
-            reason=reason, text="".join(text), tokens=tuple(tokens), prompt_tokens=prompt,
+            run_id=run, reason=reason, text="".join(text), tokens=tuple(tokens), prompt_tokens=prompt,
             prefill_tokens=prompt, ttft_s=self.ttft_s, prefill_s=0.0, decode_s=1.0,
-            tokens_per_s=self.tokens_per_s, prefill_tokens_per_s=0.0, drafted=st.drafted,
-            accepted=st.accepted, rounds=st.rounds, strategy=self.strategy,
+            tokens_per_s=self.tokens_per_s, prefill_tokens_per_s=0.0, drafted=drafted,
+            accepted=accepted, rounds=rounds, strategy=self.strategy, n_past=prompt + len(tokens),
         )
 
 

@@ -20,6 +20,7 @@ from potluck.assets import default_model_path
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.events import Finished
 from potluck.engine.gguf_tools import slice_layers
+from potluck.engine.jobs import DecodeJob
 from potluck.engine.pipeline import wire
 from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
 from potluck.engine.pipeline.transfer import SliceCache
@@ -124,8 +125,11 @@ def main() -> None:
             print(f"  {ms:.2f} ms per token vs {base:.2f} ms for the same split in one process: "
                   f"+{ms - base:.2f} ms over {hops} hops = {(ms - base) / hops:.2f} ms per hop")
             print(f"  ping round trip head<->stage 1: {ping_rtt_ms(target):.3f} ms")
-            hidden = wire.decode_batch(1, np.zeros((1, model.n_embd), np.float32), np.zeros(1, np.int32))
-            hop_bytes = wire.frames_nbytes(wire.encode(hidden))
+            hidden = wire.Forward.from_job(
+                1, DecodeJob(0, np.zeros((1, model.n_embd), np.float32), np.zeros(1, np.int32),
+                             np.zeros(1, np.int32), np.ones(1, bool)),
+            )
+            hop_bytes = wire.frames_nbytes(wire.to_frames(hidden))
             print(f"  bytes per token: head->stage 1 {(out1 - out0) / NEW:.0f}, stage->stage {hop_bytes} "
                   f"(f32 hidden {model.n_embd * 4}), last stage->head {(in1 - in0) / NEW:.0f} (f32 logits)")
             target.close()

@@ -12,8 +12,9 @@ from pathlib import Path
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
 from potluck.app.tui.screens import PickerScreen
+from potluck.app.tui.stats import ReplyProgress
 from potluck.engine.config import Settings, UISettings
-from potluck.engine.session import LiveStats
+from potluck.engine.events import ReplyStarted, RoundStats
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, until, words
 
@@ -71,22 +72,19 @@ def test_main_screen(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
 
 
 def test_live_panels_mid_reply(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
-    app, factory = make(tmp_path, words(REPLY))
+    app, _ = make(tmp_path, words(REPLY))
 
     async def run_before(pilot) -> None:  # noqa: ANN001
         await converse(app, pilot)
-        session = factory.sessions[0]
-        # A reply in progress, sampled by hand at fixed instants: 3 of 4 drafts pass per round.
-        session.stats = stats = LiveStats(
-            running=True, strategy="sd", started_at=10.0, first_token_at=10.08,
-            prompt_tokens=180, prefill_tokens=40, n_ctx=4096, n_past=180,
-        )
+        # A reply in progress, its events received and the panels sampled by hand at fixed
+        # instants: 3 rounds between samples, 3 of 4 drafts pass per round.
+        p = ReplyProgress().after(ReplyStarted(99, "sd", prompt_tokens=180, prefill_tokens=40, n_ctx=4096), 10.0)
         for i, t in enumerate([10.25, 10.5, 10.75, 11.0, 11.25, 11.5, 11.75, 12.0]):
-            stats.rounds = 3 * (i + 1)
-            stats.drafted, stats.accepted = 4 * stats.rounds, 3 * stats.rounds
-            stats.new_tokens = stats.accepted + stats.rounds - (i % 3)
-            stats.draft_len = 4 + i % 2
-            stats.n_past = 180 + stats.new_tokens
+            new_tokens = 12 * (i + 1) - i % 3  # accepted + rounds so far, a few short
+            for emitted in (4, 4, new_tokens - p.new_tokens - 8):
+                n_past = 180 + p.new_tokens + emitted
+                p = p.after(RoundStats(99, 4, 3, emitted, 4 + i % 2, 0.0, 0.0, n_past), 10.08 if i == 0 else t)
+            app.progress = p
             app.sample_stats(now=t)
         await pilot.pause()
 

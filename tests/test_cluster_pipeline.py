@@ -140,8 +140,8 @@ def test_gemma3_split_off_the_sliding_window_period_exact(
 def test_cancel_mid_prefill_keeps_stages_consistent(
     model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
 ) -> None:
-    """Abort while a multi-chunk prompt is in flight: every stage drops the run, then decodes
-    exactly as if nothing happened (the run id + cancel message of the protocol)."""
+    """Cancel a multi-chunk prompt's run: every stage skips it, then decodes exactly as if
+    nothing happened (the run id + cancel message of the protocol)."""
     params = ContextParams(n_ctx=N_CTX, n_batch=16, n_threads=1)
     target = pipeline(model_path, workers[:2], slice_cache, split=[0, 15, 30], n_batch=16)
     local = LocalTarget(model, params)
@@ -150,11 +150,13 @@ def test_cancel_mid_prefill_keeps_stages_consistent(
         assert len(tokens) > 48
         local.decode(tokens[:5])
         target.decode(tokens[:5])
-        target.set_abort(lambda: True)
+        run = target.new_run()
+        target.cancel(run)
         with pytest.raises(InterruptedError):
-            target.decode(tokens[5:])
-        target.set_abort(None)
+            target.decode(tokens[5:], run_id=run)
         assert target.n_past == 5
+        chunks = -(-(len(tokens) - 5) // 16)
+        assert [st.skipped for st in target.status()] == [chunks, chunks]  # none was computed
         ref = local.decode(tokens[5:], all_logits=True).copy()
         assert np.array_equal(ref, target.decode(tokens[5:], all_logits=True))
     finally:

@@ -16,6 +16,8 @@ import zmq
 
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.errors import PotluckError
+from potluck.engine.jobs import DecodeJob
+from potluck.engine.kv import KV_OPS
 from potluck.engine.pipeline import wire
 from potluck.engine.pipeline.head import open_pipeline
 from potluck.engine.pipeline.transfer import SliceCache
@@ -53,13 +55,13 @@ def test_head_without_the_token_cannot_join(worker: WorkerProc, model_path: Path
         sock.setsockopt(zmq.LINGER, 0)
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = right.server_public, pub, sec
         sock.connect(f"tcp://{worker.address}")
-        sock.send_multipart(wire.encode(wire.Status()))
+        sock.send_multipart(wire.to_frames(wire.Status()))
         assert not sock.poll(1500), "a client key not derived from the token got an answer"
         # Plain (unencrypted) ZeroMQ gets nothing either.
         plain = ctx.socket(zmq.DEALER)
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(f"tcp://{worker.address}")
-        plain.send_multipart(wire.encode(wire.Status()))
+        plain.send_multipart(wire.to_frames(wire.Status()))
         assert not plain.poll(1000)
         sock.close()
         plain.close()
@@ -74,12 +76,12 @@ def test_head_without_the_token_cannot_join(worker: WorkerProc, model_path: Path
 
 def fuzz_cases(rng: random.Random) -> Iterator[list[bytes]]:
     """Malformed frames, shape/size lies and well-formed but invalid transactions."""
-    valid = [[bytes(f) for f in wire.encode(m)] for m in samples()]
+    valid = [[bytes(f) for f in wire.to_frames(m)] for m in samples()]
     produced = 0
     while produced < 900:
         frames = mutate(rng, rng.choice(valid))
         try:
-            if wire.decode(frames).TYPE in LEGIT_REQUESTS:
+            if wire.parse_frames(frames).TYPE in LEGIT_REQUESTS:
                 continue  # a mutation that left a well-formed request: not a malformed case
         except wire.WireError:
             pass
@@ -94,23 +96,25 @@ def fuzz_cases(rng: random.Random) -> Iterator[list[bytes]]:
             np.full(n, rng.choice([-5, 10**7, 3]), dtype=np.int32),
             np.zeros((n, 7), dtype=np.float32),
         ])
-        msg = wire.decode_batch(rng.choice([1, 2, 10**6]), inputs, pos, seq_ids=rng.choice([0, 300]))
-        yield [bytes(f) for f in wire.encode(msg)]
-        kv = wire.KvOp(rng.choice([1, 2, 50]), 0, rng.choice(wire.KV_OPS), rng.choice([0, 5, 255]), 3, 0, -1, 1)
-        yield [bytes(f) for f in wire.encode(kv)]
+        seq = np.full(n, rng.choice([0, 300]), dtype=np.int32)
+        msg = wire.Forward.from_job(rng.choice([1, 2, 10**6]), DecodeJob(0, inputs, pos, seq, np.ones(n, bool)))
+        yield [bytes(f) for f in wire.to_frames(msg)]
+        kv = wire.KvApply(rng.choice([1, 2, 50]), 0, rng.choice(KV_OPS), rng.choice([0, 5, 255]), 3, 0, -1, 1)
+        yield [bytes(f) for f in wire.to_frames(kv)]
     for name in ("load", "chunk"):
         header = {"type": name, "f": {}, "a": []}
         yield [wire.MAGIC, json.dumps(header).encode()]
-    yield [bytes(f) for f in wire.encode(wire.Chunk("cd" * 32, 0, 100, np.zeros(10, np.uint8)))]
-    yield [bytes(f) for f in wire.encode(wire.Load("ef" * 32, 0, 2, True, True, 64, 8, 1, True, "f32", "", "x", "x"))]
+    yield [bytes(f) for f in wire.to_frames(wire.Chunk("cd" * 32, 0, 100, np.zeros(10, np.uint8)))]
+    load = wire.Load("ef" * 32, 0, 2, True, True, 64, 8, 1, True, "f32", "", "x", "x")
+    yield [bytes(f) for f in wire.to_frames(load)]
 
 
 def status(sock: zmq.Socket) -> tuple:
-    sock.send_multipart(wire.encode(wire.Status()))
+    sock.send_multipart(wire.to_frames(wire.Status()))
     assert sock.poll(5000)
-    reply = wire.decode(sock.recv_multipart())
+    reply = wire.parse_frames(sock.recv_multipart())
     assert isinstance(reply, wire.StatusReply)
-    return reply.state, reply.sha256, reply.layer_lo, reply.layer_hi, reply.txn, tuple(reply.pos_max)
+    return reply.state, reply.sha256, reply.layer_lo, reply.layer_hi, reply.txn, tuple(reply.pos_max), reply.finished
 
 
 def test_fuzzed_worker_stays_up_unchanged_and_serves_a_valid_head(
@@ -134,7 +138,7 @@ def test_fuzzed_worker_stays_up_unchanged_and_serves_a_valid_head(
             fuzzer.send_multipart(frames)
             sent += 1
             assert fuzzer.poll(5000), f"no answer to fuzz case {sent}"
-            reply = wire.decode(fuzzer.recv_multipart())
+            reply = wire.parse_frames(fuzzer.recv_multipart())
             refused += isinstance(reply, wire.Error)
         assert sent >= 1000 and refused >= sent - 60  # the rest: harmless valid queries (ping, status)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,13 +92,20 @@ def test_merge_and_slice_layers(model_path: Path, model: Model, tmp_path: Path) 
 def test_abort_stops_prefill_and_cleans_cells(model: Model) -> None:
     session = Session(model, LocalTarget(model, ContextParams(n_ctx=4096, n_batch=512)), Autoregressive())
     long_text = "Describe this. " + "The sky is blue and the grass is green. " * 80
-    timer = threading.Timer(0.05, session.cancel)
+
+    def cancel_once_computing() -> None:
+        while session.target.runner.running_run is None:
+            time.sleep(0.001)
+        session.cancel()
+
+    timer = threading.Thread(target=cancel_once_computing)
     timer.start()
     events = list(session.generate(long_text, max_tokens=8))
     timer.join()
     assert events[-1].reason == "cancelled"
     assert events[-1].tokens == ()  # stopped inside the prompt, not after it
-    assert session.target.n_past == session.target.ctx.seq_pos_max(0) + 1
+    assert session.target.runner.counters.aborted == 1  # stopped mid-batch, not between batches
+    assert session.target.n_past == session.target.pos_max()[0] + 1
     # Decoding goes on normally after the abort (a fresh conversation reuses the cleaned cells).
     session.load_messages([])
     events = list(session.generate("Say hi.", max_tokens=4))

@@ -93,7 +93,7 @@ def spec_sessions(model: Model, draft_path: Path) -> Iterator[tuple[str, Strateg
     yield "anpd", build("anpd", model)
     # Fixed length: on this box the break-even test soon stops a draft model from drafting at
     # all, and this test must exercise rejected drafts whatever the machine's timings.
-    yield "sd", build("sd", model, draft_path, adaptive=False, k=4)
+    yield "sd", build("sd", model, draft_path, adaptive=False, max_draft=4)
 
 
 def test_greedy_equals_plain_decoding(
@@ -125,7 +125,7 @@ def test_multi_turn_greedy_equals_plain_decoding(
 
 def test_long_fixed_drafts_stay_exact(model: Model, reference: dict[str, list[int]]) -> None:
     """Speculation length fixed at the largest exact batch: 47 drafts + the pending token."""
-    strategy = build("anpd", model, k=MAX_EXACT_BATCH - 1, adaptive=False)
+    strategy = build("anpd", model, max_draft=MAX_EXACT_BATCH - 1, adaptive=False)
     session = make_session(model, strategy)
     prompt = LONG_PROMPTS[1]  # code editing: long n-gram matches
     tokens, rounds = reply(session, prompt, 128)
@@ -146,6 +146,7 @@ RAW_PROMPTS = {
     "sd": "Colors: red, green,",
 }
 TRIALS = 200
+ALPHA = 1e-3  # one significance level: the exact verifier passes it, the broken one must not
 
 
 def first_tokens(
@@ -158,14 +159,18 @@ def first_tokens(
     out = []
     for seed in range(trials):
         target.truncate(len(prompt))
+        seeds = np.random.SeedSequence(seed)
         g = Generation(
+            run_id=seed,
             target=target,
-            sampler=Sampler(SamplingParams(temperature=0.8, seed=seed)),
+            sampler=Sampler(SamplingParams(temperature=0.8, seed=seed), np.random.default_rng(seeds)),
+            seeds=seeds,
             history=list(prompt),
             first_logits=first_logits,
             max_new=8,
             is_eog=model.is_eog,
         )
+        strategy.prepare(g)
         rounds = strategy.run(g)
         first = next(rounds)
         assert first.drafted > 0  # the verifier, not plain sampling, chose this token
@@ -195,12 +200,12 @@ def broken_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
 def test_sampled_token_follows_target_distribution(
     name: str, model: Model, draft_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    strategy = build(name, model, draft_path, k=2, adaptive=False)
+    strategy = build(name, model, draft_path, max_draft=2, adaptive=False)
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
-    assert chi2_pvalue(tokens, p) > 1e-3
+    assert chi2_pvalue(tokens, p) > ALPHA
     # The same run with a verifier that resamples from p after a rejection must fail.
     broken = functools.partial(verify_chain, residual_fn=broken_residual)
     monkeypatch.setattr(speculative, "verify_chain", broken)
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
-    assert chi2_pvalue(tokens, p) < 1e-4
+    assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()

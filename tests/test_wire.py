@@ -1,4 +1,4 @@
-"""The wire protocol: exact round trips, and decode raises nothing but WireError on junk."""
+"""The wire protocol: exact round trips, and parse_frames raises nothing but WireError on junk."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import random
 import numpy as np
 import pytest
 
+from potluck.engine.jobs import DecodeJob
 from potluck.engine.pipeline import wire
 
 SHA = "ab" * 32
 
 
-def samples() -> list[wire.Message]:
+def samples() -> list[wire.WireMessage]:
     hidden = np.arange(12, dtype=np.float32).reshape(3, 4)
     return [
         wire.Hello("head-1", "0.1.0"),
@@ -29,18 +30,23 @@ def samples() -> list[wire.Message]:
         wire.Ping(1),
         wire.Pong(1),
         wire.Status(),
-        wire.StatusReply("loaded", SHA, 0, 12, 5, np.array([7, -1], dtype=np.int32)),
+        wire.StatusReply("loaded", SHA, 0, 12, 5, 9, 1, 2, 4, np.array([7, -1], dtype=np.int32)),
         wire.Error("n1", "refused", "why", 3),
-        wire.decode_batch(1, np.array([1, 2, 3], dtype=np.int32), np.arange(3, dtype=np.int32)),
-        wire.decode_batch(2, hidden, np.arange(5, 8, dtype=np.int32), outputs="all", run_id=4),
-        wire.decode_batch(3, hidden.astype(np.float16), np.arange(3, dtype=np.int32), seq_ids=[0, 1, 1]),
-        wire.KvOp(4, 0, "rm", 0, -1, 10, -1, 0),
+        wire.Forward.from_job(1, DecodeJob.tokens(0, [1, 2, 3], 0)),
+        wire.Forward.from_job(
+            2, DecodeJob(4, hidden, np.arange(5, 8, dtype=np.int32), np.zeros(3, np.int32), np.ones(3, bool))
+        ),
+        wire.Forward.from_job(
+            3, DecodeJob(0, hidden.astype(np.float16), np.arange(3, dtype=np.int32), np.array([0, 1, 1], np.int32),
+                         np.array([0, 0, 1], bool)),
+        ),
+        wire.KvApply(4, 0, "rm", 0, -1, 10, -1, 0),
         wire.Reset(5),
         wire.Result(6, 0, False, np.ones((2, 5), dtype=np.float32)),
     ]
 
 
-def same(a: wire.Message, b: wire.Message) -> bool:
+def same(a: wire.WireMessage, b: wire.WireMessage) -> bool:
     if type(a) is not type(b):
         return False
     for name in a.__dataclass_fields__:
@@ -54,12 +60,12 @@ def same(a: wire.Message, b: wire.Message) -> bool:
 
 
 @pytest.mark.parametrize("msg", samples(), ids=lambda m: m.TYPE)
-def test_encode_decode_are_inverses(msg: wire.Message) -> None:
-    frames = wire.encode(msg)
+def test_to_frames_and_parse_frames_are_inverses(msg: wire.WireMessage) -> None:
+    frames = wire.to_frames(msg)
     assert frames[0] == wire.MAGIC
-    back = wire.decode([bytes(f) for f in frames])
+    back = wire.parse_frames([bytes(f) for f in frames])
     assert same(msg, back)
-    assert [bytes(f) for f in wire.encode(back)] == [bytes(f) for f in frames]
+    assert [bytes(f) for f in wire.to_frames(back)] == [bytes(f) for f in frames]
 
 
 def test_every_message_type_is_sampled() -> None:
@@ -67,15 +73,15 @@ def test_every_message_type_is_sampled() -> None:
 
 
 def test_version_mismatch_is_named() -> None:
-    frames = [bytes(f) for f in wire.encode(wire.Ping(1))]
+    frames = [bytes(f) for f in wire.to_frames(wire.Ping(1))]
     with pytest.raises(wire.WireError, match="version mismatch"):
-        wire.decode([b"potluck/2", *frames[1:]])
+        wire.parse_frames([b"potluck/1", *frames[1:]])
 
 
 @pytest.mark.parametrize(
     "header,buffers,why",
     [
-        ({"type": "decode", "f": {"txn": 1, "run_id": 0, "skip": False},
+        ({"type": "forward", "f": {"txn": 1, "run_id": 0, "skip": False},
           "a": [["inputs", "i32", [2]], ["positions", "i32", [3]], ["seq_ids", "i32", [3]],
                 ["outputs", "u8", [3]]]},
          [b"\0" * 8, b"\0" * 12, b"\0" * 12, b"\1\0\0"], "token ids"),
@@ -95,7 +101,7 @@ def test_version_mismatch_is_named() -> None:
 )
 def test_inconsistent_messages_are_refused(header: dict, buffers: list[bytes], why: str) -> None:
     with pytest.raises(wire.WireError, match=why):
-        wire.decode([wire.MAGIC, json.dumps(header).encode(), *buffers])
+        wire.parse_frames([wire.MAGIC, json.dumps(header).encode(), *buffers])
 
 
 def mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
@@ -136,12 +142,12 @@ def mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
 
 def test_fuzzed_frames_raise_only_wire_error() -> None:
     rng = random.Random(1234)
-    valid = [[bytes(f) for f in wire.encode(m)] for m in samples()]
+    valid = [[bytes(f) for f in wire.to_frames(m)] for m in samples()]
     outcomes = {"refused": 0, "accepted": 0}
     for _ in range(5000):
         frames = mutate(rng, rng.choice(valid))
         try:
-            wire.decode(frames, max_bytes=1 << 20)
+            wire.parse_frames(frames, max_bytes=1 << 20)
             outcomes["accepted"] += 1  # e.g. a flipped byte inside a payload: still well-formed
         except wire.WireError:
             outcomes["refused"] += 1
@@ -149,8 +155,8 @@ def test_fuzzed_frames_raise_only_wire_error() -> None:
 
 
 def test_oversized_message_is_refused_before_parsing() -> None:
-    frames = [bytes(f) for f in wire.encode(wire.Chunk(SHA, 0, 1 << 21, np.zeros(1 << 21, np.uint8)))]
+    frames = [bytes(f) for f in wire.to_frames(wire.Chunk(SHA, 0, 1 << 21, np.zeros(1 << 21, np.uint8)))]
     with pytest.raises(wire.WireError, match="exceeds"):
-        wire.decode(frames, max_bytes=1 << 20)
+        wire.parse_frames(frames, max_bytes=1 << 20)
     with pytest.raises(wire.WireError, match="header too large"):
-        wire.decode([wire.MAGIC, b" " * (wire.MAX_HEADER_BYTES + 1)])
+        wire.parse_frames([wire.MAGIC, b" " * (wire.MAX_HEADER_BYTES + 1)])

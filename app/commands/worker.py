@@ -11,7 +11,7 @@ from pathlib import Path
 from ...discovery.auth import keys_from_token, resolve_token
 from ...engine import paths
 from ...engine.pipeline.profile import measure_profile
-from ...engine.pipeline.stage import Worker
+from ...engine.pipeline.worker import Worker
 from ...engine.runtime import default_threads
 from ..cli import potluck_version
 

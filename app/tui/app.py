@@ -2,9 +2,8 @@
 
 After posting: the CLI only parses arguments, :func:`build_app` builds the app from
 explicit arguments (settings, a session factory, the history file), and the tests build
-it the same way with a scripted fake session. The engine runs in worker threads: one
-loads the model, one streams a reply; they talk to the UI only through messages posted
-to the app, so typing, scrolling and switching conversations never wait on a decode.
+it the same way with a scripted fake session. The engine runs in worker threads
+(:mod:`.replies`); this module starts them and handles the messages they post.
 """
 
 from __future__ import annotations
@@ -12,61 +11,43 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.message import Message as TMessage
 from textual.widgets import ContentSwitcher, Footer, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
 from ...engine.chat import Message
 from ...engine.config import Settings, save_settings
 from ...engine.errors import PotluckError
-from ...engine.events import Event, Finished, TokenText
 from ...engine.loader import EngineSpec
-from ...engine.sampling import SamplingParams
 from ..store import Conversation, Store, StoredMessage
 from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
 from .export import code_blocks, conversation_markdown, export_path
+from .replies import (
+    ChatSession,
+    Reply,
+    ReplyFailed,
+    ReplyFinished,
+    SessionFactory,
+    SessionLoaded,
+    load_in_thread,
+    reply_in_thread,
+)
 from .screens import ConfirmScreen, LogScreen, Pick, PickerScreen, TextPromptScreen
-from .stats import Counters, Figures, SpeedMeter
+from .stats import Figures, ReplyProgress, SpeedMeter
 from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPanel, finish_note
 
 log = logging.getLogger(__name__)
 
 NEW_TITLE = "New chat"
 TEXT_PUMP_S = 1 / 20  # how often streamed text is drawn
-
-
-class ChatSession(Protocol):
-    """What the app needs from :class:`potluck.engine.session.Session` (tests fake it)."""
-
-    messages: list[Message]
-
-    @property
-    def stats(self) -> Counters: ...
-
-    def generate(
-        self, user: str | None, sampling: SamplingParams = ..., max_tokens: int = ...
-    ) -> Iterator[Event]: ...
-
-    def regenerate(self, sampling: SamplingParams = ..., max_tokens: int = ...) -> Iterator[Event]: ...
-
-    def cancel(self) -> None: ...
-
-    def load_messages(self, messages: Sequence[Message]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-SessionFactory = Callable[[EngineSpec], ChatSession]
 
 
 def spec_from_settings(settings: Settings) -> EngineSpec:
@@ -78,53 +59,6 @@ def spec_from_settings(settings: Settings) -> EngineSpec:
         n_ctx=m.n_ctx,
         n_threads=m.n_threads,
     )
-
-
-@dataclass
-class Reply:
-    """One reply in flight: where it streams to and what it will be stored as."""
-
-    conversation_id: int
-    session: ChatSession
-    view: MessageView
-    user_text: str | None  # None: regenerate the last reply
-    user_view: MessageView | None = None
-    user_message_id: int | None = None
-    replaces: int | None = None  # regenerate: the stored reply the new one replaces
-    previous_text: str = ""
-    previous_note: str = ""
-    got_text: bool = False
-    # Text the engine thread produced that the UI has not drawn yet (guarded by the lock).
-    pending: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def push(self, text: str) -> None:  # engine thread
-        with self.lock:
-            self.pending.append(text)
-
-    def take(self) -> str:  # UI thread
-        with self.lock:
-            text = "".join(self.pending)
-            self.pending.clear()
-        return text
-
-
-class ReplyFinished(TMessage):
-    def __init__(self, reply: Reply, finished: Finished) -> None:
-        super().__init__()
-        self.reply, self.finished = reply, finished
-
-
-class ReplyFailed(TMessage):
-    def __init__(self, reply: Reply, error: str) -> None:
-        super().__init__()
-        self.reply, self.error = reply, error
-
-
-class SessionLoaded(TMessage):
-    def __init__(self, spec: EngineSpec, session: ChatSession | None, error: str | None) -> None:
-        super().__init__()
-        self.spec, self.session, self.error = spec, session, error
 
 
 class LogBuffer(logging.Handler):
@@ -194,6 +128,8 @@ class PotluckApp(App[None]):
         self.loading = False
         self.load_error: str | None = None
         self.reply: Reply | None = None
+        # The last reply's figures, shown between replies (a running reply has its own).
+        self.progress = ReplyProgress(n_ctx=self.spec.n_ctx)
         self.meter = SpeedMeter()
         self.log_buffer = LogBuffer()
         self.store: Store | None = None
@@ -257,7 +193,7 @@ class PotluckApp(App[None]):
             return
         self._closed = True
         if self.reply is not None:
-            self.reply.session.cancel()
+            self.reply.cancel()
         if not self._engine_idle.wait(timeout_s):
             log.error("the engine did not stop within %.0f s; leaving the model loaded", timeout_s)
         elif self.session is not None:
@@ -291,6 +227,8 @@ class PotluckApp(App[None]):
         return f"{name} · {spec.strategy}{draft}"
 
     def update_status(self) -> None:
+        """Show what the engine is doing; called whenever that changes."""
+        self.refresh_bindings()  # check_action's answer for Esc depends on self.reply
         if self.reply is not None:
             state = "generating… (Esc stops)"
         elif self.loading:
@@ -340,20 +278,9 @@ class PotluckApp(App[None]):
         self.loading = True
         self.update_status()
         self.run_worker(
-            partial(self._load_in_thread, spec), thread=True, group="loader", exit_on_error=False
+            partial(load_in_thread, self.post_message, self.session_factory, spec),
+            thread=True, group="loader", exit_on_error=False,
         )
-
-    def _load_in_thread(self, spec: EngineSpec) -> None:  # worker thread
-        try:
-            session = self.session_factory(spec)
-        except PotluckError as e:
-            self.post_message(SessionLoaded(spec, None, str(e)))
-        except Exception as e:  # a crash in llama.cpp bindings must not take the UI down
-            log.exception("loading the model failed")
-            self.post_message(SessionLoaded(spec, None, f"{type(e).__name__}: {e}"))
-        else:
-            if not self.post_message(SessionLoaded(spec, session, None)):
-                session.close()  # the app is gone
 
     def on_session_loaded(self, event: SessionLoaded) -> None:
         self.loading = False
@@ -365,40 +292,23 @@ class PotluckApp(App[None]):
             if old is not None:
                 old.close()
             log.info("model ready: %s", self._model_label())
-            self.meter = SpeedMeter()
+            self.progress, self.meter = ReplyProgress(n_ctx=event.spec.n_ctx), SpeedMeter()
             self.sample_stats()
         self.update_status()
 
     # ------------------------------------------------------------------ engine: replies
     def _start_reply(self, reply: Reply, history: list[Message]) -> None:
         reply.session.load_messages(history)
+        reply.progress = self.progress  # until the engine says the reply started
         self.reply = reply
         self._engine_idle.clear()
         self.update_status()
         self.run_worker(
-            partial(self._reply_in_thread, reply), thread=True, group="engine", exit_on_error=False
+            partial(
+                reply_in_thread, self.post_message, reply, self.settings.sampling, self.clock, self._engine_idle
+            ),
+            thread=True, group="engine", exit_on_error=False,
         )
-
-    def _reply_in_thread(self, reply: Reply) -> None:  # worker thread
-        s = self.settings.sampling
-        try:
-            sampling = s.params()
-            if reply.user_text is None:
-                events = reply.session.regenerate(sampling, s.max_tokens)
-            else:
-                events = reply.session.generate(reply.user_text, sampling, s.max_tokens)
-            for event in events:
-                if isinstance(event, TokenText) and event.text:
-                    reply.push(event.text)  # drawn by the UI's pump, not per token
-                elif isinstance(event, Finished):
-                    self.post_message(ReplyFinished(reply, event))
-        except PotluckError as e:
-            self.post_message(ReplyFailed(reply, str(e)))
-        except Exception as e:
-            log.exception("generation failed")
-            self.post_message(ReplyFailed(reply, f"generation failed: {type(e).__name__}: {e}"))
-        finally:
-            self._engine_idle.set()
 
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         await self.send(event.text)
@@ -449,8 +359,7 @@ class PotluckApp(App[None]):
     async def on_reply_finished(self, event: ReplyFinished) -> None:
         reply, f = event.reply, event.finished
         await self._pump_reply_text()
-        self.reply = None
-        self.meter.finish(f)
+        self.reply, self.progress = None, reply.progress
         note = finish_note(f.reason)
         assert self.store is not None
         if self.store.conversation(reply.conversation_id) is not None:
@@ -475,7 +384,7 @@ class PotluckApp(App[None]):
     async def on_reply_failed(self, event: ReplyFailed) -> None:
         reply = event.reply
         await self._pump_reply_text()
-        self.reply = None
+        self.reply, self.progress = None, reply.progress
         self.report_error(event.error)
         assert self.store is not None
         if reply.user_text is not None and not reply.got_text:
@@ -503,14 +412,15 @@ class PotluckApp(App[None]):
 
     # ------------------------------------------------------------------ panels
     def sample_stats(self, now: float | None = None) -> None:
-        """Timer callback: read the engine's counters (never per token) and redraw panels."""
+        """Timer callback: redraw the panels from the latest reply's progress (never per token)."""
         panels = self._main.query(StatsPanel)
         if not panels:
             return  # shutting down
         if self.session is None:
             figures = Figures()
         else:
-            figures = self.meter.sample(self.session.stats, self.clock() if now is None else now)
+            progress = self.reply.progress if self.reply is not None else self.progress
+            figures = self.meter.sample(progress, self.clock() if now is None else now)
         try:
             panels.first().show(figures)
         except NoMatches:
@@ -530,7 +440,7 @@ class PotluckApp(App[None]):
         """Esc: the engine stops after its current step; the partial reply is kept."""
         if self.reply is None:
             return
-        self.reply.session.cancel()
+        self.reply.cancel()
         if self.reply.view.is_attached:
             self.reply.view.set_note("stopping…")
 
@@ -610,7 +520,7 @@ class PotluckApp(App[None]):
     async def delete_conversation(self, conversation_id: int) -> None:
         assert self.store is not None
         if self.reply is not None and self.reply.conversation_id == conversation_id:
-            self.reply.session.cancel()
+            self.reply.cancel()
         self.store.delete(conversation_id)
         chat = self.chat_log(conversation_id)
         if chat is not None:

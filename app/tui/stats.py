@@ -1,34 +1,74 @@
-"""What the live panels show, computed from the engine's counters (pure, no Textual).
+"""What the live panels show, added up from a reply's events (pure, no Textual).
 
-The panels sample :class:`~potluck.engine.session.LiveStats` on a timer instead of
-repainting per token; :class:`SpeedMeter` turns successive samples into "tokens/s now"
-and keeps that series for the sparkline. After a reply ends, the figures come from its
-:class:`~potluck.engine.events.Finished` totals, so they stay exact and stable.
+The reply thread folds each event it receives into a :class:`ReplyProgress` snapshot
+(stamped with the app's clock), so the panels never poll engine state. The panels sample
+the latest snapshot on a timer instead of repainting per token; :class:`SpeedMeter` turns
+successive samples into "tokens/s now" and keeps that series for the sparkline. After a
+reply ends, the figures come from its :class:`~potluck.engine.events.Finished` totals, so
+they stay exact and stable.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
 
-from ...engine.events import Finished
+from ...engine.events import Event, Finished, ReplyStarted, RoundStats, TokenText
 
 DASH = "—"
 
 
-class Counters(Protocol):
-    running: bool
-    strategy: str
-    started_at: float
-    first_token_at: float
-    new_tokens: int
-    prompt_tokens: int
-    drafted: int
-    accepted: int
-    rounds: int
-    draft_len: int
-    n_past: int
-    n_ctx: int
+@dataclass(frozen=True)
+class ReplyProgress:
+    """One reply's figures so far. Immutable: the reply thread replaces the snapshot per
+    event and the UI thread reads whichever one is current, so no lock is needed."""
+
+    run_id: int | None = None
+    running: bool = False
+    strategy: str = ""
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    draft_len: int = 0
+    n_past: int = 0
+    n_ctx: int = 0
+    finished: Finished | None = None
+
+    def after(self, event: Event, now: float) -> ReplyProgress:
+        """The figures once ``event`` has arrived at time ``now``."""
+        if isinstance(event, ReplyStarted):
+            return ReplyProgress(
+                run_id=event.run_id,
+                running=True,
+                strategy=event.strategy,
+                started_at=now,
+                prompt_tokens=event.prompt_tokens,
+                n_past=event.prompt_tokens - event.prefill_tokens,  # what the cache already holds
+                n_ctx=event.n_ctx,
+            )
+        if isinstance(event, RoundStats):
+            return replace(
+                self,
+                first_token_at=self.first_token_at or now,
+                new_tokens=self.new_tokens + event.emitted,
+                drafted=self.drafted + event.drafted,
+                accepted=self.accepted + event.accepted,
+                rounds=self.rounds + 1,
+                draft_len=event.draft_len,
+                n_past=event.n_past,
+            )
+        if isinstance(event, TokenText) and event.token_ids and not self.first_token_at:
+            return replace(self, first_token_at=now)
+        if isinstance(event, Finished):
+            return replace(self, running=False, n_past=event.n_past, finished=event)
+        return self
+
+    def stopped(self) -> ReplyProgress:
+        """The reply ended without a :class:`Finished` (it failed)."""
+        return replace(self, running=False) if self.running else self
 
 
 @dataclass(frozen=True)
@@ -58,65 +98,60 @@ def _acceptance(drafted: int, accepted: int, rounds: int) -> tuple[float | None,
 
 @dataclass
 class SpeedMeter:
-    """Samples of one reply's progress; reset when a new reply starts."""
+    """Samples of one reply's progress; reset when a new reply (run id) shows up."""
 
     samples: list[float] = field(default_factory=list)
-    _reply_started_at: float | None = None
+    _run_id: int | None = None
     _last: tuple[float, int] | None = None
-    _finished: Finished | None = None
 
-    def finish(self, finished: Finished) -> None:
-        self._finished = finished
-
-    def sample(self, stats: Counters, now: float) -> Figures:
-        if stats.running and stats.started_at != self._reply_started_at:
-            self._reply_started_at = stats.started_at
-            self.samples, self._last, self._finished = [], None, None
+    def sample(self, p: ReplyProgress, now: float) -> Figures:
+        if p.run_id != self._run_id:
+            self._run_id = p.run_id
+            self.samples, self._last = [], None
         rate_now: float | None = None
-        if stats.running and stats.first_token_at:
+        if p.running and p.first_token_at:
             if self._last is not None and now > self._last[0]:
-                rate_now = max(0.0, (stats.new_tokens - self._last[1]) / (now - self._last[0]))
+                rate_now = max(0.0, (p.new_tokens - self._last[1]) / (now - self._last[0]))
                 self.samples.append(rate_now)
-            self._last = (now, stats.new_tokens)
-        f = self._finished
-        if f is not None and not stats.running:
-            acc, mean = f.acceptance_rate, f.mean_accepted_len
+            self._last = (now, p.new_tokens)
+        f = p.finished
+        if f is not None:
             return Figures(
                 running=False,
                 strategy=f.strategy,
                 tokens_per_s_reply=f.tokens_per_s,
                 speed_series=tuple(self.samples),
                 ttft_s=f.ttft_s,
-                acceptance_rate=acc,
-                mean_accepted_len=mean,
-                draft_len=stats.draft_len if f.drafted else None,
+                acceptance_rate=f.acceptance_rate,
+                mean_accepted_len=f.mean_accepted_len,
+                draft_len=p.draft_len if f.drafted else None,
                 drafted=f.drafted,
                 accepted=f.accepted,
                 prompt_tokens=f.prompt_tokens,
                 generated_tokens=len(f.tokens),
-                n_past=stats.n_past,
-                n_ctx=stats.n_ctx,
+                n_past=p.n_past,
+                n_ctx=p.n_ctx,
             )
-        acc, mean = _acceptance(stats.drafted, stats.accepted, stats.rounds)
+        acc, mean = _acceptance(p.drafted, p.accepted, p.rounds)
         reply_rate = None
-        if stats.first_token_at and now > stats.first_token_at and stats.new_tokens > 1:
-            reply_rate = (stats.new_tokens - 1) / (now - stats.first_token_at)
+        if p.running and p.first_token_at and now > p.first_token_at and p.new_tokens > 1:
+            reply_rate = (p.new_tokens - 1) / (now - p.first_token_at)
         return Figures(
-            running=stats.running,
-            strategy=stats.strategy,
+            running=p.running,
+            strategy=p.strategy,
             tokens_per_s_now=rate_now,
-            tokens_per_s_reply=reply_rate if stats.running else None,
+            tokens_per_s_reply=reply_rate,
             speed_series=tuple(self.samples),
-            ttft_s=(stats.first_token_at - stats.started_at) if stats.first_token_at else None,
+            ttft_s=(p.first_token_at - p.started_at) if p.first_token_at else None,
             acceptance_rate=acc,
             mean_accepted_len=mean,
-            draft_len=stats.draft_len if (stats.drafted or stats.draft_len) else None,
-            drafted=stats.drafted,
-            accepted=stats.accepted,
-            prompt_tokens=stats.prompt_tokens,
-            generated_tokens=stats.new_tokens,
-            n_past=stats.n_past,
-            n_ctx=stats.n_ctx,
+            draft_len=p.draft_len if (p.drafted or p.draft_len) else None,
+            drafted=p.drafted,
+            accepted=p.accepted,
+            prompt_tokens=p.prompt_tokens,
+            generated_tokens=p.new_tokens,
+            n_past=p.n_past,
+            n_ctx=p.n_ctx,
         )
 
 

@@ -1,7 +1,12 @@
-"""Draft sources behind one two-method interface (``propose`` / ``observe``).
+"""Draft sources behind one contract: ``begin`` -> ``draft`` -> ``accept``.
 
 Drafters never verify: they guess, and :mod:`potluck.engine.verify` decides. A guess only
 costs speed when wrong, never correctness, so a drafter may use cheap heuristics freely.
+The lifecycle follows llama.cpp's common_speculative (begin, draft, accept): a strategy only
+calls these methods and reads ``step_ms``; it never sets a drafter's attributes.
+
+Each drafter owns the random generator ``begin`` hands it (spawned from the session's seed),
+so seeded runs repeat exactly even when drafting runs on another thread than verification.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..sampling import Sampler
+from ..sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -27,17 +32,41 @@ class Draft:
     q: list[np.ndarray] | None = None
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """What one round asks of a drafter.
+
+    ``min_accept_p``: the probability that the whole draft so far is accepted must stay at or
+    above this for one more token to pay for its share of the verify batch (measured at run
+    time, :class:`potluck.engine.adaptive.DraftBreakEven`); 0 drafts ``max_tokens`` whenever
+    the drafter has a guess.
+    """
+
+    context: Sequence[int]  # the whole conversation so far; drafts continue it
+    max_tokens: int
+    min_accept_p: float
+    sampling: SamplingParams
+
+
 class Drafter(Protocol):
     name: str
+    step_ms: float  # measured cost of drafting one more token (0 for free sources)
 
-    def propose(self, context: Sequence[int], k: int, sampler: Sampler) -> Draft:
-        """Up to ``k`` tokens that may follow ``context`` (the whole conversation so far)."""
+    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
+        """A reply starts after ``context`` (prompt processing happens here); ``rng`` is the
+        drafter's own for the whole reply."""
         ...
 
-    def observe(self, context: Sequence[int]) -> None:
-        """Learn from the conversation after a round (accepted tokens are its new tail)."""
+    def draft(self, req: DraftRequest) -> Draft:
+        """Up to ``req.max_tokens`` tokens that may follow ``req.context``."""
         ...
 
-    def reset(self) -> None: ...
+    def accept(self, n_accepted: int) -> None:
+        """The target kept the first ``n_accepted`` tokens of the last draft."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the conversation (a new one starts)."""
+        ...
 
     def close(self) -> None: ...

@@ -1,8 +1,8 @@
 """A small model with the target's vocabulary drafts by running ahead autoregressively.
 
-The draft keeps its own llama.cpp context (never the target's: fact 4 of DESIGN.md, other
-sequences' cells in the target context would change its logits). Each proposal first
-brings the draft's KV cache up to the conversation: the common prefix stays, the rest is
+The draft keeps its own llama.cpp context (never the target's: docs/facts.md §4, other
+sequences' cells in the target context would change its logits). Each draft first brings
+the draft's KV cache up to the conversation: the common prefix stays, the rest is
 re-decoded (usually the target's own token from the last round and, when every draft was
 accepted, the last draft). The draft's exactness does not matter, only its speed.
 """
@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import PotluckError
 from ..runtime import Context, ContextParams, Model
-from ..sampling import Sampler, probs
-from . import Draft
+from ..sampling import draw, probs
+from . import Draft, DraftRequest
 
 
 def vocabulary_digest(model: Model) -> str:
@@ -58,11 +58,11 @@ class DraftModelDrafter:
         self.model = model
         self.owns_model = owns_model
         self.p_min = p_min  # stop drafting once the draft's own top probability falls below
-        self.break_even = 0.0  # measured at run time by the strategy (adaptive.DraftBreakEven)
         self.step_ms = 0.0  # measured cost of one draft step (decayed average)
         self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads))
         self.tokens: list[int] = []  # what the draft's KV cache holds, in order
         self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
+        self._rng = np.random.default_rng()  # replaced by begin() with the session's child
 
     # -- keeping the draft's cache in step with the conversation
     def _synced_prefix(self, context: Sequence[int]) -> int:
@@ -82,7 +82,16 @@ class DraftModelDrafter:
             i += 1
         return i
 
-    def observe(self, context: Sequence[int]) -> None:
+    # -- the drafter contract
+    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
+        """Prefill the prompt now, so that the first round's draft time is drafting only."""
+        self._rng = rng
+        self._sync(context)
+
+    def accept(self, n_accepted: int) -> None:
+        pass  # the next draft() re-syncs to the conversation, accepted tokens included
+
+    def _sync(self, context: Sequence[int]) -> None:
         """Decode what the draft has not seen of ``context``; leaves fresh logits after it."""
         keep = self._synced_prefix(context)
         if keep == len(context) and keep == len(self.tokens) and self._logits is not None:
@@ -95,21 +104,21 @@ class DraftModelDrafter:
         for start in range(0, len(todo), n_batch):
             chunk = todo[start : start + n_batch]
             t = time.perf_counter()
-            self.ctx.decode(chunk, len(self.tokens))
+            self.ctx.run_tokens(chunk, len(self.tokens))
             if len(chunk) == 1:
                 self._note_step((time.perf_counter() - t) * 1e3)
             self.tokens.extend(chunk)
         self._logits = self.ctx.logits_row(-1)
 
-    def propose(self, context: Sequence[int], k: int, sampler: Sampler) -> Draft:
+    def draft(self, req: DraftRequest) -> Draft:
+        k, context, params = req.max_tokens, req.context, req.sampling
         if k <= 0:
             return Draft([])
-        self.observe(context)
-        params = sampler.params
+        self._sync(context)
         stochastic = not params.greedy
         penalty = params.repeat_penalty != 1.0
         recent = list(context[-params.repeat_last_n :]) if penalty else []
-        threshold = max(self.p_min, self.break_even)
+        threshold = max(self.p_min, req.min_accept_p)
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         chance = 1.0  # that every draft so far is accepted, by the draft's own confidence
@@ -123,7 +132,7 @@ class DraftModelDrafter:
             chance *= float(q.max()) if stochastic else self._top_prob(logits)
             if chance < threshold:
                 break
-            x = sampler.draw(q) if stochastic else int(np.argmax(q))
+            x = draw(q, self._rng) if stochastic else int(np.argmax(q))
             drafts.append(x)
             if stochastic:
                 qs.append(q)
@@ -132,11 +141,11 @@ class DraftModelDrafter:
             if i == k - 1:
                 break
             t = time.perf_counter()
-            self.ctx.decode([x], len(self.tokens))
+            self.ctx.run_tokens([x], len(self.tokens))
             self._note_step((time.perf_counter() - t) * 1e3)
             self.tokens.append(x)
             self._logits = self.ctx.logits_row(-1)
-        # the last draft is not in the draft's cache yet: logits are stale until observe()
+        # the last draft is not in the draft's cache yet: logits are stale until _sync()
         self._logits = None
         return Draft(drafts, qs if stochastic else None)
 

@@ -2,11 +2,14 @@
 run on LAN workers, and :func:`open_pipeline`, which joins, plans, distributes and loads.
 
 Data path: head -> stage 1 -> ... -> stage N -> head. The head sends every transaction
-(decode, kv, reset) to stage 1 only; each stage applies it and forwards it, so KV
-operations and decodes happen in the same order everywhere. The last stage returns the
-logits of the requested rows. Prompt chunking is LocalTarget's (chunks of ``n_batch``),
-which keeps the output bit-identical to one machine (DESIGN.md fact 4); all chunks of a
-prompt are sent before the first result is awaited, so stages overlap during prefill.
+(``forward`` batches, ``kv`` operations, ``reset``) to stage 1 only; each stage applies it and
+passes it on, so KV operations and batches happen in the same order everywhere. Any number of
+batches may be in flight: the last stage's results are filed by transaction number as they
+arrive and handed to whoever waits for that ticket, never dropped. ``cancel(run_id)`` goes
+to every stage out of band: queued batches of the run are skipped, a running one is aborted.
+
+The head needs the target's vocabulary and chat template only: the loader opens the target
+vocab-only, so a model too big for the head still works in cluster mode.
 
 Failure: every link has a ZeroMQ monitor; a worker that dies (socket closed) or freezes
 (heartbeats stop, 2.5 s) or refuses a transaction is reported by name as a
@@ -16,8 +19,10 @@ conversation. A stage that stays busy past ``stall_timeout_s`` is named the same
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +31,12 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from ..errors import ContextFullError, PotluckError
+from ..errors import PotluckError
 from ..events import NodeStatus
 from ..gguf_tools import SPLITTABLE_ARCHS
+from ..jobs import DecodeJob, RunCancelled, Ticket
+from ..kv import KvOp
+from ..target import TargetBase
 from . import wire
 from .plan import NodeInfo, SplitPlan, layer_costs, manual_plan, plan_split
 from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
@@ -88,8 +96,8 @@ class NodeLink:
             elif self.handshaken and event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 lost = "disconnected (the worker stopped, crashed or froze)"
 
-    def send(self, msg: wire.Message) -> None:
-        frames = wire.encode(msg)
+    def send(self, msg: wire.WireMessage) -> None:
+        frames = wire.to_frames(msg)
         try:
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -99,18 +107,18 @@ class NodeLink:
             raise NodeFailedError(f"{self.describe()} is unreachable (send timed out)") from None
         self.bytes_out += wire.frames_nbytes(frames)
 
-    def recv(self) -> wire.Message:
+    def recv(self) -> wire.WireMessage:
         frames = self.sock.recv_multipart(copy=False)
         self.bytes_in += sum(len(f.buffer) for f in frames)
         try:
-            msg = wire.decode(frames)
+            msg = wire.parse_frames(frames)
         except wire.WireError as e:
             raise NodeFailedError(f"{self.describe()} sent a malformed message: {e}") from None
         if isinstance(msg, wire.Error):
             raise NodeFailedError(f"{self.describe()} refused: {msg.message}")
         return msg
 
-    def request(self, msg: wire.Message, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.Message:
+    def request(self, msg: wire.WireMessage, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.WireMessage:
         """Send ``msg`` and wait for this worker's reply, watching the connection meanwhile."""
         self.send(msg)
         deadline = time.monotonic() + timeout_s
@@ -141,7 +149,7 @@ class NodeLink:
     def close(self, release: bool) -> None:
         if release and self.handshaken:
             try:
-                self.sock.send_multipart(wire.encode(wire.Release()), flags=zmq.NOBLOCK)
+                self.sock.send_multipart(wire.to_frames(wire.Release()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         self.monitor.close(linger=0)
@@ -150,15 +158,18 @@ class NodeLink:
 
 @dataclass
 class WireStats:
-    """Traffic of one PipelineTarget (figures: bytes per token, per-decode latency)."""
+    """Traffic of one PipelineTarget (figures: bytes per token, per-batch latency)."""
 
-    decodes: int = 0
+    batches: int = 0
     tokens: int = 0
-    seconds: float = 0.0
 
 
-class PipelineTarget:
-    """A Target whose layers run on a chain of workers; sequence 0 is the conversation."""
+class PipelineTarget(TargetBase):
+    """A Target whose layers run on a chain of workers; sequence 0 is the conversation.
+
+    Sockets belong to the thread that made the target; ``cancel`` from any other thread is
+    queued and sent by that thread within one poll (50 ms).
+    """
 
     def __init__(
         self,
@@ -168,98 +179,104 @@ class PipelineTarget:
         n_vocab: int,
         n_ctx: int,
         n_batch: int,
+        n_seq_max: int = 1,
         plan: SplitPlan | None = None,
         transfer: TransferStats | None = None,
         stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
+        super().__init__()
         self._zctx = zctx
         self.links = list(links)
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
         self.plan = plan
         self.transfer = transfer or TransferStats()
         self.stall_timeout_s = stall_timeout_s
         self.stats = WireStats()
-        self._n_past = 0
         self._txn = 0
-        self._run_id = 0
-        self._abort_fn: Callable[[], bool] | None = None
+        self._expected: dict[int, int] = {}  # txn of each batch in flight -> rows it returns
+        self._results: dict[int, wire.Result] = {}  # arrived, not yet waited for
+        self._refused: dict[int, str] = {}  # txn -> why a stage refused it
+        self._owner = threading.get_ident()
+        self._cancel_requests: collections.deque[int] = collections.deque()
         self._broken: str | None = None
         self._poller = zmq.Poller()
         for link in self.links:
             self._poller.register(link.sock, zmq.POLLIN)
             self._poller.register(link.monitor, zmq.POLLIN)
 
-    # -- Target protocol
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
     @property
     def failure(self) -> str | None:
         """Why this pipeline stopped working (None while healthy)."""
         return self._broken
 
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
-        n = len(tokens)
-        if n == 0:
-            raise ValueError("decode needs at least one token")
+    # -- Target: runs
+    def submit(self, job: DecodeJob) -> Ticket:
         self._check_usable()
-        if self._n_past + n > self.n_ctx:
-            raise ContextFullError(
-                f"the conversation needs {self._n_past + n} tokens but the context holds "
-                f"{self.n_ctx}; start a new conversation or raise --ctx"
-            )
-        t0 = time.perf_counter()
-        ids = np.asarray(tokens, dtype="<i4")
-        self._run_id += 1
-        run_id = self._run_id
-        sent: list[int] = []  # txn of each chunk
-        pos = self._n_past
+        if job.n_tokens > self.n_batch:
+            raise ValueError(f"a batch of {job.n_tokens} tokens exceeds n_batch {self.n_batch}")
+        self._flush_cancels()
+        txn = self._next_txn()
+        self._send_first(wire.Forward.from_job(txn, job))
+        self._expected[txn] = job.n_outputs
+        self.stats.batches += 1
+        self.stats.tokens += job.n_tokens
+        return Ticket(job.run_id, txn)
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        """Poll until the ticket's result arrives, filing any other result that comes first."""
+        txn = ticket.seq_no
+        if txn not in self._expected:
+            raise KeyError(f"no batch in flight with transaction {txn}")
+        deadline = time.monotonic() + self.stall_timeout_s
         try:
-            for start in range(0, n, self.n_batch):
-                chunk = ids[start : start + self.n_batch]
-                self._txn += 1
-                positions = np.arange(pos, pos + len(chunk), dtype="<i4")
-                outputs = "all" if all_logits else "last"
-                msg = wire.decode_batch(self._txn, chunk, positions, outputs=outputs, run_id=run_id)
-                self.links[0].send(msg)
-                sent.append(self._txn)
-                pos += len(chunk)
-            rows: list[np.ndarray] = []
-            cancelled = False
-            for txn in sent:
-                res = self._wait_result(txn, run_id if not cancelled else None)
-                cancelled = cancelled or res is None or res.skip
-                if not cancelled and res is not None:
-                    rows.append(res.logits)
-            if cancelled:
-                # Stages that computed part of the run hold its cells: drop them everywhere.
-                self.kv_op("rm", 0, p0=self._n_past)
-                raise InterruptedError("decode cancelled")
-            self._n_past = pos
+            while txn not in self._results and txn not in self._refused:
+                self._check_usable()
+                self._flush_cancels()
+                if self._receive(timeout_ms=50):
+                    deadline = time.monotonic() + self.stall_timeout_s  # the pipeline is moving
+                elif time.monotonic() > deadline:
+                    raise NodeFailedError(self._stalled_reason())
         except NodeFailedError as e:
             self._fail(str(e))
             raise
-        self.stats.decodes += 1
-        self.stats.tokens += n
-        self.stats.seconds += time.perf_counter() - t0
-        if all_logits:
-            return rows[0] if len(rows) == 1 else np.concatenate(rows)
-        return rows[-1][-1:]
+        rows = self._expected.pop(txn)
+        if txn in self._refused:
+            self._results.pop(txn, None)
+            raise PotluckError(self._refused.pop(txn))
+        res = self._results.pop(txn)
+        if res.skip:
+            raise RunCancelled(f"run {res.run_id} was cancelled")
+        if res.logits.shape != (rows, self.n_vocab):
+            err = f"the last stage returned logits of shape {res.logits.shape}, expected ({rows}, {self.n_vocab})"
+            self._fail(err)
+            raise NodeFailedError(err)
+        return res.logits
 
-    def set_abort(self, fn: Callable[[], bool] | None) -> None:
-        """Poll ``fn`` while waiting for results; True cancels the running decode (PipeInfer's
-        cancel message: stages skip the run's remaining batches), then ``InterruptedError``."""
-        self._abort_fn = fn
+    def cancel(self, run_id: int) -> None:
+        """Tell every stage to skip ``run_id``'s queued batches and abort its running one."""
+        self._cancel_requests.append(run_id)
+        if threading.get_ident() == self._owner:
+            self._flush_cancels()
+
+    def kv(self, op: KvOp, run_id: int = 0) -> None:
+        self._check_usable()
+        self._send_first(wire.KvApply.from_op(self._next_txn(), op, run_id))
+
+    def reset(self) -> None:
+        """Clear every sequence on every stage (a new conversation)."""
+        self._check_usable()
+        self._send_first(wire.Reset(self._next_txn()))
+        self._n_past = 0
 
     def truncate(self, n_past: int) -> None:
         if n_past >= self._n_past:
             return
         if self._broken is None:
             try:
-                self.kv_op("rm", 0, p0=n_past)
+                self.kv(KvOp.rm(0, n_past))
             except NodeFailedError:
                 pass  # recorded as the failure; the bookkeeping below still holds for the session
         self._n_past = n_past
@@ -270,44 +287,12 @@ class PipelineTarget:
         self.links = []
         self._zctx.term()
 
-    # -- more than the Target protocol (PipeInfer builds on these)
-    def kv_op(
-        self, op: str, seq: int, *, dst: int = -1, p0: int = -1, p1: int = -1, delta: int = 0,
-        run_id: int = 0,
-    ) -> None:
-        """Apply a KV sequence operation on every stage, in order with the decodes."""
-        self._check_usable()
-        self._txn += 1
-        try:
-            self.links[0].send(wire.KvOp(self._txn, run_id, op, seq, dst, p0, p1, delta))
-        except NodeFailedError as e:
-            self._fail(str(e))
-            raise
-
-    def reset(self) -> None:
-        """Clear every sequence on every stage (a new conversation)."""
-        self._check_usable()
-        self._txn += 1
-        try:
-            self.links[0].send(wire.Reset(self._txn))
-        except NodeFailedError as e:
-            self._fail(str(e))
-            raise
-        self._n_past = 0
-
-    def cancel(self, run_id: int) -> None:
-        """Tell every stage to skip ``run_id``'s pending work (out of band)."""
-        for link in self.links:
-            try:
-                link.send(wire.Cancel(run_id))
-            except NodeFailedError:
-                pass
-
-    def node_status(self) -> list[NodeStatus]:
+    # -- more than the Target protocol
+    def node_status(self, run_id: int) -> list[NodeStatus]:
         state = "failed" if self._broken else "ok"
         return [
-            NodeStatus(node=link.node_id or link.address, layers=link.layers or (0, 0), state=state,
-                       detail=link.address)
+            NodeStatus(run_id=run_id, node=link.node_id or link.address, layers=link.layers or (0, 0),
+                       state=state, detail=link.address)
             for link in self.links
         ]
 
@@ -315,7 +300,76 @@ class PipelineTarget:
         """(bytes the head sent, bytes it received) on the data path and control so far."""
         return sum(lk.bytes_out for lk in self.links), sum(lk.bytes_in for lk in self.links)
 
+    def status(self) -> list[wire.StatusReply]:
+        """Each stage's state and counters (finished / aborted / skipped batches)."""
+        self._check_usable()
+        self._flush_cancels()
+        replies: list[wire.StatusReply] = []
+        for link in self.links:
+            link.send(wire.Status())
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while True:
+                msg = self._receive(timeout_ms=50, control_from=link)
+                if isinstance(msg, wire.StatusReply):
+                    replies.append(msg)
+                    break
+                if time.monotonic() > deadline:
+                    raise NodeFailedError(f"{link.describe()} did not answer a status request")
+        return replies
+
     # -- internals
+    def _next_txn(self) -> int:
+        self._txn += 1
+        return self._txn
+
+    def _send_first(self, msg: wire.WireMessage) -> None:
+        try:
+            self.links[0].send(msg)
+        except NodeFailedError as e:
+            self._fail(str(e))
+            raise
+
+    def _flush_cancels(self) -> None:
+        while self._cancel_requests:
+            run_id = self._cancel_requests.popleft()
+            for link in self.links:
+                try:
+                    link.send(wire.Cancel(run_id))
+                except NodeFailedError:
+                    pass  # the data path notices and names the node
+
+    def _receive(self, timeout_ms: int, control_from: NodeLink | None = None) -> object:
+        """Read what arrived within ``timeout_ms``: file results and refusals by txn; return
+        True if anything came, or the first control reply from ``control_from``."""
+        events = dict(self._poller.poll(timeout_ms))
+        got: object = False
+        for link in self.links:
+            if link.monitor in events:
+                lost = link.drain_events()
+                if lost:
+                    raise NodeFailedError(f"{link.describe()} {lost}")
+            if link.sock not in events:
+                continue
+            while link.sock.poll(0):
+                frames = link.sock.recv_multipart(copy=False)
+                link.bytes_in += sum(len(f.buffer) for f in frames)
+                try:
+                    msg = wire.parse_frames(frames)
+                except wire.WireError as e:
+                    raise NodeFailedError(f"{link.describe()} sent a malformed message: {e}") from None
+                got = got or True
+                if isinstance(msg, wire.Result) and link is self.links[-1] and msg.txn in self._expected:
+                    self._results[msg.txn] = msg
+                elif isinstance(msg, wire.Error):
+                    why = f"{link.describe()} refused: {msg.message}"
+                    if msg.txn in self._expected:
+                        self._refused.setdefault(msg.txn, why)
+                    else:  # a KV operation or reset failed: the stages may disagree now
+                        raise NodeFailedError(why)
+                elif link is control_from and not isinstance(msg, wire.Result):
+                    return msg
+        return got
+
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise NodeFailedError(self._broken)
@@ -325,31 +379,6 @@ class PipelineTarget:
             self._broken = why
             log.error("pipeline stopped: %s", why)
 
-    def _wait_result(self, txn: int, run_id: int | None) -> wire.Result | None:
-        """The last stage's result for ``txn``; None once ``run_id`` was cancelled by the abort
-        callback (its results are still drained, so that order is kept)."""
-        deadline = time.monotonic() + self.stall_timeout_s
-        last = self.links[-1]
-        cancelled = run_id is None
-        while True:
-            if not cancelled and self._abort_fn is not None and self._abort_fn():
-                self.cancel(run_id)  # type: ignore[arg-type]
-                cancelled = True
-            events = dict(self._poller.poll(50))
-            for link in self.links:
-                if link.monitor in events:
-                    lost = link.drain_events()
-                    if lost:
-                        raise NodeFailedError(f"{link.describe()} {lost}")
-                if link.sock in events:
-                    msg = link.recv()  # raises on an error reply
-                    if link is not last or not isinstance(msg, wire.Result):
-                        continue  # late control replies
-                    if msg.txn == txn:
-                        return None if cancelled else msg
-            if time.monotonic() > deadline:
-                raise NodeFailedError(self._stalled_reason())
-
     def _stalled_reason(self) -> str:
         """Name the stage that does not answer a ping (it is stuck computing)."""
         for i, link in enumerate(self.links):
@@ -357,6 +386,7 @@ class PipelineTarget:
                 link.send(wire.Ping(i))
                 if not link.sock.poll(1000):
                     return f"{link.describe()} stalled: no reply for {self.stall_timeout_s:g} s"
+                self._receive(timeout_ms=0)
             except NodeFailedError as e:
                 return str(e)
         return f"the pipeline returned nothing for {self.stall_timeout_s:g} s"
@@ -457,6 +487,7 @@ def open_pipeline(
             n_vocab=loaded[-1].n_vocab,
             n_ctx=min(ld.n_ctx for ld in loaded),
             n_batch=n_batch,
+            n_seq_max=n_seq_max,
             plan=plan,
             transfer=stats,
             stall_timeout_s=stall_timeout_s,

@@ -4,20 +4,21 @@ Frame layout (one ZeroMQ multipart message, jupyter_client style)::
 
     frame 0   b"potluck/1"                      magic + protocol version
     frame 1   header, UTF-8 JSON object:
-                {"type": "decode",               message type (a key of MESSAGES)
+                {"type": "forward",              message type (a key of MESSAGES)
                  "f": {"txn": 7, "run_id": 0, ...},   scalar fields, exactly the class's
                  "a": [["inputs", "i32", [5]], ...]}  one [name, dtype, shape] per array
     frame 2.. one raw little-endian buffer per entry of "a", in order
 
 Binary payloads (token ids, hidden states, logits, file chunks) travel as extra frames,
-never inside JSON. :func:`encode` and :func:`decode` are exact inverses; :func:`decode`
-validates everything (types, sizes, shapes, cross-field consistency) before anything is
+never inside JSON. :func:`to_frames` and :func:`parse_frames` are exact inverses;
+:func:`parse_frames` validates everything (types, sizes, shapes, cross-field consistency) before anything is
 used and raises only :class:`WireError`. Authentication and encryption are not done here:
 every socket runs ZeroMQ CURVE with keys bound to the cluster token (see transport.py).
 
-Data-path transactions (:class:`Decode`, :class:`KvOp`, :class:`Reset`) carry ``txn``, a
-counter every stage checks so that KV operations and decodes apply in the same order on
-every stage, and a ``run_id`` so that several runs can be in flight (PipeInfer, next).
+Data-path transactions (:class:`Forward`, :class:`KvApply`, :class:`Reset`) carry ``txn``, a
+counter every stage checks so that KV operations and batches apply in the same order on
+every stage; batches carry the ``run_id`` of their run, so several runs can be in flight
+and :class:`Cancel` can stop one (skipped batches still travel, empty, to keep order).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from typing import ClassVar
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+from ..jobs import DecodeJob
+from ..kv import KV_OPS, KvOp
+
+PROTOCOL_VERSION = 2  # 2: forward/kv carry engine jobs and KV ops; status has runner counters
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
@@ -46,12 +50,11 @@ DTYPES: dict[str, np.dtype] = {
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _SCALARS = {"int": int, "str": str, "bool": bool, "float": float}
 
-KV_OPS = ("rm", "cp", "keep", "add")
 HIDDEN_DTYPES = ("f32", "f16")
 
 
 class WireError(ValueError):
-    """A frame list that is not a valid potluck message (the only error :func:`decode` raises)."""
+    """A frame list that is not a valid potluck message (the only error :func:`parse_frames` raises)."""
 
 
 def _i64(x: int) -> bool:
@@ -59,7 +62,7 @@ def _i64(x: int) -> bool:
 
 
 @dataclass(frozen=True)
-class Message:
+class WireMessage:
     """Base of every message; subclasses set TYPE, ARRAYS and may override :meth:`check`."""
 
     TYPE: ClassVar[str] = ""
@@ -73,7 +76,7 @@ class Message:
 
 
 @dataclass(frozen=True)
-class Hello(Message):
+class Hello(WireMessage):
     """Head -> worker: join (a new head takes the worker over: its stage is released)."""
 
     TYPE = "hello"
@@ -82,7 +85,7 @@ class Hello(Message):
 
 
 @dataclass(frozen=True)
-class Welcome(Message):
+class Welcome(WireMessage):
     """Worker -> head: who it is and what it offers."""
 
     TYPE = "welcome"
@@ -96,7 +99,7 @@ class Welcome(Message):
 
 
 @dataclass(frozen=True)
-class Offer(Message):
+class Offer(WireMessage):
     """Head -> worker: "do you have this file?" (by sha256)."""
 
     TYPE = "offer"
@@ -110,14 +113,14 @@ class Offer(Message):
 
 
 @dataclass(frozen=True)
-class OfferReply(Message):
+class OfferReply(WireMessage):
     TYPE = "offer_reply"
     sha256: str
     have: bool
 
 
 @dataclass(frozen=True)
-class Chunk(Message):
+class Chunk(WireMessage):
     """Head -> worker: bytes [offset, offset+len(data)) of a file of ``total`` bytes."""
 
     TYPE = "chunk"
@@ -136,7 +139,7 @@ class Chunk(Message):
 
 
 @dataclass(frozen=True)
-class ChunkAck(Message):
+class ChunkAck(WireMessage):
     TYPE = "chunk_ack"
     sha256: str
     received: int
@@ -144,7 +147,7 @@ class ChunkAck(Message):
 
 
 @dataclass(frozen=True)
-class Load(Message):
+class Load(WireMessage):
     """Head -> worker: load the cached slice ``sha256`` as one stage of the pipeline.
 
     ``upstream`` is the routing id data-path traffic must come from (the head for the first
@@ -184,7 +187,7 @@ class Load(Message):
 
 
 @dataclass(frozen=True)
-class Loaded(Message):
+class Loaded(WireMessage):
     TYPE = "loaded"
     n_layer: int
     n_embd: int
@@ -194,14 +197,14 @@ class Loaded(Message):
 
 
 @dataclass(frozen=True)
-class Release(Message):
+class Release(WireMessage):
     """Head -> worker: stop serving, free the stage, go back to waiting for a head."""
 
     TYPE = "release"
 
 
 @dataclass(frozen=True)
-class Cancel(Message):
+class Cancel(WireMessage):
     """Head -> every stage, out of band: skip the data-path work of ``run_id``.
 
     Skipped decodes still travel down the pipeline (empty) so that order is kept.
@@ -212,26 +215,26 @@ class Cancel(Message):
 
 
 @dataclass(frozen=True)
-class Ping(Message):
+class Ping(WireMessage):
     TYPE = "ping"
     nonce: int
 
 
 @dataclass(frozen=True)
-class Pong(Message):
+class Pong(WireMessage):
     TYPE = "pong"
     nonce: int
 
 
 @dataclass(frozen=True)
-class Status(Message):
+class Status(WireMessage):
     """Ask a worker for its state (tests check fuzzing leaves it unchanged)."""
 
     TYPE = "status"
 
 
 @dataclass(frozen=True)
-class StatusReply(Message):
+class StatusReply(WireMessage):
     TYPE = "status_reply"
     ARRAYS = ("pos_max",)
     state: str
@@ -239,11 +242,15 @@ class StatusReply(Message):
     layer_lo: int
     layer_hi: int
     txn: int
+    finished: int  # batches computed to the end
+    aborted: int  # batches stopped mid-compute by a cancel
+    skipped: int  # batches of a cancelled run never started
+    running_run: int  # run id of the batch computing now, -1 none
     pos_max: np.ndarray = field(repr=False)  # [n_seq_max] i32: last position per sequence, -1 empty
 
 
 @dataclass(frozen=True)
-class Error(Message):
+class Error(WireMessage):
     """Any side -> peer: a request was refused. ``node`` names the sender for the user."""
 
     TYPE = "error"
@@ -257,15 +264,15 @@ class Error(Message):
 
 
 @dataclass(frozen=True)
-class Decode(Message):
-    """One batch through the pipeline: token ids (first stage) or hidden states (later ones).
+class Forward(WireMessage):
+    """One batch down the pipeline: token ids (to the first stage) or hidden states (later).
 
     ``inputs``: [n] i32 token ids, or [n, n_embd] f32/f16 hidden states.
     ``positions``, ``seq_ids``: [n] i32. ``outputs``: [n] u8, rows whose logits the last stage
     returns. ``skip``: the run was cancelled upstream; nothing is computed, order is kept.
     """
 
-    TYPE = "decode"
+    TYPE = "forward"
     ARRAYS = ("inputs", "positions", "seq_ids", "outputs")
     txn: int
     run_id: int
@@ -275,9 +282,35 @@ class Decode(Message):
     seq_ids: np.ndarray = field(repr=False)
     outputs: np.ndarray = field(repr=False)
 
+    @classmethod
+    def from_job(cls, txn: int, job: DecodeJob, inputs: np.ndarray | None = None) -> Forward:
+        """``job`` as transaction ``txn``; ``inputs`` replaces its inputs (a stage's output)."""
+        return cls(
+            txn=txn,
+            run_id=job.run_id,
+            skip=False,
+            inputs=job.inputs if inputs is None else inputs,
+            positions=job.positions.astype("<i4", copy=False),
+            seq_ids=job.seq_ids.astype("<i4", copy=False),
+            outputs=job.outputs.astype("u1", copy=False),
+        )
+
+    def skipped(self) -> Forward:
+        """The empty message a cancelled run still sends downstream (keeps txn order)."""
+        empty = np.zeros(0, dtype="<i4")
+        return Forward(self.txn, self.run_id, True, empty, empty, empty, np.zeros(0, dtype="u1"))
+
+    def job(self) -> DecodeJob:
+        inputs = self.inputs if self.is_tokens else self.inputs.astype(np.float32, copy=False)
+        return DecodeJob(self.run_id, inputs, self.positions, self.seq_ids, self.outputs.astype(bool))
+
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def n_outputs(self) -> int:
+        return int(np.count_nonzero(self.outputs))
 
     @property
     def is_tokens(self) -> bool:
@@ -296,7 +329,7 @@ class Decode(Message):
         if self.skip:
             return
         if n < 1:
-            raise WireError("a decode needs at least one token")
+            raise WireError("a batch needs at least one token")
         x = self.inputs
         if x.dtype == DTYPES["i32"]:
             if x.shape != (n,):
@@ -309,16 +342,14 @@ class Decode(Message):
         if self.positions.min() < 0 or self.seq_ids.min() < 0:
             raise WireError("positions and sequence ids must be >= 0")
         if not self.outputs.any():
-            raise WireError("a decode must request at least one output row")
+            raise WireError("a batch must request at least one output row")
+        if ((self.outputs != 0) & (self.outputs != 1)).any():
+            raise WireError("outputs must be 0 or 1 per row")
 
 
 @dataclass(frozen=True)
-class KvOp(Message):
-    """A KV sequence operation applied on every stage in pipeline order.
-
-    rm: drop ``seq`` positions [p0, p1); cp: copy ``seq`` -> ``dst`` ([p0, p1), whole sequence
-    only across streams); keep: drop every sequence but ``seq``; add: shift [p0, p1) by delta.
-    """
+class KvApply(WireMessage):
+    """A :class:`~potluck.engine.kv.KvOp` applied on every stage in pipeline order."""
 
     TYPE = "kv"
     txn: int
@@ -330,6 +361,13 @@ class KvOp(Message):
     p1: int
     delta: int
 
+    @classmethod
+    def from_op(cls, txn: int, op: KvOp, run_id: int = 0) -> KvApply:
+        return cls(txn, run_id, op.op, op.seq, op.dst, op.p0, op.p1, op.delta)
+
+    def kv_op(self) -> KvOp:
+        return KvOp(self.op, self.seq, self.dst, self.p0, self.p1, self.delta)
+
     def check(self) -> None:
         if self.txn < 1 or self.run_id < 0:
             raise WireError("txn must be >= 1 and run_id >= 0")
@@ -340,7 +378,7 @@ class KvOp(Message):
 
 
 @dataclass(frozen=True)
-class Reset(Message):
+class Reset(WireMessage):
     """Clear every sequence of every stage (a new conversation)."""
 
     TYPE = "reset"
@@ -352,7 +390,7 @@ class Reset(Message):
 
 
 @dataclass(frozen=True)
-class Result(Message):
+class Result(WireMessage):
     """Last stage -> head: logits [rows, vocab] f32 of the requested rows of transaction ``txn``."""
 
     TYPE = "result"
@@ -367,11 +405,11 @@ class Result(Message):
             raise WireError("logits must be f32 [rows, vocab]")
 
 
-MESSAGES: dict[str, type[Message]] = {
+MESSAGES: dict[str, type[WireMessage]] = {
     cls.TYPE: cls
     for cls in (
         Hello, Welcome, Offer, OfferReply, Chunk, ChunkAck, Load, Loaded, Release, Cancel,
-        Ping, Pong, Status, StatusReply, Error, Decode, KvOp, Reset, Result,
+        Ping, Pong, Status, StatusReply, Error, Forward, KvApply, Reset, Result,
     )
 }
 
@@ -381,7 +419,7 @@ def _check_sha(sha: str) -> None:
         raise WireError("sha256 must be 64 lowercase hex digits")
 
 
-def _scalar_fields(cls: type[Message]) -> list[tuple[str, type]]:
+def _scalar_fields(cls: type[WireMessage]) -> list[tuple[str, type]]:
     out = []
     for f in dataclasses.fields(cls):
         if f.name in cls.ARRAYS:
@@ -396,7 +434,7 @@ _SCHEMAS = {name: _scalar_fields(cls) for name, cls in MESSAGES.items()}
 # --------------------------------------------------------------------------- encode / decode
 
 
-def encode(msg: Message) -> list[bytes | memoryview]:
+def to_frames(msg: WireMessage) -> list[bytes | memoryview]:
     """Frames for ``msg``. Arrays go out as zero-copy little-endian buffers."""
     cls = type(msg)
     fields = {name: getattr(msg, name) for name, _ in _SCHEMAS[cls.TYPE]}
@@ -425,17 +463,17 @@ def _as_bytes(frame: object) -> bytes | memoryview:
     raise WireError("frames must be bytes")
 
 
-def decode(frames: list, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+def parse_frames(frames: list, *, max_bytes: int = DEFAULT_MAX_BYTES) -> WireMessage:
     """Parse and validate ``frames``; raises only :class:`WireError`."""
     try:
-        return _decode(frames, max_bytes)
+        return _parse(frames, max_bytes)
     except WireError:
         raise
     except Exception as e:  # defensive: whatever slipped through is still a wire error
         raise WireError(f"malformed message ({type(e).__name__})") from None
 
 
-def _decode(frames: list, max_bytes: int) -> Message:
+def _parse(frames: list, max_bytes: int) -> WireMessage:
     if not isinstance(frames, (list, tuple)) or len(frames) < 2:
         raise WireError("a message has at least 2 frames")
     if len(frames) > 2 + MAX_ARRAYS:
@@ -512,30 +550,6 @@ def _array(spec: object, name: str, buf: bytes | memoryview) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def decode_batch(
-    txn: int,
-    inputs: np.ndarray,
-    positions: np.ndarray,
-    *,
-    seq_ids: np.ndarray | int = 0,
-    outputs: np.ndarray | str = "last",
-    run_id: int = 0,
-) -> Decode:
-    """A :class:`Decode` with the usual defaults (one sequence, last row as output)."""
-    n = len(positions)
-    pos = np.asarray(positions, dtype="<i4")
-    seq = np.full(n, seq_ids, dtype="<i4") if isinstance(seq_ids, int) else np.asarray(seq_ids, "<i4")
-    if isinstance(outputs, str):
-        out = np.zeros(n, dtype="u1")
-        if outputs == "all":
-            out[:] = 1
-        else:
-            out[-1] = 1
-    else:
-        out = np.asarray(outputs, dtype="u1")
-    return Decode(txn=txn, run_id=run_id, skip=False, inputs=inputs, positions=pos, seq_ids=seq, outputs=out)
 
 
 def frames_nbytes(frames: list[bytes | memoryview]) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from ..errors import PotluckError
 from ..sampling import Sampler
 from ..target import Target
 
@@ -43,8 +44,10 @@ class Round:
 class Generation:
     """One reply being generated: what a strategy reads and the session updates."""
 
+    run_id: int  # the reply's id (events carry it)
     target: Target
     sampler: Sampler
+    seeds: np.random.SeedSequence  # the reply's seed; drafters get generators spawned from it
     history: list[int]  # the whole conversation's tokens, growing as rounds are accepted
     first_logits: np.ndarray  # [vocab] target logits after the prompt
     max_new: int
@@ -52,6 +55,10 @@ class Generation:
     cancel: threading.Event = field(default_factory=threading.Event)
     done: bool = False
     n_new: int = 0
+
+    def drafter_rng(self) -> np.random.Generator:
+        """A generator of a drafter's own: seeded runs repeat whatever thread drafts."""
+        return np.random.default_rng(self.seeds.spawn(1)[0])
 
     @property
     def remaining(self) -> int:
@@ -66,13 +73,23 @@ class Strategy(ABC):
     name: ClassVar[str]
     needs_draft: ClassVar[bool] = False
     description: ClassVar[str] = ""
+    n_sequences: ClassVar[int] = 1  # KV sequences the target must offer (side runs, partitions)
+    # strategy options (EngineSpec.strategy_options, `bench --option`): name -> what it sets
+    options: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         """Create the strategy for ``target_model`` (strategies with a draft load it here)."""
         return cls()
 
-    def prepare(self, history: list[int]) -> None:
+    @classmethod
+    def check_options(cls, given: dict[str, object]) -> None:
+        unknown = sorted(set(given) - set(cls.options))
+        if unknown:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise PotluckError(f"strategy {cls.name!r} has no option {unknown[0]!r} (its options: {known})")
+
+    def prepare(self, g: Generation) -> None:
         """Process the prompt before decoding starts (a draft model's prefill); optional.
 
         Called by the session after the target's prefill, so the time counts as prompt

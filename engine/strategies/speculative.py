@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..adaptive import DraftBreakEven, LengthConfig, SpeculationLength
-from ..drafters import Draft, Drafter
+from ..drafters import Draft, Drafter, DraftRequest
 from ..errors import PotluckError
 from ..sampling import Sampler, probs
 from ..target import MAX_EXACT_BATCH
@@ -62,15 +62,14 @@ class Speculative(Strategy):
             #    and how likely a draft token must be to pay for its share of the batch
             s = self.length.length() if self.adaptive else self.length_config.s_max
             k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
-            if self.adaptive and hasattr(self.drafter, "break_even"):
-                step_ms = float(getattr(self.drafter, "step_ms", 0.0))
-                self.drafter.break_even = self.break_even.threshold(step_ms)
-                if self.drafter.break_even >= 1.0:
-                    k = 0  # not even a sure draft pays here now: plain step, no draft sync
+            min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
+            if min_accept_p >= 1.0:
+                k = 0  # not even a sure draft pays here now: plain step, no draft sync
 
             # 2. draft
             t0 = time.perf_counter()
-            draft = self.drafter.propose(g.history, k, sampler) if k > 0 else Draft([])
+            request = DraftRequest(g.history, k, min_accept_p, sampler.params)
+            draft = self.drafter.draft(request) if k > 0 else Draft([])
             drafts = draft.tokens[:k]
             t1 = time.perf_counter()
 
@@ -84,6 +83,8 @@ class Speculative(Strategy):
             # 5. rejected drafts leave the KV cache from the tail
             target.truncate(len(g.history) + verdict.n_accepted)
             t2 = time.perf_counter()
+            if drafts:
+                self.drafter.accept(verdict.n_accepted)
 
             # 6. report, and let the measured cost steer the next speculation length
             tokens = verdict.tokens(drafts)
@@ -102,10 +103,10 @@ class Speculative(Strategy):
                 return
             pending = [tokens[-1]]
 
-    def prepare(self, history: list[int]) -> None:
+    def prepare(self, g: Generation) -> None:
         """Let the drafter read the prompt now (a draft model prefills it) so that the
         first round's draft time is drafting only."""
-        self.drafter.observe(history)
+        self.drafter.begin(g.history, g.drafter_rng())
 
     def reset(self) -> None:
         self.drafter.reset()
@@ -154,52 +155,72 @@ def _verify(
 
 def _int_option(spec: EngineSpec, key: str, default: int, lo: int, hi: int) -> int:
     value = spec.strategy_options.get(key, default)
-    if not isinstance(value, int) or not lo <= value <= hi:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise PotluckError(f"strategy option {key} must be a whole number in {lo}..{hi}, got {value!r}")
     return value
+
+
+def _bool_option(spec: EngineSpec, key: str, default: bool) -> bool:
+    value = spec.strategy_options.get(key, default)
+    if not isinstance(value, bool):
+        raise PotluckError(f"strategy option {key} must be true or false, got {value!r}")
+    return value
+
+
+LENGTH_OPTIONS = {
+    "max_draft": "the most tokens drafted in one round",
+    "initial_draft": "tokens drafted in the first round (the length then adapts)",
+    "adaptive": "adapt the draft length to measured costs (false: always max_draft)",
+}
 
 
 class DraftModelSpeculative(Speculative):
     name = "sd"
     needs_draft = True
     description = "speculative decoding with a small draft model (--draft)"
+    options = {**LENGTH_OPTIONS, "min_draft_p": "stop drafting once the draft's confidence falls below"}
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         from ..drafters.draft_model import DraftModelDrafter, check_same_vocabulary
         from ..runtime import Model
 
+        cls.check_options(spec.strategy_options)
         if spec.draft is None:
             raise PotluckError(
                 "strategy 'sd' needs a draft model: pass --draft PATH "
                 "(a small GGUF with the target's vocabulary)"
             )
-        s_max = _int_option(spec, "k", 12, 1, MAX_EXACT_BATCH - 1)
-        s_init = _int_option(spec, "s_init", min(4, s_max), 0, s_max)
+        s_max = _int_option(spec, "max_draft", 12, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
+        adaptive = _bool_option(spec, "adaptive", True)
+        p_min = spec.strategy_options.get("min_draft_p", 0.0)
+        if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0.0 <= p_min < 1.0:
+            raise PotluckError(f"strategy option min_draft_p must be a number in [0, 1), got {p_min!r}")
         draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
         try:
             check_same_vocabulary(target_model, draft_model)
-            p_min = float(spec.strategy_options.get("p_min", 0.0))  # type: ignore[arg-type]
             drafter = DraftModelDrafter(
-                draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=p_min
+                draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=float(p_min)
             )
         except BaseException:
             draft_model.close()
             raise
-        adaptive = bool(spec.strategy_options.get("adaptive", True))
         return cls(drafter, LengthConfig(s_init=s_init, s_max=s_max), adaptive=adaptive)
 
 
 class NgramSpeculative(Speculative):
     name = "anpd"
     description = "adaptive multi-level N-gram drafts from the conversation (no draft model)"
+    options = {**LENGTH_OPTIONS, "ngram_max": "the longest N-gram the tables hold (ANPD's N)"}
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         from ..drafters.ngram import NgramDrafter
 
-        n_max = _int_option(spec, "n", 5, 2, 16)  # ANPD's defaults: N = 5, K = 7
-        k = _int_option(spec, "k", 7, 1, MAX_EXACT_BATCH - 1)
-        s_init = _int_option(spec, "s_init", k, 0, k)
-        adaptive = bool(spec.strategy_options.get("adaptive", True))
-        return cls(NgramDrafter(n_max), LengthConfig(s_init=s_init, s_max=k), adaptive=adaptive)
+        cls.check_options(spec.strategy_options)
+        n_max = _int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's defaults: N = 5, K = 7
+        s_max = _int_option(spec, "max_draft", 7, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "initial_draft", s_max, 0, s_max)
+        adaptive = _bool_option(spec, "adaptive", True)
+        return cls(NgramDrafter(n_max), LengthConfig(s_init=s_init, s_max=s_max), adaptive=adaptive)

@@ -1,22 +1,33 @@
 """The worker side: one ROUTER socket serving a head's control requests and pipeline traffic.
 
 Life of a worker: wait for a head (``hello``), receive or find its slice by sha256
-(``offer``/``chunk``), ``load`` it as one stage, then apply data-path transactions in
-``txn`` order: ``decode`` (compute, forward hidden states to the next stage or return
-logits to the head), ``kv`` and ``reset`` (apply, forward). ``release`` or a new head's
-``hello`` frees the stage and the worker waits again. Nothing a peer sends can crash it:
-every message is validated by :func:`.wire.decode` and against the loaded stage before
-use, refused with a log line and an ``error`` reply, and the loop goes on.
+(``offer``/``chunk``), ``load`` it as one :class:`~potluck.engine.stage.Stage`, then take
+data-path transactions in ``txn`` order: ``forward`` (a batch: compute, pass hidden states to
+the next stage or logits to the head), ``kv`` and ``reset`` (apply, pass on). ``release`` or a
+new head's ``hello`` frees the stage and the worker waits again.
+
+Two threads: this one owns every socket and answers control messages at once; the stage's
+:class:`~potluck.engine.runner.StageRunner` computes. So a ``cancel`` reaches a running
+batch (aborted mid-compute through llama.cpp's abort flag) and queued batches of the run are
+skipped; a skipped or refused batch still goes downstream, empty, so every stage sees every
+transaction in order. Finished work comes back to this thread through a queue and a pipe
+the poller watches.
+
+Nothing a peer sends can crash a worker: every message is validated by
+:func:`.wire.parse_frames` and against the loaded stage before use, refused with a log line
+and an ``error`` reply, and the loop goes on.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import logging
+import os
+import queue
 import shutil
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +35,10 @@ import numpy as np
 import zmq
 
 from ..errors import PotluckError
-from ..runtime import Batch, Context, ContextParams, Model
+from ..jobs import DecodeJob, RunCancelled
+from ..runner import StageRunner, WorkItem
+from ..runtime import ContextParams, Model
+from ..stage import Stage
 from . import wire
 from .profile import NodeProfile
 from .transport import (
@@ -39,97 +53,31 @@ from .transport import (
 log = logging.getLogger(__name__)
 
 FORWARD_TIMEOUT_MS = 5000
-CANCELLED_KEPT = 1024
 
 
-class StageCompute:
-    """A loaded layer range with its KV cache: runs batches of tokens or hidden states.
-
-    Mirrors :class:`potluck.engine.split.Stage` (capture of ``l_out-{n_layer-1}``, every row
-    an output on capturing stages) but takes explicit positions, sequence ids and output
-    rows, because the pipeline's transactions carry them (PipeInfer's partitions).
-    """
+class LoadedStage:
+    """A cached slice loaded as one stage, with the thread that computes it."""
 
     def __init__(self, path: Path, load: wire.Load, n_threads: int) -> None:
         self.load = load
         self.model = Model(path)
         try:
-            capture = None if load.last else self.model.n_layer - 1
             params = ContextParams(
                 n_ctx=load.n_ctx,
                 n_batch=load.n_batch,
                 n_seq_max=load.n_seq_max,
                 n_threads=n_threads,
                 kv_unified=load.kv_unified,
-                capture_layer=capture,
             )
-            self.ctx = Context(self.model, params)
-            n_seq = load.n_seq_max
-            self.batch = (
-                Batch(load.n_batch, n_seq_max=n_seq)
-                if load.first
-                else Batch(load.n_batch, n_embd=self.model.n_embd, n_seq_max=n_seq)
-            )
+            self.stage = Stage(self.model, first=load.first, last=load.last, params=params)
         except BaseException:
             self.model.close()
             raise
-
-    def validate(self, msg: wire.Decode) -> None:
-        """Refuse a batch this stage cannot run (sizes, ranges), before touching llama.cpp."""
-        n = msg.n_tokens
-        if n > self.load.n_batch:
-            raise PotluckError(f"batch of {n} tokens exceeds n_batch {self.load.n_batch}")
-        if int(msg.positions.max()) >= self.ctx.n_ctx:
-            raise PotluckError(f"position beyond the context ({self.ctx.n_ctx})")
-        if int(msg.seq_ids.max()) >= self.load.n_seq_max:
-            raise PotluckError(f"sequence id beyond n_seq_max {self.load.n_seq_max}")
-        if self.load.first:
-            if not msg.is_tokens:
-                raise PotluckError("the first stage takes token ids")
-            if int(msg.inputs.min()) < 0 or int(msg.inputs.max()) >= self.model.n_vocab:
-                raise PotluckError("token id outside the vocabulary")
-        elif msg.is_tokens or msg.inputs.shape[1] != self.model.n_embd:
-            raise PotluckError(f"this stage takes hidden states [n, {self.model.n_embd}]")
-
-    def run(self, msg: wire.Decode) -> np.ndarray:
-        """Hidden states [n, n_embd] f32 (not last) or logits [rows, vocab] f32 (last)."""
-        positions = msg.positions.tolist()
-        seq_ids = [[s] for s in msg.seq_ids.tolist()]
-        flags: list[bool] | str = [bool(o) for o in msg.outputs] if self.load.last else "all"
-        if self.load.first:
-            self.batch.set_tokens(msg.inputs.tolist(), positions, seq_ids, flags)
-        else:
-            self.batch.set_embeddings(msg.inputs.astype(np.float32), positions, seq_ids, flags)
-        self.ctx.decode_batch(self.batch)
-        if not self.load.last:
-            assert self.ctx.captured is not None
-            return self.ctx.captured
-        return self.ctx.logits(int(msg.outputs.sum())).copy()
-
-    def kv(self, op: wire.KvOp) -> None:
-        n_seq = self.load.n_seq_max
-        if op.seq >= n_seq or op.dst >= n_seq:
-            raise PotluckError(f"sequence id beyond n_seq_max {n_seq}")
-        if op.op == "rm":
-            self.ctx.seq_rm(op.seq, op.p0, op.p1)
-        elif op.op == "cp":
-            if op.dst < 0:
-                raise PotluckError("kv cp needs a destination sequence")
-            if not self.load.kv_unified and (op.p0, op.p1) != (-1, -1):
-                # llama.cpp aborts the process on a ranged copy across streams (DESIGN.md fact 4)
-                raise PotluckError("kv cp across streams copies whole sequences only (p0 = p1 = -1)")
-            self.ctx.seq_cp(op.seq, op.dst, op.p0, op.p1)
-        elif op.op == "keep":
-            self.ctx.seq_keep(op.seq)
-        elif op.op == "add":
-            self.ctx.seq_add(op.seq, op.p0, op.p1, op.delta)
-
-    def pos_max(self) -> np.ndarray:
-        return np.array([self.ctx.seq_pos_max(s) for s in range(self.load.n_seq_max)], dtype="<i4")
+        self.runner = StageRunner(self.stage, name=f"layers-{load.layer_lo}-{load.layer_hi}")
 
     def close(self) -> None:
-        self.batch.close()
-        self.ctx.close()
+        self.runner.close()
+        self.stage.close()
         self.model.close()
 
 
@@ -178,11 +126,14 @@ class Worker:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
         self.bind = bind
         self._stop = threading.Event()
-        self.stage: StageCompute | None = None
+        self.stage: LoadedStage | None = None
         self.head: bytes = b""
         self.txn = 0
         self.forward: zmq.Socket | None = None
-        self.cancelled: collections.deque[int] = collections.deque(maxlen=CANCELLED_KEPT)
+        # finished runner work, in txn order, back to this thread: (stage, message, future)
+        self._done: queue.SimpleQueue[tuple[LoadedStage, wire.WireMessage, Future]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         self.uploads: dict[str, _Upload] = {}
         self.rejected = 0  # messages refused (tests and logs)
         self.bytes_received = 0
@@ -199,12 +150,15 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(200))
                 if self.monitor in events:
                     self._log_handshake_failures()
+                if self._wake_r in events:
+                    self._send_finished()
                 if self.sock in events:
                     self._serve_pending()
         finally:
@@ -218,6 +172,7 @@ class Worker:
                 return
             self.bytes_received += sum(len(f.buffer) for f in frames)
             self.handle(frames[0].bytes, frames[1:])
+            self._send_finished()  # keep results flowing while a burst of requests arrives
 
     def _log_handshake_failures(self) -> None:
         while self.monitor.poll(0):
@@ -231,6 +186,8 @@ class Worker:
 
     def close(self) -> None:
         self._release()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
         self.auth.stop()
@@ -239,13 +196,13 @@ class Worker:
     # -- dispatch
     def handle(self, ident: bytes, frames: list) -> None:
         try:
-            msg = wire.decode(frames, max_bytes=self.max_msg_bytes)
+            msg = wire.parse_frames(frames, max_bytes=self.max_msg_bytes)
         except wire.WireError as e:
             self._refuse(ident, "malformed", str(e))
             return
         try:
-            if isinstance(msg, (wire.Decode, wire.KvOp, wire.Reset)):
-                self._data(ident, msg, frames)
+            if isinstance(msg, (wire.Forward, wire.KvApply, wire.Reset)):
+                self._data(ident, msg)
             else:
                 self._control(ident, msg)
         except PotluckError as e:
@@ -259,13 +216,13 @@ class Worker:
         log.warning("refused a message from %r: %s", ident[:24], why)
         self._send(ident, wire.Error(node=self.node, code=code, message=why, txn=txn))
 
-    def _send(self, ident: bytes, msg: wire.Message) -> None:
+    def _send(self, ident: bytes, msg: wire.WireMessage) -> None:
         try:
-            self.sock.send_multipart([ident, *wire.encode(msg)], copy=False)
+            self.sock.send_multipart([ident, *wire.to_frames(msg)], copy=False)
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or not reading
             log.info("could not reply to %r: %s", ident[:24], e)
 
-    def _control(self, ident: bytes, msg: wire.Message) -> None:
+    def _control(self, ident: bytes, msg: wire.WireMessage) -> None:
         if isinstance(msg, wire.Hello):
             if self.stage is not None:
                 log.info("a new head %s takes over; releasing the stage", msg.head_id)
@@ -286,7 +243,8 @@ class Worker:
         elif isinstance(msg, wire.Release):
             self._release()
         elif isinstance(msg, wire.Cancel):
-            self.cancelled.append(msg.run_id)
+            if self.stage is not None:
+                self.stage.runner.cancel(msg.run_id)  # reaches a running batch, not only queued ones
         elif isinstance(msg, wire.Ping):
             self._send(ident, wire.Pong(msg.nonce))
         elif isinstance(msg, wire.Status):
@@ -339,7 +297,7 @@ class Worker:
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
         self._release()
         t0 = time.perf_counter()
-        stage = StageCompute(path, msg, self.n_threads)
+        stage = LoadedStage(path, msg, self.n_threads)
         if stage.model.n_layer != msg.layer_hi - msg.layer_lo:
             stage.close()
             raise PotluckError("slice layer count does not match the requested range")
@@ -356,86 +314,130 @@ class Worker:
         self.stage = stage
         self.head = msg.reply_to.encode()
         self.txn = 0
-        self.cancelled.clear()
         load_ms = (time.perf_counter() - t0) * 1000
         log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
         m = stage.model
-        return wire.Loaded(m.n_layer, m.n_embd, m.n_vocab, stage.ctx.n_ctx, load_ms)
+        return wire.Loaded(m.n_layer, m.n_embd, m.n_vocab, stage.stage.n_ctx, load_ms)
 
     def _release(self) -> None:
+        if self.stage is not None:
+            self.stage.close()  # stops its runner: nothing more reaches the queue
+            self.stage = None
+            log.info("stage released; waiting for a head")
+        self._drain_finished()
         if self.forward is not None:
             self.forward.close(linger=0)
             self.forward = None
-        if self.stage is not None:
-            self.stage.close()
-            self.stage = None
-            log.info("stage released; waiting for a head")
         self.head = b""
         self.txn = 0
 
     def _status(self) -> wire.StatusReply:
-        st = self.stage
-        if st is None:
-            return wire.StatusReply("idle", "0" * 64, 0, 0, self.txn, np.zeros(0, dtype="<i4"))
-        ld = st.load
-        return wire.StatusReply("loaded", ld.sha256, ld.layer_lo, ld.layer_hi, self.txn, st.pos_max())
-
-    # -- data path
-    def _data(self, ident: bytes, msg: wire.Decode | wire.KvOp | wire.Reset, frames: list) -> None:
-        st = self.stage
-        if st is None:
-            raise PotluckError("no stage is loaded")
-        if ident != st.load.upstream.encode():
-            raise PotluckError("pipeline traffic from a peer that is not this stage's upstream")
-        try:
-            if msg.txn != self.txn + 1:
-                raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
-            if isinstance(msg, wire.Decode):
-                self._decode(st, msg)
-            else:
-                if isinstance(msg, wire.KvOp):
-                    st.kv(msg)
-                else:
-                    st.ctx.clear()
-                self.txn = msg.txn
-                if self.forward is not None:
-                    self._forward(list(frames))
-        except Exception as e:  # the head is told (not the upstream forwarder, which never reads)
-            self.rejected += 1
-            if isinstance(e, PotluckError):
-                log.warning("transaction %d failed: %s", msg.txn, e)
-            else:
-                log.exception("transaction %d failed", msg.txn)
-            self._send(self.head, wire.Error(self.node, "failed", f"{e}", msg.txn))
-
-    def _decode(self, st: StageCompute, msg: wire.Decode) -> None:
-        skip = msg.skip or msg.run_id in self.cancelled
-        if not skip:
-            st.validate(msg)
-        self.txn = msg.txn  # validated: the transaction is consumed whatever happens next
-        if skip:
-            out = np.zeros((0, 1), dtype=np.float32)
-        else:
-            try:
-                out = st.run(msg)
-            except InterruptedError:
-                skip, out = True, np.zeros((0, 1), dtype=np.float32)
-        if st.load.last:
-            self._send(self.head, wire.Result(msg.txn, msg.run_id, skip, out))
-            return
-        hidden = out.astype(np.float16) if st.load.hidden_dtype == "f16" and not skip else out
-        if skip:
-            hidden = np.zeros((0, 1), dtype=np.float32)
-        fwd = wire.Decode(
-            txn=msg.txn,
-            run_id=msg.run_id,
-            skip=skip,
-            inputs=hidden,
-            positions=msg.positions,
-            seq_ids=msg.seq_ids,
-            outputs=msg.outputs,
+        ld = self.stage
+        if ld is None:
+            return wire.StatusReply("idle", "0" * 64, 0, 0, self.txn, 0, 0, 0, -1, np.zeros(0, dtype="<i4"))
+        c, running = ld.runner.counters, ld.runner.running_run
+        return wire.StatusReply(
+            "loaded", ld.load.sha256, ld.load.layer_lo, ld.load.layer_hi, self.txn,
+            c.finished, c.aborted, c.skipped, -1 if running is None else running,
+            np.array(ld.stage.pos_max(), dtype="<i4"),
         )
-        self._forward(wire.encode(fwd))
+
+    # -- data path: this thread checks order and validity, the runner computes
+    def _data(self, ident: bytes, msg: wire.Forward | wire.KvApply | wire.Reset) -> None:
+        ld = self.stage
+        if ld is None:
+            raise PotluckError("no stage is loaded")
+        if ident != ld.load.upstream.encode():
+            raise PotluckError("pipeline traffic from a peer that is not this stage's upstream")
+        if msg.txn != self.txn + 1:
+            raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
+        self.txn = msg.txn  # in order: consumed whatever happens next, so later stages see it too
+        try:
+            item = self._work_item(ld, msg)
+        except PotluckError as e:
+            self.rejected += 1
+            log.warning("transaction %d refused: %s", msg.txn, e)
+            self._send(self.head, wire.Error(self.node, "failed", str(e), msg.txn))
+            # It still travels on, as an empty batch, so later stages see every txn in order.
+            run_id = msg.run_id if isinstance(msg, wire.Forward) else 0
+            msg = wire.Forward(msg.txn, run_id, True, *_empty_arrays())
+            item = _placeholder(run_id)
+        fut = ld.runner.submit(item)
+        fut.add_done_callback(lambda f, m=msg: self._finished(ld, m, f))
+
+    @staticmethod
+    def _work_item(ld: LoadedStage, msg: wire.Forward | wire.KvApply | wire.Reset) -> WorkItem:
+        if isinstance(msg, wire.Reset):
+            return Stage.clear
+        if isinstance(msg, wire.KvApply):
+            op = msg.kv_op()
+            try:
+                ld.stage.ctx.check_kv(op)
+            except ValueError as e:
+                raise PotluckError(str(e)) from None
+            return op
+        if msg.skip:  # cancelled or refused upstream: skipped here too, in its place
+            return _placeholder(msg.run_id)
+        job = msg.job()
+        ld.stage.check(job)
+        return job
+
+    def _finished(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
+        """Runner thread: hand the outcome to the socket thread."""
+        self._done.put((ld, msg, fut))
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closing
+            pass
+
+    def _drain_finished(self) -> None:
+        while True:
+            try:
+                self._done.get_nowait()
+            except queue.Empty:
+                break
+
+    def _send_finished(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                ld, msg, fut = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if ld is not self.stage:
+                continue  # released meanwhile
+            try:
+                self._pass_on(ld, msg, fut)
+            except PotluckError as e:
+                log.warning("%s", e)
+                self._send(self.head, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
+
+    def _pass_on(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
+        """Send a finished transaction on: logits to the head, everything else downstream."""
+        err = fut.exception()
+        if isinstance(msg, wire.Forward):
+            if err is not None and not isinstance(err, RunCancelled):
+                log.error("batch of transaction %d failed: %s", msg.txn, err)
+                self._send(self.head, wire.Error(self.node, "failed", f"{err}", msg.txn))
+            out = None if err is not None else fut.result()
+            if ld.load.last:
+                logits = out if out is not None else np.zeros((0, 1), dtype=np.float32)
+                self._send(self.head, wire.Result(msg.txn, msg.run_id, out is None, logits))
+                return
+            if out is None:
+                self._forward(wire.to_frames(msg.skipped() if not msg.skip else msg))
+                return
+            hidden = out.astype(np.float16) if ld.load.hidden_dtype == "f16" else out
+            self._forward(wire.to_frames(wire.Forward.from_job(msg.txn, msg.job(), hidden)))
+            return
+        if err is not None:  # a KV operation the stage refused: the head must know
+            self._send(self.head, wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
+        if self.forward is not None:
+            self._forward(wire.to_frames(msg))
 
     def _forward(self, frames: list) -> None:
         assert self.forward is not None
@@ -443,3 +445,13 @@ class Worker:
             self.forward.send_multipart(frames, copy=False)
         except zmq.Again:
             raise PotluckError(f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable") from None
+
+
+def _empty_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    empty = np.zeros(0, dtype="<i4")
+    return empty, empty, empty, np.zeros(0, dtype="u1")
+
+
+def _placeholder(run_id: int) -> DecodeJob:
+    """A batch with no rows: the runner skips it in its place in the queue (keeps txn order)."""
+    return DecodeJob(run_id, *_empty_arrays()[:3], np.zeros(0, dtype=bool))

@@ -1,0 +1,155 @@
+"""The engine side of the chat app: loading a model and streaming a reply, each in a worker thread.
+
+A reply is one task (as in oterm): its thread streams the engine's events, and Esc cancels
+it. The threads talk to the UI only through the Textual messages below and the
+:class:`Reply` they share, so typing, scrolling and switching conversations never wait on
+a decode; the app only starts them and handles what they post.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from textual.message import Message as TMessage
+
+from ...engine.chat import Message
+from ...engine.config import SamplingSettings
+from ...engine.errors import PotluckError
+from ...engine.events import Event, Finished, ReplyStarted, TokenText
+from ...engine.loader import EngineSpec
+from ...engine.sampling import SamplingParams
+from .stats import ReplyProgress
+from .widgets import MessageView
+
+log = logging.getLogger(__name__)
+
+
+class ChatSession(Protocol):
+    """What the app needs from :class:`potluck.engine.session.Session` (tests fake it)."""
+
+    messages: list[Message]
+
+    def generate(
+        self, user: str | None, sampling: SamplingParams = ..., max_tokens: int = ...
+    ) -> Iterator[Event]: ...
+
+    def regenerate(self, sampling: SamplingParams = ..., max_tokens: int = ...) -> Iterator[Event]: ...
+
+    def cancel(self, run_id: int | None = None) -> None: ...
+
+    def load_messages(self, messages: Sequence[Message]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+SessionFactory = Callable[[EngineSpec], ChatSession]
+Post = Callable[[TMessage], bool]  # App.post_message: False once the app is gone
+
+
+@dataclass
+class Reply:
+    """One reply in flight: where it streams to, what it will be stored as, how far it got."""
+
+    conversation_id: int
+    session: ChatSession
+    view: MessageView
+    user_text: str | None  # None: regenerate the last reply
+    user_view: MessageView | None = None
+    user_message_id: int | None = None
+    replaces: int | None = None  # regenerate: the stored reply the new one replaces
+    previous_text: str = ""
+    previous_note: str = ""
+    got_text: bool = False
+    # The panels' figures; the reply thread replaces the (immutable) snapshot per event.
+    progress: ReplyProgress = field(default_factory=ReplyProgress)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # Text the engine thread produced that the UI has not drawn yet (guarded by the lock).
+    pending: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def push(self, text: str) -> None:  # engine thread
+        with self.lock:
+            self.pending.append(text)
+
+    def take(self) -> str:  # UI thread
+        with self.lock:
+            text = "".join(self.pending)
+            self.pending.clear()
+        return text
+
+    def cancel(self) -> None:  # any thread
+        """Stop the reply after the engine's current step; the partial text is kept."""
+        self.cancelled.set()
+        self.session.cancel()
+
+
+class ReplyFinished(TMessage):
+    def __init__(self, reply: Reply, finished: Finished) -> None:
+        super().__init__()
+        self.reply, self.finished = reply, finished
+
+
+class ReplyFailed(TMessage):
+    def __init__(self, reply: Reply, error: str) -> None:
+        super().__init__()
+        self.reply, self.error = reply, error
+
+
+class SessionLoaded(TMessage):
+    def __init__(self, spec: EngineSpec, session: ChatSession | None, error: str | None) -> None:
+        super().__init__()
+        self.spec, self.session, self.error = spec, session, error
+
+
+def load_in_thread(post: Post, factory: SessionFactory, spec: EngineSpec) -> None:  # worker thread
+    """Open a session for ``spec`` and post :class:`SessionLoaded`, with the session or the error."""
+    try:
+        session = factory(spec)
+    except PotluckError as e:
+        post(SessionLoaded(spec, None, str(e)))
+    except Exception as e:  # a crash in llama.cpp bindings must not take the UI down
+        log.exception("loading the model failed")
+        post(SessionLoaded(spec, None, f"{type(e).__name__}: {e}"))
+    else:
+        if not post(SessionLoaded(spec, session, None)):
+            session.close()  # the app is gone
+
+
+def reply_in_thread(
+    post: Post,
+    reply: Reply,
+    sampling: SamplingSettings,
+    clock: Callable[[], float],
+    idle: threading.Event,
+) -> None:  # worker thread
+    """Stream one reply: text goes to ``reply.pending`` (drawn by the UI's pump, never per
+    token), every event into ``reply.progress`` stamped with ``clock``, and the end is
+    posted as :class:`ReplyFinished` or :class:`ReplyFailed`. ``idle`` is set on the way out."""
+    try:
+        params = sampling.params()
+        if reply.user_text is None:
+            events = reply.session.regenerate(params, sampling.max_tokens)
+        else:
+            events = reply.session.generate(reply.user_text, params, sampling.max_tokens)
+        for event in events:
+            reply.progress = reply.progress.after(event, clock())
+            if isinstance(event, ReplyStarted) and reply.cancelled.is_set():
+                reply.session.cancel(event.run_id)  # Esc came before the engine started this run
+            elif isinstance(event, TokenText) and event.text:
+                reply.push(event.text)
+            elif isinstance(event, Finished):
+                post(ReplyFinished(reply, event))
+    except Exception as e:
+        reply.progress = reply.progress.stopped()
+        if isinstance(e, PotluckError):
+            error = str(e)
+        else:
+            log.exception("generation failed")
+            error = f"generation failed: {type(e).__name__}: {e}"
+        post(ReplyFailed(reply, error))
+    finally:
+        idle.set()

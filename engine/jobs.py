@@ -1,0 +1,85 @@
+"""Units of work a target runs: :class:`DecodeJob` (one batch) and the :class:`Ticket` that
+redeems its result.
+
+A job names everything llama.cpp needs and nothing else: its inputs (token ids, or hidden
+states for a later pipeline stage), explicit positions, one sequence id per row and the rows
+whose logits come back. Every job belongs to a run (``run_id``): cancelling a run skips its
+queued jobs and aborts the one computing, so speculative work that lost its reason to exist
+stops costing time (PipeInfer's early cancellation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class RunCancelled(InterruptedError):
+    """The job's run was cancelled before or while it computed; its KV cells are gone."""
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    run_id: int
+    inputs: np.ndarray = field(repr=False)  # [n] i32 token ids, or [n, n_embd] f32 hidden states
+    positions: np.ndarray = field(repr=False)  # [n] i32
+    seq_ids: np.ndarray = field(repr=False)  # [n] i32, one sequence per row
+    outputs: np.ndarray = field(repr=False)  # [n] bool: rows whose logits come back, in order
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def n_outputs(self) -> int:
+        return int(np.count_nonzero(self.outputs))
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.inputs.ndim == 1
+
+    @classmethod
+    def tokens(
+        cls,
+        run_id: int,
+        tokens: Sequence[int] | np.ndarray,
+        pos0: int,
+        *,
+        seq_id: int = 0,
+        outputs: str | Sequence[bool] = "last",
+    ) -> DecodeJob:
+        """Tokens at positions ``pos0...`` of one sequence; ``outputs``: "last", "all" or a mask."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        n = ids.shape[0]
+        if n == 0:
+            raise ValueError("a decode job needs at least one token")
+        return cls(
+            run_id,
+            ids,
+            np.arange(pos0, pos0 + n, dtype=np.int32),
+            np.full(n, seq_id, dtype=np.int32),
+            output_mask(n, outputs),
+        )
+
+
+def output_mask(n: int, outputs: str | Sequence[bool]) -> np.ndarray:
+    if outputs == "all":
+        return np.ones(n, dtype=bool)
+    if outputs == "last":
+        mask = np.zeros(n, dtype=bool)
+        mask[-1] = True
+        return mask
+    mask = np.asarray(outputs, dtype=bool)
+    if mask.shape != (n,):
+        raise ValueError(f"output mask of shape {mask.shape} for {n} rows")
+    return mask
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Claim on one submitted job's result (``Target.wait``)."""
+
+    run_id: int
+    seq_no: int  # the target's submission counter (the pipeline's transaction number)
