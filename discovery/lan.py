@@ -4,7 +4,7 @@ TXT record of a worker: ``id`` (node id), ``v`` (potluck version), ``proto`` (wi
 protocol version), ``cores``, ``free_mb``, ``speed`` (measured score). The token is never
 advertised: listing nodes needs no secret, joining them does. Tests bind zeroconf to
 ``127.0.0.1`` (or to addresses of network namespaces they create) so nothing multicasts on
-the machine's real network (DESIGN.md fact 13).
+the machine's real network (docs/facts.md §10).
 """
 
 from __future__ import annotations

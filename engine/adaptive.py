@@ -107,7 +107,7 @@ class DraftBreakEven:
 
     One more draft token makes the verify batch longer by a measured ``m`` ms and costs
     ``d`` ms to draft; it saves a whole plain step (``a`` ms) only if accepted. It pays when
-    P(accept) > (m + d) / a. On this box batches cost nearly linearly (DESIGN.md fact 5:
+    P(accept) > (m + d) / a. On this box batches cost nearly linearly (docs/facts.md §6:
     compute-bound), so the threshold is high; on memory-bound machines the batch curve is
     flat and it falls towards 0. ``a`` and ``m`` come from a least-squares line through the
     (batch size, verify ms) of recent rounds, so nothing about the machine is assumed.

@@ -2,7 +2,7 @@
 
 A "passthrough" merge repeats layer ranges of SmolLM2-135M (as Goliath-120B was built from
 Llama 2 70B): the result is a deeper, slower model with the same vocabulary, whose greedy
-choices still agree with the 135M model often enough (DESIGN.md fact 10) for the 135M to
+choices still agree with the 135M model often enough (docs/facts.md §9) for the 135M to
 be a real draft for it. They stand in for the pairs users bring (1.7B + 135M, ...).
 """
 

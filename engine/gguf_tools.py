@@ -1,6 +1,6 @@
 """GGUF files: describe, hash, slice into layer ranges, and merge/repeat layer ranges.
 
-Slicing follows the recipe verified in DESIGN.md fact 3: copy every key/value, set
+Slicing follows the recipe verified in docs/facts.md §5: copy every key/value, set
 ``<arch>.block_count`` to the slice's layer count, keep ``token_embd``, ``output_norm`` and
 ``output``, and keep ``blk.i.*`` for the chosen layers renumbered from 0. Tensors are
 copied raw (quantized bytes untouched). Per-layer hyperparameters that depend on the

@@ -2,8 +2,8 @@
 
 ``llama_cpp.Llama`` (the high-level class of our own dependency) is imported here and
 nowhere else in the engine besides :mod:`.runtime`. It cannot set ``use_extra_bufts``
-(needed on AMX CPUs, DESIGN.md fact 2), so ``llama_model_default_params`` is patched while
-the model loads; it needs ``logits_all=True`` with a draft model or it crashes (fact 8).
+(needed on AMX CPUs, docs/facts.md §1), so ``llama_model_default_params`` is patched while
+the model loads; it needs ``logits_all=True`` with a draft model or it crashes (docs/facts.md §9).
 """
 
 from __future__ import annotations

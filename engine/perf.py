@@ -2,7 +2,7 @@
 
 The batch-cost curve (time of a k-token decode relative to a 1-token decode) decides
 whether speculation can pay: on few cores small models are compute-bound and k tokens
-cost almost k times one token (DESIGN.md fact 5).
+cost almost k times one token (docs/facts.md §6).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class HistoryCheck:
 def history_consistency(model: Model, *, max_tokens: int = 64, n_threads: int = 0) -> HistoryCheck:
     """Turn-by-turn conversation vs. the same history prefilled at once in a fresh session.
 
-    llama.cpp computes large batches slightly differently from small ones (DESIGN.md fact 4),
+    llama.cpp computes large batches slightly differently from small ones (docs/facts.md §3),
     so the last reply can differ even though both are "plain greedy decoding".
     """
     from .session import Session

@@ -3,6 +3,7 @@ greedy output token-for-token identical to one machine for every registered stra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -179,3 +180,155 @@ def test_generate_command_with_nodes_matches_one_machine(
     captured = capsys.readouterr()
     assert json.loads(captured.out)["tokens"] == local["tokens"]
     assert "split plan: 30 layers over 2 stage(s)" in captured.err and "layers   0-15" in captured.err
+
+
+def test_two_runs_in_flight_on_two_stages_exact(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """A side run in sequence 1 and a canonical run in sequence 0 in flight together over the
+    pipeline: each equals the same tokens computed alone on one machine, and sequence 0 goes
+    on as if the side run had never been (per-sequence KV streams on every stage)."""
+    from potluck.engine.jobs import DecodeJob
+    from potluck.engine.kv import KvOp
+
+    prefix = model.tokenize("<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n")
+    canonical = model.tokenize(" The Danube, the Rhine and the Seine.")
+    side = model.tokenize(" Mountains instead: the Alps and the Andes.")
+
+    def alone(tokens: list[int], prior: list[int] = prefix) -> np.ndarray:
+        t = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+        try:
+            t.decode(prior)
+            return t.decode(tokens, all_logits=True).copy()
+        finally:
+            t.close()
+
+    target = pipeline(model_path, workers[:2], slice_cache, split=[0, 15, 30], n_seq_max=2, kv_unified=False)
+    try:
+        target.decode(prefix)
+        target.kv(KvOp.cp(0, 1))
+        n = len(prefix)
+        side_ticket = target.submit(DecodeJob.tokens(target.new_run(), side, n, seq_id=1, outputs="all"))
+        main_ticket = target.submit(DecodeJob.tokens(target.new_run(), canonical, n, seq_id=0, outputs="all"))
+        assert np.array_equal(target.wait(main_ticket), alone(canonical))  # redeemed out of order
+        assert np.array_equal(target.wait(side_ticket), alone(side))
+        target.kv(KvOp.rm(1))
+        nxt = DecodeJob.tokens(target.new_run(), canonical[:3], n + len(canonical), outputs="all")
+        assert np.array_equal(target.wait(target.submit(nxt)), alone(canonical[:3], prefix + canonical))
+        assert [st.pos_max[1] for st in target.status()] == [-1, -1]
+    finally:
+        target.close()
+
+
+def test_cancel_aborts_a_batch_running_on_a_worker(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """Cancel reaches a batch mid-compute (the worker's control thread sets llama.cpp's abort
+    flag): counted as aborted, not finished; the next stage skips it; the stages stay exact."""
+    from potluck.engine.jobs import DecodeJob, RunCancelled
+
+    target = pipeline(model_path, workers[:2], slice_cache, split=[0, 15, 30])
+    try:
+        long = model.tokenize("The quick brown fox jumps over the lazy dog. " * 60)[:500]
+        run = target.new_run()
+        ticket = target.submit(DecodeJob.tokens(run, long, 0))
+        deadline = time.monotonic() + 30
+        while target.status()[0].running_run != run:  # the first stage is computing it now
+            assert time.monotonic() < deadline
+        target.cancel(run)
+        with pytest.raises(RunCancelled):
+            target.wait(ticket)
+        first, second = target.status()
+        assert (first.aborted, first.finished) == (1, 0)
+        assert (second.skipped, second.finished) == (1, 0)
+        assert first.pos_max[0] == second.pos_max[0] == -1
+        prompt = model.tokenize("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+        try:
+            assert np.array_equal(local.decode(prompt, all_logits=True), target.decode(prompt, all_logits=True))
+        finally:
+            local.close()
+    finally:
+        target.close()
+
+
+@pytest.fixture(scope="module")
+def deep40(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 layers (0-19 then 10-29 of the bundled model): coherent text, and the bundled model
+    as its draft agrees only 0.69-0.81 of the time (docs/facts.md §9), so drafts get rejected."""
+    return merge_layer_ranges(model_path, tmp_path_factory.mktemp("deep40") / "deep40.gguf", [(0, 19), (10, 29)])
+
+
+def test_speculation_over_the_cluster_with_rejected_drafts(
+    model_path: Path, deep40: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """A draft model on the head that is sometimes wrong: the rollback path (trimming rejected
+    drafts on every stage) runs, and the output is plain decoding's on one machine."""
+    turns = ["Name two fruits and describe them.", "Which one has more vitamin C?"]
+    with Model(deep40) as deep:
+        assert deep.n_layer == 40
+        local = LocalTarget(deep, ContextParams(n_ctx=N_CTX, n_threads=1))
+        try:
+            want = [f.tokens for f in _converse_finished(deep, local, "autoregressive", None, turns, 24)]
+        finally:
+            local.close()
+        target = pipeline(deep40, workers[:2], slice_cache, split=[0, 20, 40])
+        try:
+            got = _converse_finished(deep, target, "sd", model_path, turns, 24, {"adaptive": False, "max_draft": 4})
+        finally:
+            target.close()
+    assert [f.tokens for f in got] == want
+    drafted, accepted = sum(f.drafted for f in got), sum(f.accepted for f in got)
+    assert drafted > accepted > 0  # drafts were both accepted and rejected
+
+
+def _converse_finished(
+    model: Model, target: Target, strategy_name: str, draft: Path | None, turns: list[str], max_new: int,
+    options: dict[str, object] | None = None,
+) -> list[Finished]:
+    spec = EngineSpec(strategy=strategy_name, draft=draft, n_ctx=N_CTX, n_threads=1, strategy_options=options or {})
+    strategy = STRATEGIES[strategy_name].build(model, spec)
+    session = Session(model, target, strategy, system="Be brief.")
+    try:
+        out = []
+        for turn in turns:
+            *_, fin = session.generate(turn, SamplingParams(), max_new)
+            assert isinstance(fin, Finished)
+            out.append(fin)
+        return out
+    finally:
+        strategy.close()
+
+
+def test_head_does_not_map_the_targets_weights(
+    deep40: Path, workers: list[WorkerProc], tmp_home: Path
+) -> None:
+    """Cluster mode opens the target vocab-only on the head: no byte of the GGUF is resident
+    in the head (a model too big for the head still works)."""
+    from potluck.engine.loader import ClusterSpec, open_session
+
+    keys = keys_from_token(TOKEN)
+    spec = EngineSpec(
+        model=deep40, n_ctx=N_CTX, n_threads=1,
+        cluster=ClusterSpec(tuple(w.address for w in workers[:2]), keys, split=(0, 20, 40)),
+    )
+    session = open_session(spec)
+    try:
+        assert session.model.vocab_only
+        *_, fin = session.generate("Hi!", SamplingParams(), 4)
+        assert isinstance(fin, Finished) and fin.tokens
+        assert _resident_kb(deep40) == 0, "the head maps part of the target's file"
+    finally:
+        session.close()
+
+
+def _resident_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total

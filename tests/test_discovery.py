@@ -1,4 +1,4 @@
-"""Cluster auth keys and zeroconf discovery, bound to loopback only (DESIGN.md fact 13)."""
+"""Cluster auth keys and zeroconf discovery, bound to loopback only (docs/facts.md §10)."""
 
 from __future__ import annotations
 

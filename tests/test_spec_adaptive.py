@@ -10,7 +10,7 @@ from potluck.engine.adaptive import LengthConfig, SpeculationLength
 def simulate(
     alpha: float, draft_ms: float, rounds: int = 600, seed: int = 0
 ) -> tuple[SpeculationLength, list[int]]:
-    """A synthetic machine: batch cost grows like DESIGN.md fact 5, acceptance is i.i.d.
+    """A synthetic machine: batch cost grows like docs/facts.md §6, acceptance is i.i.d.
 
     Returns the controller and the length used in every round.
     """

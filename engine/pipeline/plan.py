@@ -1,7 +1,7 @@
 """Split planning: contiguous layer ranges so every node fits and the slowest stage is fastest.
 
 A stage's time is estimated as its weight bytes divided by the node's measured speed score
-(decode is bound by reading weights; DESIGN.md fact 5 says measure, so the score is
+(decode is bound by reading weights; docs/facts.md §6 says measure, so the score is
 measured on each worker). A stage's memory is its layers' bytes, the token embeddings on
 the first stage, the output head on the last, its KV cache for ``n_ctx`` tokens and a
 fixed allowance for compute buffers. Dynamic programming over (nodes in order, layers)

@@ -1,7 +1,7 @@
 """What a machine offers to the cluster: cores, free memory and a measured speed score.
 
 The planner divides layers by the speed score, so it only has to be proportional to how
-fast this machine runs llama.cpp layers; it is measured, never assumed (DESIGN.md fact 5).
+fast this machine runs llama.cpp layers; it is measured, never assumed (docs/facts.md §6).
 """
 
 from __future__ import annotations
