@@ -52,6 +52,9 @@ class StageRunner:
         self._cancelled: set[int] = set()
         self._cancel_order: collections.deque[int] = collections.deque()
         self._running: int | None = None  # run id of the job computing now
+        # last position per sequence after the latest item, read by other threads (a status
+        # request must not read llama.cpp's KV metadata while a batch is writing it)
+        self.positions: list[int] = stage.pos_max()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name=f"potluck-{name}", daemon=True)
         self._thread.start()
@@ -118,30 +121,37 @@ class StageRunner:
             self.counters.skipped += 1
             fut.set_exception(RunCancelled(f"run {job.run_id} was cancelled"))
             return
+        outcome: np.ndarray | BaseException
         try:
-            out: np.ndarray = self.stage.compute(job)
+            outcome = self.stage.compute(job)
+            self.counters.finished += 1
         except InterruptedError:
             self.counters.aborted += 1
-            fut.set_exception(RunCancelled(f"run {job.run_id} was cancelled mid-compute"))
+            outcome = RunCancelled(f"run {job.run_id} was cancelled mid-compute")
         except BaseException as e:  # delivered to whoever waits for it
-            fut.set_exception(e)
-        else:
-            self.counters.finished += 1
-            fut.set_result(out)
-        finally:
-            with self._cond:
-                self._running = None
+            outcome = e
+        with self._cond:
+            self._running = None
+        self._resolve(fut, outcome)
 
     def _run_other(self, item: KvOp | Callable[[Stage], object], fut: Future) -> None:
+        outcome: object
         try:
             if isinstance(item, KvOp):
                 self.stage.apply_kv(item)
                 self.counters.kv_ops += 1
-                result = None
+                outcome = None
             else:
-                result = item(self.stage)
+                outcome = item(self.stage)
         except BaseException as e:
             log.error("%s failed: %s", item, e)
-            fut.set_exception(e)
+            outcome = e
+        self._resolve(fut, outcome)
+
+    def _resolve(self, fut: Future, outcome: object) -> None:
+        """Publish the positions first: whoever the result wakes may ask for them."""
+        self.positions = self.stage.pos_max()
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
         else:
-            fut.set_result(result)
+            fut.set_result(outcome)

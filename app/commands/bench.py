@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="strategy option, e.g. k=7, n=5, adaptive=false (repeatable)",
+        help="strategy option, e.g. max_draft=7, ngram_max=5, adaptive=false (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON array, one object per row")
     p.add_argument(

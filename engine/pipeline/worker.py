@@ -339,7 +339,7 @@ class Worker:
         return wire.StatusReply(
             "loaded", ld.load.sha256, ld.load.layer_lo, ld.load.layer_hi, self.txn,
             c.finished, c.aborted, c.skipped, -1 if running is None else running,
-            np.array(ld.stage.pos_max(), dtype="<i4"),
+            np.array(ld.runner.positions, dtype="<i4"),
         )
 
     # -- data path: this thread checks order and validity, the runner computes
