@@ -140,13 +140,17 @@ class TargetBase:
         except BaseException:
             # Cancelled or failed mid-prompt: settle the run's other jobs, then drop whatever
             # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
-            self.cancel(run)
-            for t in tickets[len(rows) + 1 :]:
-                try:
-                    self.wait(t)
-                except (RunCancelled, PotluckError):
-                    pass
-            self.kv(KvOp.rm(0, self._n_past))
+            # Best effort: on a target that just broke, the original error is what matters.
+            try:
+                self.cancel(run)
+                for t in tickets[len(rows) + 1 :]:
+                    try:
+                        self.wait(t)
+                    except RunCancelled:
+                        pass
+                self.kv(KvOp.rm(0, self._n_past))
+            except PotluckError:
+                pass
             raise
         self._n_past += n
         if all_logits:

@@ -107,6 +107,17 @@ class NodeLink:
             raise NodeFailedError(f"{self.describe()} is unreachable (send timed out)") from None
         self.bytes_out += wire.frames_nbytes(frames)
 
+    def send_nowait(self, msg: wire.WireMessage) -> bool:
+        """Best-effort send (cancels): never waits on a stage that stopped reading; a lost
+        stage is named by the data path, not here."""
+        try:
+            frames = wire.to_frames(msg)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False
+        self.bytes_out += wire.frames_nbytes(frames)
+        return True
+
     def recv(self) -> wire.WireMessage:
         frames = self.sock.recv_multipart(copy=False)
         self.bytes_in += sum(len(f.buffer) for f in frames)
@@ -332,11 +343,10 @@ class PipelineTarget(TargetBase):
     def _flush_cancels(self) -> None:
         while self._cancel_requests:
             run_id = self._cancel_requests.popleft()
+            if self._broken is not None:
+                continue
             for link in self.links:
-                try:
-                    link.send(wire.Cancel(run_id))
-                except NodeFailedError:
-                    pass  # the data path notices and names the node
+                link.send_nowait(wire.Cancel(run_id))
 
     def _receive(self, timeout_ms: int, control_from: NodeLink | None = None) -> object:
         """Read what arrived within ``timeout_ms``: file results and refusals by txn; return
