@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 from ..engine.errors import PotluckError
 
@@ -28,8 +29,21 @@ def potluck_version() -> str:
         return "0+unknown"
 
 
+def one_line(message: str) -> str:
+    """A message that may quote user input (a path with a newline) as exactly one line."""
+    return " ".join(message.splitlines())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors (bad numbers, unknown options) as one line and exit code 2, like
+    every other refusal; its default prints the usage block first. Subcommands inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="potluck",
         description="Chat with local LLMs: lossless speculative decoding, LAN layer split.",
     )
@@ -63,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except PotluckError as e:
-        print(f"potluck: error: {e}", file=sys.stderr)
+        print(f"potluck: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("potluck: interrupted", file=sys.stderr)

@@ -26,12 +26,14 @@ Example ``config.toml``::
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import limits
 from .errors import PotluckError
 from .sampling import SamplingParams
 
@@ -78,18 +80,18 @@ class SamplingSettings:
     """Longest reply in tokens."""
 
     def params(self) -> SamplingParams:
-        p = SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty,
-            seed=self.seed,
+        """Checked by :mod:`.limits` (the seed mapped onto numpy's range)."""
+        limits.max_tokens(self.max_tokens)
+        return limits.sampling(
+            SamplingParams(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                repeat_penalty=self.repeat_penalty,
+                seed=self.seed,
+            )
         )
-        p.validate()
-        if self.max_tokens <= 0:
-            raise PotluckError(f"max_tokens must be a positive number, got {self.max_tokens}")
-        return p
 
 
 @dataclass(frozen=True)
@@ -160,13 +162,17 @@ def _check(section: str, key: str, value: Any, hint: Any) -> Any:
     if typing.get_origin(base) is tuple:
         if isinstance(value, str):
             value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise PotluckError(f"config: {where} must be a list of strings")
+        if not isinstance(value, list) or not all(isinstance(v, str) and "\x00" not in v for v in value):
+            raise PotluckError(f"config: {where} must be a list of strings (without NUL characters)")
         return tuple(value)
     if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if (base is int and isinstance(value, bool)) or not isinstance(value, base):
         raise PotluckError(f"config: {where} must be {base.__name__}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # TOML allows nan and inf
+        raise PotluckError(f"config: {where} must be a finite number, got {value!r}")
+    if isinstance(value, str) and "\x00" in value:  # TOML allows \u0000; no path or key may hold it
+        raise PotluckError(f"config: {where} contains a NUL character")
     return value
 
 
@@ -218,8 +224,10 @@ def load_settings(path: Path | None = None) -> Settings:
             data = tomllib.load(f)
     except FileNotFoundError:
         return Settings()
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise PotluckError(f"config: {path} is not valid TOML ({e})") from None
+    except OSError as e:
+        raise PotluckError(f"config: cannot read {path} ({e.strerror or e})") from None
     return settings_from_dict(data)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..assets import default_model_path
+from . import limits
 from .errors import ModelError
 from .runtime import ContextParams, Model
 from .session import Session
@@ -46,8 +47,9 @@ class EngineSpec:
 
 
 def resolve_model(path: Path | str | None) -> Path:
-    if path is not None:
-        return Path(path).expanduser()
+    checked = limits.path("-m/--model", path)
+    if checked is not None:
+        return checked
     found = default_model_path()
     if found is None:
         raise ModelError(
@@ -61,13 +63,19 @@ def open_session(spec: EngineSpec) -> Session:
 
     In cluster mode the target is opened vocab-only on this machine: the head tokenizes,
     renders the chat template and samples, but never maps a weight of the target.
+    Every value is checked by :mod:`.limits` first (and again against the model before any
+    context exists), so bad settings end as one-line errors, never inside llama.cpp.
     """
+    spec = limits.spec(spec)
     strategy_cls = get_strategy_class(spec.strategy)
-    strategy_cls.check_options(spec.strategy_options)
     model = Model(
         resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts, vocab_only=spec.cluster is not None
     )
     try:
+        if spec.cluster is None:
+            limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences)
+        if spec.system:
+            limits.prompt_fits(len(model.tokenize(spec.system)), spec.n_ctx, "the system prompt")
         target = _open_target(model, spec, strategy_cls.n_sequences)
         try:
             strategy = strategy_cls.build(model, spec)
@@ -83,9 +91,11 @@ def open_session(spec: EngineSpec) -> Session:
 def _open_target(model: Model, spec: EngineSpec, n_sequences: int) -> Target:
     # Side sequences get KV streams of their own so they never change sequence 0's numbers.
     unified = n_sequences == 1
+    sizes = limits.context_sizes(spec.n_ctx, n_sequences)
     if spec.cluster is None:
         params = ContextParams(
-            n_ctx=spec.n_ctx, n_threads=spec.n_threads, n_seq_max=n_sequences, kv_unified=unified
+            n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_threads=spec.n_threads, n_seq_max=n_sequences,
+            kv_unified=unified,
         )
         return LocalTarget(model, params)
     from .pipeline.head import open_pipeline
@@ -95,7 +105,8 @@ def _open_target(model: Model, spec: EngineSpec, n_sequences: int) -> Target:
         model.path,
         c.nodes,
         c.keys,
-        n_ctx=spec.n_ctx,
+        n_ctx=sizes.n_ctx,
+        n_batch=sizes.n_batch,
         n_seq_max=n_sequences,
         kv_unified=unified,
         split=c.split,

@@ -135,7 +135,7 @@ class Model:
         self.vocab_only = vocab_only
         params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
         _last_error_lines.clear()
-        self._ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
             why = last_llama_error() or "unknown reason"
             raise ModelError(
@@ -440,8 +440,11 @@ class Context:
         ll.llama_set_abort_callback(self._ptr, self._abort_cb, ctypes.cast(self._abort_flag, ctypes.c_void_p))
         self._mem = ll.llama_get_memory(self._ptr)
         self.n_ctx: int = ll.llama_n_ctx_seq(self._ptr)  # per sequence
+        # llama.cpp clamps n_batch to the context it was asked for and aborts the process on a
+        # longer batch (GGML_ASSERT in llama_decode), so the real value is what run_batch allows.
+        self.n_batch: int = ll.llama_n_batch(self._ptr)
         self.n_vocab = model.n_vocab
-        self._batch = Batch(params.n_batch, n_seq_max=max(1, params.n_seq_max))
+        self._batch = Batch(self.n_batch, n_seq_max=max(1, params.n_seq_max))
 
     # -- lifetime
     def close(self) -> None:
@@ -494,6 +497,8 @@ class Context:
     def run_batch(self, batch: Batch) -> None:
         """Run one batch; raises :class:`DecodeError` on failure, ``InterruptedError`` on abort
         (llama.cpp has then removed the batch's cells from every sequence it touched)."""
+        if batch.n_tokens > self.n_batch:
+            raise DecodeError(f"a batch of {batch.n_tokens} tokens exceeds this context's n_batch {self.n_batch}")
         self.captured = None
         rc = ll.llama_decode(self._ptr, batch.raw)
         if rc == 2:

@@ -28,16 +28,10 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        from .errors import PotluckError
+        """Raise a one-line PotluckError for values :func:`potluck.engine.limits.sampling` refuses."""
+        from .limits import sampling
 
-        if self.top_k < 0:
-            raise PotluckError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise PotluckError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise PotluckError(f"--min-p must be in [0, 1), got {self.min_p}")
-        if self.repeat_penalty <= 0.0:
-            raise PotluckError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
+        sampling(self)
 
 
 GREEDY = SamplingParams()

@@ -16,8 +16,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from . import limits
 from .chat import ChatFormat, Message, TextStream
-from .errors import ContextFullError, PotluckError
+from .errors import PotluckError
 from .events import Event, Finished, ReplyStarted, RoundStats, TokenText
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
@@ -100,18 +101,13 @@ class Session:
         max_tokens: int = 512,
     ) -> Iterator[Event]:
         """Add ``user`` (None: answer the conversation as it stands) and stream the reply."""
-        if max_tokens <= 0:
-            raise PotluckError(f"max tokens must be a positive number, got {max_tokens}")
-        sampling.validate()
+        limits.max_tokens(max_tokens)
+        sampling = limits.sampling(sampling)  # any integer seed, mapped onto numpy's range
         if user is not None:
-            self.messages.append(Message("user", user))
+            self.messages.append(Message("user", limits.text("the prompt", user)))
         try:
             tokens, rendered = self._conversation_tokens()
-            if len(tokens) + 1 > self.target.n_ctx:
-                raise ContextFullError(
-                    f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}; "
-                    "shorten it or raise --ctx"
-                )
+            limits.prompt_fits(len(tokens), self.target.n_ctx)
         except PotluckError:
             if user is not None:
                 self.messages.pop()

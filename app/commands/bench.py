@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from ...engine import limits
 from ...engine.benchmark import (
     BASELINE,
     FAMILIES,
@@ -138,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
         families=families,
         max_tokens=args.max_tokens,
         reps=args.reps,
-        n_ctx=args.ctx,
-        n_threads=args.threads,
+        n_ctx=limits.context_sizes(args.ctx).n_ctx,
+        n_threads=limits.threads(args.threads, "--threads"),
         options=_parse_options(args.option),
     )
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))

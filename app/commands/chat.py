@@ -9,9 +9,10 @@ import argparse
 import logging
 from dataclasses import replace
 
-from ...engine import paths
+from ...engine import limits, paths
 from ...engine.config import load_settings
-from ...engine.loader import EngineSpec, open_session
+from ...engine.loader import EngineSpec, open_session, resolve_model
+from ...engine.runtime import check_gguf_file
 from .common import add_model_args, add_sampling_args
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
@@ -46,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..tui import build_app
+    from ..tui.app import spec_from_settings
 
     settings = load_settings()
     for dest, (section, name) in _OVERRIDES.items():
@@ -53,12 +55,19 @@ def run(args: argparse.Namespace) -> int:
         if value is None:
             continue
         if dest in ("model", "draft"):
-            value = str(value.expanduser().resolve())
+            value = str(limits.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
         if section == "model" and dest == "system":
             value = value or None
         part = getattr(settings, section)
         settings = replace(settings, **{section: replace(part, **{name: value})})
-    settings.sampling.params()  # refuse bad sampling values before the screen opens
+    # Refuse bad values (engine.limits) before the screen opens: one line, exit code 2.
+    settings.sampling.params()
+    if args.draft is not None:  # given here, it must be used: the same rule as `generate`
+        limits.strategy_fits(settings.model.strategy, args.draft, {})
+    spec = spec_from_settings(settings)
+    for path in (resolve_model(spec.model), spec.draft):
+        if path is not None:
+            check_gguf_file(path)
 
     handler = logging.FileHandler(paths.log_file(), encoding="utf-8")
     handler.setLevel(logging.INFO)

@@ -1,11 +1,17 @@
-"""Arguments shared by the commands that load a model (generate, chat, bench)."""
+"""Arguments shared by the commands that load a model (generate, chat, bench).
+
+Argument types only parse (int, float, path); :mod:`potluck.engine.limits` decides which
+values are acceptable, for the CLI and config.toml alike.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+from ...engine import limits
 from ...engine.errors import PotluckError
 from ...engine.loader import EngineSpec
 from ...engine.sampling import SamplingParams
@@ -31,8 +37,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft", type=Path, help="draft GGUF model for strategies that use one")
     p.add_argument("-s", "--system", help="system prompt")
-    p.add_argument("--ctx", type=positive_int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--ctx", type=int, default=4096, help="context size in tokens, rounded up to a multiple of 256 (default 4096)"
+    )
+    p.add_argument(
+        "-t", "--threads", type=int, default=0, help="CPU threads, at most the usable cores (default 0: all of them)"
+    )
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -47,14 +57,40 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"
     )
-    g.add_argument("--discover-timeout", type=float, default=2.0, help="seconds to browse for 'auto'")
+    g.add_argument(
+        "--discover-timeout", type=float, default=None, help="seconds to browse for --nodes auto (default 2)"
+    )
+
+
+def check_cluster_args(args: argparse.Namespace) -> None:
+    """Cluster options are refused without --nodes (they would be silently ignored)."""
+    nodes = getattr(args, "nodes", None)
+    given = [
+        flag for flag, value in (("--split", args.split), ("--token", args.token),
+                                 ("--hidden-f16", args.hidden_f16 or None),
+                                 ("--discover-timeout", args.discover_timeout))
+        if value is not None
+    ]
+    if nodes is None and given:
+        raise PotluckError(f"{given[0]} only applies to cluster mode; add --nodes or drop {given[0]}")
+    if nodes is None:
+        return
+    if nodes != "auto":
+        limits.nodes(nodes)
+        if args.discover_timeout is not None:
+            raise PotluckError("--discover-timeout only applies to --nodes auto; drop it")
+    elif args.discover_timeout is not None:
+        limits.discover_timeout(args.discover_timeout)
+    if args.split is not None:
+        limits.split(args.split)
 
 
 def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
     """The ClusterSpec for ``--nodes`` (None without it); prints the plan and transfer progress."""
     nodes_arg = getattr(args, "nodes", None)
-    if not nodes_arg:
+    if nodes_arg is None:
         return None
+    check_cluster_args(args)
     from ...discovery.auth import keys_from_token, resolve_token
     from ...engine.loader import ClusterSpec
     from ..cli import potluck_version
@@ -63,22 +99,13 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
     if nodes_arg == "auto":
         from ...discovery.lan import browse
 
-        found = [n for n in browse(args.discover_timeout) if n.compatible]
+        found = [n for n in browse(args.discover_timeout or 2.0) if n.compatible]  # checked above
         if not found:
             raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
         nodes = tuple(n.address for n in found)
     else:
-        nodes = tuple(a.strip() for a in nodes_arg.split(",") if a.strip())
-        for a in nodes:
-            host, _, port = a.rpartition(":")
-            if not host or not port.isdigit():
-                raise PotluckError(f"--nodes entry {a!r} is not host:port")
-    split = None
-    if args.split:
-        try:
-            split = tuple(int(x) for x in args.split.split(","))
-        except ValueError:
-            raise PotluckError(f"--split must be layer numbers like 0,12,30, got {args.split!r}") from None
+        nodes = limits.nodes(nodes_arg)
+    split = None if args.split is None else limits.split(args.split)
     return ClusterSpec(
         nodes=nodes,
         keys=keys,
@@ -102,50 +129,66 @@ def _progress_bar(what: str, done: int, total: int) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    p.add_argument(
+        "--max-tokens", type=int, default=512,
+        help="most tokens to generate; the reply also ends when the context is full (default 512)",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (any integer, taken mod 2**64)")
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
-    return EngineSpec(
-        model=args.model,
-        strategy=args.strategy,
-        draft=getattr(args, "draft", None),
-        n_ctx=args.ctx,
-        n_threads=args.threads,
-        system=args.system,
-        cluster=cluster_spec(args),
+    """The checked spec, without its cluster: that needs the network (see :func:`with_cluster`)."""
+    if hasattr(args, "nodes"):
+        check_cluster_args(args)
+    return limits.spec(
+        EngineSpec(
+            model=args.model,
+            strategy=args.strategy,
+            draft=getattr(args, "draft", None),
+            n_ctx=args.ctx,
+            n_threads=args.threads,
+            system=args.system,
+        )
     )
+
+
+def with_cluster(spec: EngineSpec, args: argparse.Namespace) -> EngineSpec:
+    """Resolve --nodes (token, discovery) once the cheap checks have passed."""
+    return replace(spec, cluster=cluster_spec(args))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    if args.max_tokens <= 0:
-        raise PotluckError(f"--max-tokens must be a positive number, got {args.max_tokens}")
-    if args.temp < 0:
-        raise PotluckError(f"--temp must be >= 0, got {args.temp}")
-    params = SamplingParams(
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
+    limits.max_tokens(args.max_tokens)
+    return limits.sampling(
+        SamplingParams(
+            temperature=args.temp,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repeat_penalty=args.repeat_penalty,
+            seed=args.seed,
+        )
     )
-    params.validate()
-    return params
 
 
 def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or stdin for '-' or none; invalid UTF-8 and empty text are refused."""
     if arg is not None and arg != "-":
-        return arg
+        if not arg.strip():
+            raise PotluckError("the prompt is empty; pass some text")
+        return limits.text("the prompt", arg)
     if sys.stdin is None or sys.stdin.isatty():
         raise PotluckError("no prompt: pass it as an argument or pipe it on stdin")
-    text = sys.stdin.read()
+    if hasattr(sys.stdin, "buffer"):  # bytes: invalid UTF-8 becomes a one-line refusal, not a traceback
+        raw = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+    else:
+        raw = sys.stdin.read()
+    text = limits.text("the prompt on stdin", raw)
     if not text.strip():
         raise PotluckError("the prompt on stdin is empty")
     return text

@@ -15,6 +15,7 @@ from .common import (
     engine_spec,
     read_prompt,
     sampling_params,
+    with_cluster,
 )
 
 
@@ -28,9 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every value is checked (engine.limits) before stdin is read or anything is loaded.
     sampling = sampling_params(args)
+    spec = engine_spec(args)
     prompt = read_prompt(args.prompt)
-    session = open_session(engine_spec(args))
+    session = open_session(with_cluster(spec, args))
     try:
         finished: Finished | None = None
         for event in session.generate(prompt, sampling, args.max_tokens):

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ...engine import limits
 from ...engine.loader import resolve_model
 from ...engine.perf import history_consistency, measure
 from ...engine.runtime import Model, default_threads
@@ -23,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.threads = limits.threads(args.threads, "--threads")
     with Model(resolve_model(args.model)) as model:
         report = measure(model, n_threads=args.threads, runs=args.runs)
         history = history_consistency(model, n_threads=args.threads) if args.history_check else None

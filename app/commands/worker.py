@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ...discovery.auth import keys_from_token, resolve_token
-from ...engine import paths
+from ...engine import limits, paths
 from ...engine.pipeline.profile import measure_profile
 from ...engine.pipeline.worker import Worker
 from ...engine.runtime import default_threads
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
     p.add_argument("--token", help="cluster token from `potluck token` (default: $POTLUCK_TOKEN or saved)")
     p.add_argument("--cache-dir", type=Path, help="where received slices are kept (by sha256)")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads, at most the cores (default 0: all)")
     p.add_argument(
         "--max-message-mb", type=int, default=256, help="largest message accepted (default 256 MB)"
     )
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # a worker's log lines (joins, loads, refusals) are its output
         logging.getLogger("potluck").setLevel(logging.INFO)
     keys = keys_from_token(resolve_token(args.token))
-    threads = args.threads or default_threads()
+    threads = limits.threads(args.threads, "--threads") or default_threads()
     profile = measure_profile(threads)
     cache = args.cache_dir or (paths.cache_dir() / "worker")
     worker = Worker(

@@ -9,6 +9,7 @@ it the same way with a scripted fake session. The engine runs in worker threads
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,10 +24,12 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Footer, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
+from ...engine import limits
 from ...engine.chat import Message
 from ...engine.config import Settings, save_settings
 from ...engine.errors import PotluckError
 from ...engine.loader import EngineSpec
+from ...engine.strategies.registry import get_strategy_class
 from ..store import Conversation, Store, StoredMessage
 from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
 from .export import code_blocks, conversation_markdown, export_path
@@ -51,13 +54,21 @@ TEXT_PUMP_S = 1 / 20  # how often streamed text is drawn
 
 
 def spec_from_settings(settings: Settings) -> EngineSpec:
+    """The chat's engine spec, checked by engine.limits (PotluckError: one line to show).
+
+    The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
     m = settings.model
-    return EngineSpec(
-        model=Path(m.path).expanduser() if m.path else None,
-        strategy=m.strategy,
-        draft=Path(m.draft).expanduser() if m.draft else None,
-        n_ctx=m.n_ctx,
-        n_threads=m.n_threads,
+    needs_draft = get_strategy_class(m.strategy).needs_draft  # an unknown name: one line
+    draft = limits.path("[model] draft", m.draft) if needs_draft else None
+    return limits.spec(
+        EngineSpec(
+            model=limits.path("[model] path", m.path),
+            strategy=m.strategy,
+            draft=draft,
+            n_ctx=m.n_ctx,
+            n_threads=m.n_threads,
+            system=m.system or None,  # loading refuses one longer than the context
+        )
     )
 
 
@@ -556,7 +567,9 @@ class PotluckApp(App[None]):
         if current is None:
             current = read_model_info(spec.model)
             models.insert(0, current)
-        draft = next((m for m in models if spec.draft and m.key == str(spec.draft)), None)
+        kept = self.settings.model.draft  # offered again even while the strategy ignores it
+        kept_key = str(Path(os.path.expanduser(kept))) if kept else None
+        draft = next((m for m in models if kept_key and m.key == kept_key), None)
         pick = await self.push_screen_wait(
             PickerScreen(models, self.strategies, Pick(current, draft, spec.strategy))
         )
@@ -577,10 +590,11 @@ class PotluckApp(App[None]):
             self.settings,
             model=replace(m, path=model_path, draft=draft_path, strategy=pick.strategy),
         )
-        spec = replace(
-            self.spec, model=pick.model.path, draft=pick.draft.path if pick.draft else None,
-            strategy=pick.strategy,
-        )
+        try:
+            spec = spec_from_settings(self.settings)  # the same checks as at start
+        except PotluckError as e:
+            self.report_error(str(e))
+            return
         if self.settings_path is not None:
             try:
                 save_settings(self.settings, self.settings_path)

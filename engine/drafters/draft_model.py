@@ -100,7 +100,7 @@ class DraftModelDrafter:
         self.ctx.seq_rm(0, keep, -1)
         del self.tokens[keep:]
         todo = list(context[keep:])
-        n_batch = self.ctx.params.n_batch
+        n_batch = self.ctx.n_batch  # what llama.cpp really allows (it clamps to the context)
         for start in range(0, len(todo), n_batch):
             chunk = todo[start : start + n_batch]
             t = time.perf_counter()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import limits
 from ..adaptive import DraftBreakEven, LengthConfig, SpeculationLength
 from ..drafters import Draft, Drafter, DraftRequest
 from ..errors import PotluckError
@@ -200,6 +201,7 @@ class DraftModelSpeculative(Speculative):
         draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
         try:
             check_same_vocabulary(target_model, draft_model)
+            limits.memory_fits(draft_model, spec.n_ctx)  # its own KV cache, next to the target's
             drafter = DraftModelDrafter(
                 draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=float(p_min)
             )
