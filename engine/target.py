@@ -17,6 +17,7 @@ context, on stages chained in this process (:mod:`.split`) or on a pipeline of L
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -87,7 +88,7 @@ class Target(Protocol):
     def close(self) -> None: ...
 
 
-class TargetBase:
+class TargetBase(ABC):
     """The canonical-sequence helpers, written once over submit / wait / cancel / kv."""
 
     n_vocab: int
@@ -102,17 +103,24 @@ class TargetBase:
     def new_run(self) -> int:
         return next(self._runs)
 
-    def submit(self, job: DecodeJob) -> Ticket:
-        raise NotImplementedError
+    # what each target implements (documented on :class:`Target`)
+    @abstractmethod
+    def submit(self, job: DecodeJob) -> Ticket: ...
 
-    def wait(self, ticket: Ticket) -> np.ndarray:
-        raise NotImplementedError
+    @abstractmethod
+    def wait(self, ticket: Ticket) -> np.ndarray: ...
 
-    def cancel(self, run_id: int) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def cancel(self, run_id: int) -> None: ...
 
-    def kv(self, op: KvOp) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def kv(self, op: KvOp) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
 
     @property
     def n_past(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...engine import limits
+from ...engine.config import SamplingSettings
 from ...engine.errors import PotluckError
 from ...engine.loader import EngineSpec
 from ...engine.sampling import SamplingParams
@@ -163,17 +164,16 @@ def with_cluster(spec: EngineSpec, args: argparse.Namespace) -> EngineSpec:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    limits.max_tokens(args.max_tokens)
-    return limits.sampling(
-        SamplingParams(
-            temperature=args.temp,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repeat_penalty=args.repeat_penalty,
-            seed=args.seed,
-        )
-    )
+    """The options as config.toml's [sampling] section, checked the same way."""
+    return SamplingSettings(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    ).params()
 
 
 def read_prompt(arg: str | None) -> str:

@@ -118,13 +118,18 @@ class NodeLink:
         self.bytes_out += wire.frames_nbytes(frames)
         return True
 
-    def recv(self) -> wire.WireMessage:
+    def read(self) -> wire.WireMessage:
+        """The next message, refusals (``wire.Error``) included; a malformed one names the node."""
         frames = self.sock.recv_multipart(copy=False)
         self.bytes_in += sum(len(f.buffer) for f in frames)
         try:
-            msg = wire.parse_frames(frames)
+            return wire.parse_frames(frames)
         except wire.WireError as e:
             raise NodeFailedError(f"{self.describe()} sent a malformed message: {e}") from None
+
+    def recv(self) -> wire.WireMessage:
+        """The next reply to a request; a refusal becomes :class:`NodeFailedError`."""
+        msg = self.read()
         if isinstance(msg, wire.Error):
             raise NodeFailedError(f"{self.describe()} refused: {msg.message}")
         return msg
@@ -361,12 +366,7 @@ class PipelineTarget(TargetBase):
             if link.sock not in events:
                 continue
             while link.sock.poll(0):
-                frames = link.sock.recv_multipart(copy=False)
-                link.bytes_in += sum(len(f.buffer) for f in frames)
-                try:
-                    msg = wire.parse_frames(frames)
-                except wire.WireError as e:
-                    raise NodeFailedError(f"{link.describe()} sent a malformed message: {e}") from None
+                msg = link.read()
                 got = got or True
                 if isinstance(msg, wire.Result) and link is self.links[-1] and msg.txn in self._expected:
                     self._results[msg.txn] = msg

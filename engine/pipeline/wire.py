@@ -305,14 +305,6 @@ class Forward(WireMessage):
         return DecodeJob(self.run_id, inputs, self.positions, self.seq_ids, self.outputs.astype(bool))
 
     @property
-    def n_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
-    @property
-    def n_outputs(self) -> int:
-        return int(np.count_nonzero(self.outputs))
-
-    @property
     def is_tokens(self) -> bool:
         return self.inputs.dtype == DTYPES["i32"]
 
