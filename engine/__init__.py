@@ -7,7 +7,7 @@ call ``session.generate(text, sampling, max_tokens)`` and render the events it y
 
 from .chat import Message
 from .errors import ContextFullError, DecodeError, ModelError, PotluckError
-from .events import Event, Finished, NodeStatus, ReplyStarted, RoundStats, TokenText
+from .events import Event, Finished, NodeStatus, PlanChanged, ReplyStarted, RoundStats, TokenText
 from .loader import EngineSpec, open_session
 from .sampling import SamplingParams
 from .session import Session
@@ -21,6 +21,7 @@ __all__ = [
     "Message",
     "ModelError",
     "NodeStatus",
+    "PlanChanged",
     "PotluckError",
     "ReplyStarted",
     "RoundStats",

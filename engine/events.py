@@ -54,8 +54,17 @@ class NodeStatus:
     run_id: int
     node: str
     layers: tuple[int, int]
-    state: str  # "ok" or "failed"
+    state: str  # "ok", "failed", "lost" (gone mid-reply) or "recovering"
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class PlanChanged:
+    """The cluster's layer plan changed mid-conversation (a node was lost, or re-planned)."""
+
+    run_id: int
+    stages: tuple[tuple[str, int, int], ...]  # (node, first layer, last layer) per stage, in order
+    reason: str  # one line for the user: what happened and what the head did about it
 
 
 @dataclass(frozen=True)
@@ -89,4 +98,4 @@ class Finished:
         return self.accepted / self.rounds if self.rounds and self.drafted else None
 
 
-Event = ReplyStarted | TokenText | RoundStats | NodeStatus | Finished
+Event = ReplyStarted | TokenText | RoundStats | NodeStatus | PlanChanged | Finished
