@@ -8,6 +8,7 @@ import sys
 
 from ...engine.events import Finished, TokenText
 from ...engine.loader import open_session
+from ...engine.strategies.plain import Autoregressive
 from .common import (
     add_cluster_args,
     add_model_args,
@@ -64,7 +65,7 @@ def result_json(f: Finished) -> dict[str, object]:
         "ttft_s": round(f.ttft_s, 4),
         "decode_s": round(f.decode_s, 4),
     }
-    if f.drafted:
+    if f.strategy != Autoregressive.name:  # every other strategy drafts: scripts read these, even at 0
         out.update(
             drafted=f.drafted,
             accepted=f.accepted,
