@@ -121,6 +121,17 @@ class DraftBreakEven:
         self._verify: dict[int, deque[float]] = {}
         self.prior = prior
 
+    def samples(self) -> dict[int, list[float]]:
+        """The timings the line is fitted through (kept across conversations: engine/costs.py)."""
+        return {size: list(times) for size, times in self._verify.items()}
+
+    def load(self, samples: dict[int, list[float]]) -> None:
+        """Start from timings measured earlier on this machine and model."""
+        for size, times in samples.items():
+            if size > 0:
+                q = self._verify.setdefault(size, deque(maxlen=self._per_size))
+                q.extend(float(t) for t in times if t > 0)
+
     def record(self, batch: int, verify_ms: float) -> None:
         if batch > 0:
             self._verify.setdefault(batch, deque(maxlen=self._per_size)).append(verify_ms)
@@ -143,3 +154,83 @@ class DraftBreakEven:
             return self.prior
         a, m = fit
         return min(1.0, (m + draft_step_ms) / a)
+
+
+class DraftGate:
+    """A whole-reply floor: drafting stays on only while rounds that draft beat plain steps.
+
+    The per-token threshold (:class:`DraftBreakEven`) rests on the drafters' own estimates of
+    their acceptance, which can be wrong for a reply they were not tuned on. The gate checks
+    the outcome instead: each round that drafted books what it saved against plain decoding,
+    ``emitted * plain_ms - round_ms``, where ``plain_ms`` is the measured cost of the plain
+    rounds around it (same depth, same overheads). Risk is budgeted like a bankroll:
+    - a round may draft only as many tokens as the booked savings plus ``budget_steps``
+      plain steps could pay for if every one of them were rejected (``row_ms`` each), and at
+      least ``probe_len``; savings count up to ``max_bank_steps`` plain steps;
+    - once the booked loss passes ``budget_steps`` plain steps the gate closes for
+      ``backoff`` plain rounds, doubling after each loss (up to ``max_backoff``), and resets
+      the back-off once the bank is full (drafting clearly pays here).
+    Every reply starts open (it may copy its input). A reply of n tokens thus loses at most
+    about ``(budget_steps + probe_len * row/plain) * log2(n / backoff)`` plain steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        budget_steps: float = 0.5,
+        max_bank_steps: float = 8.0,
+        backoff: int = 32,
+        max_backoff: int = 512,
+        probe_len: int = 1,
+    ) -> None:
+        self.budget_steps = budget_steps
+        self.max_bank_steps = max_bank_steps
+        self.initial_backoff = backoff
+        self.max_backoff = max_backoff
+        self.probe_len = probe_len
+        self.backoff = backoff
+        self.plain_ms: float | None = None  # decayed cost of one plain round, measured
+        self._closed_for = 0  # plain rounds left before the next probe
+        self._saved_ms = 0.0  # booked since the gate last opened
+        self.closures = 0  # times the gate closed (reports and tests)
+
+    def is_open(self) -> bool:
+        return self._closed_for == 0
+
+    def draft_cap(self, s_max: int, row_ms: float | None = None) -> int:
+        """Most tokens the next round may draft; ``row_ms``: what one more verified row costs
+        (None: unknown, taken as a whole plain step, the compute-bound worst case)."""
+        if not self.is_open() or self.plain_ms is None:
+            return 0  # closed, or no plain round measured yet to compare drafting with
+        row = self.plain_ms if row_ms is None else row_ms
+        if row <= 0.0:
+            return s_max  # extra rows are free (memory-bound): nothing to risk
+        affordable = int((self._saved_ms + self.budget_steps * self.plain_ms) / row)
+        return max(0, min(s_max, max(self.probe_len, affordable)))
+
+    def record(self, drafted: int, emitted: int, round_ms: float) -> None:
+        """One round: how many tokens it drafted and emitted, and its wall time."""
+        if emitted <= 0 or round_ms <= 0:
+            return
+        if drafted == 0:
+            per = round_ms / emitted
+            self.plain_ms = per if self.plain_ms is None else 0.8 * self.plain_ms + 0.2 * per
+            if self._closed_for > 0:
+                self._closed_for -= 1
+            return
+        if self.plain_ms is None:
+            return  # nothing to compare with yet
+        bank = self.max_bank_steps * self.plain_ms
+        self._saved_ms = min(bank, self._saved_ms + emitted * self.plain_ms - round_ms)
+        if self._saved_ms >= bank:
+            self.backoff = self.initial_backoff  # drafting pays here: forget the losses
+        elif self._saved_ms < -self.budget_steps * self.plain_ms:
+            self._closed_for = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+            self._saved_ms = 0.0
+            self.closures += 1
+
+    def new_reply(self) -> None:
+        """A reply starts: probe at once (it may copy its input), keeping the back-off learnt."""
+        self._closed_for = 0
+        self._saved_ms = 0.0

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
 
-from potluck.engine.adaptive import LengthConfig, SpeculationLength
+import numpy as np
+import pytest
+
+from potluck.engine.adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
+from potluck.engine.costs import CostBook, SavedLine
 
 
 def simulate(
@@ -57,3 +61,107 @@ def test_zero_emitted_rounds_are_ignored() -> None:
     ctl = SpeculationLength(LengthConfig(s_init=3, s_max=5, decision_threshold=2))
     ctl.record(0, 1.0, 1.0)
     assert ctl.decisions == [] and ctl.length() == 3
+
+
+# --------------------------------------------------------------------------- break-even
+
+
+def test_break_even_recovers_a_known_cost_line() -> None:
+    """Verify ms = a + m * (k - 1) with noise: the fitted line and threshold are the true ones."""
+    a, m = 12.0, 9.0  # compute-bound box: each extra row costs 0.75 of a plain step
+    rng = np.random.default_rng(1)
+    be = DraftBreakEven()
+    assert be.line() is None and be.threshold() == be.prior  # nothing measured: the prior
+    for _ in range(200):
+        k = int(rng.integers(1, 9))
+        be.record(k, (a + m * (k - 1)) * rng.uniform(0.98, 1.02))
+    fit = be.line()
+    assert fit is not None
+    assert abs(fit[0] - a) < 0.5 and abs(fit[1] - m) < 0.3
+    assert abs(be.threshold() - m / a) < 0.03
+    # a draft model's own step cost adds to what one more token must pay for
+    assert abs(be.threshold(draft_step_ms=3.0) - (m + 3.0) / a) < 0.03
+    assert be.threshold(draft_step_ms=50.0) == 1.0  # never pays: capped at certainty
+
+
+def test_break_even_flat_curve_drafts_freely() -> None:
+    be = DraftBreakEven()
+    for k in (1, 2, 4, 8) * 10:
+        be.record(k, 20.0)  # memory-bound: a batch costs what one token costs
+    assert be.threshold() < 0.01
+
+
+def test_break_even_keeps_multi_token_samples_through_long_plain_runs() -> None:
+    be = DraftBreakEven()
+    for k in (1, 2, 3, 4):
+        be.record(k, 10.0 + 7.0 * (k - 1))
+    for _ in range(1000):
+        be.record(1, 10.0)  # a long stretch of plain decoding
+    assert be.line() is not None and abs(be.threshold() - 0.7) < 0.02
+
+
+def test_cost_line_is_kept_across_runs(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    be = DraftBreakEven()
+    for k in (1, 2, 3, 4) * 3:
+        be.record(k, 10.0 + 7.0 * (k - 1))
+    SavedLine(CostBook(path), "m|t2").keep(be.samples())
+    again = DraftBreakEven()
+    again.load(SavedLine(CostBook(path), "m|t2").restore())
+    assert again.line() == pytest.approx(be.line())
+    assert SavedLine(CostBook(path), "other").restore() == {}  # keyed by machine and model
+    path.write_text("{not json")
+    assert CostBook(path).get("m|t2") == {}  # a damaged file only means starting over
+
+
+# --------------------------------------------------------------------------- the floor
+
+
+def run_gate(
+    alpha: float, rounds: int, seed: int = 0, k_max: int = 7, row_ms: float = 7.5
+) -> tuple[DraftGate, float, float]:
+    """A synthetic reply under the gate: returns (gate, ms spent, ms plain would have spent).
+
+    Plain step 10 ms; each drafted row adds ``row_ms`` (7.5: compute-bound, docs/facts.md
+    §6); each draft token is accepted with probability ``alpha`` (a chain stops at the first
+    rejection).
+    """
+    rng = np.random.default_rng(seed)
+    gate = DraftGate()
+    gate.new_reply()
+    spent = 0.0
+    emitted_total = 0
+    while emitted_total < rounds:
+        k = gate.draft_cap(k_max, row_ms)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        ms = 10.0 + row_ms * k  # pending token + k drafts
+        spent += ms
+        emitted_total += accepted + 1
+        gate.record(k, accepted + 1, ms)
+    return gate, spent, 10.0 * emitted_total
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.7, 0.9])
+def test_gate_keeps_losing_drafts_within_the_floor(alpha: float) -> None:
+    """Drafts that do not pay: whole replies, short and long, stay >= 0.95x plain."""
+    for n in (30, 100, 400, 2000):
+        for seed in range(5):
+            gate, spent, plain = run_gate(alpha, n, seed)
+            assert plain / spent >= 0.95, (alpha, n, seed, plain / spent)
+    assert gate.closures > 0  # the path ran: the gate closed on these replies
+
+
+def test_gate_stays_open_when_drafts_pay() -> None:
+    """Flat batch costs (long contexts: reading the KV cache dominates) and good drafts."""
+    for seed in range(5):
+        gate, spent, plain = run_gate(0.9, 400, seed, row_ms=2.5)
+        # an unlucky first probe may close it once; it reopens and stays open
+        assert gate.closures <= 1 and plain / spent > 1.5, (seed, gate.closures, plain / spent)
+
+
+def test_gate_ignores_rounds_before_a_plain_cost_is_known() -> None:
+    gate = DraftGate()
+    gate.record(4, 1, 100.0)  # a drafting round, but no plain round measured yet
+    assert gate.is_open() and gate.plain_ms is None

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import limits
-from ..adaptive import DraftBreakEven, LengthConfig, SpeculationLength
+from ..adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
+from ..costs import SavedLine, saved_line
 from ..drafters import Draft, Drafter, DraftRequest
 from ..errors import PotluckError
 from ..sampling import Sampler, probs
@@ -46,22 +47,48 @@ class Speculative(Strategy):
     name = "speculative"
     description = "draft, verify in one batch, keep the accepted prefix"
 
-    def __init__(self, drafter: Drafter, length: LengthConfig, *, adaptive: bool = True) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        length: LengthConfig,
+        *,
+        adaptive: bool = True,
+        costs: SavedLine | None = None,
+    ) -> None:
         self.drafter = drafter
         self.length_config = length
         self.adaptive = adaptive
         self.length = SpeculationLength(length)
+        # the verify-cost line is the machine's and the model's: kept across conversations
         self.break_even = DraftBreakEven()
+        self.costs = costs
+        if costs is not None:
+            self.break_even.load(costs.restore())
+        self.gate = DraftGate()
 
     def run(self, g: Generation) -> Iterator[Round]:
+        try:
+            yield from self._rounds(g)
+        finally:
+            if self.costs is not None:
+                self.costs.keep(self.break_even.samples())
+
+    def _rounds(self, g: Generation) -> Iterator[Round]:
         target, sampler = g.target, g.sampler
         pending: list[int] = []  # last emitted token: in g.history, not yet in the KV cache
         head_logits = g.first_logits  # target logits after g.history while nothing is pending
+        self.gate.new_reply()
 
         while True:
             # 1. how far to speculate: never past the reply's end or the exact batch size;
-            #    and how likely a draft token must be to pay for its share of the batch
-            s = self.length.length() if self.adaptive else self.length_config.s_max
+            #    and how likely a draft token must be to pay for its share of the batch;
+            #    the gate keeps the whole reply from falling below plain decoding
+            if self.adaptive:
+                fit = self.break_even.line()  # risk of one more row: its verify + draft cost
+                row_ms = fit[1] + self.drafter.step_ms if fit else None
+                s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
+            else:
+                s = self.length_config.s_max
             k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
             min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
             if min_accept_p >= 1.0:
@@ -92,6 +119,8 @@ class Speculative(Strategy):
             draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             self.length.record(len(tokens), draft_ms, verify_ms)
             self.break_even.record(len(batch), verify_ms)
+            if batch:  # a round with no target decode (the very first, undrafted) says nothing
+                self.gate.record(len(drafts), len(tokens), draft_ms + verify_ms)
             yield Round(
                 tokens=tokens,
                 drafted=len(drafts),
@@ -112,7 +141,7 @@ class Speculative(Strategy):
     def reset(self) -> None:
         self.drafter.reset()
         self.length = SpeculationLength(self.length_config)
-        self.break_even = DraftBreakEven()
+        self.gate = DraftGate()
 
     def close(self) -> None:
         self.drafter.close()
@@ -168,6 +197,15 @@ def _bool_option(spec: EngineSpec, key: str, default: bool) -> bool:
     return value
 
 
+def saved_costs(target_model: Model, spec: EngineSpec) -> SavedLine:
+    """Where this target's verify-cost line is kept (engine/costs.py)."""
+    from ..runtime import ContextParams, default_threads
+
+    where = "cluster:" + ",".join(spec.cluster.nodes) if spec.cluster else "local"
+    threads = spec.n_threads or default_threads()
+    return saved_line(target_model.path, threads, ContextParams().kv_type, where)
+
+
 LENGTH_OPTIONS = {
     "max_draft": "the most tokens drafted in one round",
     "initial_draft": "tokens drafted in the first round (the length then adapts)",
@@ -208,7 +246,8 @@ class DraftModelSpeculative(Speculative):
         except BaseException:
             draft_model.close()
             raise
-        return cls(drafter, LengthConfig(s_init=s_init, s_max=s_max), adaptive=adaptive)
+        length = LengthConfig(s_init=s_init, s_max=s_max)
+        return cls(drafter, length, adaptive=adaptive, costs=saved_costs(target_model, spec))
 
 
 class NgramSpeculative(Speculative):
@@ -225,4 +264,5 @@ class NgramSpeculative(Speculative):
         s_max = _int_option(spec, "max_draft", 7, 1, MAX_EXACT_BATCH - 1)
         s_init = _int_option(spec, "initial_draft", s_max, 0, s_max)
         adaptive = _bool_option(spec, "adaptive", True)
-        return cls(NgramDrafter(n_max), LengthConfig(s_init=s_init, s_max=s_max), adaptive=adaptive)
+        length = LengthConfig(s_init=s_init, s_max=s_max)
+        return cls(NgramDrafter(n_max), length, adaptive=adaptive, costs=saved_costs(target_model, spec))
