@@ -183,11 +183,11 @@ def strategy_fits(strategy: str, draft: Path | None, options: dict[str, object])
 
     cls = get_strategy_class(strategy)
     cls.check_options(options)
-    with_draft = ", ".join(n for n, c in STRATEGIES.items() if c.needs_draft) or "none"
+    with_draft = ", ".join(n for n, c in STRATEGIES.items() if c.needs_draft or c.accepts_draft) or "none"
     if cls.needs_draft and draft is None:
         raise PotluckError(f"strategy {strategy!r} needs a draft model: pass --draft PATH (a small GGUF "
                            "with the target's vocabulary)")
-    if draft is not None and not cls.needs_draft:
+    if draft is not None and not (cls.needs_draft or cls.accepts_draft):
         raise PotluckError(f"--draft is only used by --strategy {with_draft}, not {strategy!r}; "
                            "drop --draft or pick one of those")
     return cls

@@ -72,6 +72,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     needs_draft: ClassVar[bool] = False
+    accepts_draft: ClassVar[bool] = False  # takes an optional --draft (needs_draft implies it)
     description: ClassVar[str] = ""
     n_sequences: ClassVar[int] = 1  # KV sequences the target must offer (side runs, partitions)
     # strategy options (EngineSpec.strategy_options, `bench --option`): name -> what it sets

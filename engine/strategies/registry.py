@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Strategy
+from .minions import Minions
 from .plain import Autoregressive
 from .speculative import DraftModelSpeculative, NgramSpeculative
 
@@ -10,6 +11,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     Autoregressive.name: Autoregressive,
     DraftModelSpeculative.name: DraftModelSpeculative,
     NgramSpeculative.name: NgramSpeculative,
+    Minions.name: Minions,
 }
 
 

@@ -1,0 +1,340 @@
+"""Minions (Wang et al. 2024): several drafters vote, drafting runs ahead of verification.
+
+The round loop is :class:`~.speculative.Speculative`'s (one chain, one target batch of at
+most ``MAX_EXACT_BATCH`` tokens, trim the rejected tail; the adaptive length, the break-even
+threshold and the whole-reply floor come with it). What Minions changes is where the chain
+comes from, :class:`MajorityVote`, a drafter made of drafters:
+
+- voters: the draft model (``--draft``, optional), a prompt lookup (longest earlier match,
+  :mod:`..drafters.lookup`), ANPD's N-gram tables (N = 5) and a second table with a short N
+  (N = 3: the most frequent continuation of the last two tokens, where N = 5 mostly copies
+  the latest occurrence of a 4-token context);
+- their chains merge into a weighted token tree and the heaviest path is verified
+  (:mod:`..voting`); after each round every voter is scored against the target's tokens and
+  its weight follows its acceptance;
+- decoupled drafting: drafters that cost real time (the draft model) draft the NEXT round on
+  a worker thread while the target verifies this one, assuming the whole path is accepted
+  (their first token guesses the target's bonus token). The verifier takes that entry from
+  the pool only if the conversation grew exactly as assumed; otherwise the entry is dropped
+  from the divergence on and the drafter drafts afresh. N-gram and lookup drafts cost
+  microseconds and are always drafted in place.
+
+Exactness. Greedy: the verified chain is checked against the target's argmax, whatever drafted
+it. Sampling: a chain whose tokens do not depend on the verifier's random draws may always be
+verified as deterministic drafts (``q = None``). A draft model's ``q`` rows are used only when
+the verified chain is its own and that choice was made before its tokens were drawn: the
+draft model is the heaviest voter at the start of the round (choosing its chain because
+others agreed with its sampled tokens would bias them). Seeded runs repeat exactly: every
+voter draws from its own generator, and what the worker drafts ahead is fixed before it
+starts (never "as much as fits while the target runs").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..adaptive import LengthConfig
+from ..drafters import Draft, Drafter, DraftRequest
+from ..errors import PotluckError
+from ..target import MAX_EXACT_BATCH
+from ..voting import DrafterVote, DrafterWeights, WeightConfig, heaviest_path, judge
+from .base import Generation, Round, Strategy
+from .speculative import LENGTH_OPTIONS, Speculative, _bool_option, _int_option, saved_costs
+
+if TYPE_CHECKING:
+    from ..loader import EngineSpec
+    from ..runtime import Model
+
+
+@dataclass(frozen=True)
+class MinionsRound(Round):
+    """A round plus what the panels show: each voter's standing and the pool's overlap."""
+
+    votes: tuple[DrafterVote, ...] = ()
+    ahead_ms: float = 0.0  # drafting done on the worker thread (finished since last round)
+    overlap_ms: float = 0.0  # of which ran while the target was verifying
+    pool_hits: int = 0  # voters whose chain this round came from the pool
+
+
+@dataclass
+class _Ahead:
+    """A pool entry: what a voter drafted assuming ``path`` is accepted after ``base`` tokens."""
+
+    base: int  # conversation length when the round drafted
+    last: int  # the conversation's token at base - 1 (cheap check that it was not edited)
+    seq: list[int]  # path + the voter's tokens after it (the first guesses the bonus token)
+    n_path: int
+    q: list[np.ndarray] | None  # q rows of seq[n_path:], sampled drafts only
+
+
+@dataclass
+class _Pending:
+    """Chains of the last draft, scored once the target's tokens after ``base`` are known."""
+
+    base: int
+    chains: list[list[int]]
+
+
+class MajorityVote:
+    """A drafter made of voters: merge their chains, verify the heaviest (see module doc)."""
+
+    name = "minions"
+
+    def __init__(
+        self,
+        voters: Sequence[tuple[str, Drafter]],
+        *,
+        ahead: Sequence[int] = (),
+        weights: WeightConfig | None = None,
+    ) -> None:
+        if not voters:
+            raise ValueError("MajorityVote needs at least one voter")
+        self.labels = [label for label, _ in voters]
+        self.voters = [d for _, d in voters]
+        self.ahead = sorted(set(ahead))  # voters drafted on the worker thread
+        self.weight_config = weights or WeightConfig()
+        self.weights = DrafterWeights(len(self.voters), self.weight_config)
+        self._pool: dict[int, _Ahead] = {}
+        self._pending: _Pending | None = None
+        self._job: Future[tuple[float, float]] | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._verify_from = 0.0  # when the target started verifying the last path
+        self._verify_to = 0.0
+        self._last: list[int] = [0] * len(self.voters)  # chain lengths of the last draft
+        self._voted = -1
+        self._hits = 0  # pool hits in the last draft
+        self._misses = [0.0] * len(self.voters)  # decayed pool miss rate of ahead voters
+        # measured: worker drafting, and the part of it that overlapped a verification
+        self.ahead_ms = 0.0
+        self.overlap_ms = 0.0
+        self._unreported = (0.0, 0.0)
+
+    # -- the drafter contract
+    @property
+    def step_ms(self) -> float:
+        """Cost of one more drafted token on the verifier's path: in-place voters in full,
+        voters drafted ahead only as often as the pool missed."""
+        return sum(
+            d.step_ms * (self._misses[i] if i in self.ahead else 1.0) for i, d in enumerate(self.voters)
+        )
+
+    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
+        self._join()
+        self._pool.clear()
+        self._pending = None
+        for voter, child in zip(self.voters, rng.spawn(len(self.voters))):
+            voter.begin(context, child)
+
+    def draft(self, req: DraftRequest) -> Draft:
+        self._join()
+        if self._pending is not None:  # not settled by Minions.run: read the tokens from context
+            p = self._pending
+            self.settle(p.base, req.context[p.base : p.base + max(map(len, p.chains), default=0) + 1])
+        k = req.max_tokens
+        chains: list[list[int]] = []
+        qs: list[list[np.ndarray] | None] = []
+        self._hits = 0
+        for i, voter in enumerate(self.voters):
+            got = self._from_pool(i, req.context, k)
+            if i in self.ahead:
+                self._misses[i] = 0.8 * self._misses[i] + 0.2 * (got is None)
+            if got is None:
+                d = voter.draft(req)
+                got = (d.tokens[:k], d.q[:k] if d.q is not None else None)
+            else:
+                self._hits += 1
+            chains.append(got[0])
+            qs.append(got[1])
+        leader = self.weights.leader()
+        if not req.sampling.greedy and qs[leader] is not None and chains[leader]:
+            path, voted, q = chains[leader], leader, qs[leader]  # sd's acceptance, chosen blind
+        else:
+            path, voted = heaviest_path(chains, self.weights.weights)
+            q = None  # any chain the verifier's draws did not choose is a valid deterministic draft
+        self._pending = _Pending(len(req.context), chains)
+        self._last = [len(c) for c in chains]
+        self._voted = voted
+        if path and self.ahead:
+            self._start_ahead(req, path)
+        self._verify_from = time.perf_counter()
+        return Draft(path, q)
+
+    def accept(self, n_accepted: int) -> None:
+        """The verification ended; voters are scored in :meth:`settle` (it needs the target's
+        own token too, which a rejected chain's rivals may have guessed)."""
+        self._verify_to = time.perf_counter()
+
+    def reset(self) -> None:
+        self._join()
+        self._pool.clear()
+        self._pending = None
+        self.weights = DrafterWeights(len(self.voters), self.weight_config)
+        for voter in self.voters:
+            voter.reset()
+
+    def close(self) -> None:
+        try:
+            self._join()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            for voter in self.voters:
+                voter.close()
+
+    # -- voting and scoring
+    def settle(self, base: int, truth: Sequence[int]) -> None:
+        """Score the last draft's chains: ``truth`` is what the target produced after the
+        first ``base`` tokens (the kept drafts and its own token)."""
+        p, self._pending = self._pending, None
+        if p is None or p.base != base:
+            return
+        for i, chain in enumerate(p.chains):
+            if not chain:
+                continue
+            kept, judged = judge(chain, truth)
+            self.weights.record(i, kept, judged)
+            self.voters[i].accept(kept)
+
+    def report(self) -> tuple[DrafterVote, ...]:
+        w = self.weights
+        return tuple(
+            DrafterVote(label, w.weights[i], w.acceptance(i), self._last[i], i == self._voted)
+            for i, label in enumerate(self.labels)
+        )
+
+    def take_times(self) -> tuple[float, float]:
+        """(ahead ms, overlapped ms) of worker drafts finished since the last call."""
+        out, self._unreported = self._unreported, (0.0, 0.0)
+        return out
+
+    @property
+    def pool_hits(self) -> int:
+        return self._hits
+
+    # -- the pool
+    def _start_ahead(self, req: DraftRequest, path: list[int]) -> None:
+        """Draft the next round for the ahead voters on the worker, assuming ``path`` is kept.
+
+        The length is fixed here (this round's + the guessed bonus token), so what the worker
+        draws from a voter's generator never depends on how long the target takes.
+        """
+        base = len(req.context)
+        assumed = [*req.context, *path]  # a copy: the session appends to the live history
+        ahead_req = DraftRequest(assumed, req.max_tokens + 1, req.min_accept_p, req.sampling)
+        last = int(req.context[-1]) if base else -1
+
+        def run() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            for i in self.ahead:
+                d = self.voters[i].draft(ahead_req)
+                self._pool[i] = _Ahead(base, last, [*path, *d.tokens], len(path), d.q)
+            return t0, time.perf_counter()
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="minions-ahead")
+        self._job = self._worker.submit(run)
+
+    def _join(self) -> None:
+        """Wait for the worker's draft (the verifier never reads a voter the worker uses)."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        t0, t1 = job.result()
+        busy = (t1 - t0) * 1e3
+        end = self._verify_to if self._verify_to >= self._verify_from else t1
+        overlap = max(0.0, min(t1, end) - max(t0, self._verify_from)) * 1e3
+        self.ahead_ms += busy
+        self.overlap_ms += overlap
+        a, o = self._unreported
+        self._unreported = (a + busy, o + overlap)
+
+    def _from_pool(
+        self, i: int, context: Sequence[int], k: int
+    ) -> tuple[list[int], list[np.ndarray] | None] | None:
+        """Voter ``i``'s drafted-ahead chain if the conversation grew as it assumed."""
+        e = self._pool.pop(i, None)
+        if e is None or len(context) <= e.base or (e.base and context[e.base - 1] != e.last):
+            return None
+        grown = len(context) - e.base  # accepted drafts + the target's own token
+        if grown <= e.n_path or grown >= len(e.seq) or list(context[e.base :]) != e.seq[:grown]:
+            return None  # rejected inside the path, a different bonus token, or nothing left
+        start = grown - e.n_path  # into the voter's own tokens (its q rows)
+        q = e.q[start : start + k] if e.q is not None else None
+        return e.seq[grown : grown + k], q
+
+
+class Minions(Speculative):
+    name = "minions"
+    accepts_draft = True
+    description = "several drafters vote on a token tree; a draft model (--draft) drafts ahead"
+    options = {
+        **LENGTH_OPTIONS,
+        "ngram_max": "the longest N-gram of ANPD's tables (the first N-gram voter)",
+        "ngram_short": "the N of the second N-gram voter",
+        "ahead": "let a draft model draft the next round while the target verifies",
+    }
+
+    def __init__(
+        self, vote: MajorityVote, length: LengthConfig, *, adaptive: bool = True, **kw: object
+    ) -> None:
+        super().__init__(vote, length, adaptive=adaptive, **kw)  # type: ignore[arg-type]
+        self.vote = vote
+
+    def run(self, g: Generation) -> Iterator[Round]:
+        rounds = super().run(g)
+        try:
+            for rnd in rounds:
+                if rnd.drafted:
+                    self.vote.settle(len(g.history), rnd.tokens)  # history: not yet extended
+                ahead_ms, overlap_ms = self.vote.take_times()
+                base = {f.name: getattr(rnd, f.name) for f in fields(rnd)}
+                yield MinionsRound(
+                    **base,
+                    votes=self.vote.report() if rnd.drafted else (),
+                    ahead_ms=ahead_ms,
+                    overlap_ms=overlap_ms,
+                    pool_hits=self.vote.pool_hits if rnd.drafted else 0,
+                )
+        finally:
+            rounds.close()
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        from ..drafters.lookup import LookupDrafter
+        from ..drafters.ngram import NgramDrafter
+        from .speculative import DraftModelSpeculative
+
+        cls.check_options(spec.strategy_options)
+        n_max = _int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's N
+        n_short = _int_option(spec, "ngram_short", 3, 2, 16)
+        if n_short == n_max:
+            raise PotluckError(
+                f"strategy options ngram_short and ngram_max are both {n_max}: the second "
+                "N-gram voter would only repeat the first; pick two different values"
+            )
+        # a draft model: sd's defaults (short first drafts); without: anpd's
+        s_max = _int_option(spec, "max_draft", 12 if spec.draft else 7, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "initial_draft", min(4, s_max) if spec.draft else s_max, 0, s_max)
+        adaptive = _bool_option(spec, "adaptive", True)
+        ahead = _bool_option(spec, "ahead", True)
+        voters: list[tuple[str, Drafter]] = []
+        if spec.draft is not None:
+            # sd loads, checks and sizes the draft model; Minions keeps only its drafter
+            sd = DraftModelSpeculative.build(target_model, replace(spec, strategy="sd", strategy_options={}))
+            voters.append(("draft-model", sd.drafter))  # type: ignore[attr-defined]
+        voters += [
+            ("lookup", LookupDrafter()),
+            (f"ngram{n_max}", NgramDrafter(n_max)),
+            (f"ngram{n_short}", NgramDrafter(n_short)),
+        ]
+        vote = MajorityVote(voters, ahead=[0] if spec.draft is not None and ahead else [])
+        length = LengthConfig(s_init=s_init, s_max=s_max)
+        return cls(vote, length, adaptive=adaptive, costs=saved_costs(target_model, spec))
+
