@@ -27,8 +27,51 @@ def _base(env_var: str, fallback: str) -> Path:
 
 
 def _ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    return private_dir(path)
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder only its owner can enter (0700), created with that mode so it
+    is never readable by others, even for an instant. An existing folder is tightened."""
+    path = Path(path)
+    if not path.is_dir():
+        old = os.umask(0o077)
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        finally:
+            os.umask(old)
+    try:
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o700)
+    except OSError:
+        pass
     return path
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` readable by its owner only (0600 from the first byte, never chmodded
+    after the fact), replacing it atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def check_private(path: Path) -> None:
+    """Raise ``PermissionError`` if ``path`` (a secret) can be read or changed by others."""
+    st = Path(path).stat()
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} is accessible to other users (mode {st.st_mode & 0o777:o}); run `chmod 600 {path}`"
+        )
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user")
 
 
 def config_dir() -> Path:

@@ -54,10 +54,22 @@ class NodeFailedError(PotluckError):
     """A worker died, froze, went away or refused work; the message names it."""
 
 
+class NodeBusyError(NodeFailedError):
+    """The worker serves another head (it refused our hello with code ``busy``)."""
+
+
+def max_result_bytes(n_batch: int, n_vocab: int) -> int:
+    """The largest message a worker may send this head: a result of every row of the
+    largest batch at the head's own vocabulary width, plus headers (ZMQ_MAXMSGSIZE)."""
+    return n_batch * n_vocab * 4 + (1 << 20) if n_vocab > 0 else -1
+
+
 class NodeLink:
     """One CURVE DEALER connection from the head to one worker, with its monitor."""
 
-    def __init__(self, zctx: zmq.Context, keys: CurveKeys, address: str, head_id: bytes) -> None:
+    def __init__(
+        self, zctx: zmq.Context, keys: CurveKeys, address: str, head_id: bytes, max_msg_bytes: int = -1
+    ) -> None:
         self.address = address
         self.node_id = ""
         self.layers: tuple[int, int] | None = None
@@ -66,6 +78,7 @@ class NodeLink:
         self.auth_failed = False
         self.sock = client_socket(zctx, keys, head_id)
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # a bigger one drops the connection
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -131,7 +144,8 @@ class NodeLink:
         """The next reply to a request; a refusal becomes :class:`NodeFailedError`."""
         msg = self.read()
         if isinstance(msg, wire.Error):
-            raise NodeFailedError(f"{self.describe()} refused: {msg.message}")
+            cls = NodeBusyError if msg.code == "busy" else NodeFailedError
+            raise cls(f"{self.describe()} refused: {msg.message}")
         return msg
 
     def request(self, msg: wire.WireMessage, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.WireMessage:
@@ -140,7 +154,10 @@ class NodeLink:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(100):
-                return self.recv()
+                reply = self.recv()
+                if isinstance(reply, wire.Pong) and reply.nonce == wire.PROBE_NONCE:
+                    continue  # the worker checking we are still here
+                return reply
             lost = self.drain_events()
             if lost:
                 raise NodeFailedError(f"{self.describe()} {lost}")
@@ -156,7 +173,15 @@ class NodeLink:
         return f"{self.describe()} did not answer within {timeout_s:g} s"
 
     def join(self, head_id: str, version: str, timeout_s: float = JOIN_TIMEOUT_S) -> wire.Welcome:
-        reply = self.request(wire.Hello(head_id, version), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:  # a worker whose last head just vanished is busy until it notices (< 3 s)
+            try:
+                reply = self.request(wire.Hello(head_id, version), max(0.5, deadline - time.monotonic()))
+                break
+            except NodeBusyError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
         if not isinstance(reply, wire.Welcome):
             raise NodeFailedError(f"{self.describe()} answered hello with {reply.TYPE}")
         self.welcome, self.node_id = reply, reply.node_id
@@ -369,6 +394,13 @@ class PipelineTarget(TargetBase):
                 msg = link.read()
                 got = got or True
                 if isinstance(msg, wire.Result) and link is self.links[-1] and msg.txn in self._expected:
+                    rows = self._expected[msg.txn]
+                    if not msg.skip and msg.logits.shape != (rows, self.n_vocab):
+                        # checked against this head's own vocabulary, never the worker's word
+                        raise NodeFailedError(
+                            f"{link.describe()} sent logits of shape {msg.logits.shape} for transaction "
+                            f"{msg.txn}, expected ({rows}, {self.n_vocab})"
+                        )
                     self._results[msg.txn] = msg
                 elif isinstance(msg, wire.Error):
                     why = f"{link.describe()} refused: {msg.message}"
@@ -421,12 +453,15 @@ def open_pipeline(
     progress: Progress | None = None,
     slice_cache: SliceCache | None = None,
     join_timeout_s: float = JOIN_TIMEOUT_S,
+    skip_failed_joins: bool = False,
     stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> PipelineTarget:
     """Join the workers at ``addresses``, plan the split, send slices, load the stages.
 
     ``split``: fixed layer boundaries (e.g. ``[0, 9, 18]``), one stage per address in order;
     None plans by free memory and speed score. ``on_plan`` sees the plan before anything loads.
+    ``skip_failed_joins`` (``--nodes auto``): a node that does not join is skipped with a
+    warning instead of failing the pipeline (anyone can advertise a zeroconf record).
     """
     if not addresses:
         raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
@@ -438,11 +473,21 @@ def open_pipeline(
             f"exact layer splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
         )
     zctx = zmq.Context()
-    head_id = f"head-{os.urandom(6).hex()}"
-    links = [NodeLink(zctx, keys, addr, head_id.encode()) for addr in addresses]
+    head_id = f"head-{os.urandom(16).hex()}"  # the routing id that owns our stages: unguessable
+    max_msg = max_result_bytes(n_batch, costs.n_vocab)
+    links = [NodeLink(zctx, keys, addr, head_id.encode(), max_msg) for addr in addresses]
     try:
-        for link in links:
-            link.join(head_id, potluck_version, join_timeout_s)
+        for link in list(links):
+            try:
+                link.join(head_id, potluck_version, join_timeout_s)
+            except NodeFailedError as e:
+                if not skip_failed_joins:
+                    raise
+                log.warning("skipping %s: %s", link.address, e)
+                link.close(release=False)
+                links.remove(link)
+        if not links:
+            raise PotluckError("none of the discovered workers could be joined; see the warnings above")
         ids = [lk.node_id for lk in links]
         if len(set(ids)) != len(ids):
             raise PotluckError("the same worker is listed twice in --nodes")
@@ -490,12 +535,16 @@ def open_pipeline(
             )
             if not isinstance(reply, wire.Loaded):
                 raise NodeFailedError(f"{lk.describe()} answered load with {reply.TYPE}")
+            if reply.n_vocab != costs.n_vocab:
+                raise NodeFailedError(
+                    f"{lk.describe()} loaded a vocabulary of {reply.n_vocab} tokens; the model has {costs.n_vocab}"
+                )
             loaded.append(reply)
         return PipelineTarget(
             zctx,
             links,
-            n_vocab=loaded[-1].n_vocab,
-            n_ctx=min(ld.n_ctx for ld in loaded),
+            n_vocab=costs.n_vocab,
+            n_ctx=min(n_ctx, *(ld.n_ctx for ld in loaded)),
             n_batch=n_batch,
             n_seq_max=n_seq_max,
             plan=plan,

@@ -6,6 +6,9 @@ measured on each worker). A stage's memory is its layers' bytes, the token embed
 the first stage, the output head on the last, its KV cache for ``n_ctx`` tokens and a
 fixed allowance for compute buffers. Dynamic programming over (nodes in order, layers)
 finds the assignment minimizing the bottleneck; nodes may get no layers.
+
+A range llama.cpp cannot load is never planned: a Gemma 3 slice without a sliding-window
+layer aborts the loading process (docs/facts.md §5), so every Gemma 3 stage holds one.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class LayerCosts:
     embd_bytes: int  # token_embd (first stage)
     head_bytes: int  # output_norm + output (last stage; tied models reuse token_embd)
     kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer
+    n_vocab: int = 0  # tokens in the GGUF's own vocabulary (the head checks results against it)
+    n_embd: int = 0
+    swa: tuple[bool, ...] | None = None  # per layer: sliding-window (archs with a pattern only)
 
     @property
     def n_layer(self) -> int:
@@ -116,7 +122,19 @@ def layer_costs(path: Path) -> LayerCosts:
     n_head_kv = num("attention.head_count_kv", n_head) or n_head
     head_dim = num("attention.key_length", n_embd // n_head)
     kv = 2 * n_head_kv * head_dim * 2  # K and V, f16
-    return LayerCosts(arch, tuple(per_layer), embd, head, kv)
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else num("vocab_size", 0)
+    swa = None
+    if arch == "gemma3":
+        from ..gguf_tools import _gemma3_swa_pattern
+
+        swa = tuple(_gemma3_swa_pattern(r, arch, range(n_layer)))
+    return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa)
+
+
+def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
+    """Whether llama.cpp can load layers [lo, hi) as a slice (Gemma 3: a sliding-window layer)."""
+    return costs.swa is None or any(costs.swa[lo:hi])
 
 
 def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
@@ -156,7 +174,9 @@ def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> Spli
         for j in range(n + 1):
             best[k][j], cut[k][j] = best[k - 1][j], j  # this node takes no layers
             for i in range(j):
-                if best[k - 1][i] == inf or stage_mem_mb(costs, i, j, n_ctx) > node.free_mb:
+                if best[k - 1][i] == inf or not loadable(costs, i, j):
+                    continue
+                if stage_mem_mb(costs, i, j, n_ctx) > node.free_mb:
                     continue
                 v = max(best[k - 1][i], _cost(costs, i, j, node))
                 if v < best[k][j]:
@@ -187,6 +207,12 @@ def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[i
         b = [*b, costs.n_layer]
     if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != costs.n_layer:
         raise PotluckError(f"split {b} is not increasing within 0..{costs.n_layer}")
+    for lo, hi in zip(b, b[1:]):
+        if not loadable(costs, lo, hi):
+            raise PotluckError(
+                f"split {b}: layers {lo}-{hi} hold no sliding-window layer, which llama.cpp cannot "
+                f"load for {costs.arch}; move the boundary"
+            )
     if len(b) - 1 != len(nodes):
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
     return SplitPlan(tuple(_assign(costs, nd, lo, hi, n_ctx) for nd, lo, hi in zip(nodes, b, b[1:])), costs.n_layer)

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_IVL_MS = 500
 HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
+HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is dropped
+SERVER_SNDHWM = 64  # replies queued per peer; past that a reply is dropped, never waited for
+MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
 ZAP_DOMAIN = "potluck"
 
 
@@ -39,15 +42,23 @@ def _common(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 
 
 def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> zmq.Socket:
-    """A ROUTER that only completes the CURVE handshake with token holders."""
+    """A ROUTER that only completes the CURVE handshake with token holders.
+
+    Its sends never wait: a peer that stops reading fills its own bounded queue
+    (``SERVER_SNDHWM``) and further replies to it are dropped (``zmq.Again``), so one slow
+    reader cannot stall the worker for everyone. Connections that do not finish the
+    handshake within ``HANDSHAKE_IVL_MS`` are closed, so idle TCP connections cannot pile up.
+    """
     sock = ctx.socket(zmq.ROUTER)
     _common(sock)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that is gone fails at once
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
-    sock.setsockopt(zmq.SNDTIMEO, 5000)  # never block forever on a peer that stopped reading
+    sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
+    sock.setsockopt(zmq.SNDTIMEO, 0)
     sock.curve_server = True
     sock.curve_publickey = keys.server_public
     sock.curve_secretkey = keys.server_secret
@@ -106,6 +117,25 @@ def read_event(monitor: zmq.Socket) -> tuple[int, str]:
     msg = parse_monitor_message(monitor.recv_multipart())
     endpoint = msg.get("endpoint", b"")
     return int(msg["event"]), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def raise_open_files_limit(want: int = MAX_OPEN_FILES) -> int:
+    """Raise this process's soft limit on open files toward ``want`` (capped by the hard
+    limit): with the default 1024 a flood of idle TCP connections exhausts the descriptors
+    and the listener stops accepting real heads until the handshake timeout frees them."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return int(soft)
 
 
 def endpoint(address: str) -> str:

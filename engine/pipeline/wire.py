@@ -33,12 +33,13 @@ import numpy as np
 from ..jobs import DecodeJob
 from ..kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 2  # 2: forward/kv carry engine jobs and KV ops; status has runner counters
+PROTOCOL_VERSION = 3  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
 MAX_ARRAYS = 4
 MAX_DIM = 1 << 31
+INT32_MAX = (1 << 31) - 1
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # one message; the worker also sets ZMQ_MAXMSGSIZE
 
 DTYPES: dict[str, np.dtype] = {
@@ -77,7 +78,9 @@ class WireMessage:
 
 @dataclass(frozen=True)
 class Hello(WireMessage):
-    """Head -> worker: join (a new head takes the worker over: its stage is released)."""
+    """Head -> worker: join. An idle worker's session goes to the sender (its routing id);
+    a worker whose stage is loaded refuses every other head with code ``busy`` until its
+    owner releases it or disconnects."""
 
     TYPE = "hello"
     head_id: str
@@ -198,7 +201,7 @@ class Loaded(WireMessage):
 
 @dataclass(frozen=True)
 class Release(WireMessage):
-    """Head -> worker: stop serving, free the stage, go back to waiting for a head."""
+    """Head -> worker: stop serving, free the stage, go back to waiting for a head (owner only)."""
 
     TYPE = "release"
 
@@ -222,8 +225,14 @@ class Ping(WireMessage):
 
 @dataclass(frozen=True)
 class Pong(WireMessage):
+    """Reply to :class:`Ping`; with ``nonce == PROBE_NONCE`` an unsolicited probe the worker
+    sends its owner to learn whether it is still connected (the head ignores it)."""
+
     TYPE = "pong"
     nonce: int
+
+
+PROBE_NONCE = -1
 
 
 @dataclass(frozen=True)
@@ -367,6 +376,9 @@ class KvApply(WireMessage):
             raise WireError(f"kv op must be one of {KV_OPS}")
         if self.seq < 0 or self.dst < -1 or self.p0 < -1 or self.p1 < -1:
             raise WireError("negative sequence id or position")
+        # llama.cpp takes these as int32: refuse what would wrap around before anything else
+        if max(self.seq, self.dst, self.p0, self.p1, abs(self.delta)) > INT32_MAX:
+            raise WireError("kv sequence id, position or shift beyond int32")
 
 
 @dataclass(frozen=True)
