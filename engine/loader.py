@@ -31,6 +31,7 @@ class ClusterSpec:
     potluck_version: str = "0"
     on_plan: Callable[[SplitPlan], None] | None = field(default=None, compare=False)
     progress: Callable[[str, int, int], None] | None = field(default=None, compare=False)
+    skip_failed_joins: bool = False  # --nodes auto: a node that does not join is skipped, with a warning
 
 
 @dataclass(frozen=True)
@@ -114,4 +115,5 @@ def _open_target(model: Model, spec: EngineSpec, n_sequences: int) -> Target:
         potluck_version=c.potluck_version,
         on_plan=c.on_plan,
         progress=c.progress,
+        skip_failed_joins=c.skip_failed_joins,
     )

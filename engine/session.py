@@ -168,6 +168,7 @@ class Session:
             raise
         finally:
             self._prefill_run = None
+        yield from target.notices(run_id)  # a worker lost and replaced during the prompt
         self._tokens = list(tokens)
         self._covered = rendered
         seeds = np.random.SeedSequence(sampling.seed)
@@ -208,6 +209,7 @@ class Session:
                 drafted += rnd.drafted
                 accepted += rnd.accepted
                 first_token_at = first_token_at or time.perf_counter()
+                yield from target.notices(run_id)
                 yield RoundStats(
                     run_id=run_id,
                     drafted=rnd.drafted,
@@ -246,6 +248,7 @@ class Session:
         ttft = (first_token_at or t_end) - t_start
         decode_s = t_end - t_prefill
         prefill_s = t_prefill - t_start
+        yield from target.notices(run_id)
         yield from target.node_status(run_id)
         yield Finished(
             run_id=run_id,

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import ContextFullError, PotluckError
-from .events import NodeStatus
+from .events import Event, NodeStatus
 from .jobs import DecodeJob, RunCancelled, Ticket
 from .kv import KvOp
 from .runner import StageRunner
@@ -83,6 +83,10 @@ class Target(Protocol):
 
     def node_status(self, run_id: int) -> list[NodeStatus]:
         """Health of the machines behind this target (empty on one machine)."""
+        ...
+
+    def notices(self, run_id: int) -> list[Event]:
+        """What happened to those machines since the last call (a node lost, a new plan)."""
         ...
 
     def close(self) -> None: ...
@@ -171,6 +175,9 @@ class TargetBase(ABC):
             self._n_past = n_past
 
     def node_status(self, run_id: int) -> list[NodeStatus]:
+        return []
+
+    def notices(self, run_id: int) -> list[Event]:
         return []
 
 

@@ -49,11 +49,12 @@ def start_worker(
     log_path = tmp / f"{name}.log"
     args = [
         sys.executable, "-m", "potluck.app.cli", "worker", "--port", "0", "--bind", "127.0.0.1",
-        "--token", token, "--threads", str(threads), "--cache-dir", str(tmp / f"{name}-cache"),
+        "--threads", str(threads), "--cache-dir", str(tmp / f"{name}-cache"),
         *(["--zeroconf-interface", "127.0.0.1"] if zeroconf else ["--no-zeroconf"]),
         *extra_args,
     ]
-    env = dict(os.environ, POTLUCK_HOME=str(tmp / f"{name}-home"), PYTHONUNBUFFERED="1")
+    # the token travels in the environment, never on the command line (`ps` shows those)
+    env = dict(os.environ, POTLUCK_HOME=str(tmp / f"{name}-home"), PYTHONUNBUFFERED="1", POTLUCK_TOKEN=token)
     log_file = open(log_path, "wb")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file, env=env)
     log_file.close()

@@ -31,11 +31,14 @@ def test_token_resolution(tmp_home, monkeypatch: pytest.MonkeyPatch) -> None:
     token = generate_token()
     save_token(token)
     assert resolve_token(None) == token
-    monkeypatch.setenv("POTLUCK_TOKEN", "x" * 20)
-    assert resolve_token(None) == "x" * 20
-    assert resolve_token("y" * 20) == "y" * 20
+    env_token, arg_token = generate_token(), generate_token()
+    monkeypatch.setenv("POTLUCK_TOKEN", env_token)
+    assert resolve_token(None) == env_token
+    assert resolve_token(arg_token) == arg_token
     with pytest.raises(PotluckError, match="too short"):
         resolve_token("short")
+    with pytest.raises(PotluckError, match="too predictable"):
+        resolve_token("x" * 40)
 
 
 def test_advertised_workers_are_found_and_leave() -> None:

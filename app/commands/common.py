@@ -53,7 +53,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "--nodes",
         help="workers as host:port,... in pipeline order, or 'auto' to find them with zeroconf",
     )
-    g.add_argument("--token", help="cluster token (default: $POTLUCK_TOKEN or the saved one)")
+    g.add_argument(
+        "--token-file", type=Path, help="file holding the cluster token, mode 0600 (default: $POTLUCK_TOKEN "
+        "or the one `potluck token` saved)",
+    )
+    g.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for scripts, warned about
     g.add_argument("--split", help="fixed layer boundaries, e.g. 0,12,30 (default: planned)")
     g.add_argument(
         "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"
@@ -68,6 +72,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
     nodes = getattr(args, "nodes", None)
     given = [
         flag for flag, value in (("--split", args.split), ("--token", args.token),
+                                 ("--token-file", getattr(args, "token_file", None)),
                                  ("--hidden-f16", args.hidden_f16 or None),
                                  ("--discover-timeout", args.discover_timeout))
         if value is not None
@@ -92,11 +97,10 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
     if nodes_arg is None:
         return None
     check_cluster_args(args)
-    from ...discovery.auth import keys_from_token, resolve_token
     from ...engine.loader import ClusterSpec
     from ..cli import potluck_version
 
-    keys = keys_from_token(resolve_token(args.token))
+    keys = cluster_keys(args)
     if nodes_arg == "auto":
         from ...discovery.lan import browse
 
@@ -113,9 +117,23 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
         split=split,
         hidden_dtype="f16" if args.hidden_f16 else "f32",
         potluck_version=potluck_version(),
+        skip_failed_joins=nodes_arg == "auto",
         on_plan=lambda plan: print("\n".join(plan.describe()), file=sys.stderr, flush=True),
         progress=_progress_bar,
     )
+
+
+def cluster_keys(args: argparse.Namespace):  # -> CurveKeys
+    """The CURVE keys from the token of --token-file, $POTLUCK_TOKEN or the saved file."""
+    from ...discovery.auth import keys_from_token, resolve_token
+
+    if getattr(args, "token", None):
+        print(
+            "warning: --token puts the cluster token where `ps` shows it to every user of this "
+            "machine; use $POTLUCK_TOKEN or --token-file instead",
+            file=sys.stderr,
+        )
+    return keys_from_token(resolve_token(args.token, getattr(args, "token_file", None)))
 
 
 def _progress_bar(what: str, done: int, total: int) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ...discovery.auth import generate_token, save_token, token_file
+from ...discovery.auth import generate_token, read_token_file, save_token, token_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,10 +21,12 @@ def run(args: argparse.Namespace) -> int:
             from ...engine.errors import PotluckError
 
             raise PotluckError("no saved token; run `potluck token` to make one")
-        print(path.read_text(encoding="utf-8").strip())
+        print(read_token_file(path))
         return 0
     token = generate_token()
     if not args.no_save:
-        save_token(token)
+        path = save_token(token)
+        print(f"saved to {path} (mode 600); give other machines the same token in $POTLUCK_TOKEN "
+              "or a file passed with --token-file", file=sys.stderr)
     print(token)
     return 0

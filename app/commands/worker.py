@@ -8,23 +8,32 @@ import signal
 import sys
 from pathlib import Path
 
-from ...discovery.auth import keys_from_token, resolve_token
 from ...engine import limits, paths
+from ...engine.errors import PotluckError
 from ...engine.pipeline.profile import measure_profile
-from ...engine.pipeline.worker import Worker
+from ...engine.pipeline.worker import DEFAULT_CACHE_QUOTA_MB, Worker
 from ...engine.runtime import default_threads
 from ..cli import potluck_version
+from .common import cluster_keys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="serve model layers to a head on the LAN (one per spare PC)")
     p.add_argument("--port", type=int, default=5733, help="TCP port (0: any free port; default 5733)")
     p.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
-    p.add_argument("--token", help="cluster token from `potluck token` (default: $POTLUCK_TOKEN or saved)")
+    p.add_argument(
+        "--token-file", type=Path,
+        help="file holding the cluster token, mode 0600 (default: $POTLUCK_TOKEN or the saved one)",
+    )
+    p.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for scripts, warned about
     p.add_argument("--cache-dir", type=Path, help="where received slices are kept (by sha256)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads, at most the cores (default 0: all)")
     p.add_argument(
         "--max-message-mb", type=int, default=256, help="largest message accepted (default 256 MB)"
+    )
+    p.add_argument(
+        "--cache-quota-mb", type=int, default=DEFAULT_CACHE_QUOTA_MB,
+        help=f"most disk the received slices may use; least recently used go first (default {DEFAULT_CACHE_QUOTA_MB})",
     )
     p.add_argument(
         "--no-zeroconf", action="store_true", help="do not advertise (heads must use --nodes)"
@@ -39,7 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # a worker's log lines (joins, loads, refusals) are its output
         logging.getLogger("potluck").setLevel(logging.INFO)
-    keys = keys_from_token(resolve_token(args.token))
+    keys = cluster_keys(args)
+    if args.cache_quota_mb < 1:
+        raise PotluckError("--cache-quota-mb must be at least 1")
+    if not 1 <= args.max_message_mb <= 4096:
+        raise PotluckError("--max-message-mb must be 1..4096")
     threads = limits.threads(args.threads, "--threads") or default_threads()
     profile = measure_profile(threads)
     cache = args.cache_dir or (paths.cache_dir() / "worker")
@@ -51,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         n_threads=threads,
         max_msg_bytes=args.max_message_mb << 20,
+        cache_quota_bytes=args.cache_quota_mb << 20,
         potluck_version=potluck_version(),
     )
     advertiser = None

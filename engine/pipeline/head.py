@@ -11,15 +11,23 @@ to every stage out of band: queued batches of the run are skipped, a running one
 The head needs the target's vocabulary and chat template only: the loader opens the target
 vocab-only, so a model too big for the head still works in cluster mode.
 
-Failure: every link has a ZeroMQ monitor; a worker that dies (socket closed) or freezes
-(heartbeats stop, 2.5 s) or refuses a transaction is reported by name as a
-:class:`NodeFailedError`, the target becomes unusable and the session keeps the
-conversation. A stage that stays busy past ``stall_timeout_s`` is named the same way.
+Failure and recovery: every link has a ZeroMQ monitor; a worker that dies (socket closed),
+freezes (heartbeats stop, 2.5 s), becomes unreachable or stays busy past ``stall_timeout_s``
+is named as lost. The head then re-plans over the workers that still answer, sends them
+their new slices, and replays its transaction log (:mod:`.recovery`) verbatim through the
+new chain, so the KV caches and every later result equal an uninterrupted run's; batches
+in flight are re-sent by the replay and their tickets stay valid. The strategy never
+notices; the session hears of it through :meth:`PipelineTarget.notices` (``NodeStatus``
+"lost"/"recovering", ``PlanChanged``). When no plan fits what is left, or a worker refuses
+work, the target becomes unusable with a :class:`NodeFailedError` naming the node, and the
+session keeps the conversation.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -32,13 +40,14 @@ import numpy as np
 import zmq
 
 from ..errors import PotluckError
-from ..events import NodeStatus
+from ..events import Event, NodeStatus, PlanChanged
 from ..gguf_tools import SPLITTABLE_ARCHS
 from ..jobs import DecodeJob, RunCancelled, Ticket
 from ..kv import KvOp
 from ..target import TargetBase
 from . import wire
 from .plan import NodeInfo, SplitPlan, layer_costs, manual_plan, plan_split
+from .recovery import LoggedBatch, LoggedKv, TransactionLog
 from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
 from .transport import AUTH_FAILED_EVENTS, CurveKeys, client_socket, endpoint, read_event
 
@@ -48,10 +57,26 @@ JOIN_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 60.0
 SEND_TIMEOUT_MS = 3000
+# A survivor may be blocked up to the worker's forward timeout (5 s) per batch it still tries
+# to pass to the lost node before it reads our hello.
+REJOIN_TIMEOUT_S = 15.0
+# Recoveries in a row without one result coming back: past this the cluster is flapping.
+MAX_RECOVERIES_IN_A_ROW = 3
+# Replayed batches whose results were already delivered run under this run id, which no
+# caller ever gets from new_run(): a cancel sent meanwhile can never skip one of them.
+REPLAY_RUN = 0
 
 
 class NodeFailedError(PotluckError):
     """A worker died, froze, went away or refused work; the message names it."""
+
+
+class NodeLostError(NodeFailedError):
+    """A worker stopped answering (died, froze, unreachable): the head may re-plan without it."""
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class NodeBusyError(NodeFailedError):
@@ -109,6 +134,9 @@ class NodeLink:
             elif self.handshaken and event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 lost = "disconnected (the worker stopped, crashed or froze)"
 
+    def lost(self, why: str) -> NodeLostError:
+        return NodeLostError(f"{self.describe()} {why}", self.address)
+
     def send(self, msg: wire.WireMessage) -> None:
         frames = wire.to_frames(msg)
         try:
@@ -116,8 +144,8 @@ class NodeLink:
         except zmq.Again:
             self.drain_events()
             if not self.handshaken:  # IMMEDIATE: nothing queues before the CURVE handshake
-                raise NodeFailedError(self._silence_reason(SEND_TIMEOUT_MS / 1000)) from None
-            raise NodeFailedError(f"{self.describe()} is unreachable (send timed out)") from None
+                raise NodeLostError(self._silence_reason(SEND_TIMEOUT_MS / 1000), self.address) from None
+            raise self.lost("is unreachable (send timed out)") from None
         self.bytes_out += wire.frames_nbytes(frames)
 
     def send_nowait(self, msg: wire.WireMessage) -> bool:
@@ -160,8 +188,8 @@ class NodeLink:
                 return reply
             lost = self.drain_events()
             if lost:
-                raise NodeFailedError(f"{self.describe()} {lost}")
-        raise NodeFailedError(self._silence_reason(timeout_s))
+                raise self.lost(lost)
+        raise NodeLostError(self._silence_reason(timeout_s), self.address)
 
     def _silence_reason(self, timeout_s: float) -> str:
         self.drain_events()
@@ -182,10 +210,40 @@ class NodeLink:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
+        return self._welcomed(reply)
+
+    def rejoin(self, head_id: str, version: str) -> None:
+        """Ask a worker of a broken chain to drop its stage and welcome us again (recovery).
+
+        Sent without waiting: :meth:`await_welcome` then skips what the old chain still sends."""
+        self.send(wire.Release())
+        self.send(wire.Hello(head_id, version))
+
+    def await_welcome(self, deadline: float) -> wire.Welcome:
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = self.read()
+                if isinstance(msg, wire.Welcome):
+                    return self._welcomed(msg)
+                if isinstance(msg, wire.Error) and not msg.txn:
+                    raise self.lost(f"refused to rejoin: {msg.message}")
+                continue  # results and refusals of the old chain's transactions
+            lost = self.drain_events()
+            if lost:
+                raise self.lost(lost)
+        raise NodeLostError(f"{self.describe()} did not answer a hello within {REJOIN_TIMEOUT_S:g} s", self.address)
+
+    def _welcomed(self, reply: wire.WireMessage) -> wire.Welcome:
+        if isinstance(reply, wire.Error):
+            raise NodeFailedError(f"{self.describe()} refused: {reply.message}")
         if not isinstance(reply, wire.Welcome):
             raise NodeFailedError(f"{self.describe()} answered hello with {reply.TYPE}")
         self.welcome, self.node_id = reply, reply.node_id
         return reply
+
+    def info(self) -> NodeInfo:
+        assert self.welcome is not None
+        return NodeInfo(self.node_id, self.address, self.welcome.free_mb, self.welcome.speed)
 
     def close(self, release: bool) -> None:
         if release and self.handshaken:
@@ -203,13 +261,77 @@ class WireStats:
 
     batches: int = 0
     tokens: int = 0
+    replayed_batches: int = 0  # batches sent again to rebuild KV caches after a loss
+    replayed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PipelineSetup:
+    """How to build a chain over some workers; the target keeps it to re-plan after a loss."""
+
+    model_path: Path
+    keys: CurveKeys
+    head_id: str
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    kv_unified: bool
+    hidden_dtype: str
+    potluck_version: str
+    slice_cache: SliceCache
+    progress: Progress | None = None
+
+
+def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[int] | None = None) -> SplitPlan:
+    """The layer plan over joined ``links`` (fixed boundaries, or by free memory and speed)."""
+    costs = layer_costs(setup.model_path)
+    nodes = [lk.info() for lk in links]
+    return manual_plan(costs, nodes, split, setup.n_ctx) if split else plan_split(costs, nodes, setup.n_ctx)
+
+
+def load_chain(
+    setup: PipelineSetup, links: Sequence[NodeLink], plan: SplitPlan, stats: TransferStats
+) -> list[wire.Loaded]:
+    """Send each stage its slice (unless it holds it) and load it; ``links`` in plan order."""
+    for lk, s in zip(links, plan.stages):
+        lk.layers = (s.lo, s.hi)
+    slices = setup.slice_cache.slices(setup.model_path, plan.bounds)
+    for lk, sl in zip(links, slices):
+        room = lk.welcome.max_message - (64 << 10)  # type: ignore[union-attr]
+        send_slice(lk.request, sl, stats, setup.progress, chunk_bytes=max(1 << 16, min(CHUNK_BYTES, room)))
+    loaded: list[wire.Loaded] = []
+    for i, (lk, sl) in enumerate(zip(links, slices)):
+        last = i == len(links) - 1
+        reply = lk.request(
+            wire.Load(
+                sha256=sl.sha256,
+                layer_lo=sl.lo,
+                layer_hi=sl.hi,
+                first=i == 0,
+                last=last,
+                n_ctx=setup.n_ctx,
+                n_batch=setup.n_batch,
+                n_seq_max=setup.n_seq_max,
+                kv_unified=setup.kv_unified,
+                hidden_dtype=setup.hidden_dtype,
+                next_addr="" if last else endpoint(links[i + 1].address),
+                upstream=setup.head_id if i == 0 else f"fwd-{links[i - 1].node_id}",
+                reply_to=setup.head_id,
+            ),
+            REQUEST_TIMEOUT_S * 4,
+        )
+        if not isinstance(reply, wire.Loaded):
+            raise NodeFailedError(f"{lk.describe()} answered load with {reply.TYPE}")
+        loaded.append(reply)
+    return loaded
 
 
 class PipelineTarget(TargetBase):
     """A Target whose layers run on a chain of workers; sequence 0 is the conversation.
 
     Sockets belong to the thread that made the target; ``cancel`` from any other thread is
-    queued and sent by that thread within one poll (50 ms).
+    queued and sent by that thread within one poll (50 ms). Tickets are the head's own
+    numbers: a batch keeps its ticket when a recovery re-sends it under a new transaction.
     """
 
     def __init__(
@@ -224,6 +346,8 @@ class PipelineTarget(TargetBase):
         plan: SplitPlan | None = None,
         transfer: TransferStats | None = None,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        setup: PipelineSetup | None = None,
+        recover: bool = True,
     ) -> None:
         super().__init__()
         self._zctx = zctx
@@ -236,17 +360,26 @@ class PipelineTarget(TargetBase):
         self.transfer = transfer or TransferStats()
         self.stall_timeout_s = stall_timeout_s
         self.stats = WireStats()
-        self._txn = 0
-        self._expected: dict[int, int] = {}  # txn of each batch in flight -> rows it returns
-        self._results: dict[int, wire.Result] = {}  # arrived, not yet waited for
-        self._refused: dict[int, str] = {}  # txn -> why a stage refused it
+        self.setup = setup
+        self.recover = recover and setup is not None
+        self.recoveries = 0  # chains rebuilt after a lost worker (tests, figures)
+        self.log = TransactionLog()
+        self._tickets = itertools.count(1)
+        self._txn = 0  # transactions sent to the current chain (each chain starts at 1)
+        self._txn_ticket: dict[int, int] = {}  # txn of each batch sent to this chain -> its ticket
+        self._txn_rows: dict[int, int] = {}  # txn of each batch sent to this chain -> rows it returns
+        self._rows: dict[int, int] = {}  # ticket of each batch not yet waited for -> rows it returns
+        self._results: dict[int, wire.Result] = {}  # by ticket: arrived, not yet waited for
+        self._refused: dict[int, str] = {}  # by ticket: why a stage refused it
+        self._skipped: set[int] = set()  # tickets of batches of cancelled runs never (re)sent
+        self._cancelled: set[int] = set()  # run ids cancelled so far
+        self._recoveries_in_a_row = 0
+        self._notices: list[Callable[[int], Event]] = []
         self._owner = threading.get_ident()
         self._cancel_requests: collections.deque[int] = collections.deque()
         self._broken: str | None = None
         self._poller = zmq.Poller()
-        for link in self.links:
-            self._poller.register(link.sock, zmq.POLLIN)
-            self._poller.register(link.monitor, zmq.POLLIN)
+        self._watch_links()
 
     @property
     def failure(self) -> str | None:
@@ -259,41 +392,53 @@ class PipelineTarget(TargetBase):
         if job.n_tokens > self.n_batch:
             raise ValueError(f"a batch of {job.n_tokens} tokens exceeds n_batch {self.n_batch}")
         self._flush_cancels()
-        txn = self._next_txn()
-        self._send_first(wire.Forward.from_job(txn, job))
-        self._expected[txn] = job.n_outputs
+        ticket = next(self._tickets)
+        self._rows[ticket] = job.n_outputs
         self.stats.batches += 1
         self.stats.tokens += job.n_tokens
-        return Ticket(job.run_id, txn)
+        if job.run_id in self._cancelled:  # the stages would skip it: nothing to send or replay
+            self._skipped.add(ticket)
+            return Ticket(job.run_id, ticket)
+        self.log.batch(ticket, job)
+        self._deliver(lambda: self._send_batch(ticket, job))
+        return Ticket(job.run_id, ticket)
 
     def wait(self, ticket: Ticket) -> np.ndarray:
-        """Poll until the ticket's result arrives, filing any other result that comes first."""
-        txn = ticket.seq_no
-        if txn not in self._expected:
-            raise KeyError(f"no batch in flight with transaction {txn}")
+        """Poll until the ticket's result arrives, filing any other result that comes first;
+        a lost worker is replaced on the way (the ticket survives)."""
+        t = ticket.seq_no
+        if t not in self._rows:
+            raise KeyError(f"no batch in flight with ticket {t}")
         deadline = time.monotonic() + self.stall_timeout_s
-        try:
-            while txn not in self._results and txn not in self._refused:
+        while t not in self._results and t not in self._refused and t not in self._skipped:
+            try:
                 self._check_usable()
                 self._flush_cancels()
                 if self._receive(timeout_ms=50):
                     deadline = time.monotonic() + self.stall_timeout_s  # the pipeline is moving
                 elif time.monotonic() > deadline:
-                    raise NodeFailedError(self._stalled_reason())
-        except NodeFailedError as e:
-            self._fail(str(e))
-            raise
-        rows = self._expected.pop(txn)
-        if txn in self._refused:
-            self._results.pop(txn, None)
-            raise PotluckError(self._refused.pop(txn))
-        res = self._results.pop(txn)
+                    raise self._stalled()
+            except NodeLostError as e:
+                self._recover(e)
+                deadline = time.monotonic() + self.stall_timeout_s
+            except NodeFailedError as e:
+                self._fail(str(e))
+                raise
+        rows = self._rows.pop(t)
+        if t in self._skipped:
+            self._skipped.discard(t)
+            raise RunCancelled(f"run {ticket.run_id} was cancelled")
+        if t in self._refused:
+            self._results.pop(t, None)
+            raise PotluckError(self._refused.pop(t))
+        res = self._results.pop(t)
         if res.skip:
             raise RunCancelled(f"run {res.run_id} was cancelled")
         if res.logits.shape != (rows, self.n_vocab):
             err = f"the last stage returned logits of shape {res.logits.shape}, expected ({rows}, {self.n_vocab})"
             self._fail(err)
             raise NodeFailedError(err)
+        self._recoveries_in_a_row = 0
         return res.logits
 
     def cancel(self, run_id: int) -> None:
@@ -304,12 +449,14 @@ class PipelineTarget(TargetBase):
 
     def kv(self, op: KvOp, run_id: int = 0) -> None:
         self._check_usable()
-        self._send_first(wire.KvApply.from_op(self._next_txn(), op, run_id))
+        self.log.kv(op, run_id)
+        self._deliver(lambda: self._send_first(wire.KvApply.from_op(self._next_txn(), op, run_id)))
 
     def reset(self) -> None:
         """Clear every sequence on every stage (a new conversation)."""
         self._check_usable()
-        self._send_first(wire.Reset(self._next_txn()))
+        self.log.reset()
+        self._deliver(lambda: self._send_first(wire.Reset(self._next_txn())))
         self._n_past = 0
 
     def truncate(self, n_past: int) -> None:
@@ -337,6 +484,12 @@ class PipelineTarget(TargetBase):
             for link in self.links
         ]
 
+    def notices(self, run_id: int) -> list[Event]:
+        """What happened to the cluster since the last call (losses, new plans), for ``run_id``."""
+        out = [make(run_id) for make in self._notices]
+        self._notices.clear()
+        return out
+
     def wire_bytes(self) -> tuple[int, int]:
         """(bytes the head sent, bytes it received) on the data path and control so far."""
         return sum(lk.bytes_out for lk in self.links), sum(lk.bytes_in for lk in self.links)
@@ -358,14 +511,26 @@ class PipelineTarget(TargetBase):
                     raise NodeFailedError(f"{link.describe()} did not answer a status request")
         return replies
 
-    # -- internals
+    # -- internals: sending
     def _next_txn(self) -> int:
         self._txn += 1
         return self._txn
 
     def _send_first(self, msg: wire.WireMessage) -> None:
+        self.links[0].send(msg)
+
+    def _send_batch(self, ticket: int, job: DecodeJob) -> None:
+        txn = self._next_txn()
+        self._txn_ticket[txn] = ticket
+        self._txn_rows[txn] = job.n_outputs
+        self._send_first(wire.Forward.from_job(txn, job))
+
+    def _deliver(self, send: Callable[[], None]) -> None:
+        """Send a logged transaction; after a loss the replay of the log carries it instead."""
         try:
-            self.links[0].send(msg)
+            send()
+        except NodeLostError as e:
+            self._recover(e)
         except NodeFailedError as e:
             self._fail(str(e))
             raise
@@ -373,13 +538,21 @@ class PipelineTarget(TargetBase):
     def _flush_cancels(self) -> None:
         while self._cancel_requests:
             run_id = self._cancel_requests.popleft()
+            self._cancelled.add(run_id)
             if self._broken is not None:
                 continue
             for link in self.links:
                 link.send_nowait(wire.Cancel(run_id))
 
+    # -- internals: receiving
+    def _watch_links(self) -> None:
+        self._poller = zmq.Poller()
+        for link in self.links:
+            self._poller.register(link.sock, zmq.POLLIN)
+            self._poller.register(link.monitor, zmq.POLLIN)
+
     def _receive(self, timeout_ms: int, control_from: NodeLink | None = None) -> object:
-        """Read what arrived within ``timeout_ms``: file results and refusals by txn; return
+        """Read what arrived within ``timeout_ms``: file results and refusals by ticket; return
         True if anything came, or the first control reply from ``control_from``."""
         events = dict(self._poller.poll(timeout_ms))
         got: object = False
@@ -387,30 +560,54 @@ class PipelineTarget(TargetBase):
             if link.monitor in events:
                 lost = link.drain_events()
                 if lost:
-                    raise NodeFailedError(f"{link.describe()} {lost}")
+                    raise link.lost(lost)
             if link.sock not in events:
                 continue
             while link.sock.poll(0):
                 msg = link.read()
                 got = got or True
-                if isinstance(msg, wire.Result) and link is self.links[-1] and msg.txn in self._expected:
-                    rows = self._expected[msg.txn]
-                    if not msg.skip and msg.logits.shape != (rows, self.n_vocab):
-                        # checked against this head's own vocabulary, never the worker's word
-                        raise NodeFailedError(
-                            f"{link.describe()} sent logits of shape {msg.logits.shape} for transaction "
-                            f"{msg.txn}, expected ({rows}, {self.n_vocab})"
-                        )
-                    self._results[msg.txn] = msg
+                if isinstance(msg, wire.Result) and link is self.links[-1]:
+                    self._file_result(msg)
                 elif isinstance(msg, wire.Error):
+                    self._check_links()  # a stage that cannot pass work on: is a node gone?
                     why = f"{link.describe()} refused: {msg.message}"
-                    if msg.txn in self._expected:
-                        self._refused.setdefault(msg.txn, why)
-                    else:  # a KV operation or reset failed: the stages may disagree now
+                    ticket = self._txn_ticket.get(msg.txn, 0)
+                    if self._awaited(ticket):
+                        self._refused.setdefault(ticket, why)
+                        self.log.forget(ticket)
+                    else:  # a KV operation, a reset or a replayed batch failed: the stages may disagree
                         raise NodeFailedError(why)
                 elif link is control_from and not isinstance(msg, wire.Result):
                     return msg
         return got
+
+    def _awaited(self, ticket: int) -> bool:
+        """Whether ``ticket``'s result is still wanted (not yet arrived, refused or skipped)."""
+        return ticket in self._rows and ticket not in self._results and ticket not in self._refused \
+            and ticket not in self._skipped
+
+    def _file_result(self, msg: wire.Result) -> None:
+        ticket = self._txn_ticket.pop(msg.txn, 0)
+        rows = self._txn_rows.pop(msg.txn, 0)  # replayed batches too
+        if ticket and not msg.skip and msg.logits.shape != (rows, self.n_vocab):
+            # checked against this head's own vocabulary, never the worker's word: a wider
+            # row would hand llama.cpp a token id past the vocabulary (it aborts)
+            raise NodeFailedError(
+                f"{self.links[-1].describe()} sent logits of shape {msg.logits.shape} for transaction "
+                f"{msg.txn}, expected ({rows}, {self.n_vocab})"
+            )
+        if self._awaited(ticket):
+            self._results[ticket] = msg
+            if msg.skip:  # cancelled before it computed: it never touched a cache
+                self.log.forget(ticket)
+        elif ticket and msg.skip:
+            raise NodeFailedError(f"a replayed batch (transaction {msg.txn}) came back skipped")
+
+    def _check_links(self) -> None:
+        for link in self.links:
+            lost = link.drain_events()
+            if lost:
+                raise link.lost(lost)
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -421,17 +618,120 @@ class PipelineTarget(TargetBase):
             self._broken = why
             log.error("pipeline stopped: %s", why)
 
-    def _stalled_reason(self) -> str:
+    def _stalled(self) -> NodeFailedError:
         """Name the stage that does not answer a ping (it is stuck computing)."""
         for i, link in enumerate(self.links):
             try:
                 link.send(wire.Ping(i))
                 if not link.sock.poll(1000):
-                    return f"{link.describe()} stalled: no reply for {self.stall_timeout_s:g} s"
+                    return link.lost(f"stalled: no reply for {self.stall_timeout_s:g} s")
                 self._receive(timeout_ms=0)
             except NodeFailedError as e:
-                return str(e)
-        return f"the pipeline returned nothing for {self.stall_timeout_s:g} s"
+                return e
+        return NodeFailedError(f"the pipeline returned nothing for {self.stall_timeout_s:g} s")
+
+    # -- internals: recovery
+    def _recover(self, err: NodeLostError) -> None:
+        """Replace the chain after ``err``: re-plan over the workers that still answer, load
+        them, replay the log. Raises :class:`NodeFailedError` (target unusable) if it cannot."""
+        if not self.recover or self.setup is None:
+            self._fail(str(err))
+            raise NodeFailedError(str(err)) from None
+        self._recoveries_in_a_row += 1
+        if self._recoveries_in_a_row > MAX_RECOVERIES_IN_A_ROW:
+            self._give_up(err, f"{MAX_RECOVERIES_IN_A_ROW} recoveries in a row returned nothing")
+        self._flush_cancels()
+        first_reason = str(err)
+        log.warning("%s; re-planning over the other workers", first_reason)
+        old_stages = [(lk.node_id, *(lk.layers or (0, 0))) for lk in self.links]
+        t0 = time.monotonic()
+        while True:
+            lost = [lk for lk in self.links if lk.address == err.address] or [
+                lk for lk in self.links if lk.drain_events()
+            ]
+            for lk in lost:
+                self._notice_node(lk, "lost", str(err))
+                lk.close(release=False)
+            self.links = [lk for lk in self.links if lk not in lost]
+            for lk in self.links:
+                self._notice_node(lk, "recovering", "rebuilding its KV cache from the head's log")
+            try:
+                self._rebuild()
+                self._replay()
+                break
+            except NodeLostError as again:
+                err = again
+                log.warning("%s during recovery", again)
+            except PotluckError as e:
+                self._give_up(err, str(e))
+        self.recoveries += 1
+        new_stages = tuple((lk.node_id, *(lk.layers or (0, 0))) for lk in self.links)
+        reason = (
+            f"{first_reason}; continued on {len(self.links)} worker(s) after "
+            f"{time.monotonic() - t0:.1f} s, replaying {self.log.n_rows} cached tokens"
+        )
+        log.warning("recovered: %s (was %s)", reason, old_stages)
+        self._notices.append(lambda run_id: PlanChanged(run_id, new_stages, reason))
+
+    def _give_up(self, err: NodeFailedError, why: str) -> None:
+        message = f"{err}; recovery failed: {why}"
+        for lk in self.links:
+            lk.close(release=True)
+        self.links = []
+        self._watch_links()
+        self._fail(message)
+        raise NodeFailedError(message) from None
+
+    def _notice_node(self, link: NodeLink, state: str, detail: str) -> None:
+        node, layers = link.node_id or link.address, link.layers or (0, 0)
+        self._notices.append(lambda run_id: NodeStatus(run_id, node, layers, state, detail))
+
+    def _rebuild(self) -> None:
+        """Bring the surviving workers back to idle, plan over them and load the new chain."""
+        setup = self.setup
+        assert setup is not None
+        if not self.links:
+            raise PotluckError("no worker is left to take over its layers")
+        for lk in self.links:
+            lk.rejoin(setup.head_id, setup.potluck_version)
+        deadline = time.monotonic() + REJOIN_TIMEOUT_S
+        for lk in self.links:
+            lk.await_welcome(deadline)
+        plan = plan_over(setup, self.links)
+        by_id = {lk.node_id: lk for lk in self.links}
+        used = [by_id[s.node.name] for s in plan.stages]
+        for lk in self.links:
+            if lk not in used:
+                lk.close(release=True)
+        self.links = used
+        self._watch_links()
+        loaded = load_chain(setup, used, plan, self.transfer)
+        if loaded[-1].n_vocab != self.n_vocab or min(ld.n_ctx for ld in loaded) < self.n_ctx:
+            raise PotluckError("the new chain's vocabulary or context differs from the old one's")
+        self.plan = plan
+
+    def _replay(self) -> None:
+        """Send the log, in order, to the new chain's first stage: each stage applies exactly
+        what the old chain applied. Batches whose result is still awaited keep their ticket."""
+        self._txn = 0
+        self._txn_ticket.clear()
+        self._txn_rows.clear()
+        for entry in self.log:
+            if isinstance(entry, LoggedKv):
+                self._send_first(wire.KvApply.from_op(self._next_txn(), entry.op, entry.run_id))
+                continue
+            assert isinstance(entry, LoggedBatch)
+            job = entry.job
+            if self._awaited(entry.ticket):
+                if job.run_id in self._cancelled:  # the old chain would have skipped it
+                    self._skipped.add(entry.ticket)
+                    self.log.forget(entry.ticket)
+                    continue
+            else:
+                job = dataclasses.replace(job, run_id=REPLAY_RUN)
+            self._send_batch(entry.ticket, job)
+            self.stats.replayed_batches += 1
+            self.stats.replayed_tokens += job.n_tokens
 
 
 # --------------------------------------------------------------------------- open
@@ -455,6 +755,7 @@ def open_pipeline(
     join_timeout_s: float = JOIN_TIMEOUT_S,
     skip_failed_joins: bool = False,
     stall_timeout_s: float = STALL_TIMEOUT_S,
+    recover: bool = True,
 ) -> PipelineTarget:
     """Join the workers at ``addresses``, plan the split, send slices, load the stages.
 
@@ -462,6 +763,7 @@ def open_pipeline(
     None plans by free memory and speed score. ``on_plan`` sees the plan before anything loads.
     ``skip_failed_joins`` (``--nodes auto``): a node that does not join is skipped with a
     warning instead of failing the pipeline (anyone can advertise a zeroconf record).
+    ``recover``: re-plan over the other workers when one is lost (else the target just fails).
     """
     if not addresses:
         raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
@@ -474,6 +776,10 @@ def open_pipeline(
         )
     zctx = zmq.Context()
     head_id = f"head-{os.urandom(16).hex()}"  # the routing id that owns our stages: unguessable
+    setup = PipelineSetup(
+        model_path, keys, head_id, n_ctx, n_batch, n_seq_max, kv_unified, hidden_dtype, potluck_version,
+        slice_cache or SliceCache(), progress,
+    )
     max_msg = max_result_bytes(n_batch, costs.n_vocab)
     links = [NodeLink(zctx, keys, addr, head_id.encode(), max_msg) for addr in addresses]
     try:
@@ -491,11 +797,7 @@ def open_pipeline(
         ids = [lk.node_id for lk in links]
         if len(set(ids)) != len(ids):
             raise PotluckError("the same worker is listed twice in --nodes")
-        nodes = [
-            NodeInfo(lk.node_id, lk.address, lk.welcome.free_mb, lk.welcome.speed)  # type: ignore[union-attr]
-            for lk in links
-        ]
-        plan = manual_plan(costs, nodes, split, n_ctx) if split else plan_split(costs, nodes, n_ctx)
+        plan = plan_over(setup, links, split)
         if on_plan:
             on_plan(plan)
         by_id = {lk.node_id: lk for lk in links}
@@ -504,42 +806,13 @@ def open_pipeline(
             if lk not in used:
                 lk.close(release=True)
         links = used
-        for lk, s in zip(links, plan.stages):
-            lk.layers = (s.lo, s.hi)
-        cache = slice_cache or SliceCache()
-        slices = cache.slices(model_path, plan.bounds)
         stats = TransferStats()
-        for lk, sl in zip(links, slices):
-            room = lk.welcome.max_message - (64 << 10)  # type: ignore[union-attr]
-            send_slice(lk.request, sl, stats, progress, chunk_bytes=max(1 << 16, min(CHUNK_BYTES, room)))
-        loaded: list[wire.Loaded] = []
-        for i, (lk, sl) in enumerate(zip(links, slices)):
-            last = i == len(links) - 1
-            reply = lk.request(
-                wire.Load(
-                    sha256=sl.sha256,
-                    layer_lo=sl.lo,
-                    layer_hi=sl.hi,
-                    first=i == 0,
-                    last=last,
-                    n_ctx=n_ctx,
-                    n_batch=n_batch,
-                    n_seq_max=n_seq_max,
-                    kv_unified=kv_unified,
-                    hidden_dtype=hidden_dtype,
-                    next_addr="" if last else endpoint(links[i + 1].address),
-                    upstream=head_id if i == 0 else f"fwd-{links[i - 1].node_id}",
-                    reply_to=head_id,
-                ),
-                REQUEST_TIMEOUT_S * 4,
+        loaded = load_chain(setup, links, plan, stats)
+        if loaded[-1].n_vocab != costs.n_vocab:
+            raise NodeFailedError(
+                f"{links[-1].describe()} loaded a vocabulary of {loaded[-1].n_vocab} tokens; "
+                f"the model has {costs.n_vocab}"
             )
-            if not isinstance(reply, wire.Loaded):
-                raise NodeFailedError(f"{lk.describe()} answered load with {reply.TYPE}")
-            if reply.n_vocab != costs.n_vocab:
-                raise NodeFailedError(
-                    f"{lk.describe()} loaded a vocabulary of {reply.n_vocab} tokens; the model has {costs.n_vocab}"
-                )
-            loaded.append(reply)
         return PipelineTarget(
             zctx,
             links,
@@ -550,6 +823,8 @@ def open_pipeline(
             plan=plan,
             transfer=stats,
             stall_timeout_s=stall_timeout_s,
+            setup=setup,
+            recover=recover,
         )
     except BaseException:
         for lk in links:

@@ -1,0 +1,182 @@
+"""Recovery: a worker killed or frozen mid-reply in a 3-worker loopback cluster; the head
+re-plans over the other two, replays its log, and the reply (and the next turn) comes out
+token for token as on one machine, greedy and seeded sampling alike."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from potluck.discovery.auth import keys_from_token
+from potluck.engine.events import Event, Finished, NodeStatus, PlanChanged, TokenText
+from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.pipeline.transfer import SliceCache
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import SamplingParams
+from potluck.engine.session import Session
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.target import LocalTarget, Target
+
+from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+
+N_CTX = 512
+TURNS = ["Count from one to twenty in words.", "Now say it backwards, briefly."]
+MAX_NEW = 24
+KILL_AFTER = 6  # tokens of the first reply streamed before the worker goes
+
+
+class Pool:
+    """Three workers for the module; a test's victim is replaced after the test."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.count = 0
+        self.workers: list[WorkerProc] = []
+        while len(self.workers) < 3:
+            self.workers.append(self._start())
+
+    def _start(self) -> WorkerProc:
+        self.count += 1
+        return start_worker(self.tmp, f"w{self.count}")
+
+    def heal(self) -> None:
+        for i, w in enumerate(self.workers):
+            if w.extra.get("victim") or not w.alive():
+                if w.alive():
+                    os.kill(w.proc.pid, signal.SIGCONT)  # a frozen one must thaw to stop
+                stop_worker(w.proc)
+                self.workers[i] = self._start()
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.alive():
+                os.kill(w.proc.pid, signal.SIGCONT)
+            stop_worker(w.proc)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    p = Pool(tmp_path_factory.mktemp("recovery-workers"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture()
+def workers(pool: Pool) -> Iterator[list[WorkerProc]]:
+    yield pool.workers
+    pool.heal()
+
+
+@pytest.fixture(scope="module")
+def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
+    return SliceCache(tmp_path_factory.mktemp("recovery-slices"))
+
+
+def converse(
+    model: Model, target: Target, sampling: SamplingParams, on_token: Callable[[int], None] | None = None
+) -> tuple[list[tuple[int, ...]], list[Event]]:
+    session = Session(model, target, Autoregressive())
+    replies, events = [], []
+    for turn in TURNS:
+        n = 0
+        for ev in session.generate(turn, sampling, MAX_NEW):
+            events.append(ev)
+            if isinstance(ev, TokenText):
+                n += len(ev.token_ids)
+                if on_token is not None:
+                    on_token(n)
+            if isinstance(ev, Finished):
+                replies.append(ev.tokens)
+        on_token = None  # the loss happens in the first reply only
+    return replies, events
+
+
+def reference(model: Model, sampling: SamplingParams) -> list[tuple[int, ...]]:
+    target = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    try:
+        return converse(model, target, sampling)[0]
+    finally:
+        target.close()
+
+
+def open_three(model_path: Path, workers: list[WorkerProc], cache: SliceCache, **kw) -> PipelineTarget:
+    return open_pipeline(model_path, [w.address for w in workers], keys_from_token(TOKEN), n_ctx=N_CTX,
+                         split=[0, 10, 20, 30], slice_cache=cache, **kw)
+
+
+@pytest.mark.parametrize(
+    ("how", "victim", "sampling"),
+    [
+        ("kill", 2, SamplingParams()),  # the last stage: the head loses its results' source
+        ("freeze", 1, SamplingParams()),  # a middle stage: its upstream cannot pass work on
+        ("kill", 0, SamplingParams(temperature=0.8, top_k=40, seed=1234)),  # seeded sampling
+    ],
+    ids=["sigkill-last-greedy", "sigstop-middle-greedy", "sigkill-first-seeded"],
+)
+def test_reply_survives_a_lost_worker_identical_to_one_machine(
+    how: str, victim: int, sampling: SamplingParams,
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache,
+) -> None:
+    expected = reference(model, sampling)
+    target = open_three(model_path, workers, slice_cache)
+    lost = workers[victim]
+    lost.extra["victim"] = "1"
+
+    def strike(n_tokens: int) -> None:
+        if n_tokens >= KILL_AFTER and lost.alive() and not lost.extra.get("struck"):
+            lost.extra["struck"] = "1"
+            os.kill(lost.proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+    try:
+        replies, events = converse(model, target, sampling, strike)
+        assert lost.extra.get("struck")
+        assert replies == expected
+        # The recovery path ran: one rebuilt chain without the victim, the log replayed.
+        assert target.recoveries == 1 and target.failure is None
+        assert target.stats.replayed_batches > 0 and target.stats.replayed_tokens >= KILL_AFTER
+        assert lost.node_id not in {lk.node_id for lk in target.links}
+        assert [lk.layers for lk in target.links][0][0] == 0 and target.links[-1].layers[1] == 30
+        changed = [e for e in events if isinstance(e, PlanChanged)]
+        assert len(changed) == 1 and lost.node_id in changed[0].reason
+        assert {s[0] for s in changed[0].stages} <= {w.node_id for w in workers} - {lost.node_id}
+        states = {(e.node, e.state) for e in events if isinstance(e, NodeStatus)}
+        assert (lost.node_id, "lost") in states
+        assert any(state == "recovering" for _, state in states)
+    finally:
+        target.close()
+
+
+def test_no_recovery_when_disabled_or_nothing_is_left(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """With every worker gone the head says so in one error naming the loss and why it could
+    not recover; the conversation is kept."""
+    target = open_three(model_path, workers, slice_cache)
+    for w in workers:
+        w.extra["victim"] = "1"
+
+    def strike_all(n_tokens: int) -> None:
+        if n_tokens >= 2 and not workers[0].extra.get("struck"):
+            for w in workers:
+                w.extra["struck"] = "1"
+                os.kill(w.proc.pid, signal.SIGKILL)
+
+    session = Session(model, target, Autoregressive())
+    try:
+        with pytest.raises(NodeFailedError) as err:
+            n = 0
+            for ev in session.generate(TURNS[0], SamplingParams(), MAX_NEW):
+                if isinstance(ev, TokenText):
+                    n += len(ev.token_ids)
+                    strike_all(n)
+        assert "recovery failed" in str(err.value)
+        assert [m.role for m in session.messages] == ["user", "assistant"]
+        assert target.failure is not None and target.recoveries == 0
+    finally:
+        target.close()
