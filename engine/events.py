@@ -42,9 +42,10 @@ class RoundStats:
     accepted: int
     emitted: int
     draft_len: int  # speculation length chosen for the round
-    draft_ms: float
-    verify_ms: float
+    draft_ms: float  # busy drafting during the round
+    verify_ms: float  # busy verifying during the round
     n_past: int  # tokens in the KV cache after the round
+    overlap_ms: float = 0.0  # drafting and verifying at once (pearl)
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,18 @@ class Target(Protocol):
         """Append ``tokens`` to sequence 0: logits [n_rows, vocab] for every row or the last one."""
         ...
 
+    def append(self, tokens: Sequence[int], run_id: int) -> Ticket:
+        """Queue ``tokens`` after sequence 0 without waiting (logits for every row); ``n_past``
+        grows now. For strategies that keep several verify batches in flight: what they do
+        not keep, they cancel and ``truncate``."""
+        ...
+
     def truncate(self, n_past: int) -> None:
         """Forget every token of sequence 0 at position >= ``n_past``."""
+        ...
+
+    def set_threads(self, n_threads: int) -> None:
+        """CPU threads for this machine's decodes from the next job on (no-op for workers)."""
         ...
 
     def node_status(self, run_id: int) -> list[NodeStatus]:
@@ -169,6 +179,22 @@ class TargetBase(ABC):
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1:]
 
+    def append(self, tokens: Sequence[int], run_id: int) -> Ticket:
+        n = len(tokens)
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"append takes 1..{self.n_batch} tokens, got {n}")
+        if self._n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"the conversation needs {self._n_past + n} tokens but the context holds "
+                f"{self.n_ctx}; start a new conversation or raise --ctx"
+            )
+        ticket = self.submit(DecodeJob.tokens(run_id, tokens, self._n_past, outputs="all"))
+        self._n_past += n
+        return ticket
+
+    def set_threads(self, n_threads: int) -> None:
+        """Workers and in-process stages keep the threads they were opened with."""
+
     def truncate(self, n_past: int) -> None:
         if n_past < self._n_past:
             self.kv(KvOp.rm(0, n_past))
@@ -216,6 +242,9 @@ class LocalTarget(TargetBase):
     def reset(self) -> None:
         self.runner.submit(Stage.clear)
         self._n_past = 0
+
+    def set_threads(self, n_threads: int) -> None:
+        self.runner.submit(lambda stage: stage.ctx.set_threads(n_threads))
 
     def pos_max(self) -> list[int]:
         """Last position per sequence (-1: empty), once all work queued so far ran."""

@@ -110,12 +110,27 @@ def verify_chain(
     ``residual_fn`` exists so tests can show that a wrong residual is detected.
     """
     for i, x in enumerate(drafts):
-        p = p_rows(i)
-        q = None if q_rows is None else q_rows[i]
-        if uniform() < accept_prob(p, q, x):
-            continue
-        return Verdict(i, draw(residual_fn(p, q, x), uniform()))
+        recovered = judge(p_rows(i), None if q_rows is None else q_rows[i], x, uniform, residual_fn)
+        if recovered is not None:
+            return Verdict(i, recovered)
     return Verdict(len(drafts), draw(p_rows(len(drafts)), uniform()))
+
+
+def judge(
+    p: np.ndarray,
+    q: np.ndarray | None,
+    x: int,
+    uniform: Callable[[], float],
+    residual_fn: Callable[[np.ndarray, np.ndarray | None, int], np.ndarray] = residual,
+) -> int | None:
+    """One draft position of a chain: None if ``x`` is kept, else the recovered token.
+
+    Strategies that verify a chain position by position as rows arrive (pearl) call this;
+    :func:`verify_chain` is the same rule over a whole chain.
+    """
+    if uniform() < accept_prob(p, q, x):
+        return None
+    return draw(residual_fn(p, q, x), uniform())
 
 
 # --------------------------------------------------------------------------- token trees

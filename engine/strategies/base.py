@@ -36,8 +36,9 @@ class Round:
     drafted: int = 0
     accepted: int = 0
     draft_len: int = 0  # speculation length chosen for this round
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    draft_ms: float = 0.0  # busy drafting during the round
+    verify_ms: float = 0.0  # busy verifying during the round
+    overlap_ms: float = 0.0  # both at once (strategies that draft while the target verifies)
 
 
 @dataclass

@@ -197,6 +197,26 @@ def _bool_option(spec: EngineSpec, key: str, default: bool) -> bool:
     return value
 
 
+def load_draft_model(target_model: Model, spec: EngineSpec) -> Model:
+    """The draft GGUF, refused unless it shares the target's vocabulary and fits in memory."""
+    from ..drafters.draft_model import check_same_vocabulary
+    from ..runtime import Model
+
+    if spec.draft is None:
+        raise PotluckError(
+            f"strategy {spec.strategy!r} needs a draft model: pass --draft PATH "
+            "(a small GGUF with the target's vocabulary)"
+        )
+    draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
+    try:
+        check_same_vocabulary(target_model, draft_model)
+        limits.memory_fits(draft_model, spec.n_ctx)  # its own KV cache, next to the target's
+    except BaseException:
+        draft_model.close()
+        raise
+    return draft_model
+
+
 def saved_costs(target_model: Model, spec: EngineSpec) -> SavedLine:
     """Where this target's verify-cost line is kept (engine/costs.py)."""
     from ..runtime import ContextParams, default_threads
@@ -221,25 +241,17 @@ class DraftModelSpeculative(Speculative):
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
-        from ..drafters.draft_model import DraftModelDrafter, check_same_vocabulary
-        from ..runtime import Model
+        from ..drafters.draft_model import DraftModelDrafter
 
         cls.check_options(spec.strategy_options)
-        if spec.draft is None:
-            raise PotluckError(
-                "strategy 'sd' needs a draft model: pass --draft PATH "
-                "(a small GGUF with the target's vocabulary)"
-            )
         s_max = _int_option(spec, "max_draft", 12, 1, MAX_EXACT_BATCH - 1)
         s_init = _int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
         adaptive = _bool_option(spec, "adaptive", True)
         p_min = spec.strategy_options.get("min_draft_p", 0.0)
         if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0.0 <= p_min < 1.0:
             raise PotluckError(f"strategy option min_draft_p must be a number in [0, 1), got {p_min!r}")
-        draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
+        draft_model = load_draft_model(target_model, spec)
         try:
-            check_same_vocabulary(target_model, draft_model)
-            limits.memory_fits(draft_model, spec.n_ctx)  # its own KV cache, next to the target's
             drafter = DraftModelDrafter(
                 draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=float(p_min)
             )
