@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import Strategy
 from .minions import Minions
+from .pearl import Pearl
 from .plain import Autoregressive
 from .speculative import DraftModelSpeculative, NgramSpeculative
 
@@ -11,6 +12,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     Autoregressive.name: Autoregressive,
     DraftModelSpeculative.name: DraftModelSpeculative,
     NgramSpeculative.name: NgramSpeculative,
+    Pearl.name: Pearl,
     Minions.name: Minions,
 }
 
