@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ...engine.events import Finished, TokenText
+from ...engine.events import Finished, PlanChanged, TokenText
 from ...engine.loader import open_session
 from ...engine.strategies.plain import Autoregressive
 from .common import (
@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(event, TokenText) and not args.json:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+            elif isinstance(event, PlanChanged):  # a worker was lost and the head carried on
+                print(f"potluck: {event.reason}", file=sys.stderr, flush=True)
             elif isinstance(event, Finished):
                 finished = event
         assert finished is not None
