@@ -57,8 +57,7 @@ class MinionsRound(Round):
     """A round plus what the panels show: each voter's standing and the pool's overlap."""
 
     votes: tuple[DrafterVote, ...] = ()
-    ahead_ms: float = 0.0  # drafting done on the worker thread (finished since last round)
-    overlap_ms: float = 0.0  # of which ran while the target was verifying
+    ahead_ms: float = 0.0  # the part of draft_ms the worker thread drafted
     pool_hits: int = 0  # voters whose chain this round came from the pool
 
 
@@ -113,7 +112,7 @@ class MajorityVote:
         # measured: worker drafting, and the part of it that overlapped a verification
         self.ahead_ms = 0.0
         self.overlap_ms = 0.0
-        self._unreported = (0.0, 0.0)
+        self._unreported = (0.0, 0.0, 0.0)  # (worker busy, overlapped, verifier waited) ms
 
     # -- the drafter contract
     @property
@@ -151,12 +150,7 @@ class MajorityVote:
                 self._hits += 1
             chains.append(got[0])
             qs.append(got[1])
-        leader = self.weights.leader()
-        if not req.sampling.greedy and qs[leader] is not None and chains[leader]:
-            path, voted, q = chains[leader], leader, qs[leader]  # sd's acceptance, chosen blind
-        else:
-            path, voted = heaviest_path(chains, self.weights.weights)
-            q = None  # any chain the verifier's draws did not choose is a valid deterministic draft
+        path, voted, q = self._choose(chains, qs, req.sampling.greedy)
         self._pending = _Pending(len(req.context), chains)
         self._last = [len(c) for c in chains]
         self._voted = voted
@@ -164,6 +158,16 @@ class MajorityVote:
             self._start_ahead(req, path)
         self._verify_from = time.perf_counter()
         return Draft(path, q)
+
+    def _choose(
+        self, chains: list[list[int]], qs: list[list[np.ndarray] | None], greedy: bool
+    ) -> tuple[list[int], int, list[np.ndarray] | None]:
+        """The chain to verify, its voter, and the q rows the verifier may use with it."""
+        leader = self.weights.leader()  # decided by past rounds, before this round's draws
+        if not greedy and qs[leader] is not None and chains[leader]:
+            return chains[leader], leader, qs[leader]  # sd's acceptance: its own chain, chosen blind
+        path, voted = heaviest_path(chains, self.weights.weights)
+        return path, voted, None  # tokens the verifier's draws did not choose: valid as q = delta
 
     def accept(self, n_accepted: int) -> None:
         """The verification ended; voters are scored in :meth:`settle` (it needs the target's
@@ -209,9 +213,11 @@ class MajorityVote:
             for i, label in enumerate(self.labels)
         )
 
-    def take_times(self) -> tuple[float, float]:
-        """(ahead ms, overlapped ms) of worker drafts finished since the last call."""
-        out, self._unreported = self._unreported, (0.0, 0.0)
+    def take_times(self) -> tuple[float, float, float]:
+        """Worker drafts collected since the last call: (busy, overlapped with a
+        verification, waited for by the verifier) ms. They are booked in the round that
+        collects them, so per-round figures lag a round; their sums are exact."""
+        out, self._unreported = self._unreported, (0.0, 0.0, 0.0)
         return out
 
     @property
@@ -246,14 +252,16 @@ class MajorityVote:
         job, self._job = self._job, None
         if job is None:
             return
+        t_wait = time.perf_counter()
         t0, t1 = job.result()
+        wait = max(0.0, t1 - t_wait) * 1e3
         busy = (t1 - t0) * 1e3
         end = self._verify_to if self._verify_to >= self._verify_from else t1
         overlap = max(0.0, min(t1, end) - max(t0, self._verify_from)) * 1e3
         self.ahead_ms += busy
         self.overlap_ms += overlap
-        a, o = self._unreported
-        self._unreported = (a + busy, o + overlap)
+        a, o, w = self._unreported
+        self._unreported = (a + busy, o + overlap, w + wait)
 
     def _from_pool(
         self, i: int, context: Sequence[int], k: int
@@ -293,13 +301,16 @@ class Minions(Speculative):
             for rnd in rounds:
                 if rnd.drafted:
                     self.vote.settle(len(g.history), rnd.tokens)  # history: not yet extended
-                ahead_ms, overlap_ms = self.vote.take_times()
+                # busy drafting: in place (less the wait for the worker) plus the worker's
+                # draft collected this round; overlap: the worker's time under a verification
+                ahead_ms, overlap_ms, wait_ms = self.vote.take_times()
                 base = {f.name: getattr(rnd, f.name) for f in fields(rnd)}
+                base["draft_ms"] = max(0.0, rnd.draft_ms - wait_ms) + ahead_ms
+                base["overlap_ms"] = rnd.overlap_ms + overlap_ms
                 yield MinionsRound(
                     **base,
                     votes=self.vote.report() if rnd.drafted else (),
                     ahead_ms=ahead_ms,
-                    overlap_ms=overlap_ms,
                     pool_hits=self.vote.pool_hits if rnd.drafted else 0,
                 )
         finally:

@@ -1,0 +1,399 @@
+"""`minions`: voters merge into a weighted tree, weights follow acceptance, a draft model drafts
+ahead on a worker thread, and the output is plain decoding's (greedy) or the target's
+distribution (sampling, with a broken voting rule as the control the test must catch)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from potluck.app.cli import main
+from potluck.engine.drafters import Draft, DraftRequest
+from potluck.engine.events import Finished
+from potluck.engine.gguf_tools import merge_layer_ranges
+from potluck.engine.kernels.lookup import lookup_draft, lookup_reference
+from potluck.engine.loader import EngineSpec
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import Sampler, SamplingParams
+from potluck.engine.session import Session
+from potluck.engine.strategies.base import Round, Strategy
+from potluck.engine.strategies.minions import MajorityVote, Minions, MinionsRound
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.strategies.registry import get_strategy_class
+from potluck.engine.strategies.speculative import _verify
+from potluck.engine.target import LocalTarget
+from potluck.engine.voting import DrafterWeights, WeightConfig, heaviest_path, judge
+
+THREADS = 2  # the issue's setting; BF16 KV keeps batches and single steps identical
+PROMPTS = [
+    "Rewrite this Python code with snake_case names and return the whole code:\n\n"
+    "def computeTotal(itemList, taxRate):\n    runningSum = 0\n    for singleItem in itemList:\n"
+    "        runningSum += singleItem.unitPrice * singleItem.itemCount\n"
+    "    return runningSum * (1 + taxRate)\n",
+    "Summarize in detail: The city council met on Tuesday to discuss the new public transport "
+    "plan. It proposes three bus lines, a bike-sharing program and longer opening hours for the "
+    "central station. Members disagreed about the cost; a business association supported it.",
+    "Explain in detail how a hash table works, with examples, collisions, resizing and complexity.",
+]
+MAX_TOKENS = 128
+TURNS = ["Name a fruit and describe it.", "Now list three more, each with a recipe.", "Thanks!"]
+TURN_TOKENS = 48
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_lookup_kernel_matches_reference() -> None:
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        n = int(rng.integers(1, 80))
+        toks = rng.integers(0, 4 if case % 2 else 12, size=n).astype(np.int32)  # small vocab: matches
+        lo = int(rng.integers(1, 4))
+        hi = int(rng.integers(lo, 10))
+        k = int(rng.integers(0, 9))
+        assert lookup_draft(toks, n, lo, hi, k) == lookup_reference(toks.tolist(), lo, hi, k), case
+
+
+def test_lookup_copies_the_longest_match_and_continues_a_period() -> None:
+    #          0  1  2  3  4  5  6  7  8  9
+    toks = [5, 1, 2, 9, 7, 1, 2, 3, 4, 1, 2, 3]
+    arr = np.array(toks, dtype=np.int32)
+    # "1 2 3" matched at 5..7 beats "2 3"-less "1 2" at 1..2: copies 4 1 2 3 ...
+    assert lookup_draft(arr, len(toks), 2, 8, 4) == ([4, 1, 2, 3], 3)
+    period = np.array([7, 8, 7, 8], dtype=np.int32)
+    assert lookup_draft(period, 4, 2, 8, 5)[0] == [7, 8, 7, 8, 7]
+
+
+def test_heaviest_path_follows_the_weighted_majority() -> None:
+    chains = [[1, 2, 3], [1, 2, 4, 5], [6, 7]]
+    # 1 carries 1 + 1 = 2 > 1.5 (the third), then 3 vs 4: the heavier second voter wins
+    assert heaviest_path(chains, [1.0, 1.2, 1.5]) == ([1, 2, 4, 5], 1)
+    assert heaviest_path(chains, [1.0, 1.0, 2.5]) == ([6, 7], 2)
+    assert heaviest_path(chains, [1.0, 1.0, 1.0]) == ([1, 2, 3], 0)  # ties: the first listed
+    assert heaviest_path([[], []], [1.0, 1.0]) == ([], -1)
+    assert heaviest_path([[4, 5], [4, 5]], [1.0, 3.0]) == ([4, 5], 1)  # same chain: the heavier
+
+
+def test_judge_scores_up_to_the_first_wrong_token() -> None:
+    assert judge([1, 2, 3, 4], [1, 2, 9]) == (2, 4)  # wrong at 3: the rest of the chain is lost
+    assert judge([1, 2, 3, 4], [1, 2]) == (2, 2)  # agrees with all that is known: judged on that
+    assert judge([1], [1, 2, 3]) == (1, 1)
+
+
+def test_weights_follow_acceptance() -> None:
+    cfg = WeightConfig(window=4, reward_threshold=0.6, punish_threshold=0.3, reward=1.5, punish=0.5)
+    w = DrafterWeights(3, cfg)
+    for _ in range(48):
+        w.record(0, 4, 5)  # right most of the time
+        w.record(1, 0, 5)  # always wrong
+        w.record(2, 2, 5)  # in between: neither rewarded nor punished
+    assert w.weights[0] == cfg.w_max and w.weights[1] == cfg.w_min and w.weights[2] == 1.0
+    assert w.leader() == 0 and w.acceptance(1) == 0.0 and w.acceptance(0) == pytest.approx(0.8)
+    # the punished voter recovers once it is right again
+    for _ in range(8):
+        w.record(1, 5, 5)
+    assert w.weights[1] == cfg.w_min * 1.5**2
+
+
+# --------------------------------------------------------------------------- the vote as a drafter
+
+
+class Fixed:
+    """A voter that always proposes ``chain`` (deterministic) after any context."""
+
+    step_ms = 0.0
+
+    def __init__(self, name: str, chain: list[int]) -> None:
+        self.name, self.chain = name, chain
+        self.accepted: list[int] = []
+
+    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
+        pass
+
+    def draft(self, req: DraftRequest) -> Draft:
+        return Draft(self.chain[: req.max_tokens])
+
+    def accept(self, n_accepted: int) -> None:
+        self.accepted.append(n_accepted)
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Sampled(Fixed):
+    """A 'draft model': draws each token from ``q`` with its own generator; records threads."""
+
+    def __init__(self, q: np.ndarray) -> None:
+        super().__init__("sampled", [])
+        self.q = q
+        self.rng = np.random.default_rng()
+        self.threads: set[int] = set()
+        self.requests: list[tuple[int, int]] = []  # (context length, max tokens)
+
+    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
+        self.rng = rng
+
+    def draft(self, req: DraftRequest) -> Draft:
+        self.threads.add(threading.get_ident())
+        self.requests.append((len(req.context), req.max_tokens))
+        toks = [int(self.rng.choice(self.q.shape[0], p=self.q)) for _ in range(req.max_tokens)]
+        return Draft(toks, [self.q] * len(toks))
+
+
+GREEDY = SamplingParams()
+
+
+def test_vote_scores_every_voter_against_the_target() -> None:
+    right, wrong = Fixed("right", [1, 2, 3]), Fixed("wrong", [7, 8, 9])
+    vote = MajorityVote([("wrong", wrong), ("right", right)], weights=WeightConfig(window=2))
+    vote.begin([0], np.random.default_rng(0))
+    history = [0]
+    for _ in range(6):
+        d = vote.draft(DraftRequest(history, 3, 0.0, GREEDY))
+        vote.accept(0)
+        truth = [1, 2, 3]  # the target's tokens: what "right" proposed
+        vote.settle(len(history), truth)
+        history = history + truth
+    # at first the tie goes to the first voter; after a window the right one leads
+    assert d.tokens == [1, 2, 3]
+    report = {v.name: v for v in vote.report()}
+    assert report["right"].weight > 1.0 > report["wrong"].weight and report["right"].voted
+    assert report["right"].acceptance == 1.0 and report["wrong"].acceptance == 0.0
+    assert right.accepted == [3] * 6 and wrong.accepted == [0] * 6
+    vote.close()
+
+
+def test_pool_serves_the_next_round_only_when_the_conversation_grew_as_assumed() -> None:
+    q = np.array([0.0, 0.5, 0.5])
+    model = Sampled(q)
+    vote = MajorityVote([("draft-model", model), ("ngram", Fixed("ngram", []))], ahead=[0])
+    vote.begin([0], np.random.default_rng(1))
+    sampled = SamplingParams(temperature=1.0)
+    history = [0]
+    d = vote.draft(DraftRequest(history, 2, 0.0, sampled))
+    assert vote.pool_hits == 0 and len(d.tokens) == 2
+    vote.accept(2)
+    vote._join()  # the worker drafted 3 tokens after history + path: bonus guess + 2
+    ahead = vote._pool[0]
+    assert ahead.seq[:2] == d.tokens and len(ahead.seq) == 5
+    assert model.threads - {threading.get_ident()}  # drafted ahead on another thread
+    # the whole path was kept and the target's own token is the guessed one: a pool hit
+    history = history + ahead.seq[:3]
+    d2 = vote.draft(DraftRequest(history, 2, 0.0, sampled))
+    assert vote.pool_hits == 1 and d2.tokens == ahead.seq[3:5] and d2.q is not None
+    n_requests = len(model.requests)
+    vote.accept(0)
+    vote._join()
+    # the target rejected the path: the entry is dropped, the voter drafts afresh
+    history = history + [d2.tokens[0] ^ 3]
+    vote.draft(DraftRequest(history, 2, 0.0, sampled))
+    assert vote.pool_hits == 0 and model.requests[n_requests + 1] == (len(history), 2)
+    assert vote.ahead_ms > 0.0
+    vote.close()
+
+
+# --------------------------------------------------------------------------- sampling exactness
+
+V = 5
+P = np.array([0.1, 0.4, 0.2, 0.2, 0.1])  # the target's distribution after the context
+Q = np.array([0.5, 0.1, 0.1, 0.2, 0.1])  # the sampled voter's
+TRIALS = 6000
+ALPHA = 1e-4
+
+
+class UsesQWhenItsChainWins(MajorityVote):
+    """The tempting broken rule: verify with q whenever the voted chain is the sampled
+    voter's, although whether it wins depends on the token it drew."""
+
+    def _choose(self, chains, qs, greedy):  # type: ignore[no-untyped-def]
+        path, voted = heaviest_path(chains, self.weights.weights)
+        if not greedy and voted >= 0 and path == chains[0] and qs[0] is not None:
+            return path, voted, qs[0]
+        return path, voted, None
+
+
+def first_token_counts(cls: type[MajorityVote], w_sampled: float, w_fixed: float) -> np.ndarray:
+    """Emitted first tokens of TRIALS rounds: a sampled voter against one always saying 0."""
+    params = SamplingParams(temperature=1.0)
+    logits = np.log(P).astype(np.float32)
+    counts = np.zeros(V)
+    vote = cls([("sampled", Sampled(Q)), ("zero", Fixed("zero", [0]))])
+    vote.weights.weights = [w_sampled, w_fixed]
+    seeds = np.random.SeedSequence(7)
+    vote.begin([3], np.random.default_rng(seeds.spawn(1)[0]))
+    sampler = Sampler(params, np.random.default_rng(seeds))
+    for _ in range(TRIALS):
+        d = vote.draft(DraftRequest([3], 1, 0.0, params))
+        vote._pending = None  # every trial starts from the same context
+        verdict = _verify(d.tokens, d.q, [logits] * (len(d.tokens) + 1), [3], sampler)
+        counts[verdict.tokens(d.tokens)[0]] += 1
+    vote.close()
+    return counts
+
+
+@pytest.mark.parametrize("weights", [(2.0, 1.0), (1.0, 2.0)])
+def test_sampled_votes_keep_the_target_distribution(weights: tuple[float, float]) -> None:
+    """The sampled voter leads (its chain, with q) or not (the vote, deterministic): both exact."""
+    counts = first_token_counts(MajorityVote, *weights)
+    assert chisquare(counts, P * TRIALS).pvalue > ALPHA
+
+
+def test_broken_vote_rule_is_caught() -> None:
+    # the zero voter leads; the sampled chain wins only when it drew 0 too: P(0) = 0.15, not 0.1
+    counts = first_token_counts(UsesQWhenItsChainWins, 1.0, 2.0)
+    assert chisquare(counts, P * TRIALS).pvalue < ALPHA
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def draft_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target less one of its 30 layers: about half its drafts are kept, so whole paths
+    are accepted (the pool serves the next round) and many are rejected."""
+    dst = tmp_path_factory.mktemp("draft") / "d.gguf"
+    return merge_layer_ranges(model_path, dst, [(0, 14), (16, 29)])
+
+
+def build(model: Model, draft: Path | None = None, **options: object) -> Strategy:
+    spec = EngineSpec(
+        strategy="minions", draft=draft, n_ctx=2048, n_threads=THREADS, strategy_options=dict(options)
+    )
+    return get_strategy_class("minions").build(model, spec)
+
+
+def make_session(model: Model, strategy: Strategy) -> Session:
+    return Session(model, LocalTarget(model, ContextParams(n_ctx=2048, n_threads=THREADS)), strategy)
+
+
+def reply(
+    session: Session, prompt: str, max_tokens: int, sampling: SamplingParams = GREEDY
+) -> tuple[list[int], list[Round]]:
+    """The reply's tokens and the strategy's own rounds (MinionsRound, with the votes)."""
+    rounds: list[Round] = []
+    run = session.strategy.run
+
+    def spy(g):  # type: ignore[no-untyped-def]
+        for rnd in run(g):
+            rounds.append(rnd)
+            yield rnd
+
+    session.strategy.run = spy  # type: ignore[method-assign]
+    try:
+        for ev in session.generate(prompt, sampling, max_tokens):
+            if isinstance(ev, Finished):
+                return list(ev.tokens), rounds
+    finally:
+        del session.strategy.run
+    raise AssertionError("no Finished event")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Model) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for prompt in PROMPTS:
+        s = make_session(model, Autoregressive())
+        out[prompt] = reply(s, prompt, MAX_TOKENS)[0]
+        s.close()
+    s = make_session(model, Autoregressive())
+    for i, turn in enumerate(TURNS):
+        out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
+    s.close()
+    return out
+
+
+def check_counters(rounds: list[Round]) -> None:
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
+
+
+def test_greedy_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
+    strategy = build(model, max_draft=6, adaptive=False)  # fixed: rejections whatever the timings
+    rounds: list[Round] = []
+    for prompt in PROMPTS:
+        session = make_session(model, strategy)
+        tokens, got = reply(session, prompt, MAX_TOKENS)
+        session.target.close()
+        assert tokens == reference[prompt], prompt[:30]
+        rounds += got
+    check_counters(rounds)
+    votes = [v for r in rounds if isinstance(r, MinionsRound) for v in r.votes]
+    names = {v.name for v in votes if v.voted}
+    assert len(names) >= 2, names  # the vote went to more than one voter
+    assert any(v.weight != 1.0 for v in votes)  # weights moved with acceptance
+    strategy.close()
+
+
+def test_multi_turn_greedy_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
+    strategy = build(model, max_draft=4, adaptive=False)
+    session = make_session(model, strategy)
+    rounds: list[Round] = []
+    for i, turn in enumerate(TURNS):
+        tokens, got = reply(session, turn, TURN_TOKENS)
+        assert tokens == reference[f"turn{i}"], i
+        rounds += got
+    check_counters(rounds)
+    session.close()
+
+
+def test_adaptive_greedy_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
+    """Default options: adaptive length, break-even threshold and the floor's gate."""
+    session = make_session(model, build(model))
+    tokens, rounds = reply(session, PROMPTS[0], MAX_TOKENS)
+    assert tokens == reference[PROMPTS[0]]
+    assert sum(r.drafted for r in rounds) > 0
+    session.close()
+
+
+def test_draft_model_drafts_ahead_and_stays_exact(
+    model: Model, draft_path: Path, reference: dict[str, list[int]]
+) -> None:
+    strategy = build(model, draft_path, max_draft=4, adaptive=False)
+    assert isinstance(strategy, Minions)
+    session = make_session(model, strategy)
+    prompt = PROMPTS[2]
+    tokens, rounds = reply(session, prompt, 64)
+    assert tokens == reference[prompt][:64]
+    check_counters(rounds)
+    mr = [r for r in rounds if isinstance(r, MinionsRound)]
+    assert sum(r.pool_hits for r in mr) > 0  # rounds served from what the worker drafted ahead
+    assert sum(r.ahead_ms for r in mr) > 0 and sum(r.overlap_ms for r in mr) > 0
+    assert any(v.name == "draft-model" and v.drafted for r in mr for v in r.votes)
+    session.close()
+
+
+def sampled_reply(model: Model, draft_path: Path, seed: int) -> list[int]:
+    strategy = build(model, draft_path, max_draft=3, adaptive=False)
+    session = make_session(model, strategy)
+    try:
+        tokens, rounds = reply(session, "Tell me about cats.", 40, SamplingParams(temperature=0.9, seed=seed))
+        check_counters(rounds)
+        assert sum(r.pool_hits for r in rounds if isinstance(r, MinionsRound)) > 0
+        return tokens
+    finally:
+        session.close()
+
+
+def test_seeded_sampling_repeats_with_a_worker_drafting(model: Model, draft_path: Path) -> None:
+    first = sampled_reply(model, draft_path, 11)
+    assert sampled_reply(model, draft_path, 11) == first
+    assert sampled_reply(model, draft_path, 12) != first
+
+
+def test_generate_cli_runs_minions(capsys: pytest.CaptureFixture[str], draft_path: Path) -> None:
+    argv = ["generate", "--strategy", "minions", "-t", "1", "--max-tokens", "24", "--json"]
+    assert main([*argv, "List the numbers 1, 2, 3, 4, 5, 6, 7, 8, 9."]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["strategy"] == "minions" and out["tokens"] and "drafted" in out
+    assert main([*argv, "--draft", str(draft_path), "Say hi."]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy"] == "minions"
