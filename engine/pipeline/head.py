@@ -363,6 +363,7 @@ class PipelineTarget(TargetBase):
         self.setup = setup
         self.recover = recover and setup is not None
         self.recoveries = 0  # chains rebuilt after a lost worker (tests, figures)
+        self.recovery_s: list[float] = []  # how long each rebuild and replay took
         self.log = TransactionLog()
         self._tickets = itertools.count(1)
         self._txn = 0  # transactions sent to the current chain (each chain starts at 1)
@@ -665,6 +666,7 @@ class PipelineTarget(TargetBase):
             except PotluckError as e:
                 self._give_up(err, str(e))
         self.recoveries += 1
+        self.recovery_s.append(time.monotonic() - t0)
         new_stages = tuple((lk.node_id, *(lk.layers or (0, 0))) for lk in self.links)
         reason = (
             f"{first_reason}; continued on {len(self.links)} worker(s) after "
