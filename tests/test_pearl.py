@@ -1,0 +1,170 @@
+"""`pearl` is lossless while the draft and the target really run at the same time.
+
+Two threads, as the product runs it on this machine: the target on one core, the draft on
+the other. A weak draft (20 of the 30 layers) gets many guesses rejected, so the cancel /
+trim path runs; the counters prove that drafts were accepted and rejected and that drafting
+overlapped verification.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.engine import verify
+from potluck.engine.events import Finished
+from potluck.engine.loader import EngineSpec
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import SamplingParams
+from potluck.engine.session import Session
+from potluck.engine.strategies import pearl
+from potluck.engine.strategies.base import Strategy
+from potluck.engine.strategies.pearl import Pearl, _Context, split_threads
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.target import LocalTarget
+
+from .test_spec_strategies import (
+    ALPHA,
+    LONG_PROMPTS,
+    RAW_PROMPTS,
+    TRIALS,
+    TURNS,
+    broken_residual,
+    chi2_pvalue,
+    draft_path,  # noqa: F401  (module fixture: the weak 20-layer draft)
+    first_tokens,
+    reply,
+)
+
+THREADS = 2
+MAX_TOKENS = 96
+TURN_TOKENS = 48
+
+
+def build(model: Model, draft: Path | None, **options: object) -> Strategy:
+    spec = EngineSpec(strategy="pearl", draft=draft, n_ctx=2048, n_threads=THREADS, strategy_options=dict(options))
+    return Pearl.build(model, spec)
+
+
+def session(model: Model, strategy: Strategy) -> Session:
+    return Session(model, LocalTarget(model, ContextParams(n_ctx=2048, n_threads=THREADS)), strategy)
+
+
+@pytest.fixture(scope="module")
+def plain(model: Model) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for prompt in LONG_PROMPTS[:3]:
+        s = session(model, Autoregressive())
+        out[prompt] = reply(s, prompt, MAX_TOKENS)[0]
+        s.close()
+    s = session(model, Autoregressive())
+    for i, turn in enumerate(TURNS):
+        out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
+    s.close()
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_pearl_equals_plain_decoding(
+    model: Model, draft_path: Path, plain: dict[str, list[int]], adaptive: bool  # noqa: F811
+) -> None:
+    strategy = build(model, draft_path, adaptive=adaptive)
+    drafted = accepted = plain_rounds = 0
+    overlap = 0.0
+    for prompt in LONG_PROMPTS[:3]:
+        s = session(model, strategy)
+        tokens, rounds = reply(s, prompt, MAX_TOKENS)
+        s.target.close()
+        assert tokens == plain[prompt], prompt[:30]
+        drafted += sum(r.drafted for r in rounds)
+        accepted += sum(r.accepted for r in rounds)
+        plain_rounds += sum(r.drafted == 0 for r in rounds)
+        overlap += sum(r.overlap_ms for r in rounds)
+    if adaptive:
+        # the gate measured plain rounds and probed parallel ones (with this weak draft it
+        # soon falls back to plain decoding on all cores: the floor at work)
+        assert drafted > 0 and plain_rounds > 0 and strategy.gate.closures > 0
+    else:
+        assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
+        assert overlap > 0  # the draft computed while the target verified
+    strategy.close()
+
+
+def test_multi_turn_pearl_equals_plain_decoding(
+    model: Model, draft_path: Path, plain: dict[str, list[int]]  # noqa: F811
+) -> None:
+    strategy = build(model, draft_path, adaptive=False)
+    s = session(model, strategy)
+    for i, turn in enumerate(TURNS):
+        assert reply(s, turn, TURN_TOKENS)[0] == plain[f"turn{i}"], f"turn {i}"
+    s.close()
+
+
+def test_pearl_with_ngram_drafts_equals_plain_decoding(model: Model, plain: dict[str, list[int]]) -> None:
+    """No draft model: the N-gram tables draft on the thread (the target keeps every core)."""
+    strategy = build(model, None, adaptive=False)
+    assert isinstance(strategy, Pearl) and strategy.target_threads == THREADS
+    prompt = LONG_PROMPTS[1]  # code editing: the reply copies its input
+    s = session(model, strategy)
+    tokens, rounds = reply(s, prompt, MAX_TOKENS)
+    s.close()
+    assert tokens == plain[prompt]
+    assert sum(r.accepted for r in rounds) > 0
+
+
+def test_seeded_pearl_repeats_whatever_the_timing(model: Model, draft_path: Path) -> None:  # noqa: F811
+    params = SamplingParams(temperature=0.9, seed=1234)
+    outs = []
+    for _ in range(2):
+        strategy = build(model, draft_path, adaptive=False)
+        s = session(model, strategy)
+        done = [ev for ev in s.generate(LONG_PROMPTS[0], params, 48) if isinstance(ev, Finished)]
+        outs.append(list(done[0].tokens))
+        s.close()
+    assert outs[0] == outs[1] and len(outs[0]) > 10
+
+
+def test_sampled_pearl_token_follows_target_distribution(
+    model: Model, draft_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    strategy = build(model, draft_path, adaptive=False)
+    tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
+    assert chi2_pvalue(tokens, p) > ALPHA
+    # the same with a verifier that resamples from p after a rejection must fail
+    monkeypatch.setattr(pearl, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
+    tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
+    assert chi2_pvalue(tokens, p) < ALPHA
+    strategy.close()
+
+
+def test_pearl_refuses_one_thread_with_a_draft_model(model: Model, draft_path: Path) -> None:  # noqa: F811
+    from potluck.engine.errors import PotluckError
+
+    spec = EngineSpec(strategy="pearl", draft=draft_path, n_ctx=512, n_threads=1)
+    with pytest.raises(PotluckError, match="at least 2 threads"):
+        Pearl.build(model, spec)
+
+
+def test_threads_follow_measured_costs() -> None:
+    assert split_threads(2, 30.0, 10.0) == (1, 1)  # two cores: one each, whatever the costs
+    assert split_threads(8, 30.0, 10.0) == (6, 2)  # the target is 3x the draft's cost
+    assert split_threads(8, 10.0, 10.0) == (4, 4)
+    assert split_threads(1, 30.0, 10.0) == (1, 0)
+
+
+def test_context_view_reads_like_the_list() -> None:
+    history = list(range(100))
+    view = _Context(history, 60, (7, 8, 9))
+    whole = [*history[:60], 7, 8, 9]
+    history.append(1000)  # the session appends while the drafter reads: the view is fixed
+    assert len(view) == len(whole) and list(view) == whole
+    for sl in (slice(None), slice(-5, None), slice(50, 62), slice(61, None), slice(0, 3), slice(62, 70)):
+        assert view[sl] == whole[sl], sl
+    assert view[-1] == 9 and view[59] == 59
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a, b = sorted(rng.integers(-70, 70, size=2))
+        assert view[a:b] == whole[a:b]
