@@ -116,14 +116,23 @@ def _node(info: ServiceInfo) -> DiscoveredNode | None:
 
 
 class Membership:
-    """Live set of advertised workers; ``on_change(kind, node)`` with kind "added"/"removed"."""
+    """Live set of advertised workers; ``on_change(kind, node)`` with kind "added"/"removed".
+
+    Records are unauthenticated (anyone on the LAN can announce one), so a known node keeps
+    its address: a record that reuses its instance name or node id with another address is
+    ignored with a warning unless ``verify(node)`` (e.g. a CURVE join checking the node id
+    the worker itself reports) confirms it. A node leaves only by its own goodbye or expiry.
+    """
 
     def __init__(
         self,
         *,
         interfaces: Sequence[str] | None = None,
         on_change: Callable[[str, DiscoveredNode], None] | None = None,
+        verify: Callable[[DiscoveredNode], bool] | None = None,
     ) -> None:
+        self._verify = verify
+        self.refused_takeovers = 0
         self._zc = _zeroconf(interfaces)
         self._lock = threading.Lock()
         self._nodes: dict[str, DiscoveredNode] = {}
@@ -147,6 +156,23 @@ class Membership:
         if node is None:
             return
         with self._lock:
+            old = self._nodes.get(name) or next(
+                (n for n in self._nodes.values() if n.node_id == node.node_id), None
+            )
+        takeover = old is not None and old.address != node.address
+        if takeover:
+            if self._verify is None or not self._verify(node):
+                self.refused_takeovers += 1
+                log.warning(
+                    "ignoring a zeroconf record that moves node %s from %s to %s without proof",
+                    old.node_id, old.address, node.address,
+                )
+                return
+        with self._lock:
+            if takeover:  # proven: the node moved
+                self._nodes = {k: v for k, v in self._nodes.items() if v is not old}
+            elif old is not None and old is not self._nodes.get(name):
+                return  # the same node id under a second name: keep the first
             known = name in self._nodes
             self._nodes[name] = node
         if not known and self._on_change:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +44,7 @@ def start_worker(
     zeroconf: bool = False,
     threads: int = 1,
     extra_args: Sequence[str] = (),
+    preexec: Callable[[], None] | None = None,
 ) -> WorkerProc:
     tmp.mkdir(parents=True, exist_ok=True)
     log_path = tmp / f"{name}.log"
@@ -56,7 +57,7 @@ def start_worker(
     # the token travels in the environment, never on the command line (`ps` shows those)
     env = dict(os.environ, POTLUCK_HOME=str(tmp / f"{name}-home"), PYTHONUNBUFFERED="1", POTLUCK_TOKEN=token)
     log_file = open(log_path, "wb")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file, env=env)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file, env=env, preexec_fn=preexec)
     log_file.close()
     assert proc.stdout is not None
     deadline = time.monotonic() + 60

