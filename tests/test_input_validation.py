@@ -118,7 +118,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 # --------------------------------------------------------------------------- the generate property
 
-TOKEN = "0123456789abcdef0123"  # long enough to be a cluster token
+TOKEN = "potluck-Xq3vB9tLm2Rk7WzYc4Np8Hd5"  # long and varied enough to be a cluster token
 INTS_BAD = ["0", "-1", "abc", "", "1.5", "0x10", str(2**70), str(-(2**70)), "1e3", " "]
 FLOATS_BAD = ["-1", "nan", "inf", "-inf", "1e400", "abc", "", "1e-320"]
 

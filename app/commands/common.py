@@ -57,7 +57,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "--token-file", type=Path, help="file holding the cluster token, mode 0600 (default: $POTLUCK_TOKEN "
         "or the one `potluck token` saved)",
     )
-    g.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for scripts, warned about
+    g.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for old scripts, undocumented
     g.add_argument("--split", help="fixed layer boundaries, e.g. 0,12,30 (default: planned)")
     g.add_argument(
         "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"
@@ -124,15 +124,12 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
 
 
 def cluster_keys(args: argparse.Namespace):  # -> CurveKeys
-    """The CURVE keys from the token of --token-file, $POTLUCK_TOKEN or the saved file."""
+    """The CURVE keys from the token of --token-file, $POTLUCK_TOKEN or the saved file.
+
+    ``--token`` still works for old scripts but is hidden from --help: `ps` shows it to
+    every user of the machine."""
     from ...discovery.auth import keys_from_token, resolve_token
 
-    if getattr(args, "token", None):
-        print(
-            "warning: --token puts the cluster token where `ps` shows it to every user of this "
-            "machine; use $POTLUCK_TOKEN or --token-file instead",
-            file=sys.stderr,
-        )
     return keys_from_token(resolve_token(args.token, getattr(args, "token_file", None)))
 
 

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--token-file", type=Path,
         help="file holding the cluster token, mode 0600 (default: $POTLUCK_TOKEN or the saved one)",
     )
-    p.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for scripts, warned about
+    p.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for old scripts, undocumented
     p.add_argument("--cache-dir", type=Path, help="where received slices are kept (by sha256)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads, at most the cores (default 0: all)")
     p.add_argument(
