@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 FAMILIES = ("code_editing", "summarization", "chat")
 PEER = "peer"  # llama-cpp-python's LlamaPromptLookupDecoding, see .peers
 BASELINE = "autoregressive"
+DRAFT_USERS = {"sd", "pearl", "minions"}  # strategies that use --draft when one is given
 
 
 def load_prompts(family: str) -> list[str]:
@@ -108,8 +109,9 @@ class BenchRow:
     tokens: int  # tokens generated per repetition, all prompts of the family
     prompts: int
     reps: int
-    draft_ms_per_token: float | None
-    verify_ms_per_token: float | None
+    draft_ms_per_token: float | None  # busy drafting, per emitted token
+    verify_ms_per_token: float | None  # busy verifying, per emitted token
+    overlap_ms_per_token: float | None  # busy at both at once (pearl): the parallelism
     target: str
     target_layers: int
     recipe: str | None
@@ -134,6 +136,7 @@ class _Acc:
     draft_len: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    overlap_ms: float = 0.0
     emitted: int = 0
     identical: bool = True
 
@@ -192,6 +195,7 @@ class _Runner:
                     acc.draft_len += ev.draft_len
                     acc.draft_ms += ev.draft_ms
                     acc.verify_ms += ev.verify_ms
+                    acc.overlap_ms += ev.overlap_ms
                     acc.emitted += ev.emitted
                 elif isinstance(ev, Finished):
                     finished = ev
@@ -225,7 +229,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     runners: list[_Runner] = []
     try:
         cost_ratio = None
-        if cfg.draft is not None and "sd" in strategies:
+        if cfg.draft is not None and DRAFT_USERS & set(strategies):
             with Model(cfg.draft) as draft_model:
                 target_ms = decode_ms_per_token(model, cfg.n_threads)
                 draft_ms = decode_ms_per_token(draft_model, cfg.n_threads)
@@ -283,11 +287,12 @@ def _row(
         reps=cfg.reps,
         draft_ms_per_token=acc.draft_ms / acc.emitted if spec and acc.emitted else None,
         verify_ms_per_token=acc.verify_ms / acc.emitted if spec and acc.emitted else None,
+        overlap_ms_per_token=acc.overlap_ms / acc.emitted if spec and acc.emitted else None,
         target=model.path.name,
         target_layers=model.n_layer,
         recipe=cfg.recipe,
-        draft=cfg.draft.name if cfg.draft is not None and name == "sd" else None,
-        cost_ratio=cost_ratio if name == "sd" else None,
+        draft=cfg.draft.name if cfg.draft is not None and name in DRAFT_USERS else None,
+        cost_ratio=cost_ratio if name in DRAFT_USERS else None,
         max_tokens=cfg.max_tokens,
         threads=cfg.n_threads,
     )

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runtime import default_extra_bufts, default_threads
+from .runtime import ContextParams, default_extra_bufts, default_threads
+
+KV_TYPE = ContextParams().kv_type
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class PromptLookupPeer:
                 n_threads=threads,
                 n_threads_batch=threads,
                 flash_attn=True,
+                type_k=KV_TYPE,  # potluck's KV type, so the rows compare like for like
+                type_v=KV_TYPE,
                 logits_all=True,
                 draft_model=LlamaPromptLookupDecoding(
                     max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens

@@ -94,7 +94,7 @@ def test_generate_anpd_json_reports_speculation(capsys: pytest.CaptureFixture[st
 
 def test_bench_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_cli(
-        capsys, "bench", "--families", "chat", "--strategies", "anpd,peer",
+        capsys, "bench", "--families", "chat", "--strategies", "anpd,pearl,minions,peer",
         "--max-tokens", "6", "--reps", "1", "-t", "1", "--json",
     )  # fmt: skip
     assert rc == 0
@@ -102,14 +102,16 @@ def test_bench_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [(r["family"], r["strategy"]) for r in rows] == [
         ("chat", "autoregressive"),
         ("chat", "anpd"),
+        ("chat", "pearl"),
+        ("chat", "minions"),
         ("chat", "peer"),
     ]
     base = rows[0]
     assert base["speedup"] == 1.0 and base["identical_to_ar"] is True
-    assert rows[1]["identical_to_ar"] is True  # lossless
+    assert all(r["identical_to_ar"] for r in rows[1:4])  # lossless
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["prompts"] == len(load_prompts("chat"))
-        assert "identical_to_ar" in r and "acceptance_rate" in r
+        assert "identical_to_ar" in r and "acceptance_rate" in r and "overlap_ms_per_token" in r
     table = format_table([BenchRow(**r) for r in rows])
     assert "speedup" in table and "peer" in table
 
