@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from potluck.app.store import Store
-from potluck.app.store.migrations import SCHEMA_VERSION, v1_initial
+from potluck.app.store.migrations import SCHEMA_VERSION, v1_initial, v2_reply_stats
 from potluck.engine.errors import PotluckError
 
 
 def test_fresh_database_gets_the_latest_schema(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "h.sqlite3")
-    assert store.version == SCHEMA_VERSION == 2
+    assert store.version == SCHEMA_VERSION == 3
     store.close()
 
 
@@ -30,7 +30,7 @@ def test_schema_1_database_is_upgraded_keeping_its_messages(tmp_path: Path) -> N
     conn.close()
 
     store = Store.open(path)
-    assert store.version == 2
+    assert store.version == SCHEMA_VERSION
     msgs = store.messages(1)
     assert [(m.role, m.content, m.finish_reason) for m in msgs] == [
         ("user", "hello", None),
@@ -86,4 +86,77 @@ def test_every_message_is_on_disk_when_written(tmp_path: Path) -> None:
     other = Store.open(path)  # another connection sees it at once: nothing waits for close
     assert [m.content for m in other.messages(conv.id)] == ["kept"]
     other.close()
+    store.close()
+
+
+def test_schema_2_database_is_upgraded_and_a_reply_streams_into_it(tmp_path: Path) -> None:
+    path = tmp_path / "v2.sqlite3"
+    conn = sqlite3.connect(path)
+    v1_initial.upgrade(conn)
+    v2_reply_stats.upgrade(conn)
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO conversations VALUES (1, 'old chat', NULL, 1.0, 1.0)")
+    conn.execute("INSERT INTO messages VALUES (1, 1, 'user', 'hello', 1.0, NULL, NULL, NULL, NULL, NULL)")
+    conn.execute("INSERT INTO messages VALUES (2, 1, 'assistant', 'hi!', 2.0, 'stop', 'autoregressive', 2, 9.0, NULL)")
+    conn.commit()
+    conn.close()
+
+    store = Store.open(path)
+    assert store.version == 3
+    assert [(m.content, m.finish_reason) for m in store.messages(1)] == [("hello", None), ("hi!", "stop")]
+    draft = store.begin_reply(1, "Once")
+    store.save_partial(draft, "Once upon")
+    assert store.messages(1)[-1].content == "Once upon" and store.messages(1)[-1].finish_reason == "partial"
+    store.close()
+
+
+def test_a_finished_reply_takes_the_partial_ones_place(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "h.sqlite3")
+    conv = store.new_conversation()
+    store.add_message(conv.id, "user", "q")
+    draft = store.begin_reply(conv.id, "par")
+    store.save_partial(draft, "partial text")
+    done = store.add_message(conv.id, "assistant", "partial text, finished", finish_reason="stop")
+    assert [(m.content, m.finish_reason) for m in store.messages(conv.id)] == [
+        ("q", None), ("partial text, finished", "stop")
+    ]
+    store.save_partial(draft, "late")  # a save after the finish changes nothing
+    assert store.messages(conv.id)[-1] == done
+    store.close()
+    assert Store.open(tmp_path / "h.sqlite3").mark_interrupted() == 0
+
+
+def test_a_reply_left_partial_by_a_crash_reopens_interrupted(tmp_path: Path) -> None:
+    path = tmp_path / "h.sqlite3"
+    store = Store.open(path)
+    conv = store.new_conversation()
+    store.add_message(conv.id, "user", "tell me a story")
+    draft = store.begin_reply(conv.id, "Once")
+    store.save_partial(draft, "Once upon a time")
+    # no finish: the app died here (the connection is simply dropped)
+    del store
+
+    reopened = Store.open(path)
+    last = reopened.messages(conv.id)[-1]
+    assert (last.role, last.content, last.finish_reason) == ("assistant", "Once upon a time", "interrupted")
+    assert last.interrupted and not last.stopped
+    assert reopened.mark_interrupted() == 0  # marked once
+    reopened.close()
+
+
+def test_an_interrupted_regeneration_replaces_the_old_reply_only_if_it_saved_text(tmp_path: Path) -> None:
+    path = tmp_path / "h.sqlite3"
+    store = Store.open(path)
+    a, b = store.new_conversation("a"), store.new_conversation("b")
+    for conv in (a, b):
+        store.add_message(conv.id, "user", "q")
+    old_a = store.add_message(a.id, "assistant", "old a", finish_reason="stop")
+    old_b = store.add_message(b.id, "assistant", "old b", finish_reason="stop")
+    store.begin_reply(a.id, "new a so far", replaces=old_a.id)
+    store.begin_reply(b.id, "", replaces=old_b.id)  # crashed before any text was saved
+    assert store.mark_interrupted() == 1
+    assert [(m.content, m.finish_reason) for m in store.messages(a.id)] == [
+        ("q", None), ("new a so far", "interrupted")
+    ]
+    assert [(m.content, m.finish_reason) for m in store.messages(b.id)] == [("q", None), ("old b", "stop")]
     store.close()

@@ -1,7 +1,11 @@
 """The history store (after oterm's): one SQLite file, schema version in ``user_version``.
 
-Every message is written in its own transaction the moment it is complete, so a killed app
-loses at most the reply being generated. All calls come from the UI thread.
+Every message is written in its own transaction the moment it is complete. The reply being
+generated is saved as it streams (:meth:`Store.begin_reply`, :meth:`Store.save_partial`;
+the app saves at least every second) and the finished reply replaces it atomically, so a
+killed app loses at most the last second of a reply; opening the store again marks what a
+crash left half-written as interrupted. WAL journal: a kill never corrupts the file. All
+calls come from the UI thread.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from ...engine.errors import PotluckError
 from .migrations import MIGRATIONS, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
+
+PARTIAL = "partial"  # finish_reason of the reply being generated
+INTERRUPTED = "interrupted"  # a partial reply found when the store opens: the app died mid-reply
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,11 @@ class StoredMessage:
     def stopped(self) -> bool:
         """The user cut this reply short (Esc): shown marked, kept in the conversation."""
         return self.finish_reason == "cancelled"
+
+    @property
+    def interrupted(self) -> bool:
+        """The app was killed while this reply streamed: its text up to the last save."""
+        return self.finish_reason == INTERRUPTED
 
 
 _MESSAGE_COLUMNS = (
@@ -96,9 +108,11 @@ class Store:
             conn.execute("PRAGMA foreign_keys = ON")
             conn.execute("PRAGMA journal_mode = WAL")
             migrate(conn)
+            store = cls(conn, clock=clock)
+            store.mark_interrupted()
         except sqlite3.DatabaseError as e:
             raise PotluckError(f"cannot open the history database {path}: {e}") from None
-        return cls(conn, clock=clock)
+        return store
 
     def close(self) -> None:
         self._conn.close()
@@ -180,12 +194,18 @@ class Store:
         replaces: int | None = None,
     ) -> StoredMessage:
         """Write one complete message; ``replaces`` deletes a regenerated reply in the same
-        transaction, so the old reply survives until the new one is whole."""
+        transaction, so the old reply survives until the new one is whole. A complete reply
+        also takes the place of the conversation's partial one (:meth:`begin_reply`)."""
         now = self._clock()
         values = (finish_reason, strategy, n_tokens, tokens_per_s, acceptance_rate)
         with self._tx() as c:
             if replaces is not None:
                 c.execute("DELETE FROM messages WHERE id = ?", (replaces,))
+            if role == "assistant":
+                c.execute(
+                    "DELETE FROM messages WHERE conversation_id = ? AND finish_reason = ?",
+                    (conversation_id, PARTIAL),
+                )
             cur = c.execute(
                 "INSERT INTO messages (conversation_id, role, content, created_at, finish_reason, "
                 "strategy, n_tokens, tokens_per_s, acceptance_rate) "
@@ -200,3 +220,47 @@ class Store:
     def delete_message(self, message_id: int) -> None:
         with self._tx() as c:
             c.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    # -- the reply being generated
+    def begin_reply(self, conversation_id: int, content: str, *, replaces: int | None = None) -> int:
+        """Save the start of a reply that is still streaming; returns its message id."""
+        now = self._clock()
+        with self._tx() as c:
+            cur = c.execute(
+                "INSERT INTO messages (conversation_id, role, content, created_at, finish_reason, saved_at, "
+                "replaces) VALUES (?, 'assistant', ?, ?, ?, ?, ?)",
+                (conversation_id, content, now, PARTIAL, now, replaces),
+            )
+        return int(cur.lastrowid or 0)
+
+    def save_partial(self, message_id: int, content: str) -> None:
+        """Rewrite a streaming reply's text so far (one small transaction)."""
+        with self._tx() as c:
+            c.execute(
+                "UPDATE messages SET content = ?, saved_at = ? WHERE id = ? AND finish_reason = ?",
+                (content, self._clock(), message_id, PARTIAL),
+            )
+
+    def mark_interrupted(self) -> int:
+        """Mark replies a crash left partial as interrupted; returns how many.
+
+        An interrupted regeneration replaces the reply it was regenerating if any of its text
+        was saved; one with no text is dropped (the old reply, or nothing, stays)."""
+        with self._tx() as c:
+            rows = c.execute(
+                "SELECT id, content, replaces FROM messages WHERE finish_reason = ?", (PARTIAL,)
+            ).fetchall()
+            for message_id, content, replaces in rows:
+                if not content:
+                    c.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+                    continue
+                if replaces is not None:
+                    c.execute("DELETE FROM messages WHERE id = ?", (replaces,))
+                c.execute(
+                    "UPDATE messages SET finish_reason = ?, replaces = NULL WHERE id = ?",
+                    (INTERRUPTED, message_id),
+                )
+        marked = sum(1 for _, content, _ in rows if content)
+        if marked:
+            log.warning("history: %d reply(ies) interrupted by a crash kept up to their last save", marked)
+        return marked

@@ -40,6 +40,7 @@ from .replies import (
     ReplyFinished,
     SessionFactory,
     SessionLoaded,
+    checkpoint_reply,
     load_in_thread,
     reply_in_thread,
 )
@@ -366,6 +367,8 @@ class PotluckApp(App[None]):
             reply.got_text = True
             if reply.view.is_attached:
                 await reply.view.append(text)
+        if self.store is not None:
+            checkpoint_reply(self.store, reply)  # a crash loses at most SAVE_EVERY_S of it
 
     async def on_reply_finished(self, event: ReplyFinished) -> None:
         reply, f = event.reply, event.finished

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,10 +23,13 @@ from ...engine.errors import PotluckError
 from ...engine.events import Event, Finished, ReplyStarted, TokenText
 from ...engine.loader import EngineSpec
 from ...engine.sampling import SamplingParams
+from ..store import Store
 from .stats import ReplyProgress
 from .widgets import MessageView
 
 log = logging.getLogger(__name__)
+
+SAVE_EVERY_S = 0.5  # a streaming reply is saved this often: a crash loses at most ~this much text
 
 
 class ChatSession(Protocol):
@@ -70,6 +74,11 @@ class Reply:
     # Text the engine thread produced that the UI has not drawn yet (guarded by the lock).
     pending: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # UI thread: the text taken so far, and what of it the history holds (checkpoint_reply).
+    text: str = ""
+    draft_id: int | None = None
+    saved_len: int = 0
+    saved_at: float = float("-inf")
 
     def push(self, text: str) -> None:  # engine thread
         with self.lock:
@@ -79,12 +88,29 @@ class Reply:
         with self.lock:
             text = "".join(self.pending)
             self.pending.clear()
+        self.text += text
         return text
 
     def cancel(self) -> None:  # any thread
         """Stop the reply after the engine's current step; the partial text is kept."""
         self.cancelled.set()
         self.session.cancel()
+
+
+def checkpoint_reply(store: Store, reply: Reply, now: float | None = None) -> None:  # UI thread
+    """Save the streaming reply's text to the history if it grew and the last save is
+    ``SAVE_EVERY_S`` old, so a killed app loses at most that much; the finished reply then
+    takes the saved one's place (:meth:`Store.add_message`)."""
+    now = time.monotonic() if now is None else now
+    if len(reply.text) == reply.saved_len or now - reply.saved_at < SAVE_EVERY_S:
+        return
+    if store.conversation(reply.conversation_id) is None:
+        return  # deleted while it streamed
+    if reply.draft_id is None:
+        reply.draft_id = store.begin_reply(reply.conversation_id, reply.text, replaces=reply.replaces)
+    else:
+        store.save_partial(reply.draft_id, reply.text)
+    reply.saved_len, reply.saved_at = len(reply.text), now
 
 
 class ReplyFinished(TMessage):

@@ -23,6 +23,7 @@ _FINISH_NOTE = {
     "length": "cut at the token limit",
     "context_full": "context full",
     "error": "failed",
+    "interrupted": "interrupted (potluck closed mid-reply)",
 }
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable
 
-from . import v1_initial, v2_reply_stats
+from . import v1_initial, v2_reply_stats, v3_partial_replies
 
 MIGRATIONS: list[tuple[int, Callable[[sqlite3.Connection], None]]] = [
     (1, v1_initial.upgrade),
     (2, v2_reply_stats.upgrade),
+    (3, v3_partial_replies.upgrade),
 ]
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
