@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 
 from potluck.app.cli import main
 from potluck.engine.drafters import Draft, DraftRequest
+from potluck.engine.errors import PotluckError
 from potluck.engine.events import Finished
 from potluck.engine.gguf_tools import merge_layer_ranges
 from potluck.engine.kernels.lookup import lookup_draft, lookup_reference
@@ -358,7 +359,7 @@ def test_adaptive_greedy_equals_plain_decoding(model: Model, reference: dict[str
 def test_draft_model_drafts_ahead_and_stays_exact(
     model: Model, draft_path: Path, reference: dict[str, list[int]]
 ) -> None:
-    strategy = build(model, draft_path, max_draft=4, adaptive=False)
+    strategy = build(model, draft_path, max_draft=4, adaptive=False, ahead=True)
     assert isinstance(strategy, Minions)
     session = make_session(model, strategy)
     prompt = PROMPTS[2]
@@ -373,7 +374,7 @@ def test_draft_model_drafts_ahead_and_stays_exact(
 
 
 def sampled_reply(model: Model, draft_path: Path, seed: int) -> list[int]:
-    strategy = build(model, draft_path, max_draft=3, adaptive=False)
+    strategy = build(model, draft_path, max_draft=3, adaptive=False, ahead=True)
     session = make_session(model, strategy)
     try:
         tokens, rounds = reply(session, "Tell me about cats.", 40, SamplingParams(temperature=0.9, seed=seed))
@@ -397,3 +398,12 @@ def test_generate_cli_runs_minions(capsys: pytest.CaptureFixture[str], draft_pat
     assert out["strategy"] == "minions" and out["tokens"] and "drafted" in out
     assert main([*argv, "--draft", str(draft_path), "Say hi."]) == 0
     assert json.loads(capsys.readouterr().out)["strategy"] == "minions"
+
+
+def test_bad_options_are_one_line_errors(model: Model) -> None:
+    with pytest.raises(PotluckError, match="ngram_short and ngram_max are both 5"):
+        build(model, ngram_short=5)
+    with pytest.raises(PotluckError, match="no option 'min_draft_p'"):
+        build(model, min_draft_p=0.5)
+    with pytest.raises(PotluckError, match="ahead must be true or false"):
+        build(model, ahead="yes")

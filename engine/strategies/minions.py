@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -286,7 +286,8 @@ class Minions(Speculative):
         **LENGTH_OPTIONS,
         "ngram_max": "the longest N-gram of ANPD's tables (the first N-gram voter)",
         "ngram_short": "the N of the second N-gram voter",
-        "ahead": "let a draft model draft the next round while the target verifies",
+        "ahead": "a draft model drafts the next round while the target verifies "
+        "(default: when there are cores for both)",
     }
 
     def __init__(
@@ -318,9 +319,11 @@ class Minions(Speculative):
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        from ..drafters.draft_model import DraftModelDrafter
         from ..drafters.lookup import LookupDrafter
         from ..drafters.ngram import NgramDrafter
-        from .speculative import DraftModelSpeculative
+        from ..runtime import default_threads
+        from .speculative import load_draft_model
 
         cls.check_options(spec.strategy_options)
         n_max = _int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's N
@@ -334,12 +337,19 @@ class Minions(Speculative):
         s_max = _int_option(spec, "max_draft", 12 if spec.draft else 7, 1, MAX_EXACT_BATCH - 1)
         s_init = _int_option(spec, "initial_draft", min(4, s_max) if spec.draft else s_max, 0, s_max)
         adaptive = _bool_option(spec, "adaptive", True)
-        ahead = _bool_option(spec, "ahead", True)
+        # drafting ahead runs the draft model beside the target: by default only where the
+        # cores allow both at once (on a shared core llama.cpp's spinning threads stall)
+        n_threads = spec.n_threads or default_threads()
+        ahead = _bool_option(spec, "ahead", default_threads() >= 2 * n_threads)
         voters: list[tuple[str, Drafter]] = []
         if spec.draft is not None:
-            # sd loads, checks and sizes the draft model; Minions keeps only its drafter
-            sd = DraftModelSpeculative.build(target_model, replace(spec, strategy="sd", strategy_options={}))
-            voters.append(("draft-model", sd.drafter))  # type: ignore[attr-defined]
+            draft_model = load_draft_model(target_model, spec)
+            try:
+                drafter = DraftModelDrafter(draft_model, n_ctx=spec.n_ctx, n_threads=n_threads)
+            except BaseException:
+                draft_model.close()
+                raise
+            voters.append(("draft-model", drafter))
         voters += [
             ("lookup", LookupDrafter()),
             (f"ngram{n_max}", NgramDrafter(n_max)),
