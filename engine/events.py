@@ -34,6 +34,16 @@ class TokenText:
 
 
 @dataclass(frozen=True)
+class DrafterStanding:
+    """One of several voting drafters after a round (minions): what its panel row shows."""
+
+    name: str
+    weight: float  # its vote
+    acceptance: float  # tokens the target kept / tokens judged, this conversation
+    voted: bool  # its chain was the one verified this round
+
+
+@dataclass(frozen=True)
 class RoundStats:
     """One draft/verify round (plain decoding: one token, nothing drafted)."""
 
@@ -45,7 +55,8 @@ class RoundStats:
     draft_ms: float  # busy drafting during the round
     verify_ms: float  # busy verifying during the round
     n_past: int  # tokens in the KV cache after the round
-    overlap_ms: float = 0.0  # drafting and verifying at once (pearl)
+    overlap_ms: float = 0.0  # drafting and verifying at once (pearl, minions drafting ahead)
+    drafters: tuple[DrafterStanding, ...] = ()  # voting drafters' standings (minions)
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,7 @@ class Session:
                     verify_ms=rnd.verify_ms,
                     n_past=target.n_past,
                     overlap_ms=rnd.overlap_ms,
+                    drafters=rnd.drafters,
                 )
                 visible = [t for t in kept if not self.model.is_eog(t)]
                 delta = stream.feed(self.model.token_bytes(t) for t in visible)

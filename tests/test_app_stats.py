@@ -112,3 +112,31 @@ def test_esc_before_the_engine_starts_the_reply_still_stops_it() -> None:
     (done,) = posted
     assert isinstance(done, ReplyFinished) and done.finished.reason == "cancelled"
     assert reply.take() == ""
+
+
+def test_pearl_overlap_and_minions_drafters_reach_the_panel() -> None:
+    from potluck.app.tui.widgets import StatsPanel  # noqa: F401  (the panel renders these rows)
+    from potluck.engine.events import DrafterStanding
+
+    meter = SpeedMeter()
+    p = fold([
+        (10.0, ReplyStarted(1, "pearl", prompt_tokens=10, prefill_tokens=10, n_ctx=512)),
+        (10.2, RoundStats(1, drafted=3, accepted=2, emitted=3, draft_len=3, draft_ms=20, verify_ms=30,
+                          n_past=13, overlap_ms=15)),
+        (10.4, RoundStats(1, drafted=3, accepted=3, emitted=4, draft_len=3, draft_ms=20, verify_ms=30,
+                          n_past=17, overlap_ms=20)),
+    ])
+    f = meter.sample(p, now=10.5)
+    assert f.overlap_pct == pytest.approx(100 * 35 / 40)  # of the shorter busy time (drafting)
+    assert f.drafters == ()
+
+    votes = (DrafterStanding("ngram-5", 1.4, 0.6, True), DrafterStanding("lookup", 0.7, 0.2, False))
+    p = fold([
+        (20.0, ReplyStarted(2, "minions", prompt_tokens=10, prefill_tokens=10, n_ctx=512)),
+        (20.1, RoundStats(2, drafted=2, accepted=1, emitted=2, draft_len=2, draft_ms=0.1, verify_ms=9,
+                          n_past=12, drafters=votes)),
+        (20.2, RoundStats(2, drafted=0, accepted=0, emitted=1, draft_len=0, draft_ms=0, verify_ms=8, n_past=13)),
+    ])
+    f = meter.sample(p, now=20.3)
+    assert f.drafters == votes  # a plain round keeps the last standings on show
+    assert f.overlap_pct is None  # nothing overlapped: no row rather than a misleading 0 %

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ...engine.events import Event, Finished, ReplyStarted, RoundStats, TokenText
+from ...engine.events import DrafterStanding, Event, Finished, ReplyStarted, RoundStats, TokenText
 
 DASH = "—"
 
@@ -35,6 +35,10 @@ class ReplyProgress:
     draft_len: int = 0
     n_past: int = 0
     n_ctx: int = 0
+    draft_ms: float = 0.0  # busy drafting, whole reply
+    verify_ms: float = 0.0  # busy verifying, whole reply
+    overlap_ms: float = 0.0  # both at once
+    drafters: tuple[DrafterStanding, ...] = ()  # latest standings of voting drafters
     finished: Finished | None = None
 
     def after(self, event: Event, now: float) -> ReplyProgress:
@@ -59,6 +63,10 @@ class ReplyProgress:
                 rounds=self.rounds + 1,
                 draft_len=event.draft_len,
                 n_past=event.n_past,
+                draft_ms=self.draft_ms + event.draft_ms,
+                verify_ms=self.verify_ms + event.verify_ms,
+                overlap_ms=self.overlap_ms + event.overlap_ms,
+                drafters=event.drafters or self.drafters,
             )
         if isinstance(event, TokenText) and event.token_ids and not self.first_token_at:
             return replace(self, first_token_at=now)
@@ -88,6 +96,14 @@ class Figures:
     generated_tokens: int = 0
     n_past: int = 0
     n_ctx: int = 0
+    overlap_pct: float | None = None  # share of verification the draft ran alongside (pearl)
+    drafters: tuple[DrafterStanding, ...] = ()
+
+
+def _overlap_pct(p: ReplyProgress) -> float | None:
+    """Overlap as a share of the shorter busy time: 100 % means one fully hid the other."""
+    shorter = min(p.draft_ms, p.verify_ms)
+    return 100.0 * min(1.0, p.overlap_ms / shorter) if p.overlap_ms > 0 and shorter > 0 else None
 
 
 def _acceptance(drafted: int, accepted: int, rounds: int) -> tuple[float | None, float | None]:
@@ -131,6 +147,8 @@ class SpeedMeter:
                 generated_tokens=len(f.tokens),
                 n_past=p.n_past,
                 n_ctx=p.n_ctx,
+                overlap_pct=_overlap_pct(p),
+                drafters=p.drafters,
             )
         acc, mean = _acceptance(p.drafted, p.accepted, p.rounds)
         reply_rate = None
@@ -152,6 +170,8 @@ class SpeedMeter:
             generated_tokens=p.new_tokens,
             n_past=p.n_past,
             n_ctx=p.n_ctx,
+            overlap_pct=_overlap_pct(p),
+            drafters=p.drafters,
         )
 
 

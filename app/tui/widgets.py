@@ -204,6 +204,9 @@ class StatsPanel(Vertical):
                 ("draft length", fmt(f.draft_len, "d")),
                 ("drafted", str(f.drafted) if f.acceptance_rate is not None else DASH),
                 ("accepted", str(f.accepted) if f.acceptance_rate is not None else DASH),
+                *([("draft ∥ target", fmt(f.overlap_pct, ".0f", "%"))] if f.overlap_pct is not None else []),
+                *[(("▸ " if d.voted else "  ") + d.name, f"w {d.weight:.2f}  acc {d.acceptance:.2f}")
+                  for d in f.drafters],
             ])
         used = f"{f.n_past} / {f.n_ctx}" if f.n_ctx else DASH
         pct = f" ({100 * f.n_past / f.n_ctx:.0f}%)" if f.n_ctx else ""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from ..errors import PotluckError
+from ..events import DrafterStanding
 from ..sampling import Sampler
 from ..target import Target
 
@@ -39,6 +40,7 @@ class Round:
     draft_ms: float = 0.0  # busy drafting during the round
     verify_ms: float = 0.0  # busy verifying during the round
     overlap_ms: float = 0.0  # both at once (strategies that draft while the target verifies)
+    drafters: tuple[DrafterStanding, ...] = ()  # each voting drafter's standing (minions)
 
 
 @dataclass
