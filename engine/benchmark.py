@@ -39,11 +39,18 @@ DRAFT_USERS = {"sd", "pearl", "minions"}  # strategies that use --draft when one
 
 
 def load_prompts(family: str) -> list[str]:
-    """Prompts of one family: ``assets/prompts/<family>.txt``, separated by ``%%`` lines."""
-    path = asset(f"prompts/{family}.txt")
-    if not path.exists():
-        raise PotluckError(f"unknown prompt family {family!r}; choose from {', '.join(FAMILIES)}")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    """Prompts of one family: ``assets/prompts/<family>.txt``, or a file of the user's own
+    (a path ending in .txt), separated by ``%%`` lines; leading ``#`` lines are comments."""
+    path = Path(family) if family.endswith(".txt") else asset(f"prompts/{family}.txt")
+    if not path.is_file():
+        raise PotluckError(
+            f"unknown prompt family {family!r}; choose from {', '.join(FAMILIES)} "
+            "or give a .txt file of prompts separated by %% lines"
+        )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PotluckError(f"cannot read prompts from {path}: {e}") from None
     while lines and lines[0].startswith("#"):
         lines.pop(0)
     prompts, cur = [], []
@@ -225,6 +232,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     if cfg.reps <= 0 or cfg.max_tokens <= 1:
         raise PotluckError("--reps must be >= 1 and --max-tokens >= 2")
     prompts = {fam: load_prompts(fam) for fam in cfg.families}
+    for fam, found in prompts.items():
+        if not found:
+            raise PotluckError(f"no prompts in {fam!r} (separate prompts with lines holding %%)")
     model = Model(resolve_model(cfg.model))
     runners: list[_Runner] = []
     try:
@@ -274,7 +284,7 @@ def _row(
     tps, base_tps = acc.tokens_per_s(), base.tokens_per_s()
     spec = acc.drafted > 0 or name not in (BASELINE, PEER)
     return BenchRow(
-        family=fam,
+        family=Path(fam).stem if fam.endswith(".txt") else fam,
         strategy=name,
         tokens_per_s=tps,
         speedup=tps / base_tps if base_tps > 0 else 0.0,

@@ -11,6 +11,7 @@ import pytest
 from potluck.app.cli import main
 from potluck.app.commands.bench import format_table
 from potluck.engine.benchmark import BenchRow, load_prompts, ngram_scaling
+from potluck.engine.errors import PotluckError
 from potluck.engine.fixtures import build_fixture
 from potluck.engine.runtime import Model
 
@@ -133,3 +134,11 @@ def test_ngram_cost_scaling_runs() -> None:
     rows = ngram_scaling(sizes=(500, 5000), steps=200)
     assert [r["context_tokens"] for r in rows] == [500, 5000]
     assert all(r["us_per_token"] > 0 for r in rows)
+
+
+def test_bench_takes_a_file_of_own_prompts(tmp_path: Path) -> None:
+    f = tmp_path / "mine.txt"
+    f.write_text("# my prompts\nFirst prompt\nover two lines\n%%\nSecond prompt\n", encoding="utf-8")
+    assert load_prompts(str(f)) == ["First prompt\nover two lines", "Second prompt"]
+    with pytest.raises(PotluckError, match="unknown prompt family"):
+        load_prompts(str(tmp_path / "missing.txt"))
