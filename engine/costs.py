@@ -29,8 +29,18 @@ def cost_key(model_path: Path, n_threads: int, kv_type: int) -> str:
         size = model_path.stat().st_size
     except OSError:
         size = 0
-    cpu = platform.processor() or platform.machine()
-    return f"{model_path.name}:{size}|t{n_threads}|kv{kv_type}|{cpu}|{os.cpu_count()}"
+    return f"{model_path.name}:{size}|t{n_threads}|kv{kv_type}|{_cpu_name()}|{os.cpu_count()}"
+
+
+def _cpu_name() -> str:
+    """The CPU model (Linux names it in /proc/cpuinfo; elsewhere platform's best guess)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 class CostBook:
