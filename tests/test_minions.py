@@ -21,7 +21,7 @@ from potluck.engine.gguf_tools import merge_layer_ranges
 from potluck.engine.kernels.lookup import lookup_draft, lookup_reference
 from potluck.engine.loader import EngineSpec
 from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import Sampler, SamplingParams
+from potluck.engine.sampling import Sampler, SamplingParams, probs
 from potluck.engine.session import Session
 from potluck.engine.strategies.base import Round, Strategy
 from potluck.engine.strategies.minions import MajorityVote, Minions, MinionsRound
@@ -252,6 +252,84 @@ def test_broken_vote_rule_is_caught() -> None:
     # the zero voter leads; the sampled chain wins only when it drew 0 too: P(0) = 0.15, not 0.1
     counts = first_token_counts(UsesQWhenItsChainWins, 1.0, 2.0)
     assert chisquare(counts, P * TRIALS).pvalue < ALPHA
+
+
+
+class PerPosition(Sampled):
+    """A sampled voter whose q differs at every position of the reply."""
+
+    def __init__(self, qs: np.ndarray) -> None:
+        super().__init__(qs[0])
+        self.qs = qs
+
+    def draft(self, req: DraftRequest) -> Draft:
+        start = len(req.context) - 1  # position in the reply of the first drafted token
+        rows = [self.qs[start + i] for i in range(req.max_tokens)]
+        toks = [int(self.rng.choice(V, p=q)) for q in rows]
+        return Draft(toks, rows)
+
+
+class MisalignedPool(MajorityVote):
+    """Broken on purpose: a pooled chain keeps the q rows from the start of the worker's
+    draft instead of from the target's bonus token on."""
+
+    def _from_pool(self, i, context, k):  # type: ignore[no-untyped-def]
+        e = self._pool.get(i)
+        got = super()._from_pool(i, context, k)
+        if got is None or e is None or e.q is None:
+            return got
+        return got[0], e.q[: len(got[0])]
+
+
+FILTERED = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, min_p=0.05)
+POSITIONS = 4  # reply tokens checked: the later ones often come from the pool
+
+
+def reply_position_counts(cls: type[MajorityVote]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Counts of the first POSITIONS reply tokens over TRIALS seeded replies, the target's
+    filtered distribution at each (independent of the prefix, so the marginals must match),
+    and how many rounds were served from the pool."""
+    rng = np.random.default_rng(5)
+    n_pos = 12
+    logits = rng.normal(0.0, 1.2, size=(n_pos, V)).astype(np.float32)
+    p = np.array([probs(row, FILTERED) for row in logits])
+    # q near enough to p to be kept often, far enough from its neighbours to show misalignment
+    qs = 0.3 * p + 0.7 * rng.dirichlet(np.full(V, 0.5), size=n_pos)
+    vote = cls([("draft-model", PerPosition(qs)), ("zero", Fixed("zero", [0]))], ahead=[0],
+               weights=WeightConfig(window=10**9))
+    vote.weights.weights = [2.0, 1.0]  # the sampled voter leads: its q rows are used
+    counts = np.zeros((POSITIONS, V))
+    hits = 0
+    for trial in range(TRIALS // 2):
+        seeds = np.random.SeedSequence(trial)
+        sampler = Sampler(FILTERED, np.random.default_rng(seeds))
+        history = [0]
+        vote.begin(history, np.random.default_rng(seeds.spawn(1)[0]))
+        while len(history) <= POSITIONS:
+            d = vote.draft(DraftRequest(history, 1, 0.0, FILTERED))
+            hits += vote.pool_hits
+            pos = len(history) - 1
+            verdict = _verify(d.tokens, d.q, list(logits[pos : pos + len(d.tokens) + 1]), history, sampler)
+            vote.accept(verdict.n_accepted)
+            toks = verdict.tokens(d.tokens)
+            vote.settle(len(history), toks)
+            history = history + toks
+        for j in range(POSITIONS):
+            counts[j, history[1 + j]] += 1
+    vote.close()
+    return counts, p[:POSITIONS], hits
+
+
+def test_pooled_sampled_drafts_keep_the_target_distribution_at_every_position() -> None:
+    counts, p, hits = reply_position_counts(MajorityVote)
+    assert hits > TRIALS // 10  # later positions were drafted ahead, during verification
+    n = counts[0].sum()
+    for j in range(POSITIONS):
+        keep = p[j] > 0  # top-k / top-p / min-p removed the rest: never emitted
+        assert counts[j][~keep].sum() == 0
+        assert chisquare(counts[j][keep], p[j][keep] * n).pvalue > ALPHA, j
+    broken, p, _ = reply_position_counts(MisalignedPool)
+    assert min(chisquare(broken[j][p[j] > 0], p[j][p[j] > 0] * n).pvalue for j in range(POSITIONS)) < ALPHA
 
 
 # --------------------------------------------------------------------------- the real model
