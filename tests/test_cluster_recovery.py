@@ -13,12 +13,15 @@ import pytest
 
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.events import Event, Finished, NodeStatus, PlanChanged, TokenText
+from potluck.engine.loader import EngineSpec
 from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.pipeline.recovery import LoggedKv
 from potluck.engine.pipeline.transfer import SliceCache
 from potluck.engine.runtime import ContextParams, Model
 from potluck.engine.sampling import SamplingParams
 from potluck.engine.session import Session
 from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.strategies.registry import STRATEGIES
 from potluck.engine.target import LocalTarget, Target
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
@@ -79,9 +82,11 @@ def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
 
 
 def converse(
-    model: Model, target: Target, sampling: SamplingParams, on_token: Callable[[int], None] | None = None
+    model: Model, target: Target, sampling: SamplingParams, on_token: Callable[[int], None] | None = None,
+    strategy: str = "autoregressive", draft: Path | None = None,
 ) -> tuple[list[tuple[int, ...]], list[Event]]:
-    session = Session(model, target, Autoregressive())
+    spec = EngineSpec(strategy=strategy, draft=draft, n_ctx=N_CTX, n_threads=1)
+    session = Session(model, target, STRATEGIES[strategy].build(model, spec))
     replies, events = [], []
     for turn in TURNS:
         n = 0
@@ -94,6 +99,7 @@ def converse(
             if isinstance(ev, Finished):
                 replies.append(ev.tokens)
         on_token = None  # the loss happens in the first reply only
+    session.strategy.close()
     return replies, events
 
 
@@ -148,6 +154,34 @@ def test_reply_survives_a_lost_worker_identical_to_one_machine(
         states = {(e.node, e.state) for e in events if isinstance(e, NodeStatus)}
         assert (lost.node_id, "lost") in states
         assert any(state == "recovering" for _, state in states)
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize("strategy", ["anpd", "pearl"])
+def test_speculative_reply_survives_a_lost_worker(
+    strategy: str, model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """Drafting strategies keep KV edits (rejected tails trimmed), verify batches in flight
+    and cancelled runs in the log: the replay must reproduce all of it. Lossless, so the
+    reference is plain decoding."""
+    expected = reference(model, SamplingParams())
+    target = open_three(model_path, workers, slice_cache)
+    lost = workers[1]
+    lost.extra["victim"] = "1"
+
+    def strike(n_tokens: int) -> None:
+        if n_tokens >= KILL_AFTER and not lost.extra.get("struck"):
+            lost.extra["struck"] = "1"
+            os.kill(lost.proc.pid, signal.SIGKILL)
+
+    try:
+        replies, events = converse(model, target, SamplingParams(), strike, strategy)
+        assert lost.extra.get("struck") and target.recoveries == 1
+        assert replies == expected
+        finished = [e for e in events if isinstance(e, Finished)]
+        assert sum(f.drafted for f in finished) > 0  # the drafting path ran
+        assert any(isinstance(e, LoggedKv) for e in target.log)  # KV edits were logged and replayed
     finally:
         target.close()
 
