@@ -1,7 +1,9 @@
 """`potluck bench`: decoding strategies side by side on shipped prompt families.
 
-Also builds the synthetic benchmark targets (``--build-fixtures``) and measures the N-gram
-drafter's cost per token at growing context sizes (``--ngram-scaling``).
+Also builds the synthetic benchmark targets (``--build-fixtures``), measures the N-gram
+drafter's cost per token at growing context sizes (``--ngram-scaling``), and compares the
+chat app's streaming speed with `potluck generate`, quiet and with one core busy
+(``--chat-parity [--load]``).
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="use a synthetic target built from the bundled model's layers "
         f"(e.g. {', '.join(RECIPES)}); the bundled model becomes the default draft",
     )
-    p.add_argument("--draft", type=Path, help="draft GGUF for the 'sd' strategy")
+    p.add_argument("--draft", type=Path, help="draft GGUF for 'sd' (and for 'pearl' and 'minions')")
     p.add_argument(
         "--strategies",
         default=None,
-        help=f"comma-separated names, '{PEER}' for the peer (default: anpd,{PEER}, plus sd "
+        help=f"comma-separated names, '{PEER}' for the peer (default: anpd,minions,pearl,{PEER}, plus sd "
         "when a draft is given); plain decoding always runs as the baseline",
     )
     p.add_argument(
         "--families",
         default=",".join(FAMILIES),
-        help=f"prompt families (default: {','.join(FAMILIES)})",
+        help=f"prompt families (default: {','.join(FAMILIES)}); a path to a .txt file of your "
+        "own prompts (separated by %%%% lines) is a family too",
     )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per reply (128)")
     p.add_argument("--reps", type=positive_int, default=3, help="repetitions; medians are reported (3)")
@@ -77,6 +80,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="measure the N-gram drafter's cost per token at growing context sizes and exit",
     )
+    p.add_argument(
+        "--chat-parity",
+        action="store_true",
+        help="stream the same reply through the chat app (headless) and `potluck generate` and "
+        "compare tokens/s; uses -m, --max-tokens, --reps, --ctx, --threads, --prompt",
+    )
+    p.add_argument(
+        "--load",
+        action="store_true",
+        help="with --chat-parity: repeat both with a background process spinning one core",
+    )
+    p.add_argument("--prompt", help="with --chat-parity: the user message (default: a short story)")
 
 
 def _parse_options(items: list[str]) -> dict[str, object]:
@@ -105,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         for fx in build_all():
             print(f"{fx.recipe:<12} {fx.n_layer:>4} layers  {fx.path}  ({RECIPES[fx.recipe]})")
         return 0
+    if args.load and not args.chat_parity:
+        raise PotluckError("--load only applies to --chat-parity; add --chat-parity or drop --load")
+    if args.chat_parity:
+        return _chat_parity(args)
     if args.ngram_scaling:
         rows = ngram_scaling()
         if args.json:
@@ -127,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if args.strategies:
         names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     else:
-        names = ("anpd", PEER) + (("sd",) if draft is not None else ())
+        names = ("anpd", "minions", "pearl", PEER) + (("sd",) if draft is not None else ())
     if "sd" in names and draft is None:
         raise PotluckError("strategy 'sd' needs a draft model: pass --draft PATH or --target-recipe")
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
@@ -152,6 +171,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_parity(args: argparse.Namespace) -> int:
+    from ..tui.parity import PROMPT, format_parity, run_parity
+
+    model = None if args.model is None else resolve_model(args.model)
+    prompt = limits.text("--prompt", args.prompt) if args.prompt else PROMPT
+    threads = limits.threads(args.threads, "--threads")
+    n_ctx = limits.context_sizes(args.ctx).n_ctx
+    progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    rows = run_parity(model, prompt, args.max_tokens, args.reps, threads, n_ctx, args.load, progress)
+    if args.json:
+        print(json.dumps([{"load": r.load, "chat_tokens_per_s": round(r.chat_tokens_per_s, 3),
+                           "generate_tokens_per_s": round(r.generate_tokens_per_s, 3),
+                           "ratio": round(r.ratio, 4), "identical": r.identical} for r in rows]))
+    else:
+        print(format_parity(rows, args.max_tokens, args.reps))
+    return 0
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -172,7 +209,7 @@ def format_table(rows: list[BenchRow]) -> str:
             break
     cols = (
         f"{'family':<14}{'strategy':<16}{'tok/s':>8}{'speedup':>9}{'accept':>8}"
-        f"{'acc/rnd':>8}{'s/rnd':>7}{'draft ms/t':>11}{'verify ms/t':>12}  identical"
+        f"{'acc/rnd':>8}{'s/rnd':>7}{'draft ms/t':>11}{'verify ms/t':>12}{'both ms/t':>10}  identical"
     )
     lines = [*head, "", cols, "-" * len(cols)]
     for r in rows:
@@ -180,6 +217,7 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{r.family:<14}{r.strategy:<16}{r.tokens_per_s:>8.1f}{r.speedup:>8.2f}x"
             f"{_fmt(r.acceptance_rate, '.2f'):>8}{_fmt(r.mean_accepted_len, '.2f'):>8}"
             f"{_fmt(r.mean_draft_len, '.1f'):>7}{_fmt(r.draft_ms_per_token, '.2f'):>11}"
-            f"{_fmt(r.verify_ms_per_token, '.2f'):>12}  {'yes' if r.identical_to_ar else 'NO'}"
+            f"{_fmt(r.verify_ms_per_token, '.2f'):>12}{_fmt(r.overlap_ms_per_token, '.2f'):>10}"
+            f"  {'yes' if r.identical_to_ar else 'NO'}"
         )
     return "\n".join(lines)
