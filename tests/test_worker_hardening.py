@@ -7,6 +7,9 @@ process that crashes (the worker lives on), Gemma 3 plans, tokens, zeroconf take
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import io
+import json
 import os
 import resource
 import signal
@@ -624,3 +627,25 @@ def test_zeroconf_record_cannot_take_over_a_known_node() -> None:
         evil_zc.close()
         watcher.close()
         real.close()
+
+
+# --------------------------------------------------------------------------- fuzzing (a few hundred cases)
+
+
+def test_fuzz_both_ways_a_few_hundred_cases() -> None:
+    """scripts/fuzz_cluster.py in small: as the upstream head (every case reaches the worker's
+    own checks or is refused by the wire) and as a malicious worker against the head."""
+    spec = importlib.util.spec_from_file_location("fuzz_cluster", Path(__file__).parent.parent / "scripts" /
+                                                  "fuzz_cluster.py")
+    assert spec is not None and spec.loader is not None
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = fuzz.main(["--as-head", "300", "--as-worker", "150", "--seed", "7"])
+    report = json.loads(out.getvalue())
+    assert rc == 0, report
+    head, liar = report["as_head"], report["as_worker"]
+    assert head["consumed_refused"] >= 40 and head["refused"] >= 100  # the stage's own checks ran
+    assert head["state_unchanged"] and head["exact_after"] and head["worker_alive"]
+    assert liar["refused"] >= 50 and liar["other_exceptions"] == 0 and liar["exact_after"]

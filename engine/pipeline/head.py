@@ -597,6 +597,15 @@ class PipelineTarget(TargetBase):
                 f"{self.links[-1].describe()} sent logits of shape {msg.logits.shape} for transaction "
                 f"{msg.txn}, expected ({rows}, {self.n_vocab})"
             )
+        if self._awaited(ticket) and msg.skip and msg.run_id not in self._cancelled:
+            # a stage refused it (its error may still be on the way) or the worker lies:
+            # never a RunCancelled for a run nobody cancelled
+            self._refused.setdefault(
+                ticket, f"{self.links[-1].describe()} skipped transaction {msg.txn} of run {msg.run_id}, "
+                "which was never cancelled"
+            )
+            self.log.forget(ticket)
+            return
         if self._awaited(ticket):
             self._results[ticket] = msg
             if msg.skip:  # cancelled before it computed: it never touched a cache

@@ -89,10 +89,18 @@ class SplitPlan:
 
 
 def layer_costs(path: Path) -> LayerCosts:
-    """Per-layer weight bytes and the other sizes the planner needs, from the GGUF header."""
+    """Per-layer weight bytes and the other sizes the planner needs, from the GGUF header
+    (remembered per file version: a head re-plans and reconnects without re-reading it)."""
+    path = Path(path)
+    st = path.stat()
+    return _layer_costs(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     from ..gguf_tools import _reader
 
-    r = _reader(Path(path))
+    r = _reader(path)
     arch = str(r.fields["general.architecture"].contents())
 
     def num(key: str, default: int) -> int:
