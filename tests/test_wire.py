@@ -160,3 +160,23 @@ def test_oversized_message_is_refused_before_parsing() -> None:
         wire.parse_frames(frames, max_bytes=1 << 20)
     with pytest.raises(wire.WireError, match="header too large"):
         wire.parse_frames([wire.MAGIC, b" " * (wire.MAX_HEADER_BYTES + 1)])
+
+
+@pytest.mark.parametrize("outputs", [[0] * 7 + [3], [255] * 8, [2, 1], [0, 0]])
+def test_outputs_must_be_zero_or_one_with_one_set(outputs: list[int]) -> None:
+    """outputs=[0]*7+[3] once leaked worker memory; [255]*8 crashed it (a row counted per non-zero byte)."""
+    n = len(outputs)
+    msg = wire.Forward(1, 0, False, np.ones(n, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
+                       np.array(outputs, dtype=np.uint8))
+    with pytest.raises(wire.WireError, match="outputs|at least one output"):
+        wire.parse_frames([bytes(f) for f in wire.to_frames(msg)])
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(p0=2**31), dict(p1=2**40), dict(delta=-(2**31)), dict(seq=2**31), dict(dst=2**33)]
+)
+def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
+    """llama.cpp takes KV positions as int32: a wrapped value must never reach it."""
+    base = dict(txn=1, run_id=0, op="add", seq=0, dst=-1, p0=0, p1=-1, delta=0) | fields
+    with pytest.raises(wire.WireError, match="int32"):
+        wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))])
