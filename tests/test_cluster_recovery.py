@@ -24,6 +24,7 @@ from potluck.engine.strategies.plain import Autoregressive
 from potluck.engine.strategies.registry import STRATEGIES
 from potluck.engine.target import LocalTarget, Target
 
+from .app_fakes import FakeFactory, ScriptedSession, run_async, until, words
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
 N_CTX = 512
@@ -214,3 +215,28 @@ def test_no_recovery_when_disabled_or_nothing_is_left(
         assert target.failure is not None and target.recoveries == 0
     finally:
         target.close()
+
+
+@run_async
+async def test_chat_app_shows_the_new_plan_and_the_reply_goes_on(tmp_path: Path) -> None:
+    from potluck.app.tui import build_app
+    from potluck.engine.config import Settings, UISettings
+
+    class ReplannedSession(ScriptedSession):
+        def _run(self, steps):  # noqa: ANN001, ANN202 - a PlanChanged after the first word
+            for i, event in enumerate(super()._run(steps)):
+                yield event
+                if i == 1:
+                    yield PlanChanged(self.run_id, (("b", 0, 30),), "node a lost; continued on 1 worker(s)")
+
+    app = build_app(settings=Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0.05)),
+                    session_factory=FakeFactory(lambda spec: ReplannedSession(words("still going on"))),
+                    history_path=tmp_path / "h.sqlite3", export_dir=tmp_path, copy_fallback=lambda t: "t")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(lambda: app.session is not None and not app.loading, what="the session")
+        app.input.text = "hi"
+        await pilot.press("enter")
+        await until(lambda: app.reply is None and app.store.messages(app.active)[-1].role == "assistant",  # type: ignore[union-attr, arg-type]
+                    what="the reply")
+        assert any("node a lost" in n.message for n in app._notifications)
+        assert app.store.messages(app.active)[-1].content == "still going on"  # type: ignore[union-attr, arg-type]

@@ -35,6 +35,7 @@ from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
 from .export import code_blocks, conversation_markdown, export_path
 from .replies import (
     ChatSession,
+    ClusterNotice,
     Reply,
     ReplyFailed,
     ReplyFinished,
@@ -394,6 +395,11 @@ class PotluckApp(App[None]):
         self.sample_stats()
         self.update_status()
         await self.refresh_conversations()
+
+    def on_cluster_notice(self, event: ClusterNotice) -> None:
+        """A worker was lost mid-reply and the head re-planned: say so, the reply goes on."""
+        log.warning("%s", event.text)
+        self.notify(event.text, title="Cluster", severity="warning", timeout=8)
 
     async def on_reply_failed(self, event: ReplyFailed) -> None:
         reply = event.reply

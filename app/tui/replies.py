@@ -20,7 +20,7 @@ from textual.message import Message as TMessage
 from ...engine.chat import Message
 from ...engine.config import SamplingSettings
 from ...engine.errors import PotluckError
-from ...engine.events import Event, Finished, ReplyStarted, TokenText
+from ...engine.events import Event, Finished, PlanChanged, ReplyStarted, TokenText
 from ...engine.loader import EngineSpec
 from ...engine.sampling import SamplingParams
 from ..store import Store
@@ -119,6 +119,14 @@ class ReplyFinished(TMessage):
         self.reply, self.finished = reply, finished
 
 
+class ClusterNotice(TMessage):
+    """The cluster lost a worker and carried on over a new plan (the reply goes on)."""
+
+    def __init__(self, reply: Reply, text: str) -> None:
+        super().__init__()
+        self.reply, self.text = reply, text
+
+
 class ReplyFailed(TMessage):
     def __init__(self, reply: Reply, error: str) -> None:
         super().__init__()
@@ -167,6 +175,8 @@ def reply_in_thread(
                 reply.session.cancel(event.run_id)  # Esc came before the engine started this run
             elif isinstance(event, TokenText) and event.text:
                 reply.push(event.text)
+            elif isinstance(event, PlanChanged):
+                post(ClusterNotice(reply, event.reason))
             elif isinstance(event, Finished):
                 post(ReplyFinished(reply, event))
     except Exception as e:
