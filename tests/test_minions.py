@@ -485,3 +485,23 @@ def test_bad_options_are_one_line_errors(model: Model) -> None:
         build(model, min_draft_p=0.5)
     with pytest.raises(PotluckError, match="ahead must be true or false"):
         build(model, ahead="yes")
+
+
+def test_drafting_ahead_stops_at_a_full_context(model: Model, draft_path: Path) -> None:
+    """The worker never drafts past the context: a reply that fills it ends as plain decoding's."""
+    n_ctx = 256
+    prompt = "Write a long, detailed story about a robot who learns to cook. Use many paragraphs."
+    outs = []
+    for strategy in (Autoregressive(), None):
+        if strategy is None:
+            spec = EngineSpec(
+                strategy="minions", draft=draft_path, n_ctx=n_ctx, n_threads=THREADS,
+                strategy_options={"max_draft": 8, "adaptive": False, "ahead": True},
+            )
+            strategy = get_strategy_class("minions").build(model, spec)
+        session = Session(model, LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=THREADS)), strategy)
+        *_, fin = session.generate(prompt, GREEDY, 1024)
+        session.close()
+        assert isinstance(fin, Finished) and fin.reason == "context_full"
+        outs.append(fin)
+    assert outs[0].tokens == outs[1].tokens and outs[1].drafted > outs[1].accepted > 0

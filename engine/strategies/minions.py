@@ -91,12 +91,16 @@ class MajorityVote:
         *,
         ahead: Sequence[int] = (),
         weights: WeightConfig | None = None,
+        n_ctx: int | None = None,
     ) -> None:
+        """``ahead``: indices of the voters drafted on the worker thread; ``n_ctx``: the
+        voters' context size (a worker never drafts past it)."""
         if not voters:
             raise ValueError("MajorityVote needs at least one voter")
         self.labels = [label for label, _ in voters]
         self.voters = [d for _, d in voters]
-        self.ahead = sorted(set(ahead))  # voters drafted on the worker thread
+        self.ahead = sorted(set(ahead))
+        self.n_ctx = n_ctx
         self.weight_config = weights or WeightConfig()
         self.weights = DrafterWeights(len(self.voters), self.weight_config)
         self._pool: dict[int, _Ahead] = {}
@@ -233,7 +237,12 @@ class MajorityVote:
         """
         base = len(req.context)
         assumed = [*req.context, *path]  # a copy: the session appends to the live history
-        ahead_req = DraftRequest(assumed, req.max_tokens + 1, req.min_accept_p, req.sampling)
+        n = req.max_tokens + 1
+        if self.n_ctx is not None:
+            n = min(n, self.n_ctx - 1 - len(assumed))
+            if n <= 0:
+                return  # the conversation is about to fill the context: draft in place
+        ahead_req = DraftRequest(assumed, n, req.min_accept_p, req.sampling)
         last = int(req.context[-1]) if base else -1
 
         def run() -> tuple[float, float]:
@@ -355,7 +364,7 @@ class Minions(Speculative):
             (f"ngram{n_max}", NgramDrafter(n_max)),
             (f"ngram{n_short}", NgramDrafter(n_short)),
         ]
-        vote = MajorityVote(voters, ahead=[0] if spec.draft is not None and ahead else [])
+        vote = MajorityVote(voters, ahead=[0] if spec.draft is not None and ahead else [], n_ctx=spec.n_ctx)
         length = LengthConfig(s_init=s_init, s_max=s_max)
         return cls(vote, length, adaptive=adaptive, costs=saved_costs(target_model, spec))
 
