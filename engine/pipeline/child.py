@@ -112,11 +112,14 @@ class StageProcess:
         self._send(("load", spec))
         if not self._conn.poll(timeout_s):
             self.kill()
+            self.close()
             raise StageCrashed(f"loading the slice took more than {timeout_s:g} s; the stage process was stopped")
         try:
             reply = self._conn.recv()
         except (EOFError, OSError):
-            raise StageCrashed(f"loading the slice: the stage process {self._exit_reason()}") from None
+            why = f"the stage process {self._exit_reason()}"
+            self.close()
+            raise StageCrashed(why) from None
         if reply[0] == "failed":
             self.close()
             raise PotluckError(reply[1])

@@ -369,6 +369,8 @@ class Worker:
         if isinstance(msg, wire.Hello):
             self._hello(ident, msg)
             return
+        if not self.owner and isinstance(msg, (wire.Release, wire.Cancel)):
+            return  # nothing loaded, nothing running: nothing to refuse either
         if ident != self.owner or not self.owner:
             who = f"head {self.owner_name}" if self.owner else "no head (send hello first)"
             raise NotOwnerError(f"{msg.TYPE!r} refused: this worker is serving {who}")
@@ -613,8 +615,7 @@ class Worker:
             log.error("layers %d-%d: %s", ld.load.layer_lo, ld.load.layer_hi, why)
             self._send(self.head, wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
                                              f"{ld.load.layer_hi}: {why}", 0))
-            self._release()
-            self.owner, self.owner_name = b"", ""
+            self._release()  # the head keeps its session: it may load again
 
     def _pass_on(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
         """Send a finished transaction on: logits to the head, everything else downstream."""
