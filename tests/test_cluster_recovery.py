@@ -187,21 +187,43 @@ def test_speculative_reply_survives_a_lost_worker(
         target.close()
 
 
-def test_no_recovery_when_disabled_or_nothing_is_left(
-    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
-) -> None:
-    """With every worker gone the head says so in one error naming the loss and why it could
-    not recover; the conversation is kept."""
-    target = open_three(model_path, workers, slice_cache)
+def strike_all_after(workers: list[WorkerProc], n_after: int) -> Callable[[int], None]:
     for w in workers:
         w.extra["victim"] = "1"
 
-    def strike_all(n_tokens: int) -> None:
-        if n_tokens >= 2 and not workers[0].extra.get("struck"):
+    def strike(n_tokens: int) -> None:
+        if n_tokens >= n_after and not workers[0].extra.get("struck"):
             for w in workers:
                 w.extra["struck"] = "1"
                 os.kill(w.proc.pid, signal.SIGKILL)
 
+    return strike
+
+
+def test_every_worker_lost_the_head_runs_the_model_itself(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    expected = reference(model, SamplingParams())
+    target = open_three(model_path, workers, slice_cache)
+    try:
+        replies, events = converse(model, target, SamplingParams(), strike_all_after(workers, KILL_AFTER))
+        assert replies == expected
+        assert target.recoveries == 1 and target.head_worker is not None
+        assert [lk.address for lk in target.links] == [target.head_worker.address]
+        assert target.links[0].layers == (0, 30)
+        lost = {e.node for e in events if isinstance(e, NodeStatus) and e.state == "lost"}
+        assert lost == {w.node_id for w in workers}
+    finally:
+        target.close()
+
+
+def test_nothing_left_and_no_head_fallback_is_one_clear_error(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """With every worker gone and the head not allowed to load layers, one error names the
+    loss and why it could not recover; the conversation is kept."""
+    target = open_three(model_path, workers, slice_cache, head_fallback=False)
+    strike = strike_all_after(workers, 2)
     session = Session(model, target, Autoregressive())
     try:
         with pytest.raises(NodeFailedError) as err:
@@ -209,8 +231,8 @@ def test_no_recovery_when_disabled_or_nothing_is_left(
             for ev in session.generate(TURNS[0], SamplingParams(), MAX_NEW):
                 if isinstance(ev, TokenText):
                     n += len(ev.token_ids)
-                    strike_all(n)
-        assert "recovery failed" in str(err.value)
+                    strike(n)
+        assert "recovery failed: no worker is left" in str(err.value)
         assert [m.role for m in session.messages] == ["user", "assistant"]
         assert target.failure is not None and target.recoveries == 0
     finally:

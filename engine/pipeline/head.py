@@ -13,9 +13,9 @@ vocab-only, so a model too big for the head still works in cluster mode.
 
 Failure and recovery: every link has a ZeroMQ monitor; a worker that dies (socket closed),
 freezes (heartbeats stop, 2.5 s), becomes unreachable or stays busy past ``stall_timeout_s``
-is named as lost. The head then re-plans over the workers that still answer, sends them
-their new slices, and replays its transaction log (:mod:`.recovery`) verbatim through the
-new chain, so the KV caches and every later result equal an uninterrupted run's; batches
+is named as lost. The head then re-plans over the workers that still answer (and, when
+they cannot hold the model, over a :class:`HeadWorker` of its own), sends them their new
+slices, and replays its transaction log (:mod:`.recovery`) verbatim through the new chain, so the KV caches and every later result equal an uninterrupted run's; batches
 in flight are re-sent by the replay and their tickets stay valid. The strategy never
 notices; the session hears of it through :meth:`PipelineTarget.notices` (``NodeStatus``
 "lost"/"recovering", ``PlanChanged``). When no plan fits what is left, or a worker refuses
@@ -326,6 +326,24 @@ def load_chain(
     return loaded
 
 
+class HeadWorker:
+    """Layers no worker can take run on the head itself: a worker on loopback inside this
+    process (its llama.cpp in a supervised child, like any worker's), joined like the others."""
+
+    def __init__(self, keys: CurveKeys, cache_dir: Path, n_threads: int = 0) -> None:
+        from .profile import measure_profile
+        from .worker import Worker
+
+        self.worker = Worker(keys, measure_profile(n_threads or 1), cache_dir, bind="127.0.0.1", n_threads=n_threads)
+        self.address = f"127.0.0.1:{self.worker.port}"
+        self._thread = threading.Thread(target=self.worker.serve_forever, name="head-worker", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.worker.stop()
+        self._thread.join(10)
+
+
 class PipelineTarget(TargetBase):
     """A Target whose layers run on a chain of workers; sequence 0 is the conversation.
 
@@ -348,6 +366,7 @@ class PipelineTarget(TargetBase):
         stall_timeout_s: float = STALL_TIMEOUT_S,
         setup: PipelineSetup | None = None,
         recover: bool = True,
+        head_fallback: bool = True,
     ) -> None:
         super().__init__()
         self._zctx = zctx
@@ -362,6 +381,8 @@ class PipelineTarget(TargetBase):
         self.stats = WireStats()
         self.setup = setup
         self.recover = recover and setup is not None
+        self.head_fallback = head_fallback  # load lost layers here when no worker can
+        self.head_worker: HeadWorker | None = None
         self.recoveries = 0  # chains rebuilt after a lost worker (tests, figures)
         self.recovery_s: list[float] = []  # how long each rebuild and replay took
         self.log = TransactionLog()
@@ -474,6 +495,9 @@ class PipelineTarget(TargetBase):
         for link in reversed(self.links):
             link.close(release=True)
         self.links = []
+        if self.head_worker is not None:
+            self.head_worker.close()
+            self.head_worker = None
         self._zctx.term()
 
     # -- more than the Target protocol
@@ -701,14 +725,22 @@ class PipelineTarget(TargetBase):
         """Bring the surviving workers back to idle, plan over them and load the new chain."""
         setup = self.setup
         assert setup is not None
-        if not self.links:
-            raise PotluckError("no worker is left to take over its layers")
         for lk in self.links:
             lk.rejoin(setup.head_id, setup.potluck_version)
         deadline = time.monotonic() + REJOIN_TIMEOUT_S
         for lk in self.links:
             lk.await_welcome(deadline)
-        plan = plan_over(setup, self.links)
+        try:
+            if not self.links:
+                raise PotluckError("no worker is left to take over its layers")
+            plan = plan_over(setup, self.links)
+        except PotluckError as e:
+            here = self.head_worker.address if self.head_worker else ""
+            if not self.head_fallback or any(lk.address == here for lk in self.links):
+                raise
+            log.warning("%s; the head loads the layers itself", e)
+            self.links.append(self._join_head_worker())
+            plan = plan_over(setup, self.links)
         by_id = {lk.node_id: lk for lk in self.links}
         used = [by_id[s.node.name] for s in plan.stages]
         for lk in self.links:
@@ -720,6 +752,16 @@ class PipelineTarget(TargetBase):
         if loaded[-1].n_vocab != self.n_vocab or min(ld.n_ctx for ld in loaded) < self.n_ctx:
             raise PotluckError("the new chain's vocabulary or context differs from the old one's")
         self.plan = plan
+
+    def _join_head_worker(self) -> NodeLink:
+        setup = self.setup
+        assert setup is not None
+        if self.head_worker is None:
+            self.head_worker = HeadWorker(setup.keys, setup.slice_cache.folder / "head-worker")
+        link = NodeLink(self._zctx, setup.keys, self.head_worker.address, setup.head_id.encode(),
+                        max_result_bytes(self.n_batch, self.n_vocab))
+        link.join(setup.head_id, setup.potluck_version)
+        return link
 
     def _replay(self) -> None:
         """Send the log, in order, to the new chain's first stage: each stage applies exactly
@@ -767,6 +809,7 @@ def open_pipeline(
     skip_failed_joins: bool = False,
     stall_timeout_s: float = STALL_TIMEOUT_S,
     recover: bool = True,
+    head_fallback: bool = True,
 ) -> PipelineTarget:
     """Join the workers at ``addresses``, plan the split, send slices, load the stages.
 
@@ -774,7 +817,8 @@ def open_pipeline(
     None plans by free memory and speed score. ``on_plan`` sees the plan before anything loads.
     ``skip_failed_joins`` (``--nodes auto``): a node that does not join is skipped with a
     warning instead of failing the pipeline (anyone can advertise a zeroconf record).
-    ``recover``: re-plan over the other workers when one is lost (else the target just fails).
+    ``recover``: re-plan over the other workers when one is lost (else the target just fails);
+    ``head_fallback``: when what is left cannot hold the model, the head loads layers itself.
     """
     if not addresses:
         raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
@@ -836,6 +880,7 @@ def open_pipeline(
             stall_timeout_s=stall_timeout_s,
             setup=setup,
             recover=recover,
+            head_fallback=head_fallback,
         )
     except BaseException:
         for lk in links:
