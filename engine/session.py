@@ -139,6 +139,7 @@ class Session:
         target = self.target
         self._cancel.clear()
         run_id = self.run_id = next(self._reply_ids)
+        target.regroup()  # between replies: a cluster may take in workers that joined
         t_start = time.perf_counter()
         reused = common_prefix_len(self._tokens[: target.n_past], tokens)
         reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits

@@ -99,6 +99,10 @@ class Target(Protocol):
         """What happened to those machines since the last call (a node lost, a new plan)."""
         ...
 
+    def regroup(self) -> None:
+        """Between replies: take in machines that joined if that makes the target faster."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -205,6 +209,9 @@ class TargetBase(ABC):
 
     def notices(self, run_id: int) -> list[Event]:
         return []
+
+    def regroup(self) -> None:
+        """One machine: nothing joins."""
 
 
 class LocalTarget(TargetBase):

@@ -187,6 +187,42 @@ def test_speculative_reply_survives_a_lost_worker(
         target.close()
 
 
+def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
+    model: Model, model_path: Path, pool: Pool, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """Lost in the first reply (the head goes on with two), restarted before the second: the
+    second reply runs on three again, and both replies equal one machine's."""
+    expected = reference(model, SamplingParams())
+    target = open_pipeline(
+        model_path, [w.address for w in workers], keys_from_token(TOKEN), n_ctx=N_CTX,
+        slice_cache=slice_cache, candidates=lambda: [w.address for w in pool.workers],
+    )
+    lost = workers[2]
+    lost.extra["victim"] = "1"
+    session = Session(model, target, Autoregressive())
+    replies, events = [], []
+    try:
+        for turn_no, turn in enumerate(TURNS):
+            if turn_no == 1:
+                assert target.recoveries == 1 and len(target.links) == 2
+                pool.heal()  # a fresh worker process in the lost one's place
+            n = 0
+            for ev in session.generate(turn, SamplingParams(), MAX_NEW):
+                events.append(ev)
+                if isinstance(ev, TokenText):
+                    n += len(ev.token_ids)
+                    if turn_no == 0 and n >= KILL_AFTER and lost.alive():
+                        os.kill(lost.proc.pid, signal.SIGKILL)
+                elif isinstance(ev, Finished):
+                    replies.append(ev.tokens)
+        assert replies == expected
+        changed = [e for e in events if isinstance(e, PlanChanged)]
+        assert len(changed) == 2 and "joined" in changed[1].reason
+        assert len(target.links) == 3 and pool.workers[2].node_id in {lk.node_id for lk in target.links}
+    finally:
+        target.close()
+
+
 def strike_all_after(workers: list[WorkerProc], n_after: int) -> Callable[[int], None]:
     for w in workers:
         w.extra["victim"] = "1"

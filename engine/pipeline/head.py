@@ -15,12 +15,14 @@ Failure and recovery: every link has a ZeroMQ monitor; a worker that dies (socke
 freezes (heartbeats stop, 2.5 s), becomes unreachable or stays busy past ``stall_timeout_s``
 is named as lost. The head then re-plans over the workers that still answer (and, when
 they cannot hold the model, over a :class:`HeadWorker` of its own), sends them their new
-slices, and replays its transaction log (:mod:`.recovery`) verbatim through the new chain, so the KV caches and every later result equal an uninterrupted run's; batches
-in flight are re-sent by the replay and their tickets stay valid. The strategy never
-notices; the session hears of it through :meth:`PipelineTarget.notices` (``NodeStatus``
-"lost"/"recovering", ``PlanChanged``). When no plan fits what is left, or a worker refuses
-work, the target becomes unusable with a :class:`NodeFailedError` naming the node, and the
-session keeps the conversation.
+slices, and replays its transaction log (:mod:`.recovery`) verbatim through the new chain,
+so the KV caches and every later result equal an uninterrupted run's; batches in flight
+are re-sent by the replay and their tickets stay valid. The strategy never notices; the
+session hears of it through :meth:`PipelineTarget.notices` (``NodeStatus``
+"lost"/"recovering", ``PlanChanged``). Between replies :meth:`PipelineTarget.regroup` takes
+in workers that joined or came back, the same way, when they make the plan faster. When no
+plan fits what is left, or a worker refuses work, the target becomes unusable with a
+:class:`NodeFailedError` naming the node, and the session keeps the conversation.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ SEND_TIMEOUT_MS = 3000
 # A survivor may be blocked up to the worker's forward timeout (5 s) per batch it still tries
 # to pass to the lost node before it reads our hello.
 REJOIN_TIMEOUT_S = 15.0
+# Between replies the head asks listed workers it does not use whether they are back: a
+# short join, and an address that does not answer is asked again only this much later.
+REGROUP_JOIN_TIMEOUT_S = 1.0
+REGROUP_RETRY_S = 30.0
+REGROUP_GAIN = 0.9  # a new plan is taken only if its slowest stage is this much faster
 # Recoveries in a row without one result coming back: past this the cluster is flapping.
 MAX_RECOVERIES_IN_A_ROW = 3
 # Replayed batches whose results were already delivered run under this run id, which no
@@ -367,6 +374,7 @@ class PipelineTarget(TargetBase):
         setup: PipelineSetup | None = None,
         recover: bool = True,
         head_fallback: bool = True,
+        candidates: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         super().__init__()
         self._zctx = zctx
@@ -383,6 +391,8 @@ class PipelineTarget(TargetBase):
         self.recover = recover and setup is not None
         self.head_fallback = head_fallback  # load lost layers here when no worker can
         self.head_worker: HeadWorker | None = None
+        self.candidates = candidates  # addresses of workers the plan may take in between replies
+        self._retry_at: dict[str, float] = {}  # address -> when to ask it again
         self.recoveries = 0  # chains rebuilt after a lost worker (tests, figures)
         self.recovery_s: list[float] = []  # how long each rebuild and replay took
         self.log = TransactionLog()
@@ -508,6 +518,65 @@ class PipelineTarget(TargetBase):
                        state=state, detail=link.address)
             for link in self.links
         ]
+
+    def regroup(self) -> None:
+        """Between replies: take in workers that joined (or came back) since the plan was
+        made, if the plan gets faster with them. Nothing is in flight then; the new chain
+        gets the log replayed, exactly as after a loss."""
+        setup = self.setup
+        if setup is None or not self.recover or self._broken is not None or self._rows or self.candidates is None:
+            return
+        known = {lk.address for lk in self.links} | {self.head_worker.address if self.head_worker else ""}
+        ids = {lk.node_id for lk in self.links}
+        now = time.monotonic()
+        new: list[NodeLink] = []
+        for address in self.candidates():
+            if address in known or self._retry_at.get(address, 0.0) > now:
+                continue
+            link = NodeLink(self._zctx, setup.keys, address, setup.head_id.encode(),
+                            max_result_bytes(self.n_batch, self.n_vocab))
+            try:
+                link.join(setup.head_id, setup.potluck_version, REGROUP_JOIN_TIMEOUT_S)
+            except PotluckError as e:
+                log.info("%s stays out of the plan: %s", address, e)
+                link.close(release=False)
+                self._retry_at[address] = now + REGROUP_RETRY_S
+                continue
+            if link.node_id in ids:
+                link.close(release=False)
+                continue
+            new.append(link)
+        if not new:
+            return
+        try:
+            better = plan_over(setup, [*self.links, *new])
+        except PotluckError:
+            better = None
+        if better is None or self.plan is None or (
+            max(s.cost for s in better.stages) >= REGROUP_GAIN * max(s.cost for s in self.plan.stages)
+        ):
+            for lk in new:
+                lk.close(release=True)
+                self._retry_at[lk.address] = now + REGROUP_RETRY_S
+            return
+        names = ", ".join(lk.describe() for lk in new)
+        t0 = time.monotonic()
+        self.links.extend(new)
+        try:
+            self._rebuild()
+            self._replay()
+        except NodeLostError as e:
+            self._recover(e)  # one of them went away meanwhile: carry on without it
+            return
+        except PotluckError as e:
+            self._give_up(NodeFailedError(f"taking in {names} failed"), str(e))
+        stages = tuple((lk.node_id, *(lk.layers or (0, 0))) for lk in self.links)
+        reason = (
+            f"{names} joined; the plan now uses {len(self.links)} worker(s) (rebuilt in "
+            f"{time.monotonic() - t0:.1f} s, replaying {self.log.n_rows} cached tokens)"
+        )
+        log.warning("%s", reason)
+        self._notices.append(lambda run_id: PlanChanged(run_id, stages, reason))
 
     def notices(self, run_id: int) -> list[Event]:
         """What happened to the cluster since the last call (losses, new plans), for ``run_id``."""
@@ -810,6 +879,7 @@ def open_pipeline(
     stall_timeout_s: float = STALL_TIMEOUT_S,
     recover: bool = True,
     head_fallback: bool = True,
+    candidates: Callable[[], Sequence[str]] | None = None,
 ) -> PipelineTarget:
     """Join the workers at ``addresses``, plan the split, send slices, load the stages.
 
@@ -819,6 +889,8 @@ def open_pipeline(
     warning instead of failing the pipeline (anyone can advertise a zeroconf record).
     ``recover``: re-plan over the other workers when one is lost (else the target just fails);
     ``head_fallback``: when what is left cannot hold the model, the head loads layers itself.
+    ``candidates``: the workers that may join between replies (default: ``addresses``, so a
+    lost worker restarted at its address is taken back when that makes the plan faster).
     """
     if not addresses:
         raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
@@ -881,6 +953,7 @@ def open_pipeline(
             setup=setup,
             recover=recover,
             head_fallback=head_fallback,
+            candidates=candidates or (lambda: list(addresses)),
         )
     except BaseException:
         for lk in links:
