@@ -575,6 +575,7 @@ class PipelineTarget(TargetBase):
             f"{names} joined; the plan now uses {len(self.links)} worker(s) (rebuilt in "
             f"{time.monotonic() - t0:.1f} s, replaying {self.log.n_rows} cached tokens)"
         )
+        reason += self._f16_caveat()
         log.warning("%s", reason)
         self._notices.append(lambda run_id: PlanChanged(run_id, stages, reason))
 
@@ -774,8 +775,15 @@ class PipelineTarget(TargetBase):
             f"{first_reason}; continued on {len(self.links)} worker(s) after "
             f"{time.monotonic() - t0:.1f} s, replaying {self.log.n_rows} cached tokens"
         )
+        reason += self._f16_caveat()
         log.warning("recovered: %s (was %s)", reason, old_stages)
         self._notices.append(lambda run_id: PlanChanged(run_id, new_stages, reason))
+
+    def _f16_caveat(self) -> str:
+        """f16 hidden states round at every stage boundary: new boundaries, new roundings."""
+        if self.setup is not None and self.setup.hidden_dtype != "f32":
+            return f" ({self.setup.hidden_dtype} hidden states: the rest may differ from an uninterrupted run)"
+        return ""
 
     def _give_up(self, err: NodeFailedError, why: str) -> None:
         message = f"{err}; recovery failed: {why}"
