@@ -220,10 +220,9 @@ class NodeLink:
         return self._welcomed(reply)
 
     def rejoin(self, head_id: str, version: str) -> None:
-        """Ask a worker of a broken chain to drop its stage and welcome us again (recovery).
-
-        Sent without waiting: :meth:`await_welcome` then skips what the old chain still sends."""
-        self.send(wire.Release())
+        """Ask a worker of a broken chain to drop its stage and welcome us again (recovery): a
+        hello from the head that owns the stage releases it. Sent without waiting:
+        :meth:`await_welcome` then skips what the old chain still sends."""
         self.send(wire.Hello(head_id, version))
 
     def await_welcome(self, deadline: float) -> wire.Welcome:
