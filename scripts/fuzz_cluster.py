@@ -376,7 +376,8 @@ def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp:
                 if target is not None:
                     target.close()
                 target = open_pipeline(model_path, [f"127.0.0.1:{liar.port}"], keys, n_ctx=N_CTX, n_batch=N_BATCH,
-                                       slice_cache=cache, stall_timeout_s=0.5, join_timeout_s=5)
+                                       slice_cache=cache, stall_timeout_s=0.5, join_timeout_s=5,
+                                       recover=False)  # the head's own checks, not its recovery
                 report["reopened"] += 1
             report["cases"] += 1
             try:

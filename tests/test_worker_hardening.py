@@ -405,7 +405,7 @@ def test_a_malicious_worker_cannot_crash_the_head(
         target = None
         try:
             target = open_pipeline(model_path, [fake.address], keys, n_ctx=N_CTX, n_batch=64,
-                                   slice_cache=cache, stall_timeout_s=3)
+                                   slice_cache=cache, stall_timeout_s=3, recover=False)
             with pytest.raises(PotluckError) as err:
                 target.decode(model.tokenize(PROMPT))
             assert "fake" in str(err.value) or "node" in str(err.value), (name, err.value)
@@ -649,3 +649,29 @@ def test_fuzz_both_ways_a_few_hundred_cases() -> None:
     assert head["consumed_refused"] >= 40 and head["refused"] >= 100  # the stage's own checks ran
     assert head["state_unchanged"] and head["exact_after"] and head["worker_alive"]
     assert liar["refused"] >= 50 and liar["other_exceptions"] == 0 and liar["exact_after"]
+
+
+def test_auto_mode_skips_a_node_that_does_not_join(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One bogus record (nothing listens there) no longer stops every `--nodes auto` head."""
+    bogus = socket.socket()
+    bogus.bind(("127.0.0.1", 0))  # a port nobody answers on (bound, never listening)
+    nowhere = f"127.0.0.1:{bogus.getsockname()[1]}"
+    try:
+        with pytest.raises(NodeFailedError, match="did not accept us"):
+            open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache,
+                          join_timeout_s=1)
+        target = open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache,
+                               join_timeout_s=1, skip_failed_joins=True)
+        try:
+            assert [lk.address for lk in target.links] == [worker.address]
+            assert any("skipping" in r.message and nowhere in r.message for r in caplog.records)
+            with local_target(model) as local:
+                prompt = model.tokenize(PROMPT)
+                assert np.array_equal(local.decode(prompt), target.decode(prompt))
+        finally:
+            target.close()
+    finally:
+        bogus.close()
