@@ -9,13 +9,16 @@ import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.events import Event, Finished, NodeStatus, PlanChanged, TokenText
+from potluck.engine.jobs import DecodeJob
+from potluck.engine.kv import KvOp
 from potluck.engine.loader import EngineSpec
 from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
-from potluck.engine.pipeline.recovery import LoggedKv
+from potluck.engine.pipeline.recovery import LoggedBatch, LoggedKv, TransactionLog
 from potluck.engine.pipeline.transfer import SliceCache
 from potluck.engine.runtime import ContextParams, Model
 from potluck.engine.sampling import SamplingParams
@@ -298,3 +301,58 @@ async def test_chat_app_shows_the_new_plan_and_the_reply_goes_on(tmp_path: Path)
                     what="the reply")
         assert any("node a lost" in n.message for n in app._notifications)
         assert app.store.messages(app.active)[-1].content == "still going on"  # type: ignore[union-attr, arg-type]
+
+
+# --------------------------------------------------------------------------- the log itself
+
+
+def _batch(run: int, tokens: list[int], pos0: int, seq: int = 0) -> DecodeJob:
+    return DecodeJob.tokens(run, tokens, pos0, seq_id=seq)
+
+
+def test_log_keeps_what_changed_a_cache_and_drops_what_a_removal_undid() -> None:
+    log = TransactionLog()
+    log.batch(1, _batch(1, [1, 2, 3], 0))
+    log.batch(2, _batch(2, [4, 5], 3))
+    log.batch(3, _batch(3, [6], 5))
+    log.forget(3)  # came back skipped: never computed
+    assert [e.ticket for e in log if isinstance(e, LoggedBatch)] == [1, 2] and log.n_rows == 5
+    log.batch(4, _batch(4, [7, 8, 9], 5))
+    log.kv(KvOp.rm(0, 4), 0)  # batch 4 wholly removed, batch 2 only in part
+    assert [type(e).__name__ for e in log] == ["LoggedBatch", "LoggedBatch", "LoggedKv"]
+    log.kv(KvOp.cp(0, 1), 0)
+    log.kv(KvOp.rm(0, 0), 0)  # empties sequence 0, but the copy filled sequence 1
+    assert len(log) == 5
+    fresh = TransactionLog()
+    fresh.batch(1, _batch(1, [1, 2], 0))
+    fresh.kv(KvOp.rm(0, 1), 0)
+    fresh.batch(2, _batch(2, [3], 1))
+    fresh.kv(KvOp.rm(0, -1, -1), 0)  # nothing left in any cell: as good as a reset
+    assert len(fresh) == 0
+
+
+def test_dropping_a_removed_tail_or_an_emptied_cache_replays_exactly(model: Model) -> None:
+    """The two compactions are exact on the real model: a tail decoded and removed leaves
+    the next batch in the cells it would have had anyway, and an emptied cache is a fresh one."""
+    toks = model.tokenize("The quick brown fox jumps over the lazy dog and runs away.")
+    a, b, c = toks[:6], toks[6:10], toks[10:]
+
+    def run(steps: list[tuple[str, list[int]]]) -> np.ndarray:
+        t = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+        try:
+            out = None
+            for what, arg in steps:
+                if what == "decode":
+                    out = t.decode(arg, all_logits=True).copy()
+                else:
+                    t.truncate(arg[0])
+            assert out is not None
+            return out
+        finally:
+            t.close()
+
+    plain = run([("decode", a), ("decode", c)])
+    with_tail = run([("decode", a), ("decode", b), ("truncate", [len(a)]), ("decode", c)])
+    assert np.array_equal(plain, with_tail)
+    emptied = run([("decode", a), ("decode", b), ("truncate", [0]), ("decode", a), ("decode", c)])
+    assert np.array_equal(plain, emptied)

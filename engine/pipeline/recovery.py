@@ -17,7 +17,12 @@ Two things keep it near the conversation's size:
 - a KV ``rm`` that removes whole batches at the tail of the log (a regenerated reply, a
   cancelled prompt) removes those batches from the log too. That replays identically:
   llama.cpp moves its free-cell head back to the first removed cell, so without the batches
-  and their removal the next batch lands in the same cells (§3, §7).
+  and their removal the next batch lands in the same cells (§3, §7);
+- an ``rm`` that empties the cache (a new conversation sharing nothing with the last) starts
+  the log over, as ``reset`` does.
+
+Otherwise the log holds every row computed since the last reset, rejected draft rows
+included: a replay costs about what computing the conversation cost.
 """
 
 from __future__ import annotations
@@ -73,12 +78,27 @@ class TransactionLog:
 
     def kv(self, op: KvOp, run_id: int) -> None:
         if op.op == "rm":
+            if self._empties_cache(op):
+                self._entries.clear()
+                return
             self._drop_removed_tail(op)
         self._entries.append(LoggedKv(op, run_id))
 
     def forget(self, ticket: int) -> None:
         """The batch never changed a cache (skipped by a cancel, or refused)."""
         self._entries = [e for e in self._entries if not (isinstance(e, LoggedBatch) and e.ticket == ticket)]
+
+    def _empties_cache(self, op: KvOp) -> bool:
+        """Whether ``rm`` ``op`` leaves no cell in use: then the stages hold what a fresh one
+        does (every cell free, the free-cell head at 0) and the log starts over."""
+        if op.p0 > 0 or op.p1 >= 0:
+            return False
+        for e in self._entries:
+            if isinstance(e, LoggedKv) and e.op.op != "rm":
+                return False  # a copy or shift may have filled another sequence
+            if isinstance(e, LoggedBatch) and not np.all(e.job.seq_ids == op.seq):
+                return False
+        return True
 
     def _drop_removed_tail(self, op: KvOp) -> None:
         while self._entries:
