@@ -112,7 +112,7 @@ class MajorityVote:
         self._last: list[int] = [0] * len(self.voters)  # chain lengths of the last draft
         self._voted = -1
         self._hits = 0  # pool hits in the last draft
-        self._misses = [0.0] * len(self.voters)  # decayed pool miss rate of ahead voters
+        self._misses = [1.0] * len(self.voters)  # decayed pool miss rate (misses until measured)
         # measured: worker drafting, and the part of it that overlapped a verification
         self.ahead_ms = 0.0
         self.overlap_ms = 0.0
