@@ -24,8 +24,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import llama_cpp as ll
-import numpy as np
+# llama.cpp's CPU threads (an OpenMP team in this build) meet at a barrier after every graph
+# op. libgomp's default makes a waiting thread spin, so while another process holds one of
+# the cores the partner thread burns its time slices waiting and a reply collapses to a few
+# tokens/s; a passive wait sleeps instead, so a busy core slows a reply in proportion.
+# libgomp reads this once, when llama_cpp loads it: it must be set before the import below.
+# OMP_WAIT_POLICY=active in the environment brings the spinning back.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import llama_cpp as ll  # noqa: E402
+import numpy as np  # noqa: E402
 
 from .errors import DecodeError, ModelError
 from .kv import KvOp
