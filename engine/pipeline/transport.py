@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 500
 HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
 HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is dropped
-SERVER_SNDHWM = 64  # replies queued per peer; past that a reply is dropped, never waited for
+# Replies queued per peer (a head reads its results as they come); past that they are dropped.
+SERVER_SNDHWM = 1024
 MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
 ZAP_DOMAIN = "potluck"
 

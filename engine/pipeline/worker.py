@@ -340,7 +340,9 @@ class Worker:
             return True
         except zmq.Again:
             self.dropped_replies += 1
-            log.info("dropped a reply to %r: it does not read its replies", ident[:24])
+            if self.dropped_replies % 1000 == 1:  # a flood must not become a flood of log lines
+                log.warning("dropped a reply to %r: it does not read its replies (%d dropped so far)",
+                            ident[:24], self.dropped_replies)
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY: EHOSTUNREACH)
             log.info("could not reply to %r: %s", ident[:24], e)
         return False
