@@ -18,6 +18,7 @@ from .target import LocalTarget, Target
 if TYPE_CHECKING:
     from .pipeline.plan import SplitPlan
     from .pipeline.transport import CurveKeys
+    from .strategies.base import Strategy
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def open_session(spec: EngineSpec) -> Session:
             limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences)
         if spec.system:
             limits.prompt_fits(len(model.tokenize(spec.system)), spec.n_ctx, "the system prompt")
-        target = _open_target(model, spec, strategy_cls.n_sequences)
+        target = _open_target(model, spec, strategy_cls)
         try:
             strategy = strategy_cls.build(model, spec)
         except BaseException:
@@ -89,16 +90,23 @@ def open_session(spec: EngineSpec) -> Session:
     return Session(model, target, strategy, system=spec.system)
 
 
-def _open_target(model: Model, spec: EngineSpec, n_sequences: int) -> Target:
+def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> ContextParams:
+    """The target context a strategy needs on this machine (the bench opens the same one)."""
+    n_sequences = strategy_cls.n_sequences
+    sizes = limits.context_sizes(spec.n_ctx, n_sequences)
     # Side sequences get KV streams of their own so they never change sequence 0's numbers.
+    return ContextParams(
+        n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_threads=spec.n_threads, n_seq_max=n_sequences,
+        kv_unified=n_sequences == 1, observe=strategy_cls.observed_tensors(model),
+    )
+
+
+def _open_target(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> Target:
+    n_sequences = strategy_cls.n_sequences
     unified = n_sequences == 1
     sizes = limits.context_sizes(spec.n_ctx, n_sequences)
     if spec.cluster is None:
-        params = ContextParams(
-            n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_threads=spec.n_threads, n_seq_max=n_sequences,
-            kv_unified=unified,
-        )
-        return LocalTarget(model, params)
+        return LocalTarget(model, target_params(model, spec, strategy_cls))
     from .pipeline.head import open_pipeline
 
     c = spec.cluster

@@ -387,6 +387,10 @@ class ContextParams:
     # of sequence 0 (docs/facts.md §4); True: one shared cache, cheap metadata-only seq_cp.
     kv_unified: bool = True
     capture_layer: int | None = None  # capture "l_out-N" (hidden states after layer N)
+    # graph tensors to copy out of every run without stopping the graph, e.g. ("Qcur-12",
+    # "Kcur-12"): the attention query and RoPE'd key rows of layer 12 (TriForce's chunk
+    # scores). Observing splits the graph at those nodes only; each op computes as before.
+    observe: tuple[str, ...] = ()
     # KV cache type. BF16, not llama.cpp's F16 default: with an F16/F32 cache and >1 thread,
     # a single-token decode over >= 512 KV cells takes a split-KV flash-attention path whose
     # reduction order differs from a multi-token batch (max |logit diff| ~1.0, flips greedy
@@ -430,10 +434,15 @@ class Context:
         cp.abort_callback = self._abort_cb
         cp.abort_callback_data = ctypes.cast(self._abort_flag, ctypes.c_void_p)
         self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a run
+        # observed tensor name -> its rows of the last run, [n_tokens, width] float32
+        self.observed: dict[str, np.ndarray] = {}
+        self._observe = {name.encode(): name for name in params.observe}
+        self._n_rows = 0  # rows of the batch being run (observed tensors are [n_rows, width])
         self._capture_name: bytes | None = None
         self._eval_cb = None
         if params.capture_layer is not None:
             self._capture_name = f"l_out-{params.capture_layer}".encode()
+        if params.capture_layer is not None or self._observe:
             self._eval_cb = ll.ggml_backend_sched_eval_callback(self._eval_trampoline)
             cp.cb_eval = self._eval_cb
             cp.cb_eval_user_data = None
@@ -488,7 +497,16 @@ class Context:
             lib = ggml()
             name = lib.ggml_get_name(tensor)
             if ask:
-                return name == self._capture_name
+                return name == self._capture_name or name in self._observe
+            observed = self._observe.get(name)
+            if observed is not None:
+                # A name can label several nodes (Kcur before and after RoPE): graph order
+                # makes the last one win, which is the tensor the KV cache stores.
+                nbytes = lib.ggml_nbytes(tensor)
+                rows = np.empty(nbytes // 4, dtype=np.float32)
+                lib.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, nbytes)
+                self.observed[observed] = rows.reshape(self._n_rows, -1)
+                return True
             if name != self._capture_name:
                 return True
             nbytes = lib.ggml_nbytes(tensor)
@@ -508,6 +526,8 @@ class Context:
         if batch.n_tokens > self.n_batch:
             raise DecodeError(f"a batch of {batch.n_tokens} tokens exceeds this context's n_batch {self.n_batch}")
         self.captured = None
+        self.observed = {}
+        self._n_rows = batch.n_tokens
         rc = ll.llama_decode(self._ptr, batch.raw)
         if rc == 2:
             raise InterruptedError("decode aborted")
@@ -515,6 +535,9 @@ class Context:
             raise DecodeError(f"llama_decode failed with code {rc} ({last_llama_error() or 'no detail'})")
         if self._capture_name is not None and self.captured is None:
             raise DecodeError(f"no tensor named {self._capture_name.decode()} was computed")
+        missing = set(self._observe.values()) - set(self.observed)
+        if missing:
+            raise DecodeError(f"no tensor named {sorted(missing)[0]} was computed")
 
     def run_tokens(
         self,
@@ -594,5 +617,6 @@ class Context:
     def clear(self) -> None:
         ll.llama_memory_clear(self._mem, True)
 
-    def set_threads(self, n_threads: int) -> None:
-        ll.llama_set_n_threads(self._ptr, n_threads, n_threads)
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        """Threads for 1-token batches and for larger ones (llama.cpp picks by batch size)."""
+        ll.llama_set_n_threads(self._ptr, n_threads, n_threads if n_threads_batch is None else n_threads_batch)

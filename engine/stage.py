@@ -35,6 +35,9 @@ class Stage:
         self._batch = Batch(
             params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max
         )
+        # tensors named in params.observe, rows of sequence 0 by position [n_ctx, width]
+        # (positions >= the sequence's length hold stale rows): TriForce's keys and queries
+        self.observed: dict[str, np.ndarray] = {}
 
     def check(self, job: DecodeJob) -> None:
         """Refuse a job this stage cannot run, before anything reaches llama.cpp."""
@@ -69,10 +72,23 @@ class Stage:
         else:
             self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
         self.ctx.run_batch(self._batch)
+        if self.ctx.observed:
+            self._record_observed(job)
         if not self.last:
             assert self.ctx.captured is not None
             return self.ctx.captured  # a fresh array per run
         return self.ctx.logits(job.n_outputs).copy()
+
+    def _record_observed(self, job: DecodeJob) -> None:
+        canonical = job.seq_ids == 0
+        if not canonical.any():
+            return
+        pos = job.positions[canonical]
+        for name, rows in self.ctx.observed.items():
+            store = self.observed.get(name)
+            if store is None:
+                store = self.observed[name] = np.zeros((self.n_ctx, rows.shape[1]), np.float32)
+            store[pos] = rows[canonical]
 
     def apply_kv(self, op: KvOp) -> None:
         try:

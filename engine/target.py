@@ -253,6 +253,14 @@ class LocalTarget(TargetBase):
     def set_threads(self, n_threads: int) -> None:
         self.runner.submit(lambda stage: stage.ctx.set_threads(n_threads))
 
+    def observed(self, name: str) -> np.ndarray:
+        """Rows of tensor ``name`` (``ContextParams.observe``) of sequence 0 by position,
+        [n_ctx, width], valid below ``n_past`` once the jobs waited for have run."""
+        try:
+            return self.stage.observed[name]
+        except KeyError:
+            raise PotluckError(f"tensor {name!r} was not observed (ContextParams.observe)") from None
+
     def pos_max(self) -> list[int]:
         """Last position per sequence (-1: empty), once all work queued so far ran."""
         return self.runner.submit(Stage.pos_max).result()

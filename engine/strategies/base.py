@@ -87,6 +87,12 @@ class Strategy(ABC):
         return cls()
 
     @classmethod
+    def observed_tensors(cls, model: Model) -> tuple[str, ...]:
+        """Graph tensors the target's context copies out of every run for this strategy
+        (``ContextParams.observe``; TriForce reads attention keys and queries)."""
+        return ()
+
+    @classmethod
     def check_options(cls, given: dict[str, object]) -> None:
         unknown = sorted(set(given) - set(cls.options))
         if unknown:

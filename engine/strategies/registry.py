@@ -7,6 +7,7 @@ from .minions import Minions
 from .pearl import Pearl
 from .plain import Autoregressive
 from .speculative import DraftModelSpeculative, NgramSpeculative
+from .triforce import TriForce
 
 STRATEGIES: dict[str, type[Strategy]] = {
     Autoregressive.name: Autoregressive,
@@ -14,6 +15,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     NgramSpeculative.name: NgramSpeculative,
     Pearl.name: Pearl,
     Minions.name: Minions,
+    TriForce.name: TriForce,
 }
 
 
