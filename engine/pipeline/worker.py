@@ -245,6 +245,7 @@ class Worker:
         self._spare: StageProcess | None = StageProcess()  # warm: imports llama.cpp meanwhile
         self.rejected = 0  # messages refused (tests and logs)
         self.dropped_replies = 0  # replies to peers that do not read theirs
+        self.unreachable_replies = 0  # replies to peers already gone
         self.crashes = 0
         self.bytes_received = 0
 
@@ -344,7 +345,9 @@ class Worker:
                 log.warning("dropped a reply to %r: it does not read its replies (%d dropped so far)",
                             ident[:24], self.dropped_replies)
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY: EHOSTUNREACH)
-            log.info("could not reply to %r: %s", ident[:24], e)
+            self.unreachable_replies += 1
+            if self.unreachable_replies % 1000 == 1:
+                log.info("could not reply to %r: %s (%d so far)", ident[:24], e, self.unreachable_replies)
         return False
 
     def _owner_present(self) -> bool:
