@@ -168,3 +168,21 @@ def test_context_view_reads_like_the_list() -> None:
     for _ in range(50):
         a, b = sorted(rng.integers(-70, 70, size=2))
         assert view[a:b] == whole[a:b]
+
+
+def test_reply_cut_mid_flight_leaves_no_guess_behind(
+    model: Model, draft_path: Path, plain: dict[str, list[int]]  # noqa: F811
+) -> None:
+    """A reply ends at max_tokens while batches are in flight: they are settled and the
+    cache holds exactly the conversation, so the next turn continues it exactly."""
+    strategy = build(model, draft_path, adaptive=False)
+    s = session(model, strategy)
+    target = s.target
+    assert isinstance(target, LocalTarget)
+    for n in (7, 13):
+        tokens, _ = reply(s, LONG_PROMPTS[0], n)
+        assert tokens == plain[LONG_PROMPTS[0]][:n]
+        assert target.pos_max()[0] + 1 == target.n_past <= len(s._tokens)
+        assert not target._pending  # every ticket redeemed
+        s.messages.clear()
+    s.close()

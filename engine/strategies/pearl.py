@@ -374,117 +374,121 @@ class Pearl(Strategy):
             for k in [k for k in rows if k > keep_below]:
                 del rows[k]
 
-        while True:
-            p = len(history)  # the position decided next
-            window = self.window() if self.parallel else 0
-            # 1. mode: parallel while drafting may pay, plain decoding on all cores otherwise
-            if (window > 0) != parallel:
-                settle(p)
-                parallel = window > 0
-                if parallel:
-                    target.set_threads(self.target_threads)
-                    assert self._rng is not None
-                    self.ahead.start(history, params, self._rng, g.seeds.spawn(1)[0])
-                else:
-                    self.ahead.pause()
-                    target.set_threads(self.n_threads)
-            if not parallel:
-                t0 = time.perf_counter()
-                if p not in rows:  # accepted tokens the cache lacks (at least the last one)
-                    target.truncate(min(target.n_past, p - 1))
-                    rows = {p: target.decode(history[target.n_past : p])[-1]}
-                token = sampler.sample(rows[p], recent(()))
-                ms = (time.perf_counter() - t0) * 1e3
-                self.gate.record(0, 1, ms)
-                last = time.perf_counter()
-                yield Round(tokens=[token], verify_ms=ms)
-                if g.done or g.remaining <= 0:
-                    return
-                rows = {}
-                continue
-
-            # 2. keep the target busy: up to two verify batches in flight, with at most
-            #    `window` unverified guesses computed past position p
-            self.ahead.lookahead = window + 1
-            while len(batches) < 2:
-                start = target.n_past
-                toks = history[start:p]  # accepted but not in the cache (the target's own token)
-                first_guess = max(start, p)
-                room = min(p + window - first_guess, MAX_EXACT_BATCH - len(toks), g.remaining - 1)
-                toks += self.ahead.drafted(first_guess, max(0, room))
-                if not toks:
-                    break
-                ticket = target.append(toks, target.new_run())
-                batches.append(_Batch(ticket, start, len(toks), time.perf_counter()))
-
-            # 3. verify position by position, waiting for target rows and draft tokens
-            emitted: list[int] = []
-            n_accepted = judged = 0
-            redirected = False
-            verify_busy: list[tuple[float, float]] = []
+        try:
             while True:
-                pos = p + len(emitted)
-                if pos not in rows:
-                    if emitted or not batches:
-                        break  # report what is decided (or queue more work first)
-                    verify_busy.append(collect(batches.popleft()))
+                p = len(history)  # the position decided next
+                window = self.window() if self.parallel else 0
+                # 1. mode: parallel while drafting may pay, plain decoding on all cores otherwise
+                if (window > 0) != parallel:
+                    settle(p)
+                    parallel = window > 0
+                    if parallel:
+                        target.set_threads(self.target_threads)
+                        assert self._rng is not None
+                        self.ahead.start(history, params, self._rng, g.seeds.spawn(1)[0])
+                    else:
+                        self.ahead.pause()
+                        target.set_threads(self.n_threads)
+                if not parallel:
+                    t0 = time.perf_counter()
+                    if p not in rows:  # accepted tokens the cache lacks (at least the last one)
+                        target.truncate(min(target.n_past, p - 1))
+                        rows = {p: target.decode(history[target.n_past : p])[-1]}
+                    token = sampler.sample(rows[p], recent(()))
+                    ms = (time.perf_counter() - t0) * 1e3
+                    self.gate.record(0, 1, ms)
+                    last = time.perf_counter()
+                    yield Round(tokens=[token], verify_ms=ms)
+                    if g.done or g.remaining <= 0:
+                        return
+                    rows = {}
                     continue
-                if pos >= p + self.ahead.lookahead:
-                    break  # the draft waits for this round to end before guessing further
-                guess = self.ahead.token_at(pos)
-                row = rows[pos]
-                if guess is None:  # the draft has no guess here: the target's own token
-                    emitted.append(sampler.sample(row, recent(emitted)))
+
+                # 2. keep the target busy: up to two verify batches in flight, with at most
+                #    `window` unverified guesses computed past position p
+                self.ahead.lookahead = window + 1
+                while len(batches) < 2:
+                    start = target.n_past
+                    toks = history[start:p]  # accepted but not in the cache (the target's own token)
+                    first_guess = max(start, p)
+                    room = min(p + window - first_guess, MAX_EXACT_BATCH - len(toks), g.remaining - 1)
+                    toks += self.ahead.drafted(first_guess, max(0, room))
+                    if not toks:
+                        break
+                    ticket = target.append(toks, target.new_run())
+                    batches.append(_Batch(ticket, start, len(toks), time.perf_counter()))
+
+                # 3. verify position by position, waiting for target rows and draft tokens
+                emitted: list[int] = []
+                n_accepted = judged = 0
+                redirected = False
+                verify_busy: list[tuple[float, float]] = []
+                while True:
+                    pos = p + len(emitted)
+                    if pos not in rows:
+                        if emitted or not batches:
+                            break  # report what is decided (or queue more work first)
+                        verify_busy.append(collect(batches.popleft()))
+                        continue
+                    if pos >= p + self.ahead.lookahead:
+                        break  # the draft waits for this round to end before guessing further
+                    guess = self.ahead.token_at(pos)
+                    row = rows[pos]
+                    if guess is None:  # the draft has no guess here: the target's own token
+                        emitted.append(sampler.sample(row, recent(emitted)))
+                        redirected = True
+                        break
+                    x, q = guess
+                    judged += 1
+                    if params.greedy:
+                        t = sampler.sample(row, recent(emitted))
+                        accepted = t == x
+                    else:
+                        recovered = judge(probs(row, params, recent(emitted)), q, x, sampler.uniform)
+                        accepted, t = recovered is None, recovered if recovered is not None else x
+                    if accepted:
+                        emitted.append(x)
+                        n_accepted += 1
+                        continue
+                    emitted.append(t)
                     redirected = True
                     break
-                x, q = guess
-                judged += 1
-                if params.greedy:
-                    t = sampler.sample(row, recent(emitted))
-                    accepted = t == x
-                else:
-                    recovered = judge(probs(row, params, recent(emitted)), q, x, sampler.uniform)
-                    accepted, t = recovered is None, recovered if recovered is not None else x
-                if accepted:
-                    emitted.append(x)
-                    n_accepted += 1
+                if not emitted:
                     continue
-                emitted.append(t)
-                redirected = True
-                break
-            if not emitted:
-                continue
 
-            # 4. report: the overlap of draft steps and target batches is the parallelism
-            now = time.perf_counter()
-            drafting = self.ahead.take_busy()
-            draft_ms = _busy_ms(drafting, last, now)
-            verify_ms = _busy_ms(verify_busy, last, now)
-            overlap_ms = _overlap_ms(drafting, verify_busy, last, now)
-            self.gate.record(max(judged, 1), len(emitted), (now - last) * 1e3)
-            last = now
-            yield Round(
-                tokens=emitted,
-                drafted=judged,
-                accepted=n_accepted,
-                draft_len=window,
-                draft_ms=draft_ms,
-                verify_ms=verify_ms,
-                overlap_ms=overlap_ms,
-            )
-            if g.done or g.remaining <= 0:
-                settle(len(history))
-                return
-            # the conversation now ends with `emitted`: move the draft and the caches after it
-            if redirected:
-                own = len(history) - 1  # position of the target's own token
-                self.ahead.accept(len(emitted) - 1)
-                self.ahead.redirect(emitted[-1])
-                settle(own)  # every batch in flight was built on the rejected guess
-            else:
-                self.ahead.accept(len(emitted))
-            for k in [k for k in rows if k < len(history)]:
-                del rows[k]
+                # 4. report: the overlap of draft steps and target batches is the parallelism
+                now = time.perf_counter()
+                drafting = self.ahead.take_busy()
+                draft_ms = _busy_ms(drafting, last, now)
+                verify_ms = _busy_ms(verify_busy, last, now)
+                overlap_ms = _overlap_ms(drafting, verify_busy, last, now)
+                self.gate.record(max(judged, 1), len(emitted), (now - last) * 1e3)
+                last = now
+                yield Round(
+                    tokens=emitted,
+                    drafted=judged,
+                    accepted=n_accepted,
+                    draft_len=window,
+                    draft_ms=draft_ms,
+                    verify_ms=verify_ms,
+                    overlap_ms=overlap_ms,
+                )
+                if g.done or g.remaining <= 0:
+                    return
+                # the conversation now ends with `emitted`: move the draft and the caches after it
+                if redirected:
+                    own = len(history) - 1  # position of the target's own token
+                    self.ahead.accept(len(emitted) - 1)
+                    self.ahead.redirect(emitted[-1])
+                    settle(own)  # every batch in flight was built on the rejected guess
+                else:
+                    self.ahead.accept(len(emitted))
+                for k in [k for k in rows if k < len(history)]:
+                    del rows[k]
+        finally:
+            # the reply ended (or the session stopped asking for rounds): no guess may stay
+            # in flight or in the cache past the conversation
+            settle(len(history))
 
     def reset(self) -> None:
         self.drafter.reset()
