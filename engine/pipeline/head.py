@@ -46,6 +46,7 @@ from ..events import Event, NodeStatus, PlanChanged
 from ..gguf_tools import SPLITTABLE_ARCHS
 from ..jobs import DecodeJob, RunCancelled, Ticket
 from ..kv import KvOp
+from ..runner import CANCELLED_KEPT
 from ..target import TargetBase
 from . import wire
 from .plan import NodeInfo, SplitPlan, layer_costs, manual_plan, plan_split
@@ -403,7 +404,7 @@ class PipelineTarget(TargetBase):
         self._results: dict[int, wire.Result] = {}  # by ticket: arrived, not yet waited for
         self._refused: dict[int, str] = {}  # by ticket: why a stage refused it
         self._skipped: set[int] = set()  # tickets of batches of cancelled runs never (re)sent
-        self._cancelled: set[int] = set()  # run ids cancelled so far
+        self._cancelled: dict[int, None] = {}  # run ids cancelled, oldest first (as many as a runner keeps)
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
         self._owner = threading.get_ident()
@@ -427,9 +428,6 @@ class PipelineTarget(TargetBase):
         self._rows[ticket] = job.n_outputs
         self.stats.batches += 1
         self.stats.tokens += job.n_tokens
-        if job.run_id in self._cancelled:  # the stages would skip it: nothing to send or replay
-            self._skipped.add(ticket)
-            return Ticket(job.run_id, ticket)
         self.log.batch(ticket, job)
         self._deliver(lambda: self._send_batch(ticket, job))
         return Ticket(job.run_id, ticket)
@@ -632,7 +630,9 @@ class PipelineTarget(TargetBase):
     def _flush_cancels(self) -> None:
         while self._cancel_requests:
             run_id = self._cancel_requests.popleft()
-            self._cancelled.add(run_id)
+            self._cancelled[run_id] = None
+            while len(self._cancelled) > CANCELLED_KEPT:
+                del self._cancelled[next(iter(self._cancelled))]
             if self._broken is not None:
                 continue
             for link in self.links:
@@ -861,6 +861,11 @@ class PipelineTarget(TargetBase):
             self._send_batch(entry.ticket, job)
             self.stats.replayed_batches += 1
             self.stats.replayed_tokens += job.n_tokens
+        # The new stages skip later batches of cancelled runs as the old ones did; replayed
+        # batches run under REPLAY_RUN, so these cancels cannot touch them.
+        for run_id in self._cancelled:
+            for link in self.links:
+                link.send_nowait(wire.Cancel(run_id))
 
 
 # --------------------------------------------------------------------------- open
