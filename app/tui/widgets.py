@@ -10,7 +10,6 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import ListItem, ListView, Markdown, Sparkline, Static, TextArea
-from textual.widgets._markdown import MarkdownStream
 
 from ..store import Conversation
 from .export import code_blocks
@@ -27,8 +26,26 @@ _FINISH_NOTE = {
 }
 
 
+def settled_end(text: str) -> int:
+    """Where the Markdown that can no longer change ends: after the last blank line that is
+    not inside a code fence. What follows is the block still being written."""
+    end, in_fence, pos = 0, False, 0
+    for line in text.splitlines(keepends=True):
+        pos += len(line)
+        if not line.endswith("\n"):
+            break  # the line being written
+        stripped = line.strip()
+        if stripped.startswith("```") or stripped.startswith("~~~"):
+            in_fence = not in_fence
+        elif not stripped and not in_fence:
+            end = pos
+    return end
+
+
 class MessageView(Vertical, can_focus=True):
-    """One message; a reply streams in through :meth:`append` (incremental Markdown)."""
+    """One message. A reply streams in through :meth:`append`: finished blocks go to the
+    Markdown widget once each, the block still being written is plain text (cheap to
+    redraw at the pump's rate), and :meth:`finish` renders the whole reply as Markdown."""
 
     BINDINGS = [
         Binding("y", "copy_message", "Copy message"),
@@ -56,49 +73,59 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self._note = note
         self._streaming = streaming
-        self._stream: MarkdownStream | None = None
+        self._rendered = len(content)  # characters of content the Markdown widget holds
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
         yield Static(_ROLE_LABEL.get(self.role, self.role), classes="role")
         yield Markdown(self.content, classes="body")
+        yield Static("", classes="tail", markup=False)
         yield Static(self._note, classes="note")
 
     def on_mount(self) -> None:
         self.set_class(self._streaming, "streaming")
         self.query_one(".note", Static).display = bool(self._note)
+        self.query_one(".tail", Static).display = False
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(".body", Markdown)
 
     async def append(self, text: str) -> None:
-        """Add streamed text; Textual's MarkdownStream batches fragments it cannot draw yet."""
+        """Add streamed text. Parsing Markdown and laying out its blocks per pump tick cost
+        the engine a third of a core on a 2-core machine, so only finished blocks are parsed."""
         self.content += text
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self.markdown)
-        await self._stream.write(text)
+        end = settled_end(self.content)
+        if end > self._rendered:
+            settled, self._rendered = self.content[self._rendered:end], end
+            await self.markdown.append(settled)
+        self._show_tail()
         if isinstance(self.parent, ChatLog):
             self.parent.follow()
 
+    def _show_tail(self) -> None:
+        tail = self.query_one(".tail", Static)
+        rest = self.content[self._rendered:].strip("\n")
+        tail.display = bool(rest)
+        tail.update(Text(rest))
+
     async def finish(self, final_text: str, note: str = "") -> None:
-        """End streaming; the engine's final text wins if it differs from what streamed."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
-        if final_text != self.content:
-            self.content = final_text
-            await self.markdown.update(final_text)
+        """End streaming: the whole reply as Markdown (the engine's final text wins)."""
+        if final_text != self.content or self._rendered < len(final_text):
+            if final_text.startswith(self.content[: self._rendered]) and self._rendered:
+                await self.markdown.append(final_text[self._rendered:])
+            else:
+                await self.markdown.update(final_text)
+        self.content, self._rendered = final_text, len(final_text)
+        self._show_tail()
         self.set_note(note)
         self.remove_class("streaming")
 
     async def restart(self) -> None:
         """Empty the reply so a regenerated one can stream into the same place."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
-        self.content = ""
+        self.content, self._rendered = "", 0
         await self.markdown.update("")
+        self._show_tail()
         self.set_note("")
         self.add_class("streaming")
 
@@ -217,7 +244,19 @@ class StatsPanel(Vertical):
         ])
         self._tables = [speed, spec, tokens]
         for widget_id, table in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._tables):
-            self.query_one(widget_id, Static).update(table)
+            self._put(widget_id, table)
+
+    def _put(self, widget_id: str, table: Table) -> None:
+        """Redraw a section only when a figure changed, and lay the screen out again only
+        when its height did: a layout pass over a long conversation costs the engine time."""
+        rows = tuple(tuple(str(c) for c in col.cells) for col in table.columns)
+        shown = getattr(self, "_shown", {})
+        self._shown = shown
+        old = shown.get(widget_id)
+        if old == rows:
+            return
+        shown[widget_id] = rows
+        self.query_one(widget_id, Static).update(table, layout=old is None or len(old[0]) != len(rows[0]))
 
     def text(self) -> str:
         """The panels as plain text (tests and the log read figures from here)."""
