@@ -1,0 +1,81 @@
+"""TriForce: greedy output equals plain decoding on a long conversation at 2 threads (past
+512 KV cells, so the per-sequence KV streams and the whole-sequence copy are exercised),
+every level of the hierarchy ran, and short conversations switch to anpd."""
+
+from __future__ import annotations
+
+import pytest
+
+from potluck.engine.benchmark import load_prompts
+from potluck.engine.errors import PotluckError
+from potluck.engine.events import Finished
+from potluck.engine.loader import EngineSpec, open_session
+from potluck.engine.runtime import Model
+from potluck.engine.strategies.triforce import TriForce
+
+N_CTX = 4096
+THREADS = 2
+LONG_TURNS = (load_prompts("long")[1], "Now answer again in one short sentence.")  # ~2.1K tokens, then a follow-up
+SHORT_TURNS = ("Summarize in one sentence: the cat sat on the mat all day.",)
+
+
+def _replies(strategy: str, turns: tuple[str, ...], options: dict[str, object] | None = None,
+             max_tokens: int = 48) -> tuple[list[tuple[int, ...]], object]:
+    spec = EngineSpec(strategy=strategy, n_ctx=N_CTX, n_threads=THREADS, strategy_options=options or {})
+    session = open_session(spec)
+    try:
+        out = []
+        for turn in turns:
+            done = [ev for ev in session.generate(turn, max_tokens=max_tokens) if isinstance(ev, Finished)]
+            assert done[0].reason in ("stop", "length")
+            out.append(done[0].tokens)
+        return out, session.strategy
+    finally:
+        session.close()
+
+
+@pytest.fixture(scope="module")
+def plain_long() -> list[tuple[int, ...]]:
+    return _replies("autoregressive", LONG_TURNS)[0]
+
+
+def test_long_multi_turn_equals_plain(plain_long: list[tuple[int, ...]]) -> None:
+    """Fixed drafting (no adaptation) and a short stride: both levels draft every round, the
+    full cache rejects some retrieval drafts, and the cache is rebuilt several times."""
+    options = {"adaptive": False, "max_draft": 4, "stride": 16, "budget": 128}
+    got, strategy = _replies("triforce", LONG_TURNS, options)
+    assert got == plain_long
+    c = strategy.counters  # type: ignore[attr-defined]
+    assert c.long_replies == 2 and c.short_replies == 0
+    assert c.retrieval_drafted > c.retrieval_accepted > 0  # accepted and rejected at level 2
+    assert c.ngram_drafted > 0 and c.retrieval_steps > 0  # level 1 ran
+    assert c.rebuilds >= 4  # once per reply plus the stride
+    assert 0 < c.budget < c.context / 4  # the retrieval cache really is sparse
+
+
+def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) -> None:
+    """The defaults (adaptive lengths, the gate) on the first turn."""
+    got, strategy = _replies("triforce", LONG_TURNS[:1])
+    assert got == plain_long[:1]
+    c = strategy.counters  # type: ignore[attr-defined]
+    assert c.long_replies == 1 and c.rebuilds >= 1
+
+
+def test_short_conversation_runs_as_anpd() -> None:
+    want = _replies("autoregressive", SHORT_TURNS)[0]
+    got, strategy = _replies("triforce", SHORT_TURNS)
+    assert got == want
+    c = strategy.counters  # type: ignore[attr-defined]
+    assert c.short_replies == 1 and c.long_replies == 0 and c.rebuilds == 0
+
+
+def test_option_errors(model: Model) -> None:
+    with pytest.raises(PotluckError, match="has no option 'budgets'"):
+        TriForce.build(model, EngineSpec(strategy="triforce", strategy_options={"budgets": 4}))
+    with pytest.raises(PotluckError, match="chunk must be a whole number"):
+        TriForce.build(model, EngineSpec(strategy="triforce", strategy_options={"chunk": 0}))
+
+
+def test_observes_two_layers_of_queries_and_keys(model: Model) -> None:
+    names = TriForce.observed_tensors(model)
+    assert len(names) == 4 and {n.split("-")[0] for n in names} == {"Qcur", "Kcur"}
