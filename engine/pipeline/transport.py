@@ -44,6 +44,11 @@ def _common(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    # Never stop reading a connection: libzmq 4.3 aborts the process when a heartbeat times
+    # out on a connection whose input it stopped at the receive high-water mark (libzmq
+    # issues #3937, #4767), which a token holder can cause by sending faster than we parse.
+    # Messages are bounded by MAXMSGSIZE and read as fast as they come.
+    sock.setsockopt(zmq.RCVHWM, 0)
 
 
 def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> zmq.Socket:
