@@ -46,7 +46,8 @@ def _common(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     # Never stop reading a connection: libzmq 4.3 aborts the process when a heartbeat times
     # out on a connection whose input it stopped at the receive high-water mark (libzmq
-    # issues #3937, #4767), which a token holder can cause by sending faster than we parse.
+    # issues #3937, #4767; docs/facts.md §12), which a token holder can cause by sending
+    # faster than we parse.
     # Messages are bounded by MAXMSGSIZE and read as fast as they come.
     sock.setsockopt(zmq.RCVHWM, 0)
 
