@@ -35,17 +35,6 @@ class WeightConfig:
     w_max: float = 64.0
 
 
-@dataclass(frozen=True)
-class DrafterVote:
-    """One drafter's standing after a round (what the chat app's panel shows)."""
-
-    name: str
-    weight: float  # its vote
-    acceptance: float  # tokens the target kept / tokens judged, this conversation
-    drafted: int  # tokens it proposed this round
-    voted: bool  # its chain was the one verified
-
-
 def judge(chain: Sequence[int], truth: Sequence[int]) -> tuple[int, int]:
     """(kept, judged) tokens of ``chain`` against what the target produced after the same
     context. A chain is judged up to its first wrong token and everything after that counts

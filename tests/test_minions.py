@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from potluck.app.cli import main
 from potluck.engine.drafters import Draft, DraftRequest
 from potluck.engine.errors import PotluckError
-from potluck.engine.events import Finished
+from potluck.engine.events import Finished, RoundStats
 from potluck.engine.gguf_tools import merge_layer_ranges
 from potluck.engine.kernels.lookup import lookup_draft, lookup_reference
 from potluck.engine.loader import EngineSpec
@@ -357,8 +357,10 @@ def make_session(model: Model, strategy: Strategy) -> Session:
 def reply(
     session: Session, prompt: str, max_tokens: int, sampling: SamplingParams = GREEDY
 ) -> tuple[list[int], list[Round]]:
-    """The reply's tokens and the strategy's own rounds (MinionsRound, with the votes)."""
+    """The reply's tokens and the strategy's own rounds (MinionsRound: the pool's counters);
+    the voters' standings reach the session's events (the chat app's panel) unchanged."""
     rounds: list[Round] = []
+    standings = []
     run = session.strategy.run
 
     def spy(g):  # type: ignore[no-untyped-def]
@@ -369,7 +371,10 @@ def reply(
     session.strategy.run = spy  # type: ignore[method-assign]
     try:
         for ev in session.generate(prompt, sampling, max_tokens):
+            if isinstance(ev, RoundStats):
+                standings.append(ev.drafters)
             if isinstance(ev, Finished):
+                assert standings == [r.drafters for r in rounds]
                 return list(ev.tokens), rounds
     finally:
         del session.strategy.run
@@ -406,7 +411,7 @@ def test_greedy_equals_plain_decoding(model: Model, reference: dict[str, list[in
         assert tokens == reference[prompt], prompt[:30]
         rounds += got
     check_counters(rounds)
-    votes = [v for r in rounds if isinstance(r, MinionsRound) for v in r.votes]
+    votes = [v for r in rounds for v in r.drafters]
     names = {v.name for v in votes if v.voted}
     assert len(names) >= 2, names  # the vote went to more than one voter
     assert any(v.weight != 1.0 for v in votes)  # weights moved with acceptance
@@ -447,7 +452,7 @@ def test_draft_model_drafts_ahead_and_stays_exact(
     mr = [r for r in rounds if isinstance(r, MinionsRound)]
     assert sum(r.pool_hits for r in mr) > 0  # rounds served from what the worker drafted ahead
     assert sum(r.ahead_ms for r in mr) > 0 and sum(r.overlap_ms for r in mr) > 0
-    assert any(v.name == "draft-model" and v.drafted for r in mr for v in r.votes)
+    assert any(v.name == "draft-model" and v.voted for r in mr for v in r.drafters)
     session.close()
 
 

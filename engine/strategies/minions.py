@@ -42,8 +42,9 @@ import numpy as np
 from ..adaptive import LengthConfig
 from ..drafters import Draft, Drafter, DraftRequest
 from ..errors import PotluckError
+from ..events import DrafterStanding
 from ..target import MAX_EXACT_BATCH
-from ..voting import DrafterVote, DrafterWeights, WeightConfig, heaviest_path, judge
+from ..voting import DrafterWeights, WeightConfig, heaviest_path, judge
 from .base import Generation, Round, Strategy
 from .speculative import LENGTH_OPTIONS, Speculative, _bool_option, _int_option, saved_costs
 
@@ -54,9 +55,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MinionsRound(Round):
-    """A round plus what the panels show: each voter's standing and the pool's overlap."""
+    """A round plus the pool's own counters (``drafters`` holds each voter's standing)."""
 
-    votes: tuple[DrafterVote, ...] = ()
     ahead_ms: float = 0.0  # the part of draft_ms the worker thread drafted
     pool_hits: int = 0  # voters whose chain this round came from the pool
 
@@ -109,7 +109,6 @@ class MajorityVote:
         self._worker: ThreadPoolExecutor | None = None
         self._verify_from = 0.0  # when the target started verifying the last path
         self._verify_to = 0.0
-        self._last: list[int] = [0] * len(self.voters)  # chain lengths of the last draft
         self._voted = -1
         self._hits = 0  # pool hits in the last draft
         self._misses = [1.0] * len(self.voters)  # decayed pool miss rate (misses until measured)
@@ -156,7 +155,6 @@ class MajorityVote:
             qs.append(got[1])
         path, voted, q = self._choose(chains, qs, req.sampling.greedy)
         self._pending = _Pending(len(req.context), chains)
-        self._last = [len(c) for c in chains]
         self._voted = voted
         if path and self.ahead:
             self._start_ahead(req, path)
@@ -210,10 +208,11 @@ class MajorityVote:
             self.weights.record(i, kept, judged)
             self.voters[i].accept(kept)
 
-    def report(self) -> tuple[DrafterVote, ...]:
+    def report(self) -> tuple[DrafterStanding, ...]:
+        """Each voter's weight, acceptance this conversation, and whether it was voted."""
         w = self.weights
         return tuple(
-            DrafterVote(label, w.weights[i], w.acceptance(i), self._last[i], i == self._voted)
+            DrafterStanding(label, w.weights[i], w.acceptance(i), i == self._voted)
             for i, label in enumerate(self.labels)
         )
 
@@ -317,9 +316,9 @@ class Minions(Speculative):
                 base = {f.name: getattr(rnd, f.name) for f in fields(rnd)}
                 base["draft_ms"] = max(0.0, rnd.draft_ms - wait_ms) + ahead_ms
                 base["overlap_ms"] = rnd.overlap_ms + overlap_ms
+                base["drafters"] = self.vote.report() if rnd.drafted else ()
                 yield MinionsRound(
                     **base,
-                    votes=self.vote.report() if rnd.drafted else (),
                     ahead_ms=ahead_ms,
                     pool_hits=self.vote.pool_hits if rnd.drafted else 0,
                 )
