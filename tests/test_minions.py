@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 
 from potluck.app.cli import main
 from potluck.engine.drafters import Draft, DraftRequest
+from potluck.engine.drafters.lookup import LookupDrafter
 from potluck.engine.errors import PotluckError
 from potluck.engine.events import Finished, RoundStats
 from potluck.engine.gguf_tools import merge_layer_ranges
@@ -69,6 +70,23 @@ def test_lookup_copies_the_longest_match_and_continues_a_period() -> None:
     assert lookup_draft(arr, len(toks), 2, 8, 4) == ([4, 1, 2, 3], 3)
     period = np.array([7, 8, 7, 8], dtype=np.int32)
     assert lookup_draft(period, 4, 2, 8, 5)[0] == [7, 8, 7, 8, 7]
+
+
+def test_lookup_drafter_learns_its_hit_rate_and_stops_where_drafting_no_longer_pays() -> None:
+    drafter = LookupDrafter(min_match=2, max_match=8)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    drafter.begin(context, np.random.default_rng(0))
+    assert drafter.draft(DraftRequest(context, 5, 0.0, GREEDY)).tokens == [4, 5, 6, 7, 8]
+    drafter.accept(5)  # all kept: copies from 3-token matches are trusted more
+    rate = drafter.rate(3)
+    assert rate > drafter.rate(2)
+    n = len(drafter.draft(DraftRequest(context, 5, rate**2.5, GREEDY)).tokens)
+    assert n == 2  # rate**3 < threshold: the third token would not pay
+    drafter.accept(0)
+    assert drafter.rate(3) < rate
+    # the conversation was edited: the copy follows the new text
+    edited = [1, 2, 3, 9, 9, 1, 2, 3]
+    assert drafter.draft(DraftRequest(edited, 2, 0.0, GREEDY)).tokens == [9, 9]
 
 
 def test_heaviest_path_follows_the_weighted_majority() -> None:
