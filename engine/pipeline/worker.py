@@ -3,19 +3,23 @@
 Life of a worker: wait for a head (``hello``), receive or find its slice by sha256
 (``offer``/``chunk``), ``load`` it as one :class:`~potluck.engine.stage.Stage`, then take
 data-path transactions in ``txn`` order: ``forward`` (a batch: compute, pass hidden states to
-the next stage or logits to the head), ``kv`` and ``reset`` (apply, pass on). ``release`` or a
-new head's ``hello`` frees the stage and the worker waits again.
+the next stage or logits to the head), ``kv`` and ``reset`` (apply, pass on). ``release``
+by its head, or that head going away, frees the stage and the worker waits again.
 
-Two threads: this one owns every socket and answers control messages at once; the stage's
-:class:`~potluck.engine.runner.StageRunner` computes. So a ``cancel`` reaches a running
-batch (aborted mid-compute through llama.cpp's abort flag) and queued batches of the run are
+This process never runs llama.cpp: the stage lives in a supervised child (child.py), so a
+slice that makes llama.cpp abort or segfault costs that child only; the head is told the
+cause and the worker serves the next head. This thread owns every socket and answers
+control messages at once; the child computes. So a ``cancel`` reaches a running batch
+(aborted mid-compute through llama.cpp's abort flag) and queued batches of the run are
 skipped; a skipped or refused batch still goes downstream, empty, so every stage sees every
 transaction in order. Finished work comes back to this thread through a queue and a pipe
 the poller watches.
 
-Nothing a peer sends can crash a worker: every message is validated by
-:func:`.wire.parse_frames` and against the loaded stage before use, refused with a log line
-and an ``error`` reply, and the loop goes on.
+Nothing a peer sends can crash or stall a worker: every message is validated by
+:func:`.wire.parse_frames`, by ownership, and by the stage before use, refused with a log
+line and an ``error`` reply; replies never wait on a peer that does not read them; load
+settings are checked against this machine's memory and the architecture allow-list;
+received slices live under a quota and are re-hashed before each load.
 """
 
 from __future__ import annotations
