@@ -52,9 +52,11 @@ def judge(chain: Sequence[int], truth: Sequence[int]) -> tuple[int, int]:
 class DrafterWeights:
     """Per-drafter vote weights driven by measured acceptance (pure: no timing, no model)."""
 
-    def __init__(self, n: int, config: WeightConfig = WeightConfig()) -> None:
+    def __init__(
+        self, n: int, config: WeightConfig = WeightConfig(), initial: Sequence[float] | None = None
+    ) -> None:
         self.config = config
-        self.weights = [1.0] * n
+        self.weights = [1.0] * n if initial is None else [float(w) for w in initial]
         self.kept = [0] * n  # whole conversation, for reports
         self.judged = [0] * n
         self._rates: list[list[float]] = [[] for _ in range(n)]  # this window's per-round rates

@@ -87,22 +87,24 @@ class MajorityVote:
 
     def __init__(
         self,
-        voters: Sequence[tuple[str, Drafter]],
+        voters: Sequence[tuple[str, Drafter]] | Sequence[tuple[str, Drafter, float]],
         *,
         ahead: Sequence[int] = (),
         weights: WeightConfig | None = None,
         n_ctx: int | None = None,
     ) -> None:
-        """``ahead``: indices of the voters drafted on the worker thread; ``n_ctx``: the
-        voters' context size (a worker never drafts past it)."""
+        """``voters``: (label, drafter) or (label, drafter, initial weight); ``ahead``: indices
+        of the voters drafted on the worker thread; ``n_ctx``: the voters' context size (a
+        worker never drafts past it)."""
         if not voters:
             raise ValueError("MajorityVote needs at least one voter")
-        self.labels = [label for label, _ in voters]
-        self.voters = [d for _, d in voters]
+        self.labels = [v[0] for v in voters]
+        self.voters: list[Drafter] = [v[1] for v in voters]
+        self.initial = [float(v[2]) if len(v) > 2 else 1.0 for v in voters]  # type: ignore[misc]
         self.ahead = sorted(set(ahead))
         self.n_ctx = n_ctx
         self.weight_config = weights or WeightConfig()
-        self.weights = DrafterWeights(len(self.voters), self.weight_config)
+        self.weights = DrafterWeights(len(self.voters), self.weight_config, self.initial)
         self._pool: dict[int, _Ahead] = {}
         self._pending: _Pending | None = None
         self._job: Future[tuple[float, float]] | None = None
@@ -180,7 +182,7 @@ class MajorityVote:
         self._join()
         self._pool.clear()
         self._pending = None
-        self.weights = DrafterWeights(len(self.voters), self.weight_config)
+        self.weights = DrafterWeights(len(self.voters), self.weight_config, self.initial)
         for voter in self.voters:
             voter.reset()
 
@@ -349,7 +351,7 @@ class Minions(Speculative):
         # cores allow both at once (on a shared core llama.cpp's spinning threads stall)
         n_threads = spec.n_threads or default_threads()
         ahead = _bool_option(spec, "ahead", default_threads() >= 2 * n_threads)
-        voters: list[tuple[str, Drafter]] = []
+        voters: list[tuple[str, Drafter, float]] = []
         if spec.draft is not None:
             draft_model = load_draft_model(target_model, spec)
             try:
@@ -357,11 +359,13 @@ class Minions(Speculative):
             except BaseException:
                 draft_model.close()
                 raise
-            voters.append(("draft-model", drafter))
+            # a model reads the whole conversation, a table only its last few tokens: until
+            # acceptance says otherwise the model outweighs the two tables agreeing
+            voters.append(("draft-model", drafter, 2.0))
         voters += [
-            ("lookup", LookupDrafter()),
-            (f"ngram{n_max}", NgramDrafter(n_max)),
-            (f"ngram{n_short}", NgramDrafter(n_short)),
+            ("lookup", LookupDrafter(), 1.0),
+            (f"ngram{n_max}", NgramDrafter(n_max), 1.0),
+            (f"ngram{n_short}", NgramDrafter(n_short), 1.0),
         ]
         vote = MajorityVote(voters, ahead=[0] if spec.draft is not None and ahead else [], n_ctx=spec.n_ctx)
         length = LengthConfig(s_init=s_init, s_max=s_max)
