@@ -48,6 +48,11 @@ MIN_SAMPLING_FACTOR = 1e-6
 """Smallest positive temperature and repeat penalty: logits divided by far less overflow to inf
 and make the probabilities NaN. A temperature this low is already greedy in all but name."""
 MAX_DISCOVER_S = 60.0
+KV_CACHES = {
+    "bf16": "exact on every path; prompts prefill at about half F16's speed",
+    "f16": "prompts prefill about 2x faster; exact because 1-token steps run on one thread",
+}
+"""The target's KV cache settings (``--kv``; docs/facts.md §3, ``loader.target_params``)."""
 
 
 def _whole(value: object) -> int | None:
@@ -193,6 +198,12 @@ def strategy_fits(strategy: str, draft: Path | None, options: dict[str, object])
     return cls
 
 
+def kv_cache(value: str) -> str:
+    if value not in KV_CACHES:
+        raise PotluckError(f"--kv must be one of {', '.join(KV_CACHES)}, got {value!r}")
+    return value
+
+
 def spec(s: EngineSpec) -> EngineSpec:
     """Check every value of ``s`` that needs no model file; returns it with the values
     llama.cpp will use (context rounded up, paths expanded)."""
@@ -201,6 +212,9 @@ def spec(s: EngineSpec) -> EngineSpec:
     strategy_fits(s.strategy, draft, s.strategy_options)
     sizes = context_sizes(s.n_ctx)
     n_threads = threads(s.n_threads)
+    kv_cache(s.kv_cache)
+    if s.kv_cache != "bf16" and s.cluster is not None:
+        raise PotluckError(f"--kv {s.kv_cache} is for one machine; cluster workers keep bf16 (drop --kv)")
     if s.system is not None:
         text("the system prompt", s.system)
     return replace(s, model=model, draft=draft, n_ctx=sizes.n_ctx, n_threads=n_threads)
@@ -211,6 +225,17 @@ def prompt_fits(n_tokens: int, n_ctx: int, what: str = "the prompt") -> None:
     if n_tokens + 1 > n_ctx:
         raise ContextFullError(
             f"{what} is {n_tokens} tokens but the context holds {n_ctx}; shorten it or raise --ctx"
+        )
+
+
+def context_fits_model(model: Model, n_ctx: int) -> None:
+    """A context no longer than the model's training length (8,192 for the bundled model):
+    past it llama.cpp only warns, and the model's positions beyond it are untrained."""
+    train = model.n_ctx_train
+    if train > 0 and n_ctx > -(-train // CTX_STEP) * CTX_STEP:
+        raise PotluckError(
+            f"--ctx (n_ctx) is longer than the {train} tokens {model.path.name} was trained on; "
+            f"pass --ctx {train} or less"
         )
 
 

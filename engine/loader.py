@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..assets import default_model_path
 from . import limits
 from .errors import ModelError
-from .runtime import ContextParams, Model
+from .runtime import GGML_TYPE_BF16, GGML_TYPE_F16, ContextParams, Model
 from .session import Session
 from .strategies.registry import get_strategy_class
 from .target import LocalTarget, Target
@@ -46,6 +46,10 @@ class EngineSpec:
     use_extra_bufts: bool | None = None
     strategy_options: dict[str, object] = field(default_factory=dict)
     cluster: ClusterSpec | None = None  # None: the whole target on this machine
+    # KV cache of the target (limits.KV_CACHES): "bf16" computes every position on one
+    # flash-attention path; "f16" prefills about 2x faster (tiled path) and stays exact by
+    # running 1-token steps on one thread (docs/facts.md §3), so plain steps decode slower.
+    kv_cache: str = "bf16"
 
 
 def resolve_model(path: Path | str | None) -> Path:
@@ -74,6 +78,7 @@ def open_session(spec: EngineSpec) -> Session:
         resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts, vocab_only=spec.cluster is not None
     )
     try:
+        limits.context_fits_model(model, spec.n_ctx)
         if spec.cluster is None:
             limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences)
         if spec.system:
@@ -90,14 +95,20 @@ def open_session(spec: EngineSpec) -> Session:
     return Session(model, target, strategy, system=spec.system)
 
 
+# --kv setting -> (KV cache type, threads for 1-token steps; 0: all of them)
+KV_TYPES = {"bf16": (GGML_TYPE_BF16, 0), "f16": (GGML_TYPE_F16, 1)}
+
+
 def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> ContextParams:
     """The target context a strategy needs on this machine (the bench opens the same one)."""
     n_sequences = strategy_cls.n_sequences
     sizes = limits.context_sizes(spec.n_ctx, n_sequences)
+    kv_type, single_step_threads = KV_TYPES[limits.kv_cache(spec.kv_cache)]
     # Side sequences get KV streams of their own so they never change sequence 0's numbers.
     return ContextParams(
         n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_threads=spec.n_threads, n_seq_max=n_sequences,
         kv_unified=n_sequences == 1, observe=strategy_cls.observed_tensors(model),
+        kv_type=kv_type, single_step_threads=single_step_threads,
     )
 
 

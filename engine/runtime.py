@@ -397,6 +397,10 @@ class ContextParams:
     # tokens), which would break lossless speculation past ~256 tokens of context. BF16 never
     # takes that path (docs/facts.md §3) and decodes as fast or faster.
     kv_type: int = GGML_TYPE_BF16
+    # Threads for 1-token batches (0: n_threads). With an F16 cache, 1 makes single steps
+    # compute like verify batches (no split-KV path, docs/facts.md §3) while prompts and
+    # batches keep every thread and F16's tiled prefill (the "f16" KV setting, loader.py).
+    single_step_threads: int = 0
 
 
 class Context:
@@ -417,7 +421,7 @@ class Context:
         cp.n_ubatch = params.n_batch
         cp.n_seq_max = params.n_seq_max
         threads = params.n_threads or default_threads()
-        cp.n_threads = threads
+        cp.n_threads = self._single_step(threads)
         cp.n_threads_batch = threads
         cp.flash_attn_type = 1 if params.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
         cp.kv_unified = params.kv_unified
@@ -617,6 +621,14 @@ class Context:
     def clear(self) -> None:
         ll.llama_memory_clear(self._mem, True)
 
-    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        """Threads for 1-token batches and for larger ones (llama.cpp picks by batch size)."""
-        ll.llama_set_n_threads(self._ptr, n_threads, n_threads if n_threads_batch is None else n_threads_batch)
+    def _single_step(self, n_threads: int) -> int:
+        cap = self.params.single_step_threads
+        return min(n_threads, cap) if cap > 0 else n_threads
+
+    def threads(self) -> tuple[int, int]:
+        """(threads for 1-token batches, threads for larger ones)."""
+        return int(ll.llama_n_threads(self._ptr)), int(ll.llama_n_threads_batch(self._ptr))
+
+    def set_threads(self, n_threads: int) -> None:
+        """Threads from the next batch on; 1-token batches stay within ``single_step_threads``."""
+        ll.llama_set_n_threads(self._ptr, self._single_step(n_threads), n_threads)

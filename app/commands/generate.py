@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
+from ...engine import limits
 from ...engine.events import Finished, PlanChanged, TokenText
 from ...engine.loader import open_session
 from ...engine.strategies.plain import Autoregressive
@@ -25,6 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_sampling_args(p)
     add_cluster_args(p)
+    p.add_argument(
+        "--kv", default="bf16", choices=sorted(limits.KV_CACHES),
+        help="KV cache: bf16 (default) or f16, which prefills long prompts about 2x faster and runs "
+        "single-token steps on one thread (both exact)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end, nothing else")
     p.add_argument("prompt", nargs="?", help="the user message ('-' or omitted: read stdin)")
 
@@ -32,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Every value is checked (engine.limits) before stdin is read or anything is loaded.
     sampling = sampling_params(args)
-    spec = engine_spec(args)
+    spec = replace(engine_spec(args), kv_cache=args.kv)
     prompt = read_prompt(args.prompt)
     session = open_session(with_cluster(spec, args))
     try:

@@ -1,0 +1,95 @@
+"""The "f16" KV setting (fast prefill) stays exact, and contexts reach the training length.
+
+With an F16 cache a single-token step over >= 512 KV cells on more than one thread takes
+ggml-cpu's split-KV flash-attention path and differs from a verify batch (docs/facts.md §3);
+the "f16" setting runs 1-token steps on one thread, which computes them like batch rows,
+while prompts keep every thread and F16's tiled prefill path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from potluck.engine import limits
+from potluck.engine.benchmark import load_prompts
+from potluck.engine.errors import PotluckError
+from potluck.engine.events import Finished
+from potluck.engine.loader import EngineSpec, open_session, target_params
+from potluck.engine.runtime import GGML_TYPE_F16, Context, ContextParams, Model
+from potluck.engine.strategies.plain import Autoregressive
+
+THREADS = 2
+
+
+def _steps_vs_batch(model: Model, single_step_threads: int) -> float:
+    """Max |logit diff| between 12 single steps and the same 12 tokens as one batch, after
+    700 tokens of context (past 512 cells), F16 cache, batches on 2 threads."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 20_000, 700).tolist()
+    cont = rng.integers(100, 20_000, 12).tolist()
+    params = ContextParams(n_ctx=2048, n_threads=THREADS, kv_type=GGML_TYPE_F16,
+                           single_step_threads=single_step_threads)
+    with Context(model, params) as ctx:
+        for i in range(0, len(prompt), 512):
+            ctx.run_tokens(prompt[i : i + 512], i)
+        singles = []
+        for j, tok in enumerate(cont):
+            ctx.run_tokens([tok], len(prompt) + j)
+            singles.append(ctx.logits_row(-1).copy())
+        ctx.seq_rm(0, len(prompt))
+        ctx.run_tokens(cont, len(prompt), outputs="all")
+        return float(np.abs(np.array(singles) - ctx.logits(len(cont))).max())
+
+
+def test_f16_single_steps_on_one_thread_compute_like_batches(model: Model) -> None:
+    assert _steps_vs_batch(model, single_step_threads=1) == 0.0
+    assert _steps_vs_batch(model, single_step_threads=0) > 0.0  # the split-KV path this avoids
+
+
+def test_set_threads_keeps_single_steps_on_one_thread(model: Model) -> None:
+    with Context(model, ContextParams(n_ctx=256, n_threads=THREADS, single_step_threads=1)) as ctx:
+        assert ctx.threads() == (1, THREADS)
+        ctx.set_threads(THREADS)  # what pearl does when its gate closes
+        assert ctx.threads() == (1, THREADS)
+
+
+def test_kv_setting_maps_to_the_context(model: Model) -> None:
+    params = target_params(model, EngineSpec(kv_cache="f16", n_threads=THREADS), Autoregressive)
+    assert params.kv_type == GGML_TYPE_F16 and params.single_step_threads == 1
+    with pytest.raises(PotluckError, match="--kv must be one of bf16, f16"):
+        limits.kv_cache("q8_0")
+
+
+def _reply(spec: EngineSpec, prompt: str) -> Finished:
+    session = open_session(spec)
+    try:
+        return [ev for ev in session.generate(prompt, max_tokens=64) if isinstance(ev, Finished)][0]
+    finally:
+        session.close()
+
+
+def test_f16_speculation_equals_plain_past_512_cells() -> None:
+    """anpd's verify batches (2 threads) against plain single steps (1 thread) over a
+    ~750-token prompt, F16 cache: token for token."""
+    doc = load_prompts("long")[0][:3_300]  # the start of the 2K chronicle
+    prompt = doc + "\n\nRepeat the first two sentences of the chronicle word for word."
+    base = EngineSpec(n_ctx=2048, n_threads=THREADS, kv_cache="f16")
+    plain = _reply(base, prompt)
+    spec = _reply(EngineSpec(strategy="anpd", n_ctx=2048, n_threads=THREADS, kv_cache="f16",
+                             strategy_options={"adaptive": False}), prompt)
+    assert plain.prompt_tokens > 600
+    assert spec.tokens == plain.tokens
+    assert spec.accepted > 0 and spec.drafted > spec.accepted
+
+
+def test_context_up_to_the_training_length(model: Model) -> None:
+    assert model.n_ctx_train == 8192
+    session = open_session(EngineSpec(n_ctx=8192))
+    try:
+        assert session.target.n_ctx == 8192
+    finally:
+        session.close()
+    with pytest.raises(PotluckError) as err:
+        open_session(EngineSpec(n_ctx=8193))
+    assert "trained on" in str(err.value) and "--ctx 8192" in str(err.value) and "\n" not in str(err.value)
