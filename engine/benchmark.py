@@ -5,6 +5,11 @@ speed on a shared 2-core box drifts by tens of percent within minutes. Runs are
 interleaved (rep -> family -> prompt -> strategy) so that drift hits every strategy alike.
 Speed is decode speed: ``(tokens - 1) / seconds`` after the prompt is processed (the first
 token comes from the prompt's logits), the same measure for our strategies and the peer.
+
+The long-context family (``--families long``: chronicles of about 2K, 4K and 8K tokens,
+summarized and asked about a detail in the middle, ``scripts/make_long_prompts.py``) needs
+``--ctx 8192``; its rows add the time to first token, TriForce's acceptance at each level
+and its retrieval budget.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from ..assets import asset
+from . import limits
 from .chat import ChatFormat, Message
 from .errors import PotluckError
 from .events import Finished, RoundStats
-from .loader import EngineSpec, resolve_model
+from .loader import EngineSpec, resolve_model, target_params
 from .runtime import Context, ContextParams, Model
 from .sampling import SamplingParams
 from .session import Session
@@ -33,6 +39,7 @@ from .target import LocalTarget
 log = logging.getLogger(__name__)
 
 FAMILIES = ("code_editing", "summarization", "chat")
+LONG_FAMILY = "long"  # not in the default families: it needs --ctx 8192 and minutes per prompt
 PEER = "peer"  # llama-cpp-python's LlamaPromptLookupDecoding, see .peers
 BASELINE = "autoregressive"
 DRAFT_USERS = {"sd", "pearl", "minions"}  # strategies that use --draft when one is given
@@ -44,7 +51,7 @@ def load_prompts(family: str) -> list[str]:
     path = Path(family) if family.endswith(".txt") else asset(f"prompts/{family}.txt")
     if not path.is_file():
         raise PotluckError(
-            f"unknown prompt family {family!r}; choose from {', '.join(FAMILIES)} "
+            f"unknown prompt family {family!r}; choose from {', '.join((*FAMILIES, LONG_FAMILY))} "
             "or give a .txt file of prompts separated by %% lines"
         )
     try:
@@ -99,6 +106,7 @@ class BenchConfig:
     n_ctx: int = 4096
     n_threads: int = 0
     options: dict[str, object] = field(default_factory=dict)
+    kv_cache: str = "bf16"  # the target's KV cache setting (EngineSpec.kv_cache)
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,15 @@ class BenchRow:
     cost_ratio: float | None  # target ms/token over draft ms/token (sd only)
     max_tokens: int
     threads: int
+    ttft_s: float | None = None  # median time to first token (prompt processing included)
+    prefill_tokens_per_s: float | None = None  # median prompt tokens per second of prefill
+    kv_cache: str = "bf16"
+    # TriForce's hierarchy (None for other strategies): acceptance_rate above is the full
+    # cache judging retrieval drafts; this is the retrieval cache judging N-gram drafts
+    ngram_acceptance: float | None = None
+    retrieval_budget: int | None = None  # positions the retrieval cache held (last rebuild)
+    retrieval_context: int | None = None  # positions of the full cache at that rebuild
+    rebuilds_per_reply: float | None = None
 
     def as_json(self) -> dict[str, object]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -146,6 +163,15 @@ class _Acc:
     overlap_ms: float = 0.0
     emitted: int = 0
     identical: bool = True
+    ttft_s: list[float] = field(default_factory=list)
+    prefill_tps: list[float] = field(default_factory=list)
+    replies: int = 0
+    # TriForce's counters, summed over replies
+    ngram_drafted: int = 0
+    ngram_accepted: int = 0
+    rebuilds: int = 0
+    budget: int | None = None
+    context: int | None = None
 
     def add_run(self, rep: int, n_tokens: int, decode_s: float) -> None:
         self.tokens_per_rep[rep] = self.tokens_per_rep.get(rep, 0) + n_tokens
@@ -172,15 +198,16 @@ class _Runner:
 
             self.peer = PromptLookupPeer(model.path, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
         else:
-            spec = EngineSpec(
+            self.spec = EngineSpec(
                 model=model.path,
                 strategy=name,
                 draft=cfg.draft,
                 n_ctx=cfg.n_ctx,
                 n_threads=cfg.n_threads,
                 strategy_options=dict(cfg.options),
+                kv_cache=cfg.kv_cache,
             )
-            self.strategy = get_strategy_class(name).build(model, spec)
+            self.strategy = get_strategy_class(name).build(model, self.spec)
 
     def run(self, prompt: str, rep: int, acc: _Acc) -> list[int]:
         """Answer ``prompt`` greedily; add its counters to ``acc``; return its tokens."""
@@ -188,12 +215,13 @@ class _Runner:
             tokens = chat_prompt_tokens(self.model, prompt)
             res = self.peer.generate(tokens, self.cfg.max_tokens, self.model.is_eog)
             acc.add_run(rep, len(res.tokens) - 1, res.decode_s)
+            acc.ttft_s.append(res.prefill_s)
+            acc.prefill_tps.append(len(tokens) / res.prefill_s if res.prefill_s > 0 else 0.0)
             return res.tokens
         assert self.strategy is not None
         self.strategy.reset()
-        target = LocalTarget(
-            self.model, ContextParams(n_ctx=self.cfg.n_ctx, n_threads=self.cfg.n_threads)
-        )
+        # the context the strategy gets from open_session (side sequences, observed tensors)
+        target = LocalTarget(self.model, target_params(self.model, self.spec, type(self.strategy)))
         session = Session(self.model, target, self.strategy)
         finished: Finished | None = None
         try:
@@ -210,6 +238,16 @@ class _Runner:
             target.close()
         assert finished is not None
         acc.add_run(rep, len(finished.tokens) - 1, finished.decode_s)
+        acc.ttft_s.append(finished.ttft_s)
+        acc.prefill_tps.append(finished.prefill_tokens_per_s)
+        acc.replies += 1
+        levels = getattr(self.strategy, "counters", None)  # TriForce's LevelCounters
+        if levels is not None:
+            acc.ngram_drafted += levels.ngram_drafted
+            acc.ngram_accepted += levels.ngram_accepted
+            acc.rebuilds += levels.rebuilds
+            if levels.rebuilds:
+                acc.budget, acc.context = levels.budget, levels.context
         acc.drafted += finished.drafted
         acc.accepted += finished.accepted
         acc.rounds += finished.rounds
@@ -238,6 +276,14 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     model = Model(resolve_model(cfg.model))
     runners: list[_Runner] = []
     try:
+        limits.context_fits_model(model, cfg.n_ctx)
+        for fam, found in prompts.items():
+            longest = max(len(chat_prompt_tokens(model, p)) for p in found)
+            if longest + cfg.max_tokens > cfg.n_ctx:
+                raise PotluckError(
+                    f"family {fam!r} has a prompt of {longest} tokens, which with --max-tokens "
+                    f"{cfg.max_tokens} does not fit --ctx {cfg.n_ctx}; raise --ctx (the long family needs 8192)"
+                )
         cost_ratio = None
         if cfg.draft is not None and DRAFT_USERS & set(strategies):
             with Model(cfg.draft) as draft_model:
@@ -305,6 +351,13 @@ def _row(
         cost_ratio=cost_ratio if name in DRAFT_USERS else None,
         max_tokens=cfg.max_tokens,
         threads=cfg.n_threads,
+        ttft_s=statistics.median(acc.ttft_s) if acc.ttft_s else None,
+        prefill_tokens_per_s=statistics.median(acc.prefill_tps) if acc.prefill_tps else None,
+        kv_cache=cfg.kv_cache,
+        ngram_acceptance=acc.ngram_accepted / acc.ngram_drafted if acc.ngram_drafted else None,
+        retrieval_budget=acc.budget,
+        retrieval_context=acc.context,
+        rebuilds_per_reply=acc.rebuilds / acc.replies if acc.rebuilds and acc.replies else None,
     )
 
 

@@ -93,3 +93,12 @@ def test_context_up_to_the_training_length(model: Model) -> None:
     with pytest.raises(PotluckError) as err:
         open_session(EngineSpec(n_ctx=8193))
     assert "trained on" in str(err.value) and "--ctx 8192" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_context_meter() -> None:
+    from potluck.app.tui.widgets import context_meter
+
+    assert context_meter(0, 8192, 8) == "░" * 8
+    assert context_meter(4096, 8192, 8) == "████░░░░"
+    assert context_meter(9000, 8192, 8) == "█" * 8
+    assert context_meter(5, 0) == "—"  # no context yet

@@ -17,6 +17,7 @@ from ...engine import limits
 from ...engine.benchmark import (
     BASELINE,
     FAMILIES,
+    LONG_FAMILY,
     PEER,
     BenchConfig,
     BenchRow,
@@ -55,13 +56,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--families",
         default=",".join(FAMILIES),
-        help=f"prompt families (default: {','.join(FAMILIES)}); a path to a .txt file of your "
-        "own prompts (separated by %%%% lines) is a family too",
+        help=f"prompt families (default: {','.join(FAMILIES)}; also '{LONG_FAMILY}': 2K-8K-token documents, "
+        "with --ctx 8192); a path to a .txt file of your own prompts (separated by %%%% lines) is a family too",
     )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per reply (128)")
     p.add_argument("--reps", type=positive_int, default=3, help="repetitions; medians are reported (3)")
     p.add_argument("--ctx", type=positive_int, default=4096, help="context size (4096)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--kv", default="bf16", choices=sorted(limits.KV_CACHES),
+        help="the target's KV cache: bf16 (default) or f16 (faster prefill, 1-token steps on one thread)",
+    )
     p.add_argument(
         "--option",
         action="append",
@@ -161,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         n_ctx=limits.context_sizes(args.ctx).n_ctx,
         n_threads=limits.threads(args.threads, "--threads"),
         options=_parse_options(args.option),
+        kv_cache=args.kv,
     )
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     rows = run_bench(cfg, progress)
@@ -201,7 +207,7 @@ def format_table(rows: list[BenchRow]) -> str:
         f"target: {r0.target} ({r0.target_layers} layers"
         + (f", recipe {r0.recipe}" if r0.recipe else "")
         + ")",
-        f"max tokens {r0.max_tokens}, reps {r0.reps} (medians), threads {r0.threads or 'all'}",
+        f"max tokens {r0.max_tokens}, reps {r0.reps} (medians), threads {r0.threads or 'all'}, KV {r0.kv_cache}",
     ]
     for r in rows:
         if r.cost_ratio is not None:
@@ -210,6 +216,7 @@ def format_table(rows: list[BenchRow]) -> str:
     cols = (
         f"{'family':<14}{'strategy':<16}{'tok/s':>8}{'speedup':>9}{'accept':>8}"
         f"{'acc/rnd':>8}{'s/rnd':>7}{'draft ms/t':>11}{'verify ms/t':>12}{'both ms/t':>10}  identical"
+        f"{'ttft s':>8}{'L1 acc':>8}{'retrieval':>12}"
     )
     lines = [*head, "", cols, "-" * len(cols)]
     for r in rows:
@@ -218,6 +225,16 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{_fmt(r.acceptance_rate, '.2f'):>8}{_fmt(r.mean_accepted_len, '.2f'):>8}"
             f"{_fmt(r.mean_draft_len, '.1f'):>7}{_fmt(r.draft_ms_per_token, '.2f'):>11}"
             f"{_fmt(r.verify_ms_per_token, '.2f'):>12}{_fmt(r.overlap_ms_per_token, '.2f'):>10}"
-            f"  {'yes' if r.identical_to_ar else 'NO'}"
+            f"  {'yes' if r.identical_to_ar else 'NO':<9}"
+            f"{_fmt(r.ttft_s, '.2f'):>8}{_fmt(r.ngram_acceptance, '.2f'):>8}{_budget(r):>12}"
         )
+    if any(r.retrieval_budget is not None for r in rows):
+        lines += ["", "accept: drafts the target with its full cache kept (triforce: retrieval-cache drafts); "
+                  "L1 acc: N-gram drafts the retrieval cache kept; retrieval: positions it held / context"]
     return "\n".join(lines)
+
+
+def _budget(r: BenchRow) -> str:
+    if r.retrieval_budget is None or r.retrieval_context is None:
+        return "-"
+    return f"{r.retrieval_budget}/{r.retrieval_context}"

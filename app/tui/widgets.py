@@ -241,6 +241,7 @@ class StatsPanel(Vertical):
             ("prompt", str(f.prompt_tokens)),
             ("generated", str(f.generated_tokens)),
             ("context", used + pct),
+            ("", context_meter(f.n_past, f.n_ctx)),
         ])
         self._tables = [speed, spec, tokens]
         for widget_id, table in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._tables):
@@ -261,6 +262,14 @@ class StatsPanel(Vertical):
     def text(self) -> str:
         """The panels as plain text (tests and the log read figures from here)."""
         return "\n".join(_plain(t) for t in getattr(self, "_tables", []))
+
+
+def context_meter(n_past: int, n_ctx: int, width: int = 20) -> str:
+    """The context used as a bar: long documents fill it, and a full one ends replies."""
+    if n_ctx <= 0:
+        return DASH
+    filled = min(width, round(width * n_past / n_ctx))
+    return "█" * filled + "░" * (width - filled)
 
 
 def _section(title: str, rows: list[tuple[str, str]]) -> Table:
