@@ -23,6 +23,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -174,7 +175,7 @@ class StageProcess:
         fut = self.submit("status")
         try:
             return fut.result(STATUS_TIMEOUT_S)
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):
             raise PotluckError("the stage process did not answer a status request") from None
 
     # -- internals
