@@ -13,7 +13,7 @@ from ...engine import limits, paths
 from ...engine.config import load_settings
 from ...engine.loader import EngineSpec, open_session, resolve_model
 from ...engine.runtime import check_gguf_file
-from .common import add_model_args, add_sampling_args
+from .common import add_cluster_args, add_model_args, add_sampling_args, check_cluster_args
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
 _OVERRIDES = {
@@ -41,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_args(p)
     add_sampling_args(p)
+    add_cluster_args(p)
     # Unset options must not override config.toml, so none of them has a default here.
     p.set_defaults(**dict.fromkeys(_OVERRIDES))
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     for path in (resolve_model(spec.model), spec.draft):
         if path is not None:
             check_gguf_file(path)
+    cluster = cluster_choice(args)
 
     handler = logging.FileHandler(paths.log_file(), encoding="utf-8")
     handler.setLevel(logging.INFO)
@@ -80,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     def session_factory(spec: EngineSpec):  # noqa: ANN202 - returns the engine Session
         return open_session(spec)
 
-    app = build_app(settings=settings, session_factory=session_factory, settings_path=paths.config_file())
+    app = build_app(
+        settings=settings, session_factory=session_factory, settings_path=paths.config_file(), cluster=cluster
+    )
     try:
         app.run()
     finally:
@@ -88,6 +92,27 @@ def run(args: argparse.Namespace) -> int:
         root.removeHandler(handler)
         handler.close()
     return app.return_code or 0
+
+
+def cluster_choice(args: argparse.Namespace):  # -> ClusterChoice | None
+    """``--nodes`` and its options, checked before the screen opens (one line, exit code 2).
+
+    The token is checked here too; discovery, the plan and the slice transfer happen in the
+    app, where the user watches them."""
+    check_cluster_args(args)
+    if args.nodes is None:
+        return None
+    from ...discovery.auth import resolve_token
+    from ..tui.cluster import AUTO, ClusterChoice
+
+    resolve_token(args.token)  # no token: refuse now, not after the screen is up
+    return ClusterChoice(
+        nodes=AUTO if args.nodes == AUTO else limits.nodes(args.nodes),
+        token=args.token,
+        split=None if args.split is None else limits.split(args.split),
+        hidden_dtype="f16" if args.hidden_f16 else "f32",
+        discover_timeout_s=args.discover_timeout or 2.0,
+    )
 
 
 def _quiet_stderr_while_the_screen_is_up() -> None:

@@ -28,13 +28,24 @@ from ...engine import limits
 from ...engine.chat import Message
 from ...engine.config import Settings, save_settings
 from ...engine.errors import PotluckError
+from ...engine.events import PlanChanged
 from ...engine.loader import EngineSpec
 from ...engine.strategies.registry import get_strategy_class
 from ..store import Conversation, Store, StoredMessage
 from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
+from .cluster import (
+    ClusterChoice,
+    ClusterPlanned,
+    ClusterState,
+    LoadReporter,
+    SliceProgress,
+    bytes_per_token,
+    stages_of,
+)
 from .export import code_blocks, conversation_markdown, export_path
 from .replies import (
     ChatSession,
+    ClusterEvent,
     ClusterNotice,
     Reply,
     ReplyFailed,
@@ -45,7 +56,7 @@ from .replies import (
     load_in_thread,
     reply_in_thread,
 )
-from .screens import ConfirmScreen, LogScreen, Pick, PickerScreen, TextPromptScreen
+from .screens import ClusterScreen, ConfirmScreen, LocalChoice, LogScreen, Pick, PickerScreen, TextPromptScreen
 from .stats import Figures, ReplyProgress, SpeedMeter
 from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPanel, finish_note
 
@@ -106,6 +117,8 @@ class PotluckApp(App[None]):
         _b("ctrl+pagedown,alt+down", "next_conversation", "Next", show=False),
         _b("f4", "system_prompt", "System"),
         _b("ctrl+o", "picker", "Model"),
+        _b("f9", "cluster", "Cluster"),
+        _b("ctrl+g", "replan", "Re-plan", show=False),
         _b("ctrl+t", "toggle_panels", "Panels"),
         _b("f3", "copy_reply", "Copy"),
         _b("f5", "copy_code", "Copy code"),
@@ -125,8 +138,13 @@ class PotluckApp(App[None]):
         strategies: Mapping[str, StrategyClass],
         copy_fallback: Callable[[str], str],
         clock: Callable[[], float],
+        cluster: ClusterChoice | None = None,
+        discovery_interfaces: tuple[str, ...] | None = None,
     ) -> None:
         super().__init__()
+        self.cluster = cluster
+        self.cluster_state: ClusterState | None = ClusterState() if cluster else None
+        self.discovery_interfaces = discovery_interfaces
         self.settings = settings
         self.session_factory = session_factory
         self.history_path = history_path
@@ -237,13 +255,21 @@ class PotluckApp(App[None]):
         spec = self.spec
         name = spec.model.name if spec.model else DEFAULT_MODEL_NAME.split(" (")[0] + " (bundled)"
         draft = f" + draft {spec.draft.name}" if spec.draft else ""
-        return f"{name} · {spec.strategy}{draft}"
+        where = ""
+        if self.cluster_state is not None and self.cluster_state.stages:
+            where = f" · cluster of {len(self.cluster_state.stages)}"
+        return f"{name} · {spec.strategy}{draft}{where}"
 
     def update_status(self) -> None:
         """Show what the engine is doing; called whenever that changes."""
         self.refresh_bindings()  # check_action's answer for Esc depends on self.reply
         if self.reply is not None:
             state = "generating… (Esc stops)"
+        elif self.loading and self.cluster_state is not None and self.cluster_state.transfer:
+            what, done, total = self.cluster_state.transfer
+            state = f"sending {what}: {100 * done / total if total else 100:.0f}% of {total / 1e6:,.1f} MB…"
+        elif self.loading and self.cluster is not None:
+            state = f"opening the cluster ({self.cluster.describe()})…"
         elif self.loading:
             state = "loading model…"
         elif self.session is None:
@@ -289,24 +315,116 @@ class PotluckApp(App[None]):
     # ------------------------------------------------------------------ engine: loading
     def start_loading(self, spec: EngineSpec) -> None:
         self.loading = True
+        factory = self.session_factory
+        choice = self.cluster
+        if choice is not None:
+            reporter = LoadReporter(self.post_message)
+            self.cluster_state = ClusterState()
+            # A worker serves one head at a time: the old chain lets its workers go first.
+            old, self.session = self.session, None
+
+            def factory(spec: EngineSpec) -> ChatSession:  # loader thread: discovery, plan, slices
+                if old is not None:
+                    old.close()
+                return self.session_factory(replace(spec, cluster=choice.resolve(reporter.on_plan, reporter.progress)))
+        else:
+            self.cluster_state = None
+        self.show_cluster()
         self.update_status()
         self.run_worker(
-            partial(load_in_thread, self.post_message, self.session_factory, spec),
+            partial(load_in_thread, self.post_message, factory, spec),
             thread=True, group="loader", exit_on_error=False,
         )
 
+    # ------------------------------------------------------------------ cluster
+    def show_cluster(self) -> None:
+        panels = self._main.query(StatsPanel)
+        if panels:
+            panels.first().show_cluster(self.cluster_state, self.settings.keys.keymap().get("replan", "ctrl+g"))
+
+    def on_cluster_planned(self, event: ClusterPlanned) -> None:
+        for line in event.lines:
+            log.info("%s", line)
+        if self.cluster_state is not None:
+            self.cluster_state = self.cluster_state.planned(event.lines, event.stages)
+        self.notify("\n".join(event.lines), title="Cluster plan", timeout=10)
+        self.show_cluster()
+        self.update_status()
+
+    def on_slice_progress(self, event: SliceProgress) -> None:
+        if self.cluster_state is not None:
+            self.cluster_state = replace(self.cluster_state, transfer=(event.what, event.done, event.total))
+        self.show_cluster()
+        self.update_status()
+
+    def on_cluster_event(self, event: ClusterEvent) -> None:
+        if self.cluster_state is None:
+            return
+        e = event.event
+        if isinstance(e, PlanChanged):
+            self.cluster_state = self.cluster_state.with_plan(e)
+            note = e.reason
+        else:
+            self.cluster_state = self.cluster_state.with_status(e)
+            note = "" if e.state == "ok" else f"{e.node} {e.state}" + (f": {e.detail}" if e.detail else "")
+        if note:  # the conversation says it too, under the reply it happened in
+            event.reply.cluster_notes.append(note)
+            if event.reply.view.is_attached:
+                event.reply.view.set_note(note)
+        self.show_cluster()
+
+    def action_replan(self) -> None:
+        """Reopen the session over the chosen workers (``auto``: those found now); the next
+        reply replays the conversation into the new chain through the normal prefill."""
+        if self.cluster is None:
+            self.notify("not in cluster mode: F9 picks workers", severity="warning")
+            return
+        if self.reply is not None:
+            self.notify("a reply is still being generated; Esc stops it", severity="warning")
+            return
+        self.notify(f"re-planning over {self.cluster.describe()}…")
+        self.start_loading(self.spec)
+
+    def action_cluster(self) -> None:
+        if self.reply is not None:
+            self.notify("wait for the reply (or Esc) before changing workers", severity="warning")
+            return
+        self.run_worker(self._open_cluster_picker(), group="picker", exclusive=True)
+
+    async def _open_cluster_picker(self) -> None:
+        stages = self.cluster_state.stages if self.cluster_state else ()
+        choice = await self.push_screen_wait(
+            ClusterScreen(
+                self.discovery_interfaces, {r.address for r in stages}, self.cluster.token if self.cluster else None
+            )
+        )
+        if choice is None:
+            return
+        if isinstance(choice, LocalChoice):
+            if self.cluster is None:
+                return
+            self.cluster = None
+        else:
+            self.cluster = choice
+        self.start_loading(self.spec)
+
     def on_session_loaded(self, event: SessionLoaded) -> None:
         self.loading = False
+        if self.cluster_state is not None:
+            self.cluster_state = ClusterState(plan=self.cluster_state.plan, stages=self.cluster_state.stages)
         if event.error is not None:
             self.load_error = event.error
             self.report_error(f"could not load the model: {event.error}")
         elif event.session is not None:
+            if self.cluster_state is not None:
+                self.cluster_state = self.cluster_state.loaded(stages_of(getattr(event.session, "target", None)))
             old, self.session, self.spec, self.load_error = self.session, event.session, event.spec, None
             if old is not None:
                 old.close()
             log.info("model ready: %s", self._model_label())
             self.progress, self.meter = ReplyProgress(n_ctx=event.spec.n_ctx), SpeedMeter()
             self.sample_stats()
+        self.show_cluster()
         self.update_status()
 
     # ------------------------------------------------------------------ engine: replies
@@ -375,7 +493,7 @@ class PotluckApp(App[None]):
         reply, f = event.reply, event.finished
         await self._pump_reply_text()
         self.reply, self.progress = None, reply.progress
-        note = finish_note(f.reason)
+        note = finish_note(f.reason, "; ".join(reply.cluster_notes))
         assert self.store is not None
         if self.store.conversation(reply.conversation_id) is not None:
             stored = self.store.add_message(
@@ -406,6 +524,13 @@ class PotluckApp(App[None]):
         await self._pump_reply_text()
         self.reply, self.progress = None, reply.progress
         self.report_error(event.error)
+        # In cluster mode the error names the stage that was lost or froze: the panel marks it
+        # and the kept reply says it, so the conversation shows why it stopped.
+        detail = ""
+        if self.cluster_state is not None:
+            self.cluster_state = self.cluster_state.failed(event.error)
+            detail = event.error
+            self.show_cluster()
         assert self.store is not None
         if reply.user_text is not None and not reply.got_text:
             # Nothing was generated: undo the send and give the text back for editing.
@@ -427,7 +552,7 @@ class PotluckApp(App[None]):
                     replaces=reply.replaces,
                 )
             if reply.view.is_attached:
-                await reply.view.finish(text, finish_note("error"))
+                await reply.view.finish(text, finish_note("error", detail))
         self.update_status()
 
     # ------------------------------------------------------------------ panels
@@ -441,6 +566,9 @@ class PotluckApp(App[None]):
         else:
             progress = self.reply.progress if self.reply is not None else self.progress
             figures = self.meter.sample(progress, self.clock() if now is None else now)
+        if self.cluster_state is not None and self.session is not None:
+            self.cluster_state = self.cluster_state.with_bytes(bytes_per_token(getattr(self.session, "target", None)))
+            self.show_cluster()
         try:
             panels.first().show(figures)
         except NoMatches:
@@ -686,6 +814,8 @@ def build_app(
     strategies: Mapping[str, StrategyClass] | None = None,
     copy_fallback: Callable[[str], str] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    cluster: ClusterChoice | None = None,
+    discovery_interfaces: tuple[str, ...] | None = None,
 ) -> PotluckApp:
     """Build the chat app from explicit arguments; the CLI and every test call this.
 
@@ -712,4 +842,6 @@ def build_app(
         copy_fallback=copy_fallback
         or (lambda text: system_clipboard(text, paths.state_dir() / "clipboard.txt")),
         clock=clock,
+        cluster=cluster,
+        discovery_interfaces=discovery_interfaces,
     )

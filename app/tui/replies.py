@@ -20,7 +20,7 @@ from textual.message import Message as TMessage
 from ...engine.chat import Message
 from ...engine.config import SamplingSettings
 from ...engine.errors import PotluckError
-from ...engine.events import Event, Finished, PlanChanged, ReplyStarted, TokenText
+from ...engine.events import Event, Finished, NodeStatus, PlanChanged, ReplyStarted, TokenText
 from ...engine.loader import EngineSpec
 from ...engine.sampling import SamplingParams
 from ..store import Store
@@ -71,6 +71,8 @@ class Reply:
     # The panels' figures; the reply thread replaces the (immutable) snapshot per event.
     progress: ReplyProgress = field(default_factory=ReplyProgress)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # What happened to the cluster during the reply (a lost worker, a re-plan): its note says it.
+    cluster_notes: list[str] = field(default_factory=list)
     # Text the engine thread produced that the UI has not drawn yet (guarded by the lock).
     pending: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -117,6 +119,14 @@ class ReplyFinished(TMessage):
     def __init__(self, reply: Reply, finished: Finished) -> None:
         super().__init__()
         self.reply, self.finished = reply, finished
+
+
+class ClusterEvent(TMessage):
+    """A stage's health or the chain's plan changed (cluster panel; a few per reply)."""
+
+    def __init__(self, reply: Reply, event: NodeStatus | PlanChanged) -> None:
+        super().__init__()
+        self.reply, self.event = reply, event
 
 
 class ClusterNotice(TMessage):
@@ -176,7 +186,10 @@ def reply_in_thread(
             elif isinstance(event, TokenText) and event.text:
                 reply.push(event.text)
             elif isinstance(event, PlanChanged):
+                post(ClusterEvent(reply, event))
                 post(ClusterNotice(reply, event.reason))
+            elif isinstance(event, NodeStatus):
+                post(ClusterEvent(reply, event))
             elif isinstance(event, Finished):
                 post(ReplyFinished(reply, event))
     except Exception as e:

@@ -9,10 +9,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, RichLog, Static, TextArea
+from textual.widgets import Button, Input, Label, OptionList, RichLog, SelectionList, Static, TextArea
 from textual.widgets.option_list import Option
+from textual.widgets.selection_list import Selection
 
+from ...discovery.lan import DiscoveredNode, Membership
 from .catalog import ModelInfo, StrategyClass, compatible_choices
+from .cluster import ClusterChoice
 
 NO_DRAFT = "(no draft)"
 
@@ -202,3 +205,103 @@ class LogScreen(ModalScreen[None]):
         log = self.query_one(RichLog)
         for line in self.lines or ["(nothing logged)"]:
             log.write(line)
+
+
+@dataclass(frozen=True)
+class LocalChoice:
+    """The cluster picker's "run on this PC" answer."""
+
+
+class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
+    """Workers found on the LAN right now (zeroconf, live): choose the ones to split over."""
+
+    BINDINGS = [
+        Binding("escape", "dismiss(None)", "Cancel"),
+        Binding("ctrl+s", "use", "Use selected"),
+    ]
+
+    def __init__(
+        self, interfaces: tuple[str, ...] | None, in_use: set[str], token: str | None = None
+    ) -> None:
+        super().__init__(classes="modal")
+        self.interfaces = interfaces
+        self.in_use = in_use
+        self.token = token
+        self.found: dict[str, DiscoveredNode] = {}
+        self._membership: Membership | None = None
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="cluster-picker", classes="dialog"):
+            yield Label("Cluster: workers on the LAN", classes="title")
+            yield Static(CLUSTER_HEADER, id="cluster-header", classes="hint")
+            yield SelectionList[str](id="cluster-nodes")
+            yield Static("looking for workers…", id="cluster-hint", classes="hint")
+            with Horizontal(classes="buttons"):
+                yield Button("Use selected", variant="primary", id="use")
+                yield Button("Run on this PC", id="local")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#cluster-nodes", SelectionList).focus()
+        self.run_worker(self._browse, thread=True, group="browse", exit_on_error=False)
+
+    def _browse(self) -> None:  # worker thread: zeroconf calls back on its own threads
+        try:
+            self._membership = Membership(
+                interfaces=list(self.interfaces) if self.interfaces else None,
+                on_change=lambda _kind, _node: self.app.call_from_thread(self._refresh),
+            )
+        except Exception as e:  # no network interface, zeroconf refused: say so, stay usable
+            self.app.call_from_thread(self._hint, f"discovery failed: {e}")
+            return
+        self.app.call_from_thread(self._refresh)
+
+    def _hint(self, text: str) -> None:
+        self.query_one("#cluster-hint", Static).update(text)
+
+    def _refresh(self) -> None:
+        if self._membership is None or not self.is_attached:
+            return
+        nodes = [n for n in self._membership.nodes() if n.compatible]
+        sl = self.query_one("#cluster-nodes", SelectionList)
+        chosen = set(sl.selected)
+        new = {n.address: n for n in nodes}
+        if new.keys() == self.found.keys():
+            return
+        first = not self.found
+        self.found = new
+        sl.clear_options()
+        for n in nodes:
+            pick = n.address in chosen or (first and (not self.in_use or n.address in self.in_use))
+            sl.add_option(Selection(node_row(n), n.address, pick))
+        self._hint(
+            f"{len(nodes)} worker(s) found · space toggles · order = pipeline order"
+            if nodes else "no workers yet: start `potluck worker` on a PC of this LAN"
+        )
+
+    def on_unmount(self) -> None:
+        m, self._membership = self._membership, None
+        if m is not None:
+            m.close()
+
+    def action_use(self) -> None:
+        chosen = list(self.query_one("#cluster-nodes", SelectionList).selected)
+        if not chosen:
+            self.notify("select at least one worker (or Run on this PC)", severity="warning")
+            return
+        self.dismiss(ClusterChoice(nodes=tuple(chosen), token=self.token))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "use":
+            self.action_use()
+        elif event.button.id == "local":
+            self.dismiss(LocalChoice())
+        else:
+            self.dismiss(None)
+
+
+CLUSTER_HEADER = f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':>9}{'speed':>7}"
+
+
+def node_row(n: DiscoveredNode) -> str:
+    return f"{n.node_id[:9]:<10}{n.address:<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}"

@@ -12,6 +12,7 @@ from textual.message import Message
 from textual.widgets import ListItem, ListView, Markdown, Sparkline, Static, TextArea
 
 from ..store import Conversation
+from .cluster import ClusterState, human_bytes
 from .export import code_blocks
 from .stats import DASH, Figures, fmt
 
@@ -216,6 +217,10 @@ class StatsPanel(Vertical):
         yield Sparkline([], id="stats-spark")
         yield Static(id="stats-spec", classes="panel")
         yield Static(id="stats-tokens", classes="panel")
+        yield Static(id="stats-cluster", classes="panel")
+
+    def on_mount(self) -> None:
+        self.query_one("#stats-cluster", Static).display = False
 
     def show(self, f: Figures) -> None:
         speed = _section("Speed", [
@@ -259,9 +264,42 @@ class StatsPanel(Vertical):
         shown[widget_id] = rows
         self.query_one(widget_id, Static).update(table, layout=old is None or len(old[0]) != len(rows[0]))
 
+    def show_cluster(self, c: ClusterState | None, replan_key: str = "ctrl+g") -> None:
+        """The cluster section: per stage its node, layers, health and bytes per token."""
+        found = self.query("#stats-cluster")
+        if not found:
+            return  # not composed yet, or being torn down
+        found.first(Static).display = c is not None
+        self._cluster = None if c is None else cluster_table(c, replan_key)
+        if self._cluster is not None:
+            self._put("#stats-cluster", self._cluster)
+
     def text(self) -> str:
         """The panels as plain text (tests and the log read figures from here)."""
-        return "\n".join(_plain(t) for t in getattr(self, "_tables", []))
+        tables = [*getattr(self, "_tables", []), *filter(None, [getattr(self, "_cluster", None)])]
+        return "\n".join(_plain(t) for t in tables)
+
+
+_STATE_STYLE = {"ok": "green", "loading": "yellow", "recovering": "yellow", "lost": "bold red", "failed": "bold red"}
+
+
+def cluster_table(c: ClusterState, replan_key: str) -> Table:
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column(ratio=1)
+    table.add_column(justify="right")
+    table.add_row(Text("Cluster", style="bold"), Text(f"{len(c.stages)} stage(s)", style="dim"))
+    for i, r in enumerate(c.stages, 1):
+        table.add_row(Text(f"{i} {r.node} · layers {r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, "")))
+        table.add_row(Text(f"  {r.address}", style="dim"), f"{human_bytes(r.bytes_per_token)}/tok")
+    if c.transfer is not None:
+        what, done, total = c.transfer
+        pct = 100 * done / total if total else 100.0
+        table.add_row(Text(f"sending {what}", style="dim"), f"{pct:.0f}%")
+    if c.note:
+        table.add_row(Text(c.note, style="yellow"), "")
+    if not c.healthy:
+        table.add_row(Text(f"{replan_key} re-plans over the workers found", style="bold"), "")
+    return table
 
 
 def context_meter(n_past: int, n_ctx: int, width: int = 20) -> str:

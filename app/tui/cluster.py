@@ -1,0 +1,192 @@
+"""Cluster mode in the chat app: which workers, the plan over them, and each stage's health.
+
+:class:`ClusterChoice` is what the user picked (``--nodes`` or the cluster picker); the
+loader thread turns it into the engine's :class:`~potluck.engine.loader.ClusterSpec`
+(zeroconf for ``auto``) and reports the plan and the slice transfer as Textual messages.
+:class:`ClusterState` is the panel's picture of the chain, folded from what the engine
+says: the plan when it loads, :class:`NodeStatus` / :class:`PlanChanged` events during
+replies, and the head's per-link byte counters sampled by the panels' timer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from textual.message import Message as TMessage
+
+from ...engine.errors import PotluckError
+from ...engine.events import NodeStatus, PlanChanged
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ClusterChoice:
+    """The workers to run the target on: ``auto`` (zeroconf) or host:port addresses."""
+
+    nodes: str | tuple[str, ...]
+    token: str | None = None  # None: $POTLUCK_TOKEN or the saved token
+    split: tuple[int, ...] | None = None
+    hidden_dtype: str = "f32"
+    discover_timeout_s: float = 2.0
+    interfaces: tuple[str, ...] | None = None  # zeroconf interfaces (tests: loopback only)
+
+    def describe(self) -> str:
+        return "workers found on the LAN" if self.nodes == AUTO else ", ".join(self.nodes)
+
+    def resolve(self, on_plan: Callable[[object], None], progress: Callable[[str, int, int], None]):  # noqa: ANN201
+        """The engine's ClusterSpec (network: runs in the loader thread)."""
+        from ...discovery.auth import keys_from_token, resolve_token
+        from ...engine.loader import ClusterSpec
+        from ..cli import potluck_version
+
+        keys = keys_from_token(resolve_token(self.token))
+        if self.nodes == AUTO:
+            from ...discovery.lan import browse
+
+            found = [n for n in browse(self.discover_timeout_s, interfaces=self.interfaces) if n.compatible]
+            if not found:
+                raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
+            nodes = tuple(n.address for n in found)
+        else:
+            nodes = tuple(self.nodes)
+        return ClusterSpec(
+            nodes=nodes, keys=keys, split=self.split, hidden_dtype=self.hidden_dtype,
+            potluck_version=potluck_version(), on_plan=on_plan, progress=progress,
+        )
+
+
+@dataclass(frozen=True)
+class StageRow:
+    node: str
+    address: str
+    layers: tuple[int, int]  # first layer, last layer + 1 (as the head keeps them)
+    state: str = "ok"  # "ok", "failed", "lost", "recovering", "loading"
+    detail: str = ""
+    bytes_per_token: float | None = None
+
+    @property
+    def layer_text(self) -> str:
+        lo, hi = self.layers
+        return f"{lo}-{hi - 1}" if hi > lo else "-"
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """The panel's picture of the chain (UI thread only; replaced, never mutated)."""
+
+    stages: tuple[StageRow, ...] = ()
+    plan: tuple[str, ...] = ()  # the plan's lines, as `generate --nodes` prints them
+    transfer: tuple[str, int, int] | None = None  # what, bytes done, bytes total
+    note: str = ""  # the latest loss / re-plan, for the user
+
+    def planned(self, lines: Sequence[str], stages: Sequence[StageRow]) -> ClusterState:
+        return replace(self, plan=tuple(lines), stages=tuple(stages), note="")
+
+    def loaded(self, stages: Sequence[StageRow]) -> ClusterState:
+        return replace(self, stages=tuple(stages), transfer=None)
+
+    def with_status(self, e: NodeStatus) -> ClusterState:
+        rows = list(self.stages)
+        for i, r in enumerate(rows):
+            if e.node in (r.node, r.address) or (r.layers == e.layers and not r.node):
+                rows[i] = replace(r, state=e.state, detail=e.detail or r.detail, layers=e.layers or r.layers)
+                break
+        else:
+            rows.append(StageRow(e.node, e.detail, e.layers, e.state, e.detail))
+        note = self.note
+        if e.state != "ok":
+            note = f"{e.node} {e.state}" + (f": {e.detail}" if e.detail and e.state != "ok" else "")
+        return replace(self, stages=tuple(rows), note=note)
+
+    def with_plan(self, e: PlanChanged) -> ClusterState:
+        old = {r.node: r for r in self.stages}
+        rows = tuple(
+            replace(old[node], layers=(lo, hi), state="ok") if node in old else StageRow(node, "", (lo, hi))
+            for node, lo, hi in e.stages
+        )
+        return replace(self, stages=rows, note=e.reason)
+
+    def failed(self, error: str) -> ClusterState:
+        """The reply failed (a stage lost or frozen): mark the stage the error names."""
+        rows = tuple(
+            replace(r, state="lost", detail=error)
+            if (r.node and r.node in error) or (r.address and r.address in error) else r
+            for r in self.stages
+        )
+        if rows == self.stages:  # the error names no stage: the chain as a whole is down
+            rows = tuple(replace(r, state="failed") for r in self.stages)
+        return replace(self, stages=rows, note=error)
+
+    def with_bytes(self, per_token: dict[str, float]) -> ClusterState:
+        rows = tuple(replace(r, bytes_per_token=per_token.get(r.address, r.bytes_per_token)) for r in self.stages)
+        return self if rows == self.stages else replace(self, stages=rows)
+
+    @property
+    def healthy(self) -> bool:
+        return all(r.state == "ok" for r in self.stages)
+
+
+def stages_of(target: object) -> list[StageRow]:
+    """The chain a loaded session runs on (a :class:`PipelineTarget`'s links), or []."""
+    return [
+        StageRow(lk.node_id or lk.address, lk.address, tuple(lk.layers or (0, 0)))  # type: ignore[arg-type]
+        for lk in getattr(target, "links", ())
+    ]
+
+
+def bytes_per_token(target: object) -> dict[str, float]:
+    """Per stage (by address): bytes the head exchanged with it per token decoded so far.
+
+    Read from the head's counters between its updates (ints: a torn read is impossible)."""
+    stats = getattr(target, "stats", None)
+    tokens = getattr(stats, "tokens", 0)
+    if not tokens:
+        return {}
+    return {lk.address: (lk.bytes_out + lk.bytes_in) / tokens for lk in getattr(target, "links", ())}
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+# ----------------------------------------------------------------- loader-thread messages
+class ClusterPlanned(TMessage):
+    def __init__(self, lines: list[str], stages: list[StageRow]) -> None:
+        super().__init__()
+        self.lines, self.stages = lines, stages
+
+
+class SliceProgress(TMessage):
+    def __init__(self, what: str, done: int, total: int) -> None:
+        super().__init__()
+        self.what, self.done, self.total = what, done, total
+
+
+@dataclass
+class LoadReporter:
+    """The ClusterSpec callbacks: plan and slice progress as messages (few: one per percent)."""
+
+    post: Callable[[TMessage], bool]
+    _last: dict[str, int] = field(default_factory=dict)
+
+    def on_plan(self, plan: object) -> None:
+        stages = [
+            StageRow(s.node.name, s.node.address, (s.lo, s.hi), state="loading")  # type: ignore[attr-defined]
+            for s in plan.stages  # type: ignore[attr-defined]
+        ]
+        self.post(ClusterPlanned(list(plan.describe()), stages))  # type: ignore[attr-defined]
+
+    def progress(self, what: str, done: int, total: int) -> None:
+        pct = int(100 * done / total) if total else 100
+        if self._last.get(what) == pct and done < total:
+            return
+        self._last[what] = pct
+        self.post(SliceProgress(what, done, total))
