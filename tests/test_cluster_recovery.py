@@ -17,6 +17,7 @@ from potluck.engine.events import Event, Finished, NodeStatus, PlanChanged, Toke
 from potluck.engine.jobs import DecodeJob
 from potluck.engine.kv import KvOp
 from potluck.engine.loader import EngineSpec
+from potluck.engine.pipeline import head
 from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
 from potluck.engine.pipeline.recovery import LoggedBatch, LoggedKv, TransactionLog
 from potluck.engine.pipeline.transfer import SliceCache
@@ -191,13 +192,17 @@ def test_speculative_reply_survives_a_lost_worker(
 
 
 def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
-    model: Model, model_path: Path, pool: Pool, workers: list[WorkerProc], slice_cache: SliceCache
+    model: Model, model_path: Path, pool: Pool, workers: list[WorkerProc], slice_cache: SliceCache,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Lost in the first reply (the head goes on with two), restarted before the second: the
-    second reply runs on three again, and both replies equal one machine's."""
+    """Lost in the first reply (the head goes on without it), restarted before the second:
+    the second reply runs on the user's 3-stage split again, and both replies equal one
+    machine's. (Speed scores measured on a busy 2-core machine are noise, so any plan that
+    uses the returning worker counts as better here.)"""
+    monkeypatch.setattr(head, "REGROUP_GAIN", float("inf"))
     expected = reference(model, SamplingParams())
     target = open_pipeline(
-        model_path, [w.address for w in workers], keys_from_token(TOKEN), n_ctx=N_CTX,
+        model_path, [w.address for w in workers], keys_from_token(TOKEN), n_ctx=N_CTX, split=[0, 10, 20, 30],
         slice_cache=slice_cache, candidates=lambda: [w.address for w in pool.workers],
     )
     lost = workers[2]
@@ -207,7 +212,7 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
     try:
         for turn_no, turn in enumerate(TURNS):
             if turn_no == 1:
-                assert target.recoveries == 1 and len(target.links) == 2
+                assert target.recoveries == 1 and lost.node_id not in {lk.node_id for lk in target.links}
                 pool.heal()  # a fresh worker process in the lost one's place
             n = 0
             for ev in session.generate(turn, SamplingParams(), MAX_NEW):
@@ -221,7 +226,8 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
         assert replies == expected
         changed = [e for e in events if isinstance(e, PlanChanged)]
         assert len(changed) == 2 and "joined" in changed[1].reason
-        assert len(target.links) == 3 and pool.workers[2].node_id in {lk.node_id for lk in target.links}
+        assert [lk.layers for lk in target.links] == [(0, 10), (10, 20), (20, 30)]
+        assert pool.workers[2].node_id == target.links[2].node_id
     finally:
         target.close()
 

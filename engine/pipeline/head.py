@@ -287,6 +287,7 @@ class PipelineSetup:
     potluck_version: str
     slice_cache: SliceCache
     progress: Progress | None = None
+    split: tuple[int, ...] | None = None  # the user's fixed layer boundaries, if any
 
 
 def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[int] | None = None) -> SplitPlan:
@@ -294,6 +295,17 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
     costs = layer_costs(setup.model_path)
     nodes = [lk.info() for lk in links]
     return manual_plan(costs, nodes, split, setup.n_ctx) if split else plan_split(costs, nodes, setup.n_ctx)
+
+
+def replan(setup: PipelineSetup, links: Sequence[NodeLink]) -> SplitPlan:
+    """The plan after the workers changed: the user's fixed split while there is one worker
+    per stage of it, else by free memory and speed."""
+    if setup.split:
+        try:
+            return plan_over(setup, links, setup.split)
+        except PotluckError:
+            pass  # another number of workers than the split has stages
+    return plan_over(setup, links)
 
 
 def load_chain(
@@ -546,10 +558,11 @@ class PipelineTarget(TargetBase):
         if not new:
             return
         try:
-            better = plan_over(setup, [*self.links, *new])
+            better = replan(setup, [*self.links, *new])
         except PotluckError:
             better = None
-        if better is None or self.plan is None or (
+        new_ids = {lk.node_id for lk in new}
+        if better is None or self.plan is None or not any(s.node.name in new_ids for s in better.stages) or (
             max(s.cost for s in better.stages) >= REGROUP_GAIN * max(s.cost for s in self.plan.stages)
         ):
             for lk in new:
@@ -809,14 +822,14 @@ class PipelineTarget(TargetBase):
         try:
             if not self.links:
                 raise PotluckError("no worker is left to take over its layers")
-            plan = plan_over(setup, self.links)
+            plan = replan(setup, self.links)
         except PotluckError as e:
             here = self.head_worker.address if self.head_worker else ""
             if not self.head_fallback or any(lk.address == here for lk in self.links):
                 raise
             log.warning("%s; the head loads the layers itself", e)
             self.links.append(self._join_head_worker())
-            plan = plan_over(setup, self.links)
+            plan = replan(setup, self.links)
         by_id = {lk.node_id: lk for lk in self.links}
         used = [by_id[s.node.name] for s in plan.stages]
         for lk in self.links:
@@ -917,7 +930,7 @@ def open_pipeline(
     head_id = f"head-{os.urandom(16).hex()}"  # the routing id that owns our stages: unguessable
     setup = PipelineSetup(
         model_path, keys, head_id, n_ctx, n_batch, n_seq_max, kv_unified, hidden_dtype, potluck_version,
-        slice_cache or SliceCache(), progress,
+        slice_cache or SliceCache(), progress, tuple(split) if split else None,
     )
     max_msg = max_result_bytes(n_batch, costs.n_vocab)
     links = [NodeLink(zctx, keys, addr, head_id.encode(), max_msg) for addr in addresses]
