@@ -25,7 +25,7 @@ from potluck.engine.runtime import ContextParams, Model
 from potluck.engine.sampling import Sampler, SamplingParams, probs
 from potluck.engine.session import Session
 from potluck.engine.strategies.base import Round, Strategy
-from potluck.engine.strategies.minions import MajorityVote, Minions, MinionsRound
+from potluck.engine.strategies.minions import AheadGate, MajorityVote, Minions, MinionsRound
 from potluck.engine.strategies.plain import Autoregressive
 from potluck.engine.strategies.registry import get_strategy_class
 from potluck.engine.strategies.speculative import _verify
@@ -218,6 +218,26 @@ def test_pool_serves_the_next_round_only_when_the_conversation_grew_as_assumed()
     assert vote.pool_hits == 0 and model.requests[n_requests + 1] == (len(history), 2)
     assert vote.ahead_ms > 0.0
     vote.close()
+
+
+def test_ahead_gate_pauses_while_the_pool_misses_and_backs_off() -> None:
+    gate = AheadGate(min_hit=0.25, window=4, backoff=2, max_backoff=8)
+
+    def paused_rounds() -> int:
+        n = 0
+        while not gate.allow():
+            n += 1
+        return n
+
+    for _ in range(4):
+        gate.record(False)
+    assert gate.pauses == 1 and paused_rounds() == 2
+    for _ in range(4):
+        gate.record(False)
+    assert paused_rounds() == 4  # still missing: twice as long
+    for hit in (True, False, False, False):  # 1 in 4 used: enough, the back-off resets
+        gate.record(hit)
+    assert paused_rounds() == 0 and gate.backoff == 2
 
 
 # --------------------------------------------------------------------------- sampling exactness
@@ -474,22 +494,21 @@ def test_draft_model_drafts_ahead_and_stays_exact(
     session.close()
 
 
-def sampled_reply(model: Model, draft_path: Path, seed: int) -> list[int]:
-    strategy = build(model, draft_path, max_draft=3, adaptive=False, ahead=True)
+def sampled_reply(model: Model, draft_path: Path, seed: int) -> tuple[list[int], list[Round]]:
+    strategy = build(model, draft_path, max_draft=2, adaptive=False, ahead=True)
     session = make_session(model, strategy)
     try:
-        tokens, rounds = reply(session, "Tell me about cats.", 40, SamplingParams(temperature=0.9, seed=seed))
-        check_counters(rounds)
-        assert sum(r.pool_hits for r in rounds if isinstance(r, MinionsRound)) > 0
-        return tokens
+        return reply(session, "Tell me about cats.", 40, SamplingParams(temperature=0.7, seed=seed))
     finally:
         session.close()
 
 
 def test_seeded_sampling_repeats_with_a_worker_drafting(model: Model, draft_path: Path) -> None:
-    first = sampled_reply(model, draft_path, 11)
-    assert sampled_reply(model, draft_path, 11) == first
-    assert sampled_reply(model, draft_path, 12) != first
+    first, rounds = sampled_reply(model, draft_path, 11)
+    check_counters(rounds)
+    assert sum(r.pool_hits for r in rounds if isinstance(r, MinionsRound)) > 0  # drafted ahead
+    assert sampled_reply(model, draft_path, 11)[0] == first
+    assert sampled_reply(model, draft_path, 12)[0] != first
 
 
 def test_generate_cli_runs_minions(capsys: pytest.CaptureFixture[str], draft_path: Path) -> None:

@@ -14,10 +14,12 @@ comes from, :class:`MajorityVote`, a drafter made of drafters:
   its weight follows its acceptance;
 - decoupled drafting: drafters that cost real time (the draft model) draft the NEXT round on
   a worker thread while the target verifies this one, assuming the whole path is accepted
-  (their first token guesses the target's bonus token). The verifier takes that entry from
-  the pool only if the conversation grew exactly as assumed; otherwise the entry is dropped
-  from the divergence on and the drafter drafts afresh. N-gram and lookup drafts cost
-  microseconds and are always drafted in place.
+  (their first token guesses the target's bonus token): the pool holds one verifier batch,
+  as Minions pauses its drafters once the pool holds a batch. The verifier takes that entry
+  only if the conversation grew exactly as assumed; otherwise the entry is dropped from the
+  divergence on and the drafter drafts afresh. While few entries are used the worker pauses
+  (:class:`AheadGate`). N-gram and lookup drafts cost microseconds and are always drafted
+  in place.
 
 Exactness. Greedy: the verified chain is checked against the target's argmax, whatever drafted
 it. Sampling: a chain whose tokens do not depend on the verifier's random draws may always be
@@ -59,6 +61,51 @@ class MinionsRound(Round):
 
     ahead_ms: float = 0.0  # the part of draft_ms the worker thread drafted
     pool_hits: int = 0  # voters whose chain this round came from the pool
+
+
+class AheadGate:
+    """Draft ahead only while the pool serves: wasted drafts still cost a core.
+
+    A worker's draft is used only if the whole path is accepted AND its first token guessed
+    the target's own. Over each ``window`` drafts ahead the hit rate is measured; below
+    ``min_hit`` the worker pauses for ``backoff`` rounds (doubling while it keeps missing,
+    up to ``max_backoff``), then probes again. Decided from hits, never from timings, so a
+    seeded reply draws the same tokens however fast the threads run.
+    """
+
+    def __init__(
+        self, min_hit: float = 0.25, window: int = 8, backoff: int = 8, max_backoff: int = 256
+    ) -> None:
+        self.min_hit = min_hit
+        self.window = window
+        self.initial_backoff = backoff
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._paused = 0  # rounds left before the next probe
+        self._hits = 0
+        self._seen = 0
+        self.pauses = 0  # times it paused (reports and tests)
+
+    def allow(self) -> bool:
+        """Whether to draft ahead this round (a paused round counts down the back-off)."""
+        if self._paused > 0:
+            self._paused -= 1
+            return False
+        return True
+
+    def record(self, hit: bool) -> None:
+        """One draft ahead was used (hit) or dropped."""
+        self._hits += hit
+        self._seen += 1
+        if self._seen < self.window:
+            return
+        if self._hits < self.min_hit * self._seen:
+            self._paused = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+            self.pauses += 1
+        else:
+            self.backoff = self.initial_backoff
+        self._hits = self._seen = 0
 
 
 @dataclass
@@ -114,6 +161,7 @@ class MajorityVote:
         self._voted = -1
         self._hits = 0  # pool hits in the last draft
         self._misses = [1.0] * len(self.voters)  # decayed pool miss rate (misses until measured)
+        self.gate = AheadGate()
         # measured: worker drafting, and the part of it that overlapped a verification
         self.ahead_ms = 0.0
         self.overlap_ms = 0.0
@@ -132,6 +180,7 @@ class MajorityVote:
         self._join()
         self._pool.clear()
         self._pending = None
+        self.gate = AheadGate()  # each reply starts drafting ahead (the hit rate is the reply's)
         for voter, child in zip(self.voters, rng.spawn(len(self.voters))):
             voter.begin(context, child)
 
@@ -145,9 +194,12 @@ class MajorityVote:
         qs: list[list[np.ndarray] | None] = []
         self._hits = 0
         for i, voter in enumerate(self.voters):
+            drafted_ahead = i in self._pool
             got = self._from_pool(i, req.context, k)
-            if i in self.ahead:
+            if i in self.ahead:  # the verifier pays a voter's drafting whenever the pool misses
                 self._misses[i] = 0.8 * self._misses[i] + 0.2 * (got is None)
+            if drafted_ahead:
+                self.gate.record(got is not None)
             if got is None:
                 d = voter.draft(req)
                 got = (d.tokens[:k], d.q[:k] if d.q is not None else None)
@@ -158,7 +210,7 @@ class MajorityVote:
         path, voted, q = self._choose(chains, qs, req.sampling.greedy)
         self._pending = _Pending(len(req.context), chains)
         self._voted = voted
-        if path and self.ahead:
+        if path and self.ahead and self.gate.allow():
             self._start_ahead(req, path)
         self._verify_from = time.perf_counter()
         return Draft(path, q)
