@@ -1,4 +1,4 @@
-"""Snapshot tests (pytest-textual-snapshot): main screen, live panels, picker.
+"""Snapshot tests (pytest-textual-snapshot): main screen, live panels, picker, cluster panel.
 
 Deterministic by construction: fixed terminal size, no cursor blink, no panel timer (the
 panels are sampled by the test at chosen instants), a fake model catalog and strategy
@@ -11,10 +11,11 @@ from pathlib import Path
 
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
+from potluck.app.tui.cluster import ClusterState, StageRow
 from potluck.app.tui.screens import PickerScreen
 from potluck.app.tui.stats import ReplyProgress
 from potluck.engine.config import Settings, UISettings
-from potluck.engine.events import ReplyStarted, RoundStats
+from potluck.engine.events import NodeStatus, ReplyStarted, RoundStats
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, until, words
 
@@ -101,3 +102,21 @@ def test_picker(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_cluster_panel(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
+    # Two stages after a reply: the second worker was lost, the head carried on over the first.
+    app, _ = make(tmp_path, words(REPLY))
+
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await converse(app, pilot)
+        app.cluster_state = ClusterState(
+            stages=(
+                StageRow("ebe6b179", "192.168.1.20:5733", (0, 22), bytes_per_token=2418.0),
+                StageRow("289ed316", "192.168.1.21:5733", (22, 30), bytes_per_token=1152.0),
+            )
+        ).with_status(NodeStatus(99, "289ed316", (22, 30), "lost", "disconnected"))
+        app.show_cluster()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(110, 44), run_before=run_before)

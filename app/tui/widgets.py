@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual import events
@@ -252,17 +253,18 @@ class StatsPanel(Vertical):
         for widget_id, table in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._tables):
             self._put(widget_id, table)
 
-    def _put(self, widget_id: str, table: Table) -> None:
+    def _put(self, widget_id: str, table: Table | Group) -> None:
         """Redraw a section only when a figure changed, and lay the screen out again only
-        when its height did: a layout pass over a long conversation costs the engine time."""
-        rows = tuple(tuple(str(c) for c in col.cells) for col in table.columns)
+        when its text did (its height may have): a layout pass over a long conversation
+        costs the engine time."""
+        text = _plain(table)
         shown = getattr(self, "_shown", {})
         self._shown = shown
         old = shown.get(widget_id)
-        if old == rows:
+        if old == text:
             return
-        shown[widget_id] = rows
-        self.query_one(widget_id, Static).update(table, layout=old is None or len(old[0]) != len(rows[0]))
+        shown[widget_id] = text
+        self.query_one(widget_id, Static).update(table, layout=old is None or old.count("\n") != text.count("\n"))
 
     def show_cluster(self, c: ClusterState | None, replan_key: str = "ctrl+g") -> None:
         """The cluster section: per stage its node, layers, health and bytes per token."""
@@ -283,23 +285,31 @@ class StatsPanel(Vertical):
 _STATE_STYLE = {"ok": "green", "loading": "yellow", "recovering": "yellow", "lost": "bold red", "failed": "bold red"}
 
 
-def cluster_table(c: ClusterState, replan_key: str) -> Table:
-    table = Table.grid(padding=(0, 1), expand=True)
-    table.add_column(ratio=1)
-    table.add_column(justify="right")
-    table.add_row(Text("Cluster", style="bold"), Text(f"{len(c.stages)} stage(s)", style="dim"))
+def cluster_table(c: ClusterState, replan_key: str) -> Group:
+    def grid(rows: list[tuple[Text | str, Text | str]]) -> Table:
+        t = Table.grid(padding=(0, 1), expand=True)
+        t.add_column(ratio=1)
+        t.add_column(justify="right")
+        for left, right in rows:
+            t.add_row(left, right)
+        return t
+
+    title = Text(f"{len(c.stages)} stage(s)", style="dim")
+    parts: list[Table | Text] = [grid([(Text("Cluster", style="bold"), title)])]
     for i, r in enumerate(c.stages, 1):
-        table.add_row(Text(f"{i} {r.node} · layers {r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, "")))
-        table.add_row(Text(f"  {r.address}", style="dim"), f"{human_bytes(r.bytes_per_token)}/tok")
+        parts.append(grid([
+            (Text(f"{i} {r.node} L{r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
+            (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
+        ]))
+        parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
     if c.transfer is not None:
         what, done, total = c.transfer
-        pct = 100 * done / total if total else 100.0
-        table.add_row(Text(f"sending {what}", style="dim"), f"{pct:.0f}%")
+        parts.append(grid([(Text(f"sending {what}", style="dim"), f"{100 * done / total if total else 100:.0f}%")]))
     if c.note:
-        table.add_row(Text(c.note, style="yellow"), "")
+        parts.append(Text(c.note, style="yellow"))
     if not c.healthy:
-        table.add_row(Text(f"{replan_key} re-plans over the workers found", style="bold"), "")
-    return table
+        parts.append(Text(f"{replan_key}: re-plan over the workers found", style="bold"))
+    return Group(*parts)
 
 
 def context_meter(n_past: int, n_ctx: int, width: int = 20) -> str:
