@@ -168,3 +168,23 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
             assert workers[0].node_id in panel(app)
     finally:
         os.environ.pop("POTLUCK_TOKEN", None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["chat", "--split", "0,15,30"], "--split only applies to cluster mode"),
+        (["chat", "--nodes", "nohost"], "nohost"),
+        (["chat", "--nodes", "127.0.0.1:5733", "--discover-timeout", "3"], "--discover-timeout"),
+        (["chat", "--nodes", "auto"], "no cluster token"),
+    ],
+)
+def test_chat_cluster_options_refused_in_one_line(
+    argv: list[str], needle: str, tmp_home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from potluck.app.cli import main
+
+    monkeypatch.delenv("POTLUCK_TOKEN", raising=False)
+    assert main(argv) == 2  # before the screen opens: nothing is drawn
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("potluck: error:") and needle in lines[0], lines

@@ -105,10 +105,12 @@ def cluster_choice(args: argparse.Namespace):  # -> ClusterChoice | None
     from ...discovery.auth import resolve_token
     from ..tui.cluster import AUTO, ClusterChoice
 
-    resolve_token(args.token)  # no token: refuse now, not after the screen is up
+    token_file = getattr(args, "token_file", None)
+    resolve_token(args.token, token_file)  # no token: refuse now, not after the screen is up
     return ClusterChoice(
         nodes=AUTO if args.nodes == AUTO else limits.nodes(args.nodes),
         token=args.token,
+        token_file=token_file,
         split=None if args.split is None else limits.split(args.split),
         hidden_dtype="f16" if args.hidden_f16 else "f32",
         discover_timeout_s=args.discover_timeout or 2.0,

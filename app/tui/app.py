@@ -340,7 +340,7 @@ class PotluckApp(App[None]):
     def show_cluster(self) -> None:
         panels = self._main.query(StatsPanel)
         if panels:
-            panels.first().show_cluster(self.cluster_state, self.settings.keys.keymap().get("replan", "ctrl+g"))
+            panels.first().show_cluster(self.cluster_state, self.settings.keys.replan)
 
     def on_cluster_planned(self, event: ClusterPlanned) -> None:
         for line in event.lines:
@@ -394,9 +394,7 @@ class PotluckApp(App[None]):
     async def _open_cluster_picker(self) -> None:
         stages = self.cluster_state.stages if self.cluster_state else ()
         choice = await self.push_screen_wait(
-            ClusterScreen(
-                self.discovery_interfaces, {r.address for r in stages}, self.cluster.token if self.cluster else None
-            )
+            ClusterScreen(self.discovery_interfaces, {r.address for r in stages}, self.cluster)
         )
         if choice is None:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from textual.message import Message as TMessage
 
@@ -26,7 +27,8 @@ class ClusterChoice:
     """The workers to run the target on: ``auto`` (zeroconf) or host:port addresses."""
 
     nodes: str | tuple[str, ...]
-    token: str | None = None  # None: $POTLUCK_TOKEN or the saved token
+    token: str | None = None  # None: the token file, $POTLUCK_TOKEN or the saved token
+    token_file: Path | None = None
     split: tuple[int, ...] | None = None
     hidden_dtype: str = "f32"
     discover_timeout_s: float = 2.0
@@ -41,7 +43,7 @@ class ClusterChoice:
         from ...engine.loader import ClusterSpec
         from ..cli import potluck_version
 
-        keys = keys_from_token(resolve_token(self.token))
+        keys = keys_from_token(resolve_token(self.token, self.token_file))
         if self.nodes == AUTO:
             from ...discovery.lan import browse
 

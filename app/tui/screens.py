@@ -221,12 +221,12 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
     ]
 
     def __init__(
-        self, interfaces: tuple[str, ...] | None, in_use: set[str], token: str | None = None
+        self, interfaces: tuple[str, ...] | None, in_use: set[str], current: ClusterChoice | None = None
     ) -> None:
         super().__init__(classes="modal")
         self.interfaces = interfaces
         self.in_use = in_use
-        self.token = token
+        self.current = current  # its token settings carry over to the new choice
         self.found: dict[str, DiscoveredNode] = {}
         self._membership: Membership | None = None
 
@@ -289,7 +289,10 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
         if not chosen:
             self.notify("select at least one worker (or Run on this PC)", severity="warning")
             return
-        self.dismiss(ClusterChoice(nodes=tuple(chosen), token=self.token))
+        keep = self.current
+        self.dismiss(ClusterChoice(
+            nodes=tuple(chosen), token=keep.token if keep else None, token_file=keep.token_file if keep else None
+        ))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "use":
