@@ -248,6 +248,7 @@ def split_threads(n_threads: int, target_ms: float, draft_ms: float) -> tuple[in
 
 class Pearl(Strategy):
     name = "pearl"
+    accepts_draft = True  # a draft model with --draft, else the N-gram tables
     description = "draft and target decode at the same time on their own cores (PEARL)"
     options = {
         "max_draft": "the most unverified drafts the target may compute ahead",
