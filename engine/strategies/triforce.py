@@ -31,8 +31,9 @@ Each round:
 
 Below ``min_context`` tokens (or when the retrieval cache would not be much smaller than the
 full one) a reply runs as ``anpd``: reading the cache is then cheap and the retrieval level
-only costs. A :class:`..adaptive.DraftGate` keeps long replies from falling below plain
-decoding when drafts do not pay.
+only costs. In a long reply, rounds where one retrieval draft cannot pay for its verify row
+(measured: :class:`..adaptive.DraftBreakEven`) draft with the N-grams alone, and a
+:class:`..adaptive.DraftGate` keeps the reply from falling below plain decoding.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class LevelCounters:
     retrieval_drafted: int = 0  # retrieval-cache tokens judged by the full target
     retrieval_accepted: int = 0
     retrieval_steps: int = 0  # batches run in the retrieval sequence
+    direct_drafted: int = 0  # N-gram tokens judged by the full cache directly (level 1 skipped)
+    direct_accepted: int = 0
     rebuilds: int = 0
     budget: int = 0  # positions the retrieval cache held after its last rebuild
     context: int = 0  # positions of the full cache then
@@ -214,12 +217,18 @@ class TriForce(Strategy):
         head_logits = g.first_logits
         self.gate.new_reply()
         while True:
-            # how many retrieval drafts this round may verify, and how likely each must be
+            # How many drafts this round may verify, how likely each must be, and from which
+            # level: a retrieval-cache draft costs a target step (``_step_ms``), an N-gram draft
+            # nothing. Where verifying a row costs nearly a whole step (compute-bound batches,
+            # docs/facts.md §6) no retrieval draft can pay: the N-grams then draft alone (anpd).
+            direct = False
             if self.adaptive and pending:
-                fit = self.break_even.line()
-                row_ms = fit[1] + self._step_ms if fit else None
-                s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
                 min_accept_p = self.break_even.threshold(self._step_ms)
+                if min_accept_p >= 1.0:
+                    direct, min_accept_p = True, self.break_even.threshold(0.0)
+                fit = self.break_even.line()
+                row_ms = fit[1] + (0.0 if direct else self._step_ms) if fit else None
+                s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
             else:
                 s, min_accept_p = (self.length_config.s_max if pending else 0), 0.0
             k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
@@ -228,10 +237,16 @@ class TriForce(Strategy):
 
             # 1. level 1: the retrieval-cache target drafts (N-grams drafting for it)
             t0 = time.perf_counter()
-            lagging = len(g.history) - self._n1 > MAX_EXACT_BATCH // 2  # many plain steps since
-            if k > 0 and (lagging or self._needs_rebuild(target.n_past)):
-                self._rebuild(g)
-            drafts = self._retrieval_drafts(g, k, min_accept_p) if k > 0 else []
+            if k > 0 and direct:
+                request = DraftRequest(g.history, k, min_accept_p, sampler.params)
+                drafts = self.ngram.draft(request).tokens[:k]
+            elif k > 0:
+                lagging = len(g.history) - self._n1 > MAX_EXACT_BATCH // 2  # many plain steps since
+                if lagging or self._needs_rebuild(target.n_past):
+                    self._rebuild(g)
+                drafts = self._retrieval_drafts(g, k, min_accept_p)
+            else:
+                drafts = []
             t1 = time.perf_counter()
 
             # 2. level 2: the full cache verifies the pending token and the drafts at once
@@ -250,7 +265,11 @@ class TriForce(Strategy):
             self.break_even.record(len(batch), verify_ms)
             if batch:
                 self.gate.record(len(drafts), len(tokens), draft_ms + verify_ms)
-            if drafts:
+            if drafts and direct:
+                self.ngram.accept(verdict.n_accepted)
+                self.counters.direct_drafted += len(drafts)
+                self.counters.direct_accepted += verdict.n_accepted
+            elif drafts:
                 self.counters.retrieval_drafted += len(drafts)
                 self.counters.retrieval_accepted += verdict.n_accepted
                 self._acceptance = 0.8 * self._acceptance + 0.2 * verdict.n_accepted / len(drafts)
