@@ -41,6 +41,7 @@ from .cluster import (
     SliceProgress,
     bytes_per_token,
     stages_of,
+    traffic,
 )
 from .export import code_blocks, conversation_markdown, export_path
 from .replies import (
@@ -71,8 +72,8 @@ def spec_from_settings(settings: Settings) -> EngineSpec:
 
     The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
     m = settings.model
-    needs_draft = get_strategy_class(m.strategy).needs_draft  # an unknown name: one line
-    draft = limits.path("[model] draft", m.draft) if needs_draft else None
+    cls = get_strategy_class(m.strategy)  # an unknown name: one line
+    draft = limits.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
     return limits.spec(
         EngineSpec(
             model=limits.path("[model] path", m.path),
@@ -145,6 +146,7 @@ class PotluckApp(App[None]):
         self.cluster = cluster
         self.cluster_state: ClusterState | None = ClusterState() if cluster else None
         self.discovery_interfaces = discovery_interfaces
+        self._traffic_at_load: tuple[int, dict[str, int]] = (0, {})
         self.settings = settings
         self.session_factory = session_factory
         self.history_path = history_path
@@ -353,24 +355,26 @@ class PotluckApp(App[None]):
 
     def on_slice_progress(self, event: SliceProgress) -> None:
         if self.cluster_state is not None:
-            self.cluster_state = replace(self.cluster_state, transfer=(event.what, event.done, event.total))
+            transfer = (event.what, event.done, event.total) if event.done < event.total else None
+            self.cluster_state = replace(self.cluster_state, transfer=transfer)
         self.show_cluster()
         self.update_status()
 
     def on_cluster_event(self, event: ClusterEvent) -> None:
         if self.cluster_state is None:
             return
-        e = event.event
+        e, notes = event.event, event.reply.cluster_notes
         if isinstance(e, PlanChanged):
             self.cluster_state = self.cluster_state.with_plan(e)
-            note = e.reason
+            # The new chain was loaded with fresh slices: count bytes per token from here.
+            self._traffic_at_load = traffic(getattr(self.session, "target", None))
+            notes[:] = [e.reason]  # it names the node and what the head did: the one line to keep
         else:
             self.cluster_state = self.cluster_state.with_status(e)
-            note = "" if e.state == "ok" else f"{e.node} {e.state}" + (f": {e.detail}" if e.detail else "")
-        if note:  # the conversation says it too, under the reply it happened in
-            event.reply.cluster_notes.append(note)
-            if event.reply.view.is_attached:
-                event.reply.view.set_note(note)
+            if e.state in ("lost", "failed") and not notes:
+                notes.append(f"{e.node} {e.state}" + (f": {e.detail}" if e.detail else ""))
+        if notes and event.reply.view.is_attached:  # the conversation says it, under the reply
+            event.reply.view.set_note(notes[-1])
         self.show_cluster()
 
     def action_replan(self) -> None:
@@ -415,7 +419,9 @@ class PotluckApp(App[None]):
             self.report_error(f"could not load the model: {event.error}")
         elif event.session is not None:
             if self.cluster_state is not None:
-                self.cluster_state = self.cluster_state.loaded(stages_of(getattr(event.session, "target", None)))
+                target = getattr(event.session, "target", None)
+                self.cluster_state = self.cluster_state.loaded(stages_of(target))
+                self._traffic_at_load = traffic(target)
             old, self.session, self.spec, self.load_error = self.session, event.session, event.spec, None
             if old is not None:
                 old.close()
@@ -565,7 +571,8 @@ class PotluckApp(App[None]):
             progress = self.reply.progress if self.reply is not None else self.progress
             figures = self.meter.sample(progress, self.clock() if now is None else now)
         if self.cluster_state is not None and self.session is not None:
-            self.cluster_state = self.cluster_state.with_bytes(bytes_per_token(getattr(self.session, "target", None)))
+            now = traffic(getattr(self.session, "target", None))
+            self.cluster_state = self.cluster_state.with_bytes(bytes_per_token(now, self._traffic_at_load))
             self.show_cluster()
         try:
             panels.first().show(figures)

@@ -138,15 +138,22 @@ def stages_of(target: object) -> list[StageRow]:
     ]
 
 
-def bytes_per_token(target: object) -> dict[str, float]:
-    """Per stage (by address): bytes the head exchanged with it per token decoded so far.
+Counters = tuple[int, dict[str, int]]  # tokens through the chain, bytes per link address
 
-    Read from the head's counters between its updates (ints: a torn read is impossible)."""
-    stats = getattr(target, "stats", None)
-    tokens = getattr(stats, "tokens", 0)
-    if not tokens:
+
+def traffic(target: object) -> Counters:
+    """The head's counters now (ints read between its updates: a torn read is impossible)."""
+    tokens = getattr(getattr(target, "stats", None), "tokens", 0)
+    return tokens, {lk.address: lk.bytes_out + lk.bytes_in for lk in getattr(target, "links", ())}
+
+
+def bytes_per_token(now: Counters, since: Counters) -> dict[str, float]:
+    """Per stage (by address): bytes exchanged per token since ``since`` (the session's
+    load, so the slices sent while loading do not count)."""
+    tokens = now[0] - since[0]
+    if tokens <= 0:
         return {}
-    return {lk.address: (lk.bytes_out + lk.bytes_in) / tokens for lk in getattr(target, "links", ())}
+    return {a: (b - since[1].get(a, 0)) / tokens for a, b in now[1].items()}
 
 
 def human_bytes(n: float | None) -> str:

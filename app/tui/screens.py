@@ -268,11 +268,14 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
         new = {n.address: n for n in nodes}
         if new.keys() == self.found.keys():
             return
-        first = not self.found
+        seen = self.found.keys()
         self.found = new
         sl.clear_options()
         for n in nodes:
-            pick = n.address in chosen or (first and (not self.in_use or n.address in self.in_use))
+            # a worker just found is offered selected (all of them, or those in use now);
+            # one already listed keeps what the user made of it
+            default = not self.in_use or n.address in self.in_use
+            pick = n.address in chosen if n.address in seen else default
             sl.add_option(Selection(node_row(n), n.address, pick))
         self._hint(
             f"{len(nodes)} worker(s) found · space toggles · order = pipeline order"

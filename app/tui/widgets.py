@@ -298,7 +298,7 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
     parts: list[Table | Text] = [grid([(Text("Cluster", style="bold"), title)])]
     for i, r in enumerate(c.stages, 1):
         parts.append(grid([
-            (Text(f"{i} {r.node} L{r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
+            (Text(f"{i} {r.node[:8]} L{r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
             (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
         ]))
         parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
