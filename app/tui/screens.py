@@ -306,7 +306,7 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
             self.dismiss(None)
 
 
-CLUSTER_HEADER = f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':>9}{'speed':>7}"
+CLUSTER_HEADER = "      " + f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':>9}{'speed':>7}"
 
 
 def node_row(n: DiscoveredNode) -> str:
