@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 
 NEW_TITLE = "New chat"
 TEXT_PUMP_S = 1 / 20  # how often streamed text is drawn
+ENGINE_GIL_WAIT_S = 0.001  # the longest the engine thread waits for the GIL while the UI draws
 
 
 def spec_from_settings(settings: Settings) -> EngineSpec:
@@ -191,6 +193,11 @@ class PotluckApp(App[None]):
         yield Footer()
 
     async def on_mount(self) -> None:
+        # The engine thread drops the GIL in every llama.cpp call and needs it back to go on;
+        # while the UI thread draws, it waits up to the switch interval (5 ms by default, as
+        # long as a whole token of a small model). 1 ms bounds that wait.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, ENGINE_GIL_WAIT_S))
         # Widgets are looked up on the chat screen itself: a modal may be on top when a
         # reply finishes or the panels' timer fires.
         self._main = self.screen
@@ -217,6 +224,7 @@ class PotluckApp(App[None]):
         self.start_loading(self.spec)
 
     def on_unmount(self) -> None:
+        sys.setswitchinterval(getattr(self, "_switch_interval", sys.getswitchinterval()))
         self.close_engine()
         logging.getLogger("potluck").removeHandler(self.log_buffer)
 
