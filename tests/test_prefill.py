@@ -69,18 +69,38 @@ def _reply(spec: EngineSpec, prompt: str) -> Finished:
         session.close()
 
 
-def test_f16_speculation_equals_plain_past_512_cells() -> None:
-    """anpd's verify batches (2 threads) against plain single steps (1 thread) over a
-    ~750-token prompt, F16 cache: token for token."""
-    doc = load_prompts("long")[0][:3_300]  # the start of the 2K chronicle
-    prompt = doc + "\n\nRepeat the first two sentences of the chronicle word for word."
-    base = EngineSpec(n_ctx=2048, n_threads=THREADS, kv_cache="f16")
-    plain = _reply(base, prompt)
+PROMPT = load_prompts("long")[0][:3_300] + "\n\nRepeat the first two sentences of the chronicle word for word."
+
+
+@pytest.fixture(scope="module")
+def plain_f16() -> Finished:
+    """Plain decoding of a ~750-token prompt with the F16 cache (1-token steps on 1 thread)."""
+    done = _reply(EngineSpec(n_ctx=2048, n_threads=THREADS, kv_cache="f16"), PROMPT)
+    assert done.prompt_tokens > 600  # past 512 cells
+    return done
+
+
+def test_f16_speculation_equals_plain_past_512_cells(plain_f16: Finished) -> None:
+    """anpd's verify batches (2 threads) against plain single steps (1 thread): token for token."""
     spec = _reply(EngineSpec(strategy="anpd", n_ctx=2048, n_threads=THREADS, kv_cache="f16",
-                             strategy_options={"adaptive": False}), prompt)
-    assert plain.prompt_tokens > 600
-    assert spec.tokens == plain.tokens
+                             strategy_options={"adaptive": False}), PROMPT)
+    assert spec.tokens == plain_f16.tokens
     assert spec.accepted > 0 and spec.drafted > spec.accepted
+
+
+def test_f16_triforce_equals_plain(plain_f16: Finished) -> None:
+    """TriForce's retrieval sequence beside sequence 0 in an F16 cache (a small budget so
+    that this prompt counts as long)."""
+    options = {"adaptive": False, "min_context": 0, "budget": 64, "sinks": 8, "recent": 32, "stride": 16}
+    session = open_session(EngineSpec(strategy="triforce", n_ctx=2048, n_threads=THREADS, kv_cache="f16",
+                                      strategy_options=options))
+    try:
+        done = [ev for ev in session.generate(PROMPT, max_tokens=64) if isinstance(ev, Finished)][0]
+        c = session.strategy.counters  # type: ignore[attr-defined]
+    finally:
+        session.close()
+    assert done.tokens == plain_f16.tokens
+    assert c.long_replies == 1 and c.rebuilds >= 2 and c.retrieval_drafted > c.retrieval_accepted > 0
 
 
 def test_context_up_to_the_training_length(model: Model) -> None:
