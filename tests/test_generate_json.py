@@ -25,12 +25,24 @@ def test_counters_present_at_zero_when_nothing_was_drafted(capsys: pytest.Captur
     }
 
 
-def test_counters_count_when_drafting(capsys: pytest.CaptureFixture[str]) -> None:
-    # A repetitive continuation: the N-gram drafter finds matches and drafts.
-    out = run_json(capsys, "--strategy", "anpd", "--max-tokens", "48",
-                   "Repeat exactly, ten times: red green blue red green blue red green blue")
-    assert out["drafted"] > 0  # type: ignore[operator]
-    assert 0.0 <= out["acceptance_rate"] <= 1.0  # type: ignore[operator]
+def test_counters_count_when_drafting() -> None:
+    # Fixed-length drafting (adaptive off) on a repetitive reply: the drafter must draft, and
+    # the same result_json that `generate --json` prints carries the counts.
+    from potluck.app.commands.generate import result_json
+    from potluck.engine.events import Finished
+    from potluck.engine.loader import EngineSpec, open_session
+    from potluck.engine.sampling import SamplingParams
+
+    session = open_session(EngineSpec(strategy="anpd", n_ctx=512, strategy_options={"adaptive": False}))
+    try:
+        events = list(session.generate(
+            "Repeat exactly, ten times: red green blue red green blue red green blue", SamplingParams(), 48
+        ))
+    finally:
+        session.close()
+    out = result_json(next(e for e in events if isinstance(e, Finished)))
+    assert out["drafted"] > 0 and 0 <= out["accepted"] <= out["drafted"]  # type: ignore[operator]
+    assert out["acceptance_rate"] == round(out["accepted"] / out["drafted"], 4)  # type: ignore[operator]
 
 
 def test_plain_decoding_has_no_counters(capsys: pytest.CaptureFixture[str]) -> None:
