@@ -137,9 +137,10 @@ class BenchRow:
     ttft_s: float | None = None  # median time to first token (prompt processing included)
     prefill_tokens_per_s: float | None = None  # median prompt tokens per second of prefill
     kv_cache: str = "bf16"
-    # TriForce's hierarchy (None for other strategies): acceptance_rate above is the full
-    # cache judging retrieval drafts; this is the retrieval cache judging N-gram drafts
-    ngram_acceptance: float | None = None
+    # TriForce's hierarchy (None for other strategies); acceptance_rate above counts every
+    # draft the full cache judged (retrieval drafts and, where those did not pay, N-gram ones)
+    ngram_acceptance: float | None = None  # level 1: N-gram drafts the retrieval cache kept
+    retrieval_acceptance: float | None = None  # level 2: retrieval drafts the full cache kept
     retrieval_budget: int | None = None  # positions the retrieval cache held (last rebuild)
     retrieval_context: int | None = None  # positions of the full cache at that rebuild
     rebuilds_per_reply: float | None = None
@@ -169,6 +170,8 @@ class _Acc:
     # TriForce's counters, summed over replies
     ngram_drafted: int = 0
     ngram_accepted: int = 0
+    retrieval_drafted: int = 0
+    retrieval_accepted: int = 0
     rebuilds: int = 0
     budget: int | None = None
     context: int | None = None
@@ -245,6 +248,8 @@ class _Runner:
         if levels is not None:
             acc.ngram_drafted += levels.ngram_drafted
             acc.ngram_accepted += levels.ngram_accepted
+            acc.retrieval_drafted += levels.retrieval_drafted
+            acc.retrieval_accepted += levels.retrieval_accepted
             acc.rebuilds += levels.rebuilds
             if levels.rebuilds:
                 acc.budget, acc.context = levels.budget, levels.context
@@ -355,6 +360,7 @@ def _row(
         prefill_tokens_per_s=statistics.median(acc.prefill_tps) if acc.prefill_tps else None,
         kv_cache=cfg.kv_cache,
         ngram_acceptance=acc.ngram_accepted / acc.ngram_drafted if acc.ngram_drafted else None,
+        retrieval_acceptance=acc.retrieval_accepted / acc.retrieval_drafted if acc.retrieval_drafted else None,
         retrieval_budget=acc.budget,
         retrieval_context=acc.context,
         rebuilds_per_reply=acc.rebuilds / acc.replies if acc.rebuilds and acc.replies else None,

@@ -216,7 +216,7 @@ def format_table(rows: list[BenchRow]) -> str:
     cols = (
         f"{'family':<14}{'strategy':<16}{'tok/s':>8}{'speedup':>9}{'accept':>8}"
         f"{'acc/rnd':>8}{'s/rnd':>7}{'draft ms/t':>11}{'verify ms/t':>12}{'both ms/t':>10}  identical"
-        f"{'ttft s':>8}{'L1 acc':>8}{'retrieval':>12}"
+        f"{'ttft s':>8}{'L1 acc':>8}{'L2 acc':>8}{'retrieval':>12}"
     )
     lines = [*head, "", cols, "-" * len(cols)]
     for r in rows:
@@ -226,11 +226,12 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{_fmt(r.mean_draft_len, '.1f'):>7}{_fmt(r.draft_ms_per_token, '.2f'):>11}"
             f"{_fmt(r.verify_ms_per_token, '.2f'):>12}{_fmt(r.overlap_ms_per_token, '.2f'):>10}"
             f"  {'yes' if r.identical_to_ar else 'NO':<9}"
-            f"{_fmt(r.ttft_s, '.2f'):>8}{_fmt(r.ngram_acceptance, '.2f'):>8}{_budget(r):>12}"
+            f"{_fmt(r.ttft_s, '.2f'):>8}{_fmt(r.ngram_acceptance, '.2f'):>8}"
+            f"{_fmt(r.retrieval_acceptance, '.2f'):>8}{_budget(r):>12}"
         )
     if any(r.retrieval_budget is not None for r in rows):
-        lines += ["", "accept: drafts the target with its full cache kept (triforce: retrieval-cache drafts); "
-                  "L1 acc: N-gram drafts the retrieval cache kept; retrieval: positions it held / context"]
+        lines += ["", "triforce: L1 acc = N-gram drafts the retrieval cache kept, L2 acc = retrieval-cache drafts "
+                  "the full cache kept (accept: every draft it judged); retrieval = positions held / context"]
     return "\n".join(lines)
 
 
