@@ -61,7 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per reply (128)")
     p.add_argument("--reps", type=positive_int, default=3, help="repetitions; medians are reported (3)")
-    p.add_argument("--ctx", type=positive_int, default=4096, help="context size (4096)")
+    p.add_argument(
+        "--ctx", type=positive_int, default=None, help=f"context size (4096; 8192 with the '{LONG_FAMILY}' family)"
+    )
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
         "--kv", default="bf16", choices=sorted(limits.KV_CACHES),
@@ -148,13 +150,16 @@ def run(args: argparse.Namespace) -> int:
             raise PotluckError("pass either -m or --target-recipe, not both")
         model = build_fixture(args.target_recipe).path
         draft = draft or resolve_model(None)
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    long = LONG_FAMILY in families
     if args.strategies:
         names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    elif long:
+        names = ("triforce", "anpd") + (("sd",) if draft is not None else ())
     else:
         names = ("anpd", "minions", "pearl", PEER) + (("sd",) if draft is not None else ())
     if "sd" in names and draft is None:
         raise PotluckError("strategy 'sd' needs a draft model: pass --draft PATH or --target-recipe")
-    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     cfg = BenchConfig(
         model=model,
         draft=draft,
@@ -163,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         families=families,
         max_tokens=args.max_tokens,
         reps=args.reps,
-        n_ctx=limits.context_sizes(args.ctx).n_ctx,
+        n_ctx=limits.context_sizes(args.ctx or (8192 if long else 4096)).n_ctx,
         n_threads=limits.threads(args.threads, "--threads"),
         options=_parse_options(args.option),
         kv_cache=args.kv,
@@ -183,7 +188,7 @@ def _chat_parity(args: argparse.Namespace) -> int:
     model = None if args.model is None else resolve_model(args.model)
     prompt = limits.text("--prompt", args.prompt) if args.prompt else PROMPT
     threads = limits.threads(args.threads, "--threads")
-    n_ctx = limits.context_sizes(args.ctx).n_ctx
+    n_ctx = limits.context_sizes(args.ctx or 4096).n_ctx
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     rows = run_parity(model, prompt, args.max_tokens, args.reps, threads, n_ctx, args.load, progress)
     if args.json:
