@@ -81,6 +81,8 @@ async def test_nodes_auto_plans_streams_names_a_lost_worker_and_replans(
         assert app.load_error is None
         state = app.cluster_state
         assert state is not None and len(state.stages) == 2 and state.plan
+        assert state.sent_bytes > 10_000_000 and state.transfer is None  # fresh workers: slices were sent
+        assert "slices sent" in panel(app)
         assert {r.address for r in state.stages} == {w.address for w in workers}
         text = panel(app)
         assert "Cluster" in text and all(w.node_id[:8] in text for w in workers), text

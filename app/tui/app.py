@@ -363,8 +363,7 @@ class PotluckApp(App[None]):
 
     def on_slice_progress(self, event: SliceProgress) -> None:
         if self.cluster_state is not None:
-            transfer = (event.what, event.done, event.total) if event.done < event.total else None
-            self.cluster_state = replace(self.cluster_state, transfer=transfer)
+            self.cluster_state = self.cluster_state.sending(event.what, event.done, event.total)
         self.show_cluster()
         self.update_status()
 
@@ -421,7 +420,8 @@ class PotluckApp(App[None]):
     def on_session_loaded(self, event: SessionLoaded) -> None:
         self.loading = False
         if self.cluster_state is not None:
-            self.cluster_state = ClusterState(plan=self.cluster_state.plan, stages=self.cluster_state.stages)
+            c = self.cluster_state
+            self.cluster_state = ClusterState(plan=c.plan, stages=c.stages, sent_bytes=c.sent_bytes)
         if event.error is not None:
             self.load_error = event.error
             self.report_error(f"could not load the model: {event.error}")

@@ -82,9 +82,15 @@ class ClusterState:
     plan: tuple[str, ...] = ()  # the plan's lines, as `generate --nodes` prints them
     transfer: tuple[str, int, int] | None = None  # what, bytes done, bytes total
     note: str = ""  # the latest loss / re-plan, for the user
+    sent_bytes: int = 0  # slice bytes sent while loading (0: every worker had them cached)
 
     def planned(self, lines: Sequence[str], stages: Sequence[StageRow]) -> ClusterState:
         return replace(self, plan=tuple(lines), stages=tuple(stages), note="")
+
+    def sending(self, what: str, done: int, total: int) -> ClusterState:
+        if done < total:
+            return replace(self, transfer=(what, done, total))
+        return replace(self, transfer=None, sent_bytes=self.sent_bytes + total)
 
     def loaded(self, stages: Sequence[StageRow]) -> ClusterState:
         return replace(self, stages=tuple(stages), transfer=None)

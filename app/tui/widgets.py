@@ -302,6 +302,8 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
             (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
         ]))
         parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
+    if c.sent_bytes:
+        parts.append(grid([(Text("slices sent", style="dim"), human_bytes(c.sent_bytes))]))
     if c.transfer is not None:
         what, done, total = c.transfer
         parts.append(grid([(Text(f"sending {what}", style="dim"), f"{100 * done / total if total else 100:.0f}%")]))
