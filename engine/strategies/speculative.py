@@ -218,12 +218,15 @@ def load_draft_model(target_model: Model, spec: EngineSpec) -> Model:
 
 
 def saved_costs(target_model: Model, spec: EngineSpec) -> SavedLine:
-    """Where this target's verify-cost line is kept (engine/costs.py)."""
-    from ..runtime import ContextParams, default_threads
+    """Where this target's verify-cost line is kept (engine/costs.py): per KV type too, since
+    F16 and BF16 caches cost differently."""
+    from ..loader import KV_TYPES
+    from ..runtime import default_threads
 
     where = "cluster:" + ",".join(spec.cluster.nodes) if spec.cluster else "local"
     threads = spec.n_threads or default_threads()
-    return saved_line(target_model.path, threads, ContextParams().kv_type, where)
+    kv_type, _ = KV_TYPES[limits.kv_cache(spec.kv_cache)]
+    return saved_line(target_model.path, threads, kv_type, where)
 
 
 LENGTH_OPTIONS = {
