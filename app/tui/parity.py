@@ -149,8 +149,11 @@ def run_parity(
 
 
 def format_parity(rows: list[ParityRow], max_tokens: int, reps: int) -> str:
+    import os
+
     lines = [f"chat app (headless) vs potluck generate: same greedy reply, {max_tokens} tokens, "
-             f"medians of {reps}", "",
+             f"medians of {reps}; llama.cpp threads wait {os.environ.get('OMP_WAIT_POLICY', '?').lower()}"
+             " (OMP_WAIT_POLICY)", "",
              f"{'load':<15}{'chat tok/s':>11}{'generate tok/s':>15}{'chat/generate':>14}  identical"]
     quiet = rows[0]
     for r in rows:
