@@ -19,7 +19,7 @@ import pytest
 from potluck.app.store import Store
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.cluster import AUTO, ClusterChoice
-from potluck.app.tui.screens import ClusterScreen
+from potluck.app.tui.screens import ClusterScreen, PickerScreen
 from potluck.engine.config import ModelSettings, SamplingSettings, Settings, UISettings
 from potluck.engine.loader import open_session
 
@@ -145,7 +145,9 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
         async with app.run_test(size=(130, 40)) as pilot:
             await until(lambda: app.session is not None, 120, "the local model")
             assert app.cluster_state is None
-            await pilot.press("f9")
+            await pilot.press("ctrl+o")  # the model picker's Cluster… button opens it (as F9 does)
+            await until(lambda: isinstance(app.screen, PickerScreen), 10, "the model picker")
+            await pilot.click("#cluster")
             await until(lambda: isinstance(app.screen, ClusterScreen), 10, "the cluster picker")
             screen = app.screen
             assert isinstance(screen, ClusterScreen)
@@ -168,6 +170,11 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
             await send(app, pilot, "Hi")
             assert app.chat_log().messages()[-1].content.strip()  # type: ignore[union-attr]
             assert workers[0].node_id[:8] in panel(app)
+            await pilot.press("f9")  # the picker's own key; Esc keeps the chain as it is
+            await until(lambda: isinstance(app.screen, ClusterScreen), 10, "the cluster picker by F9")
+            await pilot.press("escape")
+            await until(lambda: not isinstance(app.screen, ClusterScreen), 10, "the picker to close")
+            assert app.cluster.nodes == (workers[0].address,) and not app.loading
     finally:
         os.environ.pop("POTLUCK_TOKEN", None)
 

@@ -66,6 +66,7 @@ class PickerScreen(ModalScreen[Pick | None]):
                     yield OptionList(id="pick-strategy")
             yield Static(id="picker-hidden", classes="hint")
             with Horizontal(classes="buttons"):
+                yield Button("Cluster… (F9)", id="cluster")
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
 
@@ -116,6 +117,9 @@ class PickerScreen(ModalScreen[Pick | None]):
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "apply":
             self.action_apply()
+        elif event.button.id == "cluster":  # where the target's layers run: the cluster picker
+            self.dismiss(None)
+            self.app.call_later(self.app.run_action, "cluster")
         else:
             self.dismiss(None)
 
