@@ -410,3 +410,35 @@ async def test_panels_toggle(tmp_path: Path, key: str) -> None:
         assert panel.display
         await pilot.press(key)
         assert not panel.display
+
+
+def test_settled_end_keeps_code_fences_open() -> None:
+    from potluck.app.tui.widgets import settled_end
+
+    assert settled_end("one\n\ntwo") == len("one\n\n")
+    assert settled_end("```py\nx = 1\n\ny = 2\n") == 0  # a blank line inside a fence settles nothing
+    text = "```py\nx = 1\n\ny = 2\n```\n\nafter"
+    assert settled_end(text) == text.index("after")
+
+
+@run_async
+async def test_streaming_parses_finished_blocks_once_and_the_rest_as_plain_text(tmp_path: Path) -> None:
+    gate = threading.Event()
+    steps = [Step("Intro **bold**.\n\n"), Step("Still `typing"), Step("", gate=gate), Step(" code`.")]
+    factory = FakeFactory(lambda spec: ScriptedSession(steps))
+    app = make_app(tmp_path, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "hi")
+        reply = views(app)[-1]
+        from textual.widgets import Static
+
+        tail = reply.query_one(".tail", Static)
+        await until(lambda: "Still" in str(tail.render()), what="the tail to show the open block")
+        # Mid-reply: the finished paragraph is Markdown, the one being written is plain text.
+        assert reply.markdown.source == "Intro **bold**.\n\n" and tail.display
+        assert "`typing" in str(tail.render())
+        gate.set()
+        await reply_done(app)
+        await pilot.pause()
+        assert reply.markdown.source == "Intro **bold**.\n\nStill `typing code`." and not tail.display

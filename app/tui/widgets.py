@@ -76,6 +76,7 @@ class MessageView(Vertical, can_focus=True):
         self._note = note
         self._streaming = streaming
         self._rendered = len(content)  # characters of content the Markdown widget holds
+        self._tail_lines = -1  # wrapped lines the streaming tail had at its last layout
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
@@ -106,10 +107,17 @@ class MessageView(Vertical, can_focus=True):
             self.parent.follow()
 
     def _show_tail(self) -> None:
+        """Redraw the block being written; lay the screen out again only when it takes
+        another line (most pump ticks add a word to the same line)."""
         tail = self.query_one(".tail", Static)
         rest = self.content[self._rendered:].strip("\n")
+        text = Text(rest)
+        width = tail.size.width
+        lines = len(text.wrap(self.app.console, width)) if width and rest else -1
+        layout = lines != self._tail_lines or tail.display != bool(rest)
+        self._tail_lines = lines
         tail.display = bool(rest)
-        tail.update(Text(rest))
+        tail.update(text, layout=layout)
 
     async def finish(self, final_text: str, note: str = "") -> None:
         """End streaming: the whole reply as Markdown (the engine's final text wins)."""
