@@ -421,7 +421,9 @@ class PotluckApp(App[None]):
         self.loading = False
         if self.cluster_state is not None:
             c = self.cluster_state
-            self.cluster_state = ClusterState(plan=c.plan, stages=c.stages, sent_bytes=c.sent_bytes)
+            self.cluster_state = ClusterState(
+                plan=c.plan, stages=c.stages, sent_bytes=c.sent_bytes, cached_bytes=c.cached_bytes
+            )
         if event.error is not None:
             self.load_error = event.error
             self.report_error(f"could not load the model: {event.error}")

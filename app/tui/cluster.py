@@ -82,7 +82,8 @@ class ClusterState:
     plan: tuple[str, ...] = ()  # the plan's lines, as `generate --nodes` prints them
     transfer: tuple[str, int, int] | None = None  # what, bytes done, bytes total
     note: str = ""  # the latest loss / re-plan, for the user
-    sent_bytes: int = 0  # slice bytes sent while loading (0: every worker had them cached)
+    sent_bytes: int = 0  # slice bytes sent while loading
+    cached_bytes: int = 0  # slice bytes the workers already had (nothing sent)
 
     def planned(self, lines: Sequence[str], stages: Sequence[StageRow]) -> ClusterState:
         return replace(self, plan=tuple(lines), stages=tuple(stages), note="")
@@ -90,6 +91,8 @@ class ClusterState:
     def sending(self, what: str, done: int, total: int) -> ClusterState:
         if done < total:
             return replace(self, transfer=(what, done, total))
+        if what.endswith("(cached)"):  # the transfer's word for a slice the worker had
+            return replace(self, transfer=None, cached_bytes=self.cached_bytes + total)
         return replace(self, transfer=None, sent_bytes=self.sent_bytes + total)
 
     def loaded(self, stages: Sequence[StageRow]) -> ClusterState:
@@ -134,6 +137,11 @@ class ClusterState:
     @property
     def healthy(self) -> bool:
         return all(r.state == "ok" for r in self.stages)
+
+    @property
+    def broken(self) -> bool:
+        """A stage is gone for good: the user should re-plan (loading or recovering is not)."""
+        return any(r.state in ("lost", "failed") for r in self.stages)
 
 
 def stages_of(target: object) -> list[StageRow]:

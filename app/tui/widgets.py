@@ -310,14 +310,16 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
             (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
         ]))
         parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
-    if c.sent_bytes:
+    if c.sent_bytes or c.cached_bytes:
         parts.append(grid([(Text("slices sent", style="dim"), human_bytes(c.sent_bytes))]))
+    if c.cached_bytes:
+        parts.append(grid([(Text("already on workers", style="dim"), human_bytes(c.cached_bytes))]))
     if c.transfer is not None:
         what, done, total = c.transfer
         parts.append(grid([(Text(f"sending {what}", style="dim"), f"{100 * done / total if total else 100:.0f}%")]))
     if c.note:
         parts.append(Text(c.note, style="yellow"))
-    if not c.healthy:
+    if c.broken:
         parts.append(Text(f"{replan_key}: re-plan over the workers found", style="bold"))
     return Group(*parts)
 
