@@ -50,8 +50,8 @@ PROMPTS = [
 ]
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants, in MB (0 once it is gone)."""
+def rss_mb(pid: int, descendants: bool = True) -> float:
+    """Resident memory of ``pid`` (and its descendants), in MB (0 once it is gone)."""
     total = 0.0
     todo = [pid]
     while todo:
@@ -60,7 +60,7 @@ def rss_mb(pid: int) -> float:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) / 1024
-            for task in Path(f"/proc/{p}/task").iterdir():
+            for task in Path(f"/proc/{p}/task").iterdir() if descendants else ():
                 todo.extend(int(c) for c in (task / "children").read_text().split())
         except (OSError, ValueError):
             continue
@@ -129,7 +129,8 @@ def main() -> int:
             while not stop.wait(10.0):
                 with cluster.lock:
                     pids = [w.proc.pid for w in cluster.workers]
-                samples.append((time.monotonic() - t0, rss_mb(os.getpid()), [rss_mb(p) for p in pids]))
+                head_mb = rss_mb(os.getpid(), descendants=False)
+                samples.append((time.monotonic() - t0, head_mb, [rss_mb(p) for p in pids]))
                 if time.monotonic() - last_progress[0] > args.hang_s:
                     hang.set()
                     os.kill(os.getpid(), signal.SIGINT)  # break the chat loop out of a blocking wait
