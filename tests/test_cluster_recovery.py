@@ -163,12 +163,13 @@ def test_reply_survives_a_lost_worker_identical_to_one_machine(
         target.close()
 
 
+@pytest.mark.parametrize("strategy", ["anpd", "pearl"])
 def test_speculative_reply_survives_a_lost_worker(
-    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache, strategy: str
 ) -> None:
-    """A drafting strategy (ANPD: verify batches of drafts, rejected tails trimmed by KV
-    removals) leaves all of that in the log: the replay must reproduce it. Lossless, so the
-    reference is plain decoding."""
+    """A drafting strategy (verify batches of drafts, rejected tails trimmed by KV removals;
+    pearl with several batches in flight when the worker dies) leaves all of that in the log:
+    the replay must reproduce it. Lossless, so the reference is plain decoding."""
     expected = reference(model, SamplingParams())
     target = open_three(model_path, workers, slice_cache)
     lost = workers[1]
@@ -180,7 +181,7 @@ def test_speculative_reply_survives_a_lost_worker(
             os.kill(lost.proc.pid, signal.SIGKILL)
 
     try:
-        replies, events = converse(model, target, SamplingParams(), strike, "anpd")
+        replies, events = converse(model, target, SamplingParams(), strike, strategy)
         assert lost.extra.get("struck") and target.recoveries == 1
         assert replies == expected
         finished = [e for e in events if isinstance(e, Finished)]

@@ -103,7 +103,7 @@ class DraftAhead:
         self._running = False
         self._in_step = False  # the drafter is computing (pause waits for it)
         self._closed = False
-        self.lookahead = 4
+        self._lookahead = 4
         self._sampling = SamplingParams()
         self._rng: np.random.Generator | None = None
         self._seed: np.random.SeedSequence | None = None
@@ -145,9 +145,15 @@ class DraftAhead:
                 i = pos - self._base
                 if 0 <= i < len(self._chain):
                     return self._chain[i], self._q[i]
-                if self._stuck or not self._running or i < 0:
-                    return None
+                if self._stuck or not self._running or i < 0 or i >= self._lookahead:
+                    return None  # no guess is coming for this position
                 self._cond.wait()
+
+    def set_lookahead(self, n: int) -> None:
+        """How far past the base the drafter may guess (the window, plus one)."""
+        with self._cond:
+            self._lookahead = n
+            self._cond.notify_all()  # a drafter waiting on a full chain may go on
 
     def drafted(self, start: int, limit: int) -> list[int]:
         """Guesses already made for positions ``start..start+limit-1`` (no waiting)."""
@@ -192,7 +198,7 @@ class DraftAhead:
         while True:
             with self._cond:
                 while not self._closed and (
-                    not self._running or self._stuck or len(self._chain) >= self.lookahead
+                    not self._running or self._stuck or len(self._chain) >= self._lookahead
                 ):
                     self._cond.wait()
                 if self._closed:
@@ -407,7 +413,7 @@ class Pearl(Strategy):
 
                 # 2. keep the target busy: up to two verify batches in flight, with at most
                 #    `window` unverified guesses computed past position p
-                self.ahead.lookahead = window + 1
+                self.ahead.set_lookahead(window + 1)
                 while len(batches) < 2:
                     start = target.n_past
                     toks = history[start:p]  # accepted but not in the cache (the target's own token)
@@ -431,7 +437,7 @@ class Pearl(Strategy):
                             break  # report what is decided (or queue more work first)
                         verify_busy.append(collect(batches.popleft()))
                         continue
-                    if pos >= p + self.ahead.lookahead:
+                    if pos >= p + window + 1:
                         break  # the draft waits for this round to end before guessing further
                     guess = self.ahead.token_at(pos)
                     row = rows[pos]
