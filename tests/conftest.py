@@ -24,6 +24,32 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """No test reads or writes the real home: config, history and the kept draft-cost line
+    (a line learnt on a busy machine would change what later tests draft)."""
+    home = tmp_path_factory.mktemp("potluck-home")
+    old = os.environ.get("POTLUCK_HOME")
+    os.environ["POTLUCK_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        if old is None:
+            os.environ.pop("POTLUCK_HOME", None)
+        else:
+            os.environ["POTLUCK_HOME"] = old
+
+
+def flat_cost_line(model: Model, n_threads: int) -> None:
+    """Keep a memory-bound verify-cost line (extra rows almost free) for ``model``, so the
+    break-even threshold lets drafts through whatever this machine's load: tests of the
+    adaptive path then reach drafting deterministically (the gate still judges real rounds)."""
+    from potluck.engine.loader import EngineSpec
+    from potluck.engine.strategies.speculative import saved_costs
+
+    saved_costs(model, EngineSpec(n_threads=n_threads)).keep({1: [10.0] * 8, 2: [10.2] * 8, 4: [10.6] * 8})
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     path = default_model_path()

@@ -24,6 +24,8 @@ from potluck.engine.strategies.registry import get_strategy_class
 from potluck.engine.target import MAX_EXACT_BATCH, LocalTarget
 from potluck.engine.verify import verify_chain
 
+from .conftest import flat_cost_line
+
 # Five prompts across the benchmark families; three of them run to the 256-token limit.
 LONG_PROMPTS = [
     "Write a long, detailed story about a robot who learns to cook. Use many paragraphs.",
@@ -90,10 +92,26 @@ def reference(model: Model) -> dict[str, list[int]]:
 
 
 def spec_sessions(model: Model, draft_path: Path) -> Iterator[tuple[str, Strategy]]:
-    yield "anpd", build("anpd", model)
-    # Fixed length: on this box the break-even test soon stops a draft model from drafting at
-    # all, and this test must exercise rejected drafts whatever the machine's timings.
+    # Fixed lengths: the adaptive path stops drafting whenever drafting loses on this box
+    # (the floor), and this test must exercise rejected drafts whatever the machine's load.
+    yield "anpd", build("anpd", model, adaptive=False)
     yield "sd", build("sd", model, draft_path, adaptive=False, max_draft=4)
+
+
+def test_adaptive_anpd_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
+    """Default options (adaptive length, break-even, the floor's gate), with a kept cost line
+    that lets drafts through: probes draft, the gate judges them on real timings."""
+    flat_cost_line(model, THREADS)
+    strategy = build("anpd", model)
+    drafted = 0
+    for prompt in LONG_PROMPTS[:3]:
+        session = make_session(model, strategy)
+        tokens, rounds = reply(session, prompt)
+        session.target.close()
+        assert tokens == reference[prompt], prompt[:30]
+        drafted += sum(r.drafted for r in rounds)
+    assert drafted > 0
+    strategy.close()
 
 
 def test_greedy_equals_plain_decoding(
