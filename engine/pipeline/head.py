@@ -70,6 +70,10 @@ REGROUP_RETRY_S = 30.0
 REGROUP_GAIN = 0.9  # a new plan is taken only if its slowest stage is this much faster
 # Recoveries in a row without one result coming back: past this the cluster is flapping.
 MAX_RECOVERIES_IN_A_ROW = 3
+# A rebuild that keeps losing nodes (a head worker that cannot start, workers dying one by
+# one) ends in one clear error instead of retrying forever.
+MAX_REBUILDS = 4
+RECOVERY_DEADLINE_S = 90.0
 # Replayed batches whose results were already delivered run under this run id, which no
 # caller ever gets from new_run(): a cancel sent meanwhile can never skip one of them.
 REPLAY_RUN = 0
@@ -761,7 +765,7 @@ class PipelineTarget(TargetBase):
         log.warning("%s; re-planning over the other workers", first_reason)
         old_stages = [(lk.node_id, *(lk.layers or (0, 0))) for lk in self.links]
         t0 = time.monotonic()
-        while True:
+        for attempt in range(1, MAX_REBUILDS + 1):
             lost = [lk for lk in self.links if lk.address == err.address] or [
                 lk for lk in self.links if lk.drain_events()
             ]
@@ -776,6 +780,8 @@ class PipelineTarget(TargetBase):
                 self._replay()
                 break
             except NodeLostError as again:
+                if attempt == MAX_REBUILDS or time.monotonic() - t0 > RECOVERY_DEADLINE_S:
+                    self._give_up(again, f"the chain broke again {attempt} time(s) while being rebuilt")
                 err = again
                 log.warning("%s during recovery", again)
             except PotluckError as e:
@@ -849,7 +855,13 @@ class PipelineTarget(TargetBase):
             self.head_worker = HeadWorker(setup.keys, setup.slice_cache.folder / "head-worker")
         link = NodeLink(self._zctx, setup.keys, self.head_worker.address, setup.head_id.encode(),
                         max_result_bytes(self.n_batch, self.n_vocab))
-        link.join(setup.head_id, setup.potluck_version)
+        try:
+            link.join(setup.head_id, setup.potluck_version)
+        except NodeFailedError:
+            link.close(release=False)
+            self.head_worker.close()  # it does not answer: the next attempt starts a fresh one
+            self.head_worker = None
+            raise
         return link
 
     def _replay(self) -> None:
