@@ -25,15 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # llama.cpp's CPU threads (an OpenMP team in this build) meet at a barrier after every graph
-# op. libgomp's default makes a waiting thread spin, so while another process holds one of
-# the cores the partner thread burns its time slices waiting and a reply collapses to a few
-# tokens/s; a passive wait sleeps instead, so a busy core slows a reply in proportion.
-# libgomp reads this once, when llama_cpp loads it: it must be set before the import below.
-# OMP_WAIT_POLICY=active in the environment brings the spinning back.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import llama_cpp as ll  # noqa: E402
-import numpy as np  # noqa: E402
+# op, and libgomp's default lets a waiting thread spin a while before it sleeps. Measured on
+# this 2-core VM (docs/facts.md §6): spinning (the default) 120-131 tok/s idle and 35-40 with
+# another process spinning one core; OMP_WAIT_POLICY=PASSIVE 43-45 idle and 54-56 loaded. The
+# idle case is the common one, so libgomp's default stays; a user on a busy machine can set
+# OMP_WAIT_POLICY=PASSIVE (README "Busy machines"). libgomp reads it when llama_cpp loads.
+import llama_cpp as ll
+import numpy as np
 
 from .errors import DecodeError, ModelError
 from .kv import KvOp

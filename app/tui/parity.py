@@ -151,8 +151,9 @@ def run_parity(
 def format_parity(rows: list[ParityRow], max_tokens: int, reps: int) -> str:
     import os
 
+    wait = os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)").lower()
     lines = [f"chat app (headless) vs potluck generate: same greedy reply, {max_tokens} tokens, "
-             f"medians of {reps}; llama.cpp threads wait {os.environ.get('OMP_WAIT_POLICY', '?').lower()}"
+             f"medians of {reps}; llama.cpp threads wait {wait}"
              " (OMP_WAIT_POLICY)", "",
              f"{'load':<15}{'chat tok/s':>11}{'generate tok/s':>15}{'chat/generate':>14}  identical"]
     quiet = rows[0]
