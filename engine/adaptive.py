@@ -156,6 +156,9 @@ class DraftBreakEven:
         return min(1.0, (m + draft_step_ms) / a)
 
 
+UNTIL_REPLY_END = 1 << 30  # a back-off no reply reaches: closed, the gate waits for the next reply
+
+
 class DraftGate:
     """A whole-reply floor: drafting stays on only while rounds that draft beat plain steps.
 
@@ -172,6 +175,10 @@ class DraftGate:
       the back-off once the bank is full (drafting clearly pays here).
     Every reply starts open (it may copy its input). A reply of n tokens thus loses at most
     about ``(budget_steps + probe_len * row/plain) * log2(n / backoff)`` plain steps.
+    A draft model must first catch up on every token it missed before it can draft again (a
+    prefill as long as the back-off), so for it a closed gate stays closed until the reply
+    ends (``backoff=UNTIL_REPLY_END``); its next reply starts in sync (prefilled with the
+    prompt) and probes again.
     """
 
     def __init__(

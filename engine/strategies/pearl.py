@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..adaptive import DraftGate
+from ..adaptive import UNTIL_REPLY_END, DraftGate
 from ..drafters import Drafter, DraftRequest
 from ..errors import PotluckError
 from ..jobs import RunCancelled, Ticket
@@ -269,13 +269,15 @@ class Pearl(Strategy):
         target_threads: int,
         max_window: int = 8,
         adaptive: bool = True,
+        gate_backoff: int = DraftGate().backoff,
     ) -> None:
         self.drafter = drafter
         self.n_threads = n_threads  # all of them: plain decoding's
         self.target_threads = target_threads  # the target's share while the draft runs
         self.max_window = max_window
         self.adaptive = adaptive
-        self.gate = DraftGate()
+        self.gate_backoff = gate_backoff
+        self.gate = DraftGate(backoff=gate_backoff, max_backoff=max(gate_backoff, 512))
         self.ahead = DraftAhead(drafter)
         self._rng: np.random.Generator | None = None
         self._target_ms = 0.0  # measured target cost per verified row in parallel mode
@@ -313,8 +315,10 @@ class Pearl(Strategy):
         except BaseException:
             draft_model.close()
             raise
+        # the draft model pays a catch-up prefill to resume: once parallel mode loses, not
+        # this reply (its next reply starts in sync, prefilled with the prompt)
         return cls(drafter, n_threads=n_threads, target_threads=target_threads,
-                   max_window=window, adaptive=adaptive)
+                   max_window=window, adaptive=adaptive, gate_backoff=UNTIL_REPLY_END)
 
     def prepare(self, g: Generation) -> None:
         self._rng = g.drafter_rng()
@@ -499,7 +503,7 @@ class Pearl(Strategy):
 
     def reset(self) -> None:
         self.drafter.reset()
-        self.gate = DraftGate()
+        self.gate = DraftGate(backoff=self.gate_backoff, max_backoff=max(self.gate_backoff, 512))
 
     def close(self) -> None:
         self.ahead.close()

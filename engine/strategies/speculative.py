@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import limits
-from ..adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
+from ..adaptive import UNTIL_REPLY_END, DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
 from ..costs import SavedLine, saved_line
 from ..drafters import Draft, Drafter, DraftRequest
 from ..errors import PotluckError
@@ -54,6 +54,7 @@ class Speculative(Strategy):
         *,
         adaptive: bool = True,
         costs: SavedLine | None = None,
+        gate_backoff: int = DraftGate().backoff,
     ) -> None:
         self.drafter = drafter
         self.length_config = length
@@ -64,7 +65,8 @@ class Speculative(Strategy):
         self.costs = costs
         if costs is not None:
             self.break_even.load(costs.restore())
-        self.gate = DraftGate()
+        self.gate_backoff = gate_backoff
+        self.gate = DraftGate(backoff=gate_backoff, max_backoff=max(gate_backoff, 512))
 
     def run(self, g: Generation) -> Iterator[Round]:
         try:
@@ -141,7 +143,7 @@ class Speculative(Strategy):
     def reset(self) -> None:
         self.drafter.reset()
         self.length = SpeculationLength(self.length_config)
-        self.gate = DraftGate()
+        self.gate = DraftGate(backoff=self.gate_backoff, max_backoff=max(self.gate_backoff, 512))
 
     def close(self) -> None:
         self.drafter.close()
@@ -262,7 +264,9 @@ class DraftModelSpeculative(Speculative):
             draft_model.close()
             raise
         length = LengthConfig(s_init=s_init, s_max=s_max)
-        return cls(drafter, length, adaptive=adaptive, costs=saved_costs(target_model, spec))
+        # a draft model pays a catch-up prefill to resume: once drafting loses, not this reply
+        return cls(drafter, length, adaptive=adaptive, costs=saved_costs(target_model, spec),
+                   gate_backoff=UNTIL_REPLY_END)
 
 
 class NgramSpeculative(Speculative):
