@@ -370,23 +370,6 @@ def _row(
 # --------------------------------------------------------------------------- N-gram cost scaling
 
 
-class _Prefix(Sequence[int]):
-    """The first ``n`` tokens of a list without copying them (a growing conversation)."""
-
-    def __init__(self, tokens: list[int], n: int) -> None:
-        self.tokens, self.n = tokens, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
-        if isinstance(i, slice):
-            return self.tokens[slice(*i.indices(self.n))]
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return self.tokens[i % self.n]
-
-
 def ngram_scaling(
     sizes: Sequence[int] = (1_000, 4_000, 16_000, 64_000),
     steps: int = 2_000,
@@ -400,7 +383,7 @@ def ngram_scaling(
     that queries hit, miss and chain like they do on text. Flat figures across sizes show
     the cost does not grow with the context.
     """
-    from .drafters import DraftRequest
+    from .drafters import ContextView, DraftRequest
     from .drafters.ngram import NgramDrafter
 
     rng = np.random.default_rng(seed)
@@ -419,7 +402,7 @@ def ngram_scaling(
         t = time.perf_counter()
         drafted = 0
         for i in range(size, size + steps):
-            draft = drafter.draft(DraftRequest(_Prefix(history, i + 1), k, 0.0, SamplingParams()))
+            draft = drafter.draft(DraftRequest(ContextView(history, i + 1), k, 0.0, SamplingParams()))
             drafter.accept(0)
             drafted += len(draft.tokens)
         step_s = time.perf_counter() - t

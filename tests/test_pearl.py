@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from potluck.engine import verify
+from potluck.engine.drafters import ContextView
 from potluck.engine.events import Finished
 from potluck.engine.loader import EngineSpec
 from potluck.engine.runtime import ContextParams, Model
@@ -22,7 +23,7 @@ from potluck.engine.sampling import SamplingParams
 from potluck.engine.session import Session
 from potluck.engine.strategies import pearl
 from potluck.engine.strategies.base import Strategy
-from potluck.engine.strategies.pearl import Pearl, _Context, split_threads
+from potluck.engine.strategies.pearl import Pearl, split_threads
 from potluck.engine.strategies.plain import Autoregressive
 from potluck.engine.target import LocalTarget
 
@@ -157,7 +158,7 @@ def test_threads_follow_measured_costs() -> None:
 
 def test_context_view_reads_like_the_list() -> None:
     history = list(range(100))
-    view = _Context(history, 60, (7, 8, 9))
+    view = ContextView(history, 60, (7, 8, 9))
     whole = [*history[:60], 7, 8, 9]
     history.append(1000)  # the session appends while the drafter reads: the view is fixed
     assert len(view) == len(whole) and list(view) == whole

@@ -48,6 +48,34 @@ class DraftRequest:
     sampling: SamplingParams
 
 
+class ContextView(Sequence[int]):
+    """The first ``n`` tokens of a conversation (a list that only grows) plus guessed tokens.
+
+    Handing a drafter a view instead of a copy keeps each draft step O(1) in the context
+    length; the prefix never changes while the view is in use (the session only appends).
+    """
+
+    def __init__(self, history: list[int], n: int, tail: tuple[int, ...] = ()) -> None:
+        self._history, self._n, self._tail = history, n, tail
+
+    def __len__(self) -> int:
+        return self._n + len(self._tail)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            head = self._history[start : min(stop, self._n)] if start < self._n else []
+            tail = self._tail[max(0, start - self._n) : max(0, stop - self._n)]
+            return [*head, *tail]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._history[i] if i < self._n else self._tail[i - self._n]
+
+
 class Drafter(Protocol):
     name: str
     step_ms: float  # measured cost of drafting one more token (0 for free sources)

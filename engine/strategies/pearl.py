@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..adaptive import UNTIL_REPLY_END, DraftGate
-from ..drafters import Drafter, DraftRequest
+from ..drafters import ContextView, Drafter, DraftRequest
 from ..errors import PotluckError
 from ..jobs import RunCancelled, Ticket
 from ..sampling import SamplingParams, probs
@@ -51,34 +51,6 @@ if TYPE_CHECKING:
     from ..runtime import Model
 
 log = logging.getLogger(__name__)
-
-
-class _Context(Sequence[int]):
-    """The accepted conversation (a prefix of a list that only grows) plus guessed tokens.
-
-    Handing the drafter a view instead of a copy keeps each draft step O(1) in the context
-    length; the prefix never changes while the view is in use (the session only appends).
-    """
-
-    def __init__(self, history: list[int], n: int, tail: tuple[int, ...]) -> None:
-        self._history, self._n, self._tail = history, n, tail
-
-    def __len__(self) -> int:
-        return self._n + len(self._tail)
-
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            head = self._history[start : min(stop, self._n)] if start < self._n else []
-            tail = self._tail[max(0, start - self._n) : max(0, stop - self._n)]
-            return [*head, *tail]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self._history[i] if i < self._n else self._tail[i - self._n]
 
 
 class DraftAhead:
@@ -204,7 +176,7 @@ class DraftAhead:
                 if self._closed:
                     return
                 epoch, pos = self._epoch, self._base + len(self._chain)
-                context = _Context(self._history, self._base, tuple(self._chain))
+                context = ContextView(self._history, self._base, tuple(self._chain))
                 sampling = self._sampling
                 self._in_step = True
             try:
