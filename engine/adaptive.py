@@ -193,7 +193,7 @@ class DraftGate:
         self.budget_steps = budget_steps
         self.max_bank_steps = max_bank_steps
         self.initial_backoff = backoff
-        self.max_backoff = max_backoff
+        self.max_backoff = max(max_backoff, backoff)  # a longer first back-off is its own cap
         self.probe_len = probe_len
         self.backoff = backoff
         self.plain_ms: float | None = None  # decayed cost of one plain round, measured

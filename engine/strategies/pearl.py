@@ -249,7 +249,7 @@ class Pearl(Strategy):
         self.max_window = max_window
         self.adaptive = adaptive
         self.gate_backoff = gate_backoff
-        self.gate = DraftGate(backoff=gate_backoff, max_backoff=max(gate_backoff, 512))
+        self.gate = DraftGate(backoff=gate_backoff)
         self.ahead = DraftAhead(drafter)
         self._rng: np.random.Generator | None = None
         self._target_ms = 0.0  # measured target cost per verified row in parallel mode
@@ -475,7 +475,7 @@ class Pearl(Strategy):
 
     def reset(self) -> None:
         self.drafter.reset()
-        self.gate = DraftGate(backoff=self.gate_backoff, max_backoff=max(self.gate_backoff, 512))
+        self.gate = DraftGate(backoff=self.gate_backoff)
 
     def close(self) -> None:
         self.ahead.close()

@@ -66,7 +66,7 @@ class Speculative(Strategy):
         if costs is not None:
             self.break_even.load(costs.restore())
         self.gate_backoff = gate_backoff
-        self.gate = DraftGate(backoff=gate_backoff, max_backoff=max(gate_backoff, 512))
+        self.gate = DraftGate(backoff=gate_backoff)
 
     def run(self, g: Generation) -> Iterator[Round]:
         try:
@@ -143,7 +143,7 @@ class Speculative(Strategy):
     def reset(self) -> None:
         self.drafter.reset()
         self.length = SpeculationLength(self.length_config)
-        self.gate = DraftGate(backoff=self.gate_backoff, max_backoff=max(self.gate_backoff, 512))
+        self.gate = DraftGate(backoff=self.gate_backoff)
 
     def close(self) -> None:
         self.drafter.close()
