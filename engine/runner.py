@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class RunnerCounters:
     aborted: int = 0  # jobs stopped mid-compute by a cancel
     skipped: int = 0  # jobs of a cancelled run never started
     kv_ops: int = 0
+    busy_s: float = 0.0  # time spent computing jobs (aborted ones included): stage utilisation
 
 
 class StageRunner:
@@ -122,6 +124,7 @@ class StageRunner:
             fut.set_exception(RunCancelled(f"run {job.run_id} was cancelled"))
             return
         outcome: np.ndarray | BaseException
+        t0 = time.perf_counter()
         try:
             outcome = self.stage.compute(job)
             self.counters.finished += 1
@@ -130,6 +133,7 @@ class StageRunner:
             outcome = RunCancelled(f"run {job.run_id} was cancelled mid-compute")
         except BaseException as e:  # delivered to whoever waits for it
             outcome = e
+        self.counters.busy_s += time.perf_counter() - t0
         with self._cond:
             self._running = None
         self._resolve(fut, outcome)

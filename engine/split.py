@@ -36,6 +36,7 @@ class SplitTarget(TargetBase):
         self.n_ctx = min(s.n_ctx for s in self.stages)
         self.n_batch = params.n_batch
         self.n_seq_max = self.stages[0].n_seq_max
+        self.n_stages = len(self.stages)
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
 
@@ -65,6 +66,9 @@ class SplitTarget(TargetBase):
 
     def wait(self, ticket: Ticket) -> np.ndarray:
         return self._pending.pop(ticket.seq_no).result()
+
+    def poll(self, ticket: Ticket) -> bool:
+        return self._pending[ticket.seq_no].done()
 
     def cancel(self, run_id: int) -> None:
         for runner in self.runners:

@@ -42,6 +42,7 @@ class Target(Protocol):
     n_ctx: int  # tokens per sequence
     n_batch: int
     n_seq_max: int
+    n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
 
     # -- runs
     def new_run(self) -> int:
@@ -55,6 +56,11 @@ class Target(Protocol):
     def wait(self, ticket: Ticket) -> np.ndarray:
         """The job's logits [n_outputs, vocab] (owned). Raises :class:`RunCancelled` if its run
         was cancelled first. Tickets may be redeemed in any order, each once."""
+        ...
+
+    def poll(self, ticket: Ticket) -> bool:
+        """Whether ``wait(ticket)`` would return (or raise) without waiting: lets a strategy
+        keep working while results are on the way (PipeInfer's continuous speculation)."""
         ...
 
     def cancel(self, run_id: int) -> None:
@@ -113,6 +119,7 @@ class TargetBase(ABC):
     n_ctx: int
     n_batch: int
     n_seq_max: int
+    n_stages: int = 1
 
     def __init__(self) -> None:
         self._n_past = 0
@@ -127,6 +134,9 @@ class TargetBase(ABC):
 
     @abstractmethod
     def wait(self, ticket: Ticket) -> np.ndarray: ...
+
+    @abstractmethod
+    def poll(self, ticket: Ticket) -> bool: ...
 
     @abstractmethod
     def cancel(self, run_id: int) -> None: ...
@@ -238,6 +248,9 @@ class LocalTarget(TargetBase):
 
     def wait(self, ticket: Ticket) -> np.ndarray:
         return self._pending.pop(ticket.seq_no).result()
+
+    def poll(self, ticket: Ticket) -> bool:
+        return self._pending[ticket.seq_no].done()
 
     def cancel(self, run_id: int) -> None:
         self.runner.cancel(run_id)

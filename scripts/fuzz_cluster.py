@@ -314,7 +314,7 @@ class LyingWorker:
             elif isinstance(msg, wire.Ping):
                 out = [wire.to_frames(wire.Pong(msg.nonce))]
             elif isinstance(msg, wire.Status):
-                out = [wire.to_frames(wire.StatusReply("loaded", "0" * 64, 0, 1, 0, 0, 0, 0, -1,
+                out = [wire.to_frames(wire.StatusReply("loaded", "0" * 64, 0, 1, 0, 0, 0, 0, -1, 0.0,
                                                        np.zeros(1, np.int32)))]
             for frames_out in out:
                 try:

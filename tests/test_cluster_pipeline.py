@@ -241,6 +241,7 @@ def test_cancel_aborts_a_batch_running_on_a_worker(
         first, second = target.status()
         assert (first.aborted, first.finished) == (1, 0)
         assert (second.skipped, second.finished) == (1, 0)
+        assert first.busy_ms > 0 and second.busy_ms == 0  # the aborted compute counts as busy time
         assert first.pos_max[0] == second.pos_max[0] == -1
         prompt = model.tokenize("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
         local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))

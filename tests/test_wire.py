@@ -30,7 +30,7 @@ def samples() -> list[wire.WireMessage]:
         wire.Ping(1),
         wire.Pong(1),
         wire.Status(),
-        wire.StatusReply("loaded", SHA, 0, 12, 5, 9, 1, 2, 4, np.array([7, -1], dtype=np.int32)),
+        wire.StatusReply("loaded", SHA, 0, 12, 5, 9, 1, 2, 4, 12.5, np.array([7, -1], dtype=np.int32)),
         wire.Error("n1", "refused", "why", 3),
         wire.Forward.from_job(1, DecodeJob.tokens(0, [1, 2, 3], 0)),
         wire.Forward.from_job(

@@ -74,6 +74,7 @@ class StageStatus:
     skipped: int
     running: int  # -1: none
     positions: tuple[int, ...]
+    busy_s: float  # time spent computing since the stage loaded
 
 
 def describe_exit(code: int | None) -> str:
@@ -298,7 +299,7 @@ def _child_main(conn: Connection) -> None:  # pragma: no cover - runs in the chi
             if kind == "status":
                 c, running = runner.counters, runner.running_run
                 reply(n, True, StageStatus(c.finished, c.aborted, c.skipped, -1 if running is None else running,
-                                           tuple(runner.positions)))
+                                           tuple(runner.positions), c.busy_s))
                 continue
             item = _work_item(stage, kind, payload)
             runner.submit(item).add_done_callback(lambda f, n=n: resolve(n, f))

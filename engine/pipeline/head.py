@@ -455,7 +455,7 @@ class PipelineTarget(TargetBase):
         if t not in self._rows:
             raise KeyError(f"no batch in flight with ticket {t}")
         deadline = time.monotonic() + self.stall_timeout_s
-        while t not in self._results and t not in self._refused and t not in self._skipped:
+        while not self._filed(t):
             try:
                 self._check_usable()
                 self._flush_cancels()
@@ -485,6 +485,29 @@ class PipelineTarget(TargetBase):
             raise NodeFailedError(err)
         self._recoveries_in_a_row = 0
         return res.logits
+
+    def poll(self, ticket: Ticket) -> bool:
+        """Whether the ticket's result (or refusal) is here, after reading what arrived;
+        a lost worker is replaced on the way, as in :meth:`wait`."""
+        t = ticket.seq_no
+        if not self._filed(t):
+            try:
+                self._check_usable()
+                self._flush_cancels()
+                self._receive(timeout_ms=0)
+            except NodeLostError as e:
+                self._recover(e)
+            except NodeFailedError as e:
+                self._fail(str(e))
+                raise
+        return self._filed(t)
+
+    def _filed(self, t: int) -> bool:
+        return t in self._results or t in self._refused or t in self._skipped
+
+    @property
+    def n_stages(self) -> int:  # type: ignore[override]
+        return max(1, len(self.links))
 
     def cancel(self, run_id: int) -> None:
         """Tell every stage to skip ``run_id``'s queued batches and abort its running one."""

@@ -33,7 +33,8 @@ import numpy as np
 from ..jobs import DecodeJob
 from ..kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 3  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head
+PROTOCOL_VERSION = 4  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+# 4: status reports busy time
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
@@ -255,6 +256,7 @@ class StatusReply(WireMessage):
     aborted: int  # batches stopped mid-compute by a cancel
     skipped: int  # batches of a cancelled run never started
     running_run: int  # run id of the batch computing now, -1 none
+    busy_ms: float  # time spent computing since the stage loaded (stage utilisation)
     pos_max: np.ndarray = field(repr=False)  # [n_seq_max] i32: last position per sequence, -1 empty
 
 

@@ -549,11 +549,11 @@ class Worker:
     def _status(self) -> wire.StatusReply:
         ld = self.stage
         if ld is None:
-            return wire.StatusReply("idle", "0" * 64, 0, 0, self.txn, 0, 0, 0, -1, np.zeros(0, dtype="<i4"))
+            return wire.StatusReply("idle", "0" * 64, 0, 0, self.txn, 0, 0, 0, -1, 0.0, np.zeros(0, dtype="<i4"))
         st = ld.proc.status()
         return wire.StatusReply(
             "loaded", ld.load.sha256, ld.load.layer_lo, ld.load.layer_hi, self.txn,
-            st.finished, st.aborted, st.skipped, st.running, np.array(st.positions, dtype="<i4"),
+            st.finished, st.aborted, st.skipped, st.running, st.busy_s * 1e3, np.array(st.positions, dtype="<i4"),
         )
 
     # -- data path: this thread checks order, the stage process checks and computes
