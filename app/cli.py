@@ -19,7 +19,7 @@ from typing import NoReturn
 from ..engine.errors import PotluckError
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
-COMMANDS = ["chat", "generate", "models", "perf", "locate", "worker", "nodes", "token", "bench"]
+COMMANDS = ["chat", "generate", "models", "perf", "locate", "worker", "nodes", "token", "bench", "simulate"]
 
 
 def potluck_version() -> str:

@@ -99,6 +99,7 @@ class SimConfig:
     tokens: int = 200  # tokens decided after the prompt's own
     seeds: int = 3
     prompt_tokens: int = 64
+    prefill_ms: float = 0.0  # whole model, a prompt token (0: the batch-cost curve; perf's prefill speed)
     n_batch: int = 512
     k: int = 4  # draft length of speculative and pipelined
     max_runs: int = 0  # runs in flight (0: stages + 1)
@@ -123,6 +124,7 @@ class SimConfig:
                             ("--sample-ms", self.sample_ms), ("--draft-ms", self.draft_ms),
                             ("--latency-ms", self.latency_ms), ("--skip-ms", self.skip_ms),
                             ("--abort-ms", self.abort_ms), ("--recovery", self.recovery),
+                            ("--prefill-ms", self.prefill_ms),
                             ("--decay", self.decay), ("--p-accept", self.p_accept),
                             ("--return-bytes", self.return_bytes)):
             if not math.isfinite(value) or value < 0:
@@ -236,6 +238,7 @@ class _Msg:
     run: int
     n: int  # tokens
     rows: int  # rows the head gets back (a prompt chunk returns none but its last)
+    prefill: bool = False
     empty: bool = False
 
 
@@ -262,6 +265,7 @@ class Engine:
         self.cfg = cfg
         self.cost = batch_cost_fn(cfg.batch_cost)
         self.stages = [_Stage(ms) for ms in cfg.stage_ms]
+        self.total_ms = sum(cfg.stage_ms) or 1.0
         self.link_free = [0.0] * (len(self.stages) + 1)  # head->s1, ..., sN->head
         self.head_free = 0.0  # the head's output-layer runner
         self.now = 0.0
@@ -275,10 +279,11 @@ class Engine:
         self.counters = Counters()
 
     # --- the head's side ---
-    def submit(self, n: int, rows: int | None = None) -> int:
+    def submit(self, n: int, prefill: bool = False) -> int:
+        """Send a run of ``n`` tokens; a prompt chunk returns only its last row."""
         run = self._next_run
         self._next_run += 1
-        self._send(0, _Msg(run, n, n if rows is None else rows))
+        self._send(0, _Msg(run, n, 1 if prefill else n, prefill))
         return run
 
     def cancel(self, run: int) -> None:
@@ -356,6 +361,8 @@ class Engine:
             msg.empty = True
             self.counters.skipped += 1
             ms = self.cfg.skip_ms
+        elif msg.prefill and self.cfg.prefill_ms:
+            ms = self.cfg.prefill_ms * msg.n * stage.ms / self.total_ms
         else:
             ms = stage.ms * self.cost(msg.n)
         stage.started = self.now
@@ -428,9 +435,7 @@ def _head_loop(
     cfg, c = eng.cfg, eng.counters
     # the prompt, in chunks through the pipeline; its last row gives the first token
     chunks = [min(cfg.n_batch, cfg.prompt_tokens - s) for s in range(0, cfg.prompt_tokens, cfg.n_batch)]
-    for n in chunks[:-1]:
-        eng.submit(n, rows=0)
-    last = eng.submit(chunks[-1], rows=1)
+    last = [eng.submit(n, prefill=True) for n in chunks][-1]
     yield (WAIT, last)
     yield (BUSY, cfg.sample_ms)
     h = n_past = cfg.prompt_tokens + 1  # the first token is decided and is fed with the next run

@@ -1,0 +1,269 @@
+"""`potluck simulate`: the discrete-event model of the LAN pipeline (engine/simulate.py).
+
+Compares iterative, synchronous speculative, pipelined speculative and PipeInfer decoding
+for per-stage compute times measured by `potluck perf` (``--from-perf``) or given, and with
+``--trends`` reproduces the PipeInfer paper's trend figures at 1-32 nodes as tables and
+text plots (a PNG too with ``--png`` where matplotlib is installed). The model's figures
+are predictions, not measurements: the lead checks them against loopback runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from ...engine.errors import PotluckError
+from ...engine.simulate import (
+    CUTOFF_RULES,
+    STRATEGIES,
+    SimConfig,
+    TrendSetting,
+    check_batch_cost,
+    simulate,
+    trends,
+)
+
+DEFAULT_MODEL_MS = 12.0  # SmolLM2-135M, one token on 2 threads (docs/facts.md §6)
+MARKERS = {"iterative": "i", "speculative": "s", "pipelined": "p", "pipeinfer": "P"}
+FIGURES = {
+    "tok_s_high": "(a) tokens/s against nodes, high acceptance",
+    "tok_s_low": "(a) tokens/s against nodes, low acceptance",
+    "tok_s_slow": "(b) tokens/s against nodes, one node {slow}x slower",
+    "ttft_ms": "(c) TTFT (ms) against nodes, high acceptance",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    d = SimConfig()
+    p = sub.add_parser(
+        "simulate",
+        help="model the cluster pipeline: iterative, speculative, pipelined and PipeInfer decoding",
+        description="A discrete-event model of potluck's LAN pipeline (stages, links, the head's drafting "
+        "and sampling, cancellation). Prints tokens/s, speed against iterative decoding, TTFT, each "
+        "stage's busy fraction and the runs cancelled, as means over --seeds seeds.",
+    )
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--stages", type=int, default=2, help="stages, the model split evenly (default 2)")
+    g.add_argument("--stage-ms", help="ms of one token on each stage, e.g. 5.1,5.3 (overrides --stages)")
+    g.add_argument("--model-ms", type=float, default=None,
+                   help=f"ms of one token through the whole model, split evenly (default {DEFAULT_MODEL_MS})")
+    g.add_argument("--from-perf", type=Path, metavar="FILE.json",
+                   help="`potluck perf --json` output: its decode speed and batch-cost curve")
+    g.add_argument("--batch-cost", help="batch cost relative to one token, k:cost,... (default: docs/facts.md §6, "
+                   "1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
+    g.add_argument("--head-ms", type=float, default=d.head_ms, help="the head's output layer, ms a token")
+    g.add_argument("--sample-ms", type=float, default=d.sample_ms, help="sampling one run's result, ms")
+    g.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one message on one link (default 0.1)")
+    g.add_argument("--bandwidth-mbps", type=float, default=d.bandwidth_mbps, help="link bandwidth, Mbit/s")
+    g.add_argument("--n-embd", type=int, default=d.n_embd, help="hidden size: n_embd*4 bytes a token a link")
+    g.add_argument("--return-bytes", type=int, default=d.return_bytes,
+                   help="bytes a token on the return link (default: the hidden state; 196608 for logits)")
+    g.add_argument("--skip-ms", type=float, default=d.skip_ms, help="a stage skipping a cancelled run")
+    g.add_argument("--abort-ms", type=float, default=d.abort_ms, help="a stage stopping a run mid-compute")
+    s = p.add_argument_group("decoding")
+    s.add_argument("--alpha", type=float, default=d.alpha, help="chance a drafted token is accepted")
+    s.add_argument("--p-none", type=float, default=d.p_none, help="chance the drafter has no guess")
+    s.add_argument("--draft-ms", type=float, default=d.draft_ms, help="ms a drafted token (0: N-gram)")
+    s.add_argument("--k", type=int, default=d.k, help="draft length of speculative and pipelined (default 4)")
+    s.add_argument("--max-runs", type=int, default=d.max_runs, help="runs in flight (default: stages + 1)")
+    s.add_argument("--max-draft", type=int, default=d.max_draft, help="pipeinfer-nocontinuous's run size")
+    s.add_argument("--p-accept", type=float, default=d.p_accept, help="PipeInfer cutoff base (paper 0.001)")
+    s.add_argument("--recovery", type=float, default=d.recovery, help="cutoff recovery factor (paper 0.4)")
+    s.add_argument("--decay", type=float, default=d.decay, help="cutoff decay factor (paper 0.01)")
+    s.add_argument("--cutoff-rule", choices=CUTOFF_RULES, default=None,
+                   help="how the cutoff's counters reset (see engine/simulate.py; default: 'code', potluck's "
+                   "strategy, and 'reference', the paper authors' code, for --trends)")
+    s.add_argument("--strategies", default=None, help=f"comma-separated, from {','.join(STRATEGIES)} (default all)")
+    r = p.add_argument_group("run")
+    r.add_argument("--tokens", type=int, default=d.tokens, help="tokens generated per conversation")
+    r.add_argument("--seeds", type=int, default=d.seeds, help="conversations (seeds) averaged")
+    r.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="prompt prefilled first")
+    r.add_argument("--n-batch", type=int, default=d.n_batch, help="prefill chunk size")
+    r.add_argument("--prefill-ms", type=float, default=None, help="whole model, ms a prompt token (default: "
+                   "--from-perf's prefill speed, else the batch-cost curve)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--trends", action="store_true",
+                   help="the paper's trend figures at 1-32 nodes (a big target split evenly, gigabit LAN)")
+    r.add_argument("--png", type=Path, metavar="FILE", help="with --trends: also write the figures as a PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.png and not args.trends:
+        raise PotluckError("simulate: --png draws the --trends figures; add --trends")
+    cfg = config_from_args(args)
+    if args.trends:
+        rule = args.cutoff_rule or "reference"
+        result = trends(replace(cfg, cutoff_rule=rule, strategies=TrendSetting.strategies))
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print_trends(result, rule)
+        if args.png:
+            write_png(result, args.png)
+            if not args.json:
+                print(f"figures written to {args.png}")
+        return 0
+    result = simulate(cfg)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    batch_cost = parse_batch_cost(args.batch_cost) if args.batch_cost else None
+    model_ms, prefill_ms = args.model_ms, args.prefill_ms
+    if args.from_perf:
+        perf_ms, perf_prefill_ms, perf_cost = read_perf(args.from_perf)
+        model_ms = model_ms if model_ms is not None else perf_ms
+        prefill_ms = prefill_ms if prefill_ms is not None else perf_prefill_ms
+        batch_cost = batch_cost or perf_cost
+    if args.stage_ms:
+        stage_ms = tuple(parse_floats(args.stage_ms, "--stage-ms"))
+    else:
+        if args.stages < 1:
+            raise PotluckError(f"simulate: --stages must be at least 1, got {args.stages}")
+        total = DEFAULT_MODEL_MS if model_ms is None else model_ms
+        stage_ms = (total / args.stages,) * args.stages
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else STRATEGIES
+    cfg = SimConfig(
+        stage_ms=stage_ms, head_ms=args.head_ms, sample_ms=args.sample_ms, draft_ms=args.draft_ms,
+        latency_ms=args.latency_ms, bandwidth_mbps=args.bandwidth_mbps, n_embd=args.n_embd,
+        return_bytes=args.return_bytes, alpha=args.alpha, p_none=args.p_none, tokens=args.tokens,
+        seeds=args.seeds, prompt_tokens=args.prompt_tokens, n_batch=args.n_batch, k=args.k,
+        max_runs=args.max_runs, max_draft=args.max_draft, p_accept=args.p_accept, recovery=args.recovery,
+        decay=args.decay, cutoff_rule=args.cutoff_rule or "code", skip_ms=args.skip_ms,
+        abort_ms=args.abort_ms, strategies=strategies, prefill_ms=prefill_ms or 0.0,
+    )
+    if batch_cost:
+        cfg = replace(cfg, batch_cost=batch_cost)
+    return cfg.check()
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise PotluckError(f"simulate: {flag} takes numbers separated by commas, got {text!r}") from None
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise PotluckError(f"simulate: {flag} takes positive numbers, got {text!r}")
+    return values
+
+
+def parse_batch_cost(text: str) -> tuple[tuple[int, float], ...]:
+    try:
+        points = tuple((int(k), float(c)) for k, c in (item.split(":") for item in text.split(",")))
+    except ValueError:
+        raise PotluckError(f"simulate: --batch-cost takes k:cost pairs like 1:1,2:1.76,4:3.06, got {text!r}") from None
+    check_batch_cost(points)
+    return points
+
+
+def read_perf(path: Path) -> tuple[float, float, tuple[tuple[int, float], ...]]:
+    """ms of one token through the whole model, ms of a prompt token (0 if absent), and the
+    batch-cost curve, from `potluck perf --json`."""
+    try:
+        report = json.loads(path.read_text())
+        speed = float(report["decode_tokens_per_s"])
+        prefill_speed = float(report.get("prefill_tokens_per_s") or 0.0)
+        cost = tuple(sorted((int(k), float(c)) for k, c in report["batch_cost"].items()))
+    except OSError as e:
+        raise PotluckError(
+            f"simulate: cannot read {path}: {e.strerror or e}; write it with `potluck perf --json`"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise PotluckError(f"simulate: {path} is not `potluck perf --json` output (decode_tokens_per_s, "
+                           "batch_cost); write it with `potluck perf --json > FILE.json`") from None
+    if not (speed > 0 and math.isfinite(speed)):
+        raise PotluckError(f"simulate: {path}: decode_tokens_per_s must be positive, got {speed}")
+    check_batch_cost(cost)
+    prefill_ms = 1000.0 / prefill_speed if prefill_speed > 0 and math.isfinite(prefill_speed) else 0.0
+    return 1000.0 / speed, prefill_ms, cost
+
+
+def print_table(result: dict) -> None:
+    cfg, rows = result["config"], result["results"]
+    stages = cfg["stage_ms"]
+    print(f"{len(stages)} stages ({', '.join(f'{ms:.2f}' for ms in stages)} ms a token), link {cfg['latency_ms']} ms + "
+          f"{cfg['bandwidth_mbps']:g} Mbit/s, alpha {cfg['alpha']}, draft {cfg['draft_ms']} ms a token, "
+          f"cutoff rule {cfg['cutoff_rule']}; means of {cfg['seeds']} x {cfg['tokens']} tokens")
+    per_stage = len(stages) <= 4
+    busy_head = "busy per stage" if per_stage else "busy (mean)"
+    print(f"{'strategy':<24}{'tok/s':>8}{'vs iter':>9}{'TTFT ms':>9}{'e2e ms':>9}  {busy_head:<20}"
+          f"{'cancel':>7}{'wasted':>7}{'tok/run':>8}")
+    for name, r in rows.items():
+        busy = "/".join(f"{b:.2f}" for b in r["stage_busy"]) if per_stage else f"{r['busy_mean']:.2f}"
+        vs = f"{r['speed_vs_iterative']:.2f}x" if r["speed_vs_iterative"] is not None else "-"
+        print(f"{name:<24}{r['tok_s']:8.1f}{vs:>9}{r['ttft_ms']:9.1f}{r['ttft_e2e_ms']:9.1f}  {busy:<20}"
+              f"{r['cancelled']:7.1f}{r['wasted']:7.1f}{r['tokens_per_run']:8.2f}")
+
+
+def print_trends(result: dict, rule: str) -> None:
+    st, nodes = result["setting"], result["nodes"]
+    print(f"PipeInfer trends: a {st['model_ms']:g} ms/token target split evenly over N nodes, draft "
+          f"{st['draft_ms']:g} ms/token, link {st['latency_ms']:g} ms + {st['bandwidth_mbps']:g} Mbit/s, "
+          f"n_embd {st['n_embd']}, acceptance {st['high_alpha']} (high) / {st['low_alpha']} (low), "
+          f"cutoff rule {rule}")
+    for key, title in FIGURES.items():
+        series = result["figures"][key]
+        print()
+        print(title.format(slow=st["slow_factor"]))
+        print(f"{'nodes':<14}" + "".join(f"{n:>9}" for n in nodes))
+        for name, values in series.items():
+            print(f"{name:<14}" + "".join(f"{v:9.1f}" for v in values))
+        print()
+        for line in text_plot(series, nodes):
+            print(line)
+
+
+def text_plot(series: dict[str, list[float]], xs: list[int], height: int = 10, step: int = 8) -> list[str]:
+    """Markers on a character grid (one column slot per x, evenly spaced as the x are powers
+    of two); where two series meet, the later one's marker shows."""
+    top = max(max(v) for v in series.values()) or 1.0
+    width = step * (len(xs) - 1) + 1
+    grid = [[" "] * width for _ in range(height)]
+    for name, values in series.items():
+        mark = MARKERS.get(name, name[0])
+        for j, v in enumerate(values):
+            row = height - 1 - round(v / top * (height - 1))
+            grid[row][j * step] = mark
+    label_w = len(f"{top:.1f}")
+    lines = []
+    for i, row in enumerate(grid):
+        label = f"{top:.1f}" if i == 0 else (f"{0.0:.1f}" if i == height - 1 else "")
+        lines.append(f"{label:>{label_w}} │ " + "".join(row))
+    lines.append(" " * label_w + " └─" + "─" * width)
+    lines.append(" " * (label_w + 3) + "".join(f"{x:<{step}}" for x in xs).rstrip() + "  nodes")
+    lines.append(" " * (label_w + 3) + "  ".join(f"{MARKERS.get(n, n[0])} {n}" for n in series))
+    return lines
+
+
+def write_png(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PotluckError("simulate: --png needs matplotlib, which is not installed: pip install matplotlib") from None
+    nodes = result["nodes"]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (key, title) in zip(axes.flat, FIGURES.items()):
+        for name, values in result["figures"][key].items():
+            ax.plot(nodes, values, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(nodes, [str(n) for n in nodes])
+        ax.set_xlabel("nodes")
+        ax.set_title(title.format(slow=result["setting"]["slow_factor"]), fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise PotluckError(f"simulate: cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
