@@ -1,0 +1,224 @@
+"""The pipeline model (engine/simulate.py) and `potluck simulate`: the event engine's
+invariants against figures worked out by hand, the counters that show each path ran, and
+the command's output and refusals. Pure Python: the whole file runs in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from potluck.app.cli import main
+from potluck.engine.errors import PotluckError
+from potluck.engine.simulate import SimConfig, batch_cost_fn, simulate, trends
+
+FOUR = SimConfig(stage_ms=(3.0,) * 4, tokens=150, seeds=2)
+
+
+def run(cfg: SimConfig, *strategies: str) -> dict[str, dict]:
+    return simulate(replace(cfg, strategies=strategies))["results"]
+
+
+def test_batch_cost_interpolates_and_extrapolates_the_last_slope() -> None:
+    cost = batch_cost_fn(((1, 1.0), (2, 1.76), (4, 3.06), (8, 5.55), (16, 11.07)))
+    assert cost(1) == 1.0
+    assert cost(3) == pytest.approx((1.76 + 3.06) / 2)
+    assert cost(32) == pytest.approx(11.07 + 16 * (11.07 - 5.55) / 8)
+
+
+def test_iterative_keeps_one_stage_busy_at_a_time() -> None:
+    r = run(FOUR, "iterative")["iterative"]
+    # a token: 4 stages x 3 ms, 5 links x (0.1 ms + 2304 bytes at 10 Gbit/s), 0.1 ms sampling
+    per_token_ms = 12 + 5 * (0.1 + 2304 * 8 / 1e7) + 0.1
+    assert r["tok_s"] == pytest.approx(1000 / per_token_ms, rel=1e-3)
+    for busy in r["stage_busy"]:
+        assert busy == pytest.approx(3 / per_token_ms, rel=1e-3)  # about 1/N of the wall time
+    assert r["runs"] == FOUR.tokens and r["cancelled"] == 0 and r["drafted"] == 0
+
+
+@pytest.mark.parametrize("rule", ["paper", "reference"])
+def test_full_acceptance_keeps_every_stage_busy(rule: str) -> None:
+    cfg = replace(FOUR, alpha=1.0, draft_ms=0.0, cutoff_rule=rule, tokens=300)
+    r = run(cfg, "iterative", "pipeinfer")
+    p = r["pipeinfer"]
+    assert min(p["stage_busy"]) > 0.9
+    # a full pipeline finishes one 4-token micro-batch per stage time
+    micro_batch_bound = 4 / (3.0 * batch_cost_fn(cfg.batch_cost)(4)) * 1000
+    assert p["tok_s"] > 0.9 * micro_batch_bound
+    assert p["tok_s"] > 4 * r["iterative"]["tok_s"]
+    assert p["cancelled"] == 0 and p["accepted"] == p["drafted"] > 0
+    assert p["max_in_flight"] == 5  # stages + 1
+
+
+def test_alpha_zero_pipeinfer_costs_no_more_than_its_skips() -> None:
+    r = run(replace(FOUR, alpha=0.0), "iterative", "pipeinfer", "speculative")
+    it, p, s = r["iterative"], r["pipeinfer"], r["speculative"]
+    assert p["accepted"] == 0
+    assert p["tok_s"] >= 0.97 * it["tok_s"]
+    # speculation pays for its drafts and bigger batches and gets nothing back
+    assert s["tok_s"] < it["tok_s"]
+    assert s["drafted"] > 0 and s["accepted"] == 0
+
+
+def test_speculative_pays_for_drafting_at_alpha_zero() -> None:
+    cfg = replace(FOUR, alpha=0.0, draft_ms=1.0, batch_cost=((1, 1.0), (2, 1.0)))  # flat: only drafting costs
+    r = run(cfg, "iterative", "speculative")
+    assert r["speculative"]["tok_s"] < r["iterative"]["tok_s"]
+
+
+def test_pipeinfer_cancels_at_half_acceptance() -> None:
+    for rule in ("code", "reference", "paper"):
+        p = run(replace(FOUR, alpha=0.5, cutoff_rule=rule), "pipeinfer")["pipeinfer"]
+        assert p["cancelled"] > 0, rule
+        assert p["skipped"] + p["aborted"] > 0, rule
+        assert p["wasted"] == 0, rule
+
+
+def test_cancellation_off_is_slower_at_low_acceptance() -> None:
+    cfg = replace(FOUR, alpha=0.5, cutoff_rule="reference", abort_ms=0.2, seeds=3)
+    r = run(cfg, "pipeinfer", "pipeinfer-nocancel")
+    on, off = r["pipeinfer"], r["pipeinfer-nocancel"]
+    assert off["cancelled"] == 0 and off["wasted"] > 0
+    assert on["cancelled"] > 0
+    assert on["tok_s"] > off["tok_s"]
+
+
+def test_pipelined_computes_runs_it_then_throws_away() -> None:
+    p = run(replace(FOUR, alpha=0.5), "pipelined")["pipelined"]
+    assert p["wasted"] > 0 and p["cancelled"] == 0 and p["skipped"] == 0
+    assert p["max_in_flight"] == 5
+
+
+def test_same_seeds_same_figures() -> None:
+    cfg = replace(FOUR, alpha=0.6, p_none=0.2)
+    assert simulate(cfg) == simulate(cfg)
+    assert simulate(cfg)["results"]["pipeinfer"] != simulate(replace(cfg, seeds=3))["results"]["pipeinfer"]
+
+
+def test_one_stage_pipeinfer_runs_as_speculation() -> None:
+    r = run(replace(FOUR, stage_ms=(12.0,), alpha=0.7), "speculative", "pipeinfer")
+    assert r["pipeinfer"] == r["speculative"]
+
+
+def test_logits_on_the_return_link_cost_bandwidth() -> None:
+    lan = replace(FOUR, latency_ms=1.0, bandwidth_mbps=880.0)
+    hidden = run(lan, "iterative")["iterative"]
+    logits = run(replace(lan, return_bytes=49152 * 4), "iterative")["iterative"]
+    extra_ms = 49152 * 4 * 8 / 880e3 - 576 * 4 * 8 / 880e3
+    assert 1000 / logits["tok_s"] - 1000 / hidden["tok_s"] == pytest.approx(extra_ms, rel=1e-3)
+
+
+def test_ttft_counts_from_the_prompt_token() -> None:
+    r = run(replace(FOUR, prefill_ms=1.0, prompt_tokens=100), "iterative", "speculative")
+    it = r["iterative"]
+    assert it["prefill_ms"] == pytest.approx(100 + 5 * 0.1 + 0.1, rel=0.01)
+    assert it["ttft_e2e_ms"] == pytest.approx(it["prefill_ms"] + it["ttft_ms"])
+    assert r["speculative"]["ttft_ms"] > it["ttft_ms"]  # it waits for a bigger batch
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(alpha=1.5), dict(stage_ms=()), dict(tokens=0), dict(strategies=("nope",)),
+     dict(batch_cost=((2, 1.0),)), dict(latency_ms=-1.0), dict(cutoff_rule="x")],
+)
+def test_config_refuses_what_it_cannot_mean(bad: dict) -> None:
+    with pytest.raises(PotluckError):
+        simulate(replace(FOUR, **bad))
+
+
+def test_trends_show_the_papers_shapes() -> None:
+    result = trends(replace(SimConfig(), tokens=60, seeds=1, cutoff_rule="reference"))
+    figs, nodes = result["figures"], result["nodes"]
+    assert nodes == [1, 2, 4, 8, 16, 32]
+    for key in ("tok_s_high", "tok_s_low", "tok_s_slow", "ttft_ms"):
+        assert set(figs[key]) == {"iterative", "speculative", "pipelined", "pipeinfer"}
+        assert all(len(v) == len(nodes) for v in figs[key].values())
+    at8 = nodes.index(8)
+    assert figs["tok_s_high"]["pipeinfer"][at8] > figs["tok_s_high"]["speculative"][at8]
+    assert figs["tok_s_low"]["pipeinfer"][at8] > figs["tok_s_low"]["pipelined"][at8]
+    # TTFT: PipeInfer's first token goes alone, as iterative decoding's does (§V-B)
+    for i in range(1, len(nodes)):
+        assert figs["ttft_ms"]["pipeinfer"][i] == pytest.approx(figs["ttft_ms"]["iterative"][i])
+        assert figs["ttft_ms"]["speculative"][i] > figs["ttft_ms"]["iterative"][i]
+
+
+# --- the command ---
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        rc = main(["simulate", *args])
+    except SystemExit as e:  # argparse refusals
+        rc = int(e.code or 0)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--stages", "3", "--tokens", "60", "--seeds", "1", "--alpha", "0.6")
+    assert rc == 0
+    for name in ("iterative", "speculative", "pipelined", "pipeinfer", "pipeinfer-nocancel"):
+        assert any(line.startswith(name + " ") for line in out.splitlines()), name
+    assert "busy per stage" in out
+
+
+def test_cli_json_and_perf_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    perf = tmp_path / "perf.json"
+    perf.write_text(json.dumps({
+        "model": "m", "threads": 2, "decode_tokens_per_s": 80.0, "prefill_tokens_per_s": 1000.0,
+        "prefill_tokens": 256, "batch_ms": {"1": 12.5, "2": 22.0}, "runs": 5,
+        "batch_cost": {"1": 1.0, "2": 1.76, "4": 3.06},
+    }))
+    rc, out, _ = cli(capsys, "--from-perf", str(perf), "--stages", "2", "--tokens", "40", "--seeds", "1",
+                     "--strategies", "iterative,pipeinfer", "--json")
+    assert rc == 0
+    result = json.loads(out)
+    assert result["config"]["stage_ms"] == [6.25, 6.25]  # 1000/80 ms split over 2 stages
+    assert result["config"]["batch_cost"] == [[1, 1.0], [2, 1.76], [4, 3.06]]
+    assert result["config"]["prefill_ms"] == 1.0
+    assert set(result["results"]) == {"iterative", "pipeinfer"}
+    assert result["results"]["iterative"]["speed_vs_iterative"] == 1.0
+
+
+def test_cli_trends_table_and_plot(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--trends", "--tokens", "30", "--seeds", "1")
+    assert rc == 0
+    assert "(b) tokens/s against nodes, one node 3.0x slower" in out
+    assert "└─" in out and "P pipeinfer" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_cli_png_without_matplotlib_says_what_to_install(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, _, err = cli(capsys, "--trends", "--tokens", "10", "--seeds", "1", "--png", str(tmp_path / "f.png"))
+    assert rc == 2
+    assert "pip install matplotlib" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--from-perf", "missing.json"],
+        ["--from-perf", "{bad}"],
+        ["--stage-ms", "5,x"],
+        ["--stage-ms", "5,-1"],
+        ["--alpha", "1.5"],
+        ["--alpha", "abc"],
+        ["--stages", "0"],
+        ["--batch-cost", "2:1.5"],
+        ["--batch-cost", "1-1"],
+        ["--strategies", "bogus"],
+        ["--tokens", "0"],
+        ["--png", "x.png"],
+    ],
+)
+def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "{bad}").write_text("{\"decode_tokens_per_s\": 10}")
+    rc, out, err = cli(capsys, *args)
+    assert rc == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
