@@ -222,3 +222,11 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     assert rc == 2
     assert out == ""
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_text_plot_puts_equal_points_side_by_side() -> None:
+    from potluck.app.commands.simulate import text_plot
+
+    lines = text_plot({"iterative": [1.0, 2.0], "pipeinfer": [1.0, 2.0], "speculative": [1.0, 2.0]}, [1, 2])
+    assert "iPs" in lines[0]  # the last column too
+    assert "iPs" in "".join(lines)

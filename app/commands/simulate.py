@@ -222,15 +222,18 @@ def print_trends(result: dict, rule: str) -> None:
 
 def text_plot(series: dict[str, list[float]], xs: list[int], height: int = 10, step: int = 8) -> list[str]:
     """Markers on a character grid (one column slot per x, evenly spaced as the x are powers
-    of two); where two series meet, the later one's marker shows."""
+    of two); where two series meet, the later one's marker goes beside the first."""
     top = max(max(v) for v in series.values()) or 1.0
-    width = step * (len(xs) - 1) + 1
+    width = step * (len(xs) - 1) + 4  # room beside the last points
     grid = [[" "] * width for _ in range(height)]
     for name, values in series.items():
         mark = MARKERS.get(name, name[0])
         for j, v in enumerate(values):
             row = height - 1 - round(v / top * (height - 1))
-            grid[row][j * step] = mark
+            col = j * step
+            while grid[row][col] != " " and col < min(j * step + step - 2, width - 1):
+                col += 1  # a point already there: put this one beside it
+            grid[row][col] = mark
     label_w = len(f"{top:.1f}")
     lines = []
     for i, row in enumerate(grid):
