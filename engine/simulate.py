@@ -66,8 +66,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -120,7 +121,9 @@ class SimConfig:
         """Refuse what the model cannot mean, with one line naming the setting."""
         if not self.stage_ms:
             raise PotluckError("simulate: at least one stage is needed (--stages 1 or more)")
-        for name, value in (("stage ms", min(self.stage_ms)), ("--head-ms", self.head_ms),
+        if not all(ms > 0 and math.isfinite(ms) for ms in self.stage_ms):
+            raise PotluckError(f"simulate: each stage's ms must be a positive number, got {list(self.stage_ms)}")
+        for name, value in (("--head-ms", self.head_ms),
                             ("--sample-ms", self.sample_ms), ("--draft-ms", self.draft_ms),
                             ("--latency-ms", self.latency_ms), ("--skip-ms", self.skip_ms),
                             ("--abort-ms", self.abort_ms), ("--recovery", self.recovery),
@@ -172,6 +175,37 @@ def batch_cost_fn(points: Sequence[tuple[int, float]]) -> Callable[[int], float]
         return cache[b]
 
     return cost
+
+
+@dataclass(frozen=True)
+class PerfTiming:
+    """What the model takes from `potluck perf --json` (engine/perf.py's PerfReport)."""
+
+    model_ms: float  # one token through the whole model
+    prefill_ms: float  # one prompt token through the whole model (0: not in the report)
+    batch_cost: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any], source: str = "the perf report") -> PerfTiming:
+        try:
+            speed = float(report["decode_tokens_per_s"])
+            prefill = float(report.get("prefill_tokens_per_s") or 0.0)
+            cost = tuple(sorted((int(k), float(c)) for k, c in report["batch_cost"].items()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise PotluckError(f"simulate: {source} is not `potluck perf --json` output (decode_tokens_per_s, "
+                               "batch_cost); write it with `potluck perf --json > FILE.json`") from None
+        if not (speed > 0 and math.isfinite(speed)):
+            raise PotluckError(f"simulate: {source}: decode_tokens_per_s must be positive, got {speed}")
+        check_batch_cost(cost)
+        prefill_ms = 1000.0 / prefill if prefill > 0 and math.isfinite(prefill) else 0.0
+        return cls(1000.0 / speed, prefill_ms, cost)
+
+    def config(self, stages: int, base: SimConfig = SimConfig()) -> SimConfig:
+        """``base`` with this model split evenly over ``stages`` stages."""
+        if stages < 1:
+            raise PotluckError(f"simulate: --stages must be at least 1, got {stages}")
+        return replace(base, stage_ms=(self.model_ms / stages,) * stages, prefill_ms=self.prefill_ms,
+                       batch_cost=self.batch_cost)
 
 
 @dataclass(frozen=True)

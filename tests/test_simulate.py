@@ -212,6 +212,8 @@ def test_cli_png_without_matplotlib_says_what_to_install(capsys: pytest.CaptureF
         ["--strategies", "bogus"],
         ["--tokens", "0"],
         ["--png", "x.png"],
+        ["--model-ms", "0"],
+        ["--trends", "--model-ms", "-5"],
     ],
 )
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
@@ -230,3 +232,22 @@ def test_text_plot_puts_equal_points_side_by_side() -> None:
     lines = text_plot({"iterative": [1.0, 2.0], "pipeinfer": [1.0, 2.0], "speculative": [1.0, 2.0]}, [1, 2])
     assert "iPs" in lines[0]  # the last column too
     assert "iPs" in "".join(lines)
+
+
+def test_perf_report_sets_the_stages() -> None:
+    from potluck.engine.simulate import PerfTiming
+
+    timing = PerfTiming.from_report({"decode_tokens_per_s": 50.0, "batch_cost": {"1": 1.0, "4": 2.5}})
+    cfg = timing.config(4)
+    assert cfg.stage_ms == (5.0,) * 4 and cfg.batch_cost == ((1, 1.0), (4, 2.5)) and cfg.prefill_ms == 0.0
+    with pytest.raises(PotluckError):
+        PerfTiming.from_report({"decode_tokens_per_s": 0.0, "batch_cost": {"1": 1.0}})
+
+
+def test_cli_trends_take_explicit_link_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--trends", "--tokens", "20", "--seeds", "1", "--json",
+                     "--latency-ms", "0.1", "--bandwidth-mbps", "20000", "--model-ms", "100")
+    assert rc == 0
+    setting = json.loads(out)["setting"]
+    assert (setting["latency_ms"], setting["bandwidth_mbps"], setting["model_ms"]) == (0.1, 20000.0, 100.0)
+    assert setting["draft_ms"] == 6.0  # not given: the paper's setting

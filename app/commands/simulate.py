@@ -19,6 +19,7 @@ from ...engine.errors import PotluckError
 from ...engine.simulate import (
     CUTOFF_RULES,
     STRATEGIES,
+    PerfTiming,
     SimConfig,
     TrendSetting,
     check_batch_cost,
@@ -56,9 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
     g.add_argument("--head-ms", type=float, default=d.head_ms, help="the head's output layer, ms a token")
     g.add_argument("--sample-ms", type=float, default=d.sample_ms, help="sampling one run's result, ms")
-    g.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one message on one link (default 0.1)")
-    g.add_argument("--bandwidth-mbps", type=float, default=d.bandwidth_mbps, help="link bandwidth, Mbit/s")
-    g.add_argument("--n-embd", type=int, default=d.n_embd, help="hidden size: n_embd*4 bytes a token a link")
+    g.add_argument("--latency-ms", type=float, help=f"one message on one link (default {d.latency_ms})")
+    g.add_argument("--bandwidth-mbps", type=float, help=f"link bandwidth, Mbit/s (default {d.bandwidth_mbps:g})")
+    g.add_argument("--n-embd", type=int, help=f"hidden size: n_embd*4 bytes a token a link (default {d.n_embd})")
     g.add_argument("--return-bytes", type=int, default=d.return_bytes,
                    help="bytes a token on the return link (default: the hidden state; 196608 for logits)")
     g.add_argument("--skip-ms", type=float, default=d.skip_ms, help="a stage skipping a cancelled run")
@@ -66,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = p.add_argument_group("decoding")
     s.add_argument("--alpha", type=float, default=d.alpha, help="chance a drafted token is accepted")
     s.add_argument("--p-none", type=float, default=d.p_none, help="chance the drafter has no guess")
-    s.add_argument("--draft-ms", type=float, default=d.draft_ms, help="ms a drafted token (0: N-gram)")
+    s.add_argument("--draft-ms", type=float, help="ms a drafted token (default 0: N-gram lookups)")
     s.add_argument("--k", type=int, default=d.k, help="draft length of speculative and pipelined (default 4)")
     s.add_argument("--max-runs", type=int, default=d.max_runs, help="runs in flight (default: stages + 1)")
     s.add_argument("--max-draft", type=int, default=d.max_draft, help="pipeinfer-nocontinuous's run size")
@@ -86,7 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "--from-perf's prefill speed, else the batch-cost curve)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--trends", action="store_true",
-                   help="the paper's trend figures at 1-32 nodes (a big target split evenly, gigabit LAN)")
+                   help="the paper's trend figures at 1-32 nodes (a big target split evenly, gigabit LAN); "
+                   "--model-ms, --draft-ms, --latency-ms, --bandwidth-mbps, --n-embd and --batch-cost change "
+                   "that setting")
     r.add_argument("--png", type=Path, metavar="FILE", help="with --trends: also write the figures as a PNG")
 
 
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.trends:
         rule = args.cutoff_rule or "reference"
-        result = trends(replace(cfg, cutoff_rule=rule, strategies=TrendSetting.strategies))
+        result = trends(replace(cfg, cutoff_rule=rule, strategies=TrendSetting.strategies), trend_setting(args))
         if args.json:
             print(json.dumps(result))
         else:
@@ -114,14 +117,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def trend_setting(args: argparse.Namespace) -> TrendSetting:
+    """The paper's setting, with what the user gave explicitly."""
+    t = TrendSetting()
+    given = {
+        "model_ms": args.model_ms, "draft_ms": args.draft_ms, "latency_ms": args.latency_ms,
+        "bandwidth_mbps": args.bandwidth_mbps, "n_embd": args.n_embd,
+        "batch_cost": parse_batch_cost(args.batch_cost) if args.batch_cost else None,
+    }
+    t = replace(t, **{k: v for k, v in given.items() if v is not None})
+    if not (t.model_ms > 0 and math.isfinite(t.model_ms)):
+        raise PotluckError(f"simulate: --model-ms must be a positive number, got {t.model_ms}")
+    return t
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     batch_cost = parse_batch_cost(args.batch_cost) if args.batch_cost else None
     model_ms, prefill_ms = args.model_ms, args.prefill_ms
     if args.from_perf:
-        perf_ms, perf_prefill_ms, perf_cost = read_perf(args.from_perf)
-        model_ms = model_ms if model_ms is not None else perf_ms
-        prefill_ms = prefill_ms if prefill_ms is not None else perf_prefill_ms
-        batch_cost = batch_cost or perf_cost
+        perf = read_perf(args.from_perf)
+        model_ms = model_ms if model_ms is not None else perf.model_ms
+        prefill_ms = prefill_ms if prefill_ms is not None else perf.prefill_ms
+        batch_cost = batch_cost or perf.batch_cost
     if args.stage_ms:
         stage_ms = tuple(parse_floats(args.stage_ms, "--stage-ms"))
     else:
@@ -130,9 +147,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         total = DEFAULT_MODEL_MS if model_ms is None else model_ms
         stage_ms = (total / args.stages,) * args.stages
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else STRATEGIES
+    d = SimConfig()
     cfg = SimConfig(
-        stage_ms=stage_ms, head_ms=args.head_ms, sample_ms=args.sample_ms, draft_ms=args.draft_ms,
-        latency_ms=args.latency_ms, bandwidth_mbps=args.bandwidth_mbps, n_embd=args.n_embd,
+        stage_ms=stage_ms, head_ms=args.head_ms, sample_ms=args.sample_ms,
+        draft_ms=d.draft_ms if args.draft_ms is None else args.draft_ms,
+        latency_ms=d.latency_ms if args.latency_ms is None else args.latency_ms,
+        bandwidth_mbps=d.bandwidth_mbps if args.bandwidth_mbps is None else args.bandwidth_mbps,
+        n_embd=d.n_embd if args.n_embd is None else args.n_embd,
         return_bytes=args.return_bytes, alpha=args.alpha, p_none=args.p_none, tokens=args.tokens,
         seeds=args.seeds, prompt_tokens=args.prompt_tokens, n_batch=args.n_batch, k=args.k,
         max_runs=args.max_runs, max_draft=args.max_draft, p_accept=args.p_accept, recovery=args.recovery,
@@ -163,26 +184,19 @@ def parse_batch_cost(text: str) -> tuple[tuple[int, float], ...]:
     return points
 
 
-def read_perf(path: Path) -> tuple[float, float, tuple[tuple[int, float], ...]]:
-    """ms of one token through the whole model, ms of a prompt token (0 if absent), and the
-    batch-cost curve, from `potluck perf --json`."""
+def read_perf(path: Path) -> PerfTiming:
     try:
         report = json.loads(path.read_text())
-        speed = float(report["decode_tokens_per_s"])
-        prefill_speed = float(report.get("prefill_tokens_per_s") or 0.0)
-        cost = tuple(sorted((int(k), float(c)) for k, c in report["batch_cost"].items()))
     except OSError as e:
         raise PotluckError(
-            f"simulate: cannot read {path}: {e.strerror or e}; write it with `potluck perf --json`"
+            f"simulate: cannot read {path}: {e.strerror or e}; write it with `potluck perf --json > FILE.json`"
         ) from None
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise PotluckError(f"simulate: {path} is not `potluck perf --json` output (decode_tokens_per_s, "
-                           "batch_cost); write it with `potluck perf --json > FILE.json`") from None
-    if not (speed > 0 and math.isfinite(speed)):
-        raise PotluckError(f"simulate: {path}: decode_tokens_per_s must be positive, got {speed}")
-    check_batch_cost(cost)
-    prefill_ms = 1000.0 / prefill_speed if prefill_speed > 0 and math.isfinite(prefill_speed) else 0.0
-    return 1000.0 / speed, prefill_ms, cost
+    except ValueError:
+        report = None
+    if not isinstance(report, dict):
+        raise PotluckError(f"simulate: {path} is not JSON from `potluck perf --json`; write it with "
+                           "`potluck perf --json > FILE.json`")
+    return PerfTiming.from_report(report, str(path))
 
 
 def print_table(result: dict) -> None:
