@@ -639,6 +639,28 @@ def simulate(cfg: SimConfig) -> dict:
     return {"config": asdict(cfg), "results": results}
 
 
+def fit_latency(cfg: SimConfig, iterative_tok_s: float) -> SimConfig:
+    """``cfg`` with the link latency that makes ``iterative`` decode at a measured speed.
+
+    Real links cost more than the wire: each hop also pays for framing, a socket and a
+    thread handoff. One measured figure (the synchronous pipeline's tokens/s) fixes that
+    per-hop cost; the other strategies are then predictions. Iterative decoding's token
+    time is closed form: every stage, every link and the head in turn."""
+    cfg.check()
+    if not (iterative_tok_s > 0 and math.isfinite(iterative_tok_s)):
+        raise PotluckError(f"simulate: the measured speed must be positive, got {iterative_tok_s}")
+    n = cfg.n_stages
+    wire_ms = (n * cfg.n_embd * 4 + (cfg.return_bytes or cfg.n_embd * 4)) * 8 / (cfg.bandwidth_mbps * 1e3)
+    fixed_ms = sum(cfg.stage_ms) + cfg.head_ms + cfg.sample_ms + wire_ms
+    latency_ms = (1000.0 / iterative_tok_s - fixed_ms) / (n + 1)
+    if latency_ms < 0:
+        raise PotluckError(
+            f"simulate: {iterative_tok_s:g} tok/s is faster than the stages alone allow "
+            f"({1000.0 / fixed_ms:.1f} tok/s): the stage times are too high for that measurement"
+        )
+    return replace(cfg, latency_ms=latency_ms)
+
+
 @dataclass(frozen=True)
 class TrendSetting:
     """The paper's setting for its trends (§V): a big target split evenly over N nodes

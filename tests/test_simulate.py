@@ -214,6 +214,8 @@ def test_cli_png_without_matplotlib_says_what_to_install(capsys: pytest.CaptureF
         ["--png", "x.png"],
         ["--model-ms", "0"],
         ["--trends", "--model-ms", "-5"],
+        ["--fit-iterative", "1000"],
+        ["--fit-iterative", "40", "--latency-ms", "1"],
     ],
 )
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
@@ -251,3 +253,13 @@ def test_cli_trends_take_explicit_link_settings(capsys: pytest.CaptureFixture[st
     setting = json.loads(out)["setting"]
     assert (setting["latency_ms"], setting["bandwidth_mbps"], setting["model_ms"]) == (0.1, 20000.0, 100.0)
     assert setting["draft_ms"] == 6.0  # not given: the paper's setting
+
+
+def test_fit_latency_makes_iterative_match_a_measurement() -> None:
+    from potluck.engine.simulate import fit_latency
+
+    cfg = fit_latency(replace(FOUR, stage_ms=(10.0, 10.0)), 40.0)  # 25 ms a token, 20.1 of it computed
+    assert cfg.latency_ms > 1.0
+    assert run(cfg, "iterative")["iterative"]["tok_s"] == pytest.approx(40.0, rel=1e-6)
+    with pytest.raises(PotluckError, match="faster than the stages"):
+        fit_latency(replace(FOUR, stage_ms=(10.0, 10.0)), 60.0)

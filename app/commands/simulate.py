@@ -23,6 +23,7 @@ from ...engine.simulate import (
     SimConfig,
     TrendSetting,
     check_batch_cost,
+    fit_latency,
     simulate,
     trends,
 )
@@ -62,6 +63,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--n-embd", type=int, help=f"hidden size: n_embd*4 bytes a token a link (default {d.n_embd})")
     g.add_argument("--return-bytes", type=int, default=d.return_bytes,
                    help="bytes a token on the return link (default: the hidden state; 196608 for logits)")
+    g.add_argument("--fit-iterative", type=float, metavar="TOK_S",
+                   help="a measured speed of the synchronous pipeline: sets --latency-ms so that 'iterative' "
+                   "decodes at it (the per-hop cost of real sockets), the other strategies become predictions")
     g.add_argument("--skip-ms", type=float, default=d.skip_ms, help="a stage skipping a cancelled run")
     g.add_argument("--abort-ms", type=float, default=d.abort_ms, help="a stage stopping a run mid-compute")
     s = p.add_argument_group("decoding")
@@ -162,6 +166,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
     if batch_cost:
         cfg = replace(cfg, batch_cost=batch_cost)
+    if args.fit_iterative is not None:
+        if args.latency_ms is not None:
+            raise PotluckError("simulate: --fit-iterative sets the latency; leave out --latency-ms")
+        return fit_latency(cfg, args.fit_iterative)
     return cfg.check()
 
 
@@ -202,7 +210,8 @@ def read_perf(path: Path) -> PerfTiming:
 def print_table(result: dict) -> None:
     cfg, rows = result["config"], result["results"]
     stages = cfg["stage_ms"]
-    print(f"{len(stages)} stages ({', '.join(f'{ms:.2f}' for ms in stages)} ms a token), link {cfg['latency_ms']} ms + "
+    per_stage_ms = ", ".join(f"{ms:.2f}" for ms in stages)
+    print(f"{len(stages)} stages ({per_stage_ms} ms a token), link {cfg['latency_ms']:.3g} ms + "
           f"{cfg['bandwidth_mbps']:g} Mbit/s, alpha {cfg['alpha']}, draft {cfg['draft_ms']} ms a token, "
           f"cutoff rule {cfg['cutoff_rule']}; means of {cfg['seeds']} x {cfg['tokens']} tokens")
     per_stage = len(stages) <= 4
