@@ -53,10 +53,10 @@ words, its authors' code and potluck's module differ:
 - ``reference`` (the authors' ``examples/speculative/speculative.cpp``): ``iterations``
   counts the micro-batches of the current burst (from 0 each time the head comes back
   from sampling); ``declines`` resets whenever a token is accepted;
-- ``code`` (``engine/strategies/pipeinfer.py`` as this model was written): like
-  ``paper`` but the reset needs no run in flight holding unjudged guesses, a cutoff above
-  1 stops speculation without counting a decline (so it never decays from there), and the
-  head keeps drafting up to ``max_runs`` even when a result is waiting.
+- ``code`` (``engine/strategies/pipeinfer.py`` as of 2026-11-23): ``iterations`` is the
+  number of speculative runs in flight; ``declines`` resets when a round accepts guesses
+  and ends on no token of the target's own; a cutoff above 1 stops speculation without
+  counting a decline; the head drafts up to ``max_runs`` even when a result is waiting.
 
 On one stage ``pipeinfer`` runs as ``speculative``, as the strategy module does.
 """
@@ -537,7 +537,9 @@ def _head_loop(
             h = p + emitted
             if pol.cutoff_rule == "reference":
                 declines = 0  # any token accepted
-            elif whole if pol.cutoff_rule == "paper" else accepted and not any(r.pos0 + r.n > h for r in runs):
+            elif pol.cutoff_rule == "code":
+                declines = 0 if accepted and not own else declines
+            elif whole:
                 iterations = declines = 0
             if not timeline.first_after:
                 timeline.first_after = eng.now
@@ -557,6 +559,8 @@ def _head_loop(
                 break
             n = room
             if pol.cutoff is not None:
+                if pol.cutoff_rule == "code":
+                    iterations = sum(r.speculative for r in runs)
                 want = pol.cutoff.value(iterations, declines)
                 n = 0 if want > 1.0 else _longest_confident(alpha, want, room)
             if n and cfg.p_none and rng.random() < cfg.p_none:

@@ -263,3 +263,13 @@ def test_fit_latency_makes_iterative_match_a_measurement() -> None:
     assert run(cfg, "iterative")["iterative"]["tok_s"] == pytest.approx(40.0, rel=1e-6)
     with pytest.raises(PotluckError, match="faster than the stages"):
         fit_latency(replace(FOUR, stage_ms=(10.0, 10.0)), 60.0)
+
+
+def test_code_rule_caps_speculative_runs_by_the_recovery_factor() -> None:
+    # potluck's strategy counts the speculative runs in flight: p_accept + 3 * 0.4 > 1 stops a 4th
+    cfg = replace(FOUR, stage_ms=(1.5,) * 8, alpha=1.0, cutoff_rule="code")
+    capped = run(cfg, "pipeinfer")["pipeinfer"]
+    assert capped["max_in_flight"] == 4  # 3 speculative + the own token's run
+    deeper = run(replace(cfg, recovery=0.1), "pipeinfer")["pipeinfer"]
+    assert deeper["max_in_flight"] == 9  # stages + 1
+    assert deeper["busy_mean"] > capped["busy_mean"] + 0.2
