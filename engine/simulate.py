@@ -80,6 +80,7 @@ STRATEGIES = ("iterative", "speculative", "pipelined", "pipeinfer", "pipeinfer-n
 TREND_NODES = (1, 2, 4, 8, 16, 32)
 CUTOFF_RULES = ("paper", "reference", "code")
 MAX_MICRO = 4  # PipeInfer's micro-batches hold 1-4 tokens (§IV-B1)
+MAX_MS = 1e6  # any time setting (ms): beyond it sums of times lose their precision
 
 
 @dataclass(frozen=True)
@@ -121,28 +122,35 @@ class SimConfig:
         """Refuse what the model cannot mean, with one line naming the setting."""
         if not self.stage_ms:
             raise PotluckError("simulate: at least one stage is needed (--stages 1 or more)")
-        if not all(ms > 0 and math.isfinite(ms) for ms in self.stage_ms):
-            raise PotluckError(f"simulate: each stage's ms must be a positive number, got {list(self.stage_ms)}")
+        if not all(0 < ms <= MAX_MS for ms in self.stage_ms):
+            raise PotluckError(f"simulate: each stage's ms must be above 0 and at most {MAX_MS:g}, "
+                               f"got {list(self.stage_ms)}")
         for name, value in (("--head-ms", self.head_ms),
                             ("--sample-ms", self.sample_ms), ("--draft-ms", self.draft_ms),
                             ("--latency-ms", self.latency_ms), ("--skip-ms", self.skip_ms),
                             ("--abort-ms", self.abort_ms), ("--recovery", self.recovery),
                             ("--prefill-ms", self.prefill_ms),
-                            ("--decay", self.decay), ("--p-accept", self.p_accept),
-                            ("--return-bytes", self.return_bytes)):
-            if not math.isfinite(value) or value < 0:
-                raise PotluckError(f"simulate: {name} must be a number >= 0, got {value}")
-        if not self.bandwidth_mbps > 0 or not math.isfinite(self.bandwidth_mbps):
-            raise PotluckError(f"simulate: --bandwidth-mbps must be > 0, got {self.bandwidth_mbps}")
+                            ("--decay", self.decay), ("--p-accept", self.p_accept)):
+            if not 0 <= value <= MAX_MS:
+                raise PotluckError(f"simulate: {name} must be between 0 and {MAX_MS:g}, got {value}")
+        if not 1e-3 <= self.bandwidth_mbps <= 1e9:
+            raise PotluckError(f"simulate: --bandwidth-mbps must be between 0.001 and 1e9, got {self.bandwidth_mbps}")
         for name, value in (("--alpha", self.alpha), ("--p-none", self.p_none)):
             if not 0.0 <= value <= 1.0:
                 raise PotluckError(f"simulate: {name} must be between 0 and 1, got {value}")
-        for name, ivalue, low in (("--tokens", self.tokens, 1), ("--seeds", self.seeds, 1),
-                                  ("--prompt-tokens", self.prompt_tokens, 1), ("--n-batch", self.n_batch, 1),
-                                  ("--k", self.k, 1), ("--max-runs", self.max_runs, 0),
-                                  ("--max-draft", self.max_draft, 1), ("--n-embd", self.n_embd, 1)):
-            if ivalue < low:
-                raise PotluckError(f"simulate: {name} must be at least {low}, got {ivalue}")
+        # upper bounds keep one run within seconds to minutes, not hours
+        for name, ivalue, low, high in (("--tokens", self.tokens, 1, 100_000), ("--seeds", self.seeds, 1, 100),
+                                        ("--stages", self.n_stages, 1, 256),
+                                        ("--prompt-tokens", self.prompt_tokens, 1, 1_000_000),
+                                        ("--n-batch", self.n_batch, 1, 1_000_000), ("--k", self.k, 1, 64),
+                                        ("--max-runs", self.max_runs, 0, 1024), ("--max-draft", self.max_draft, 1, 64),
+                                        ("--n-embd", self.n_embd, 1, 1_000_000),
+                                        ("--return-bytes", self.return_bytes, 0, 100_000_000)):
+            if not low <= ivalue <= high:
+                raise PotluckError(f"simulate: {name} must be between {low} and {high}, got {ivalue}")
+        if self.prompt_tokens > 10_000 * self.n_batch:
+            raise PotluckError(f"simulate: {self.prompt_tokens} prompt tokens in chunks of {self.n_batch} is too many "
+                               "chunks; raise --n-batch")
         if self.cutoff_rule not in CUTOFF_RULES:
             raise PotluckError(f"simulate: --cutoff-rule is one of {', '.join(CUTOFF_RULES)}, got {self.cutoff_rule!r}")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -157,8 +165,8 @@ def check_batch_cost(points: Sequence[tuple[int, float]]) -> None:
     ks = [k for k, _ in points]
     if not points or ks[0] != 1 or any(b <= a for a, b in zip(ks, ks[1:])):
         raise PotluckError("simulate: the batch cost needs k=1 first and growing k (e.g. 1:1,2:1.76,4:3.06)")
-    if any(not (c > 0 and math.isfinite(c)) for _, c in points):
-        raise PotluckError("simulate: batch costs must be positive numbers")
+    if any(not 0 < c <= 1e6 for _, c in points) or ks[-1] > 1_000_000:
+        raise PotluckError("simulate: batch costs must be positive numbers (at most 1e6, for k up to 1e6)")
 
 
 def batch_cost_fn(points: Sequence[tuple[int, float]]) -> Callable[[int], float]:
@@ -202,8 +210,8 @@ class PerfTiming:
 
     def config(self, stages: int, base: SimConfig = SimConfig()) -> SimConfig:
         """``base`` with this model split evenly over ``stages`` stages."""
-        if stages < 1:
-            raise PotluckError(f"simulate: --stages must be at least 1, got {stages}")
+        if not 1 <= stages <= 256:
+            raise PotluckError(f"simulate: --stages must be between 1 and 256, got {stages}")
         return replace(base, stage_ms=(self.model_ms / stages,) * stages, prefill_ms=self.prefill_ms,
                        batch_cost=self.batch_cost)
 
@@ -662,7 +670,7 @@ def fit_latency(cfg: SimConfig, iterative_tok_s: float) -> SimConfig:
             f"simulate: {iterative_tok_s:g} tok/s is faster than the stages alone allow "
             f"({1000.0 / fixed_ms:.1f} tok/s): the stage times are too high for that measurement"
         )
-    return replace(cfg, latency_ms=latency_ms)
+    return replace(cfg, latency_ms=latency_ms).check()
 
 
 @dataclass(frozen=True)

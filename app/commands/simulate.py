@@ -146,8 +146,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.stage_ms:
         stage_ms = tuple(parse_floats(args.stage_ms, "--stage-ms"))
     else:
-        if args.stages < 1:
-            raise PotluckError(f"simulate: --stages must be at least 1, got {args.stages}")
+        if not 1 <= args.stages <= 256:
+            raise PotluckError(f"simulate: --stages must be between 1 and 256, got {args.stages}")
         total = DEFAULT_MODEL_MS if model_ms is None else model_ms
         stage_ms = (total / args.stages,) * args.stages
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else STRATEGIES
