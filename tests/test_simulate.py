@@ -192,8 +192,8 @@ def test_cli_trends_table_and_plot(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
 def test_cli_png_without_matplotlib_says_what_to_install(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    rc, _, err = cli(capsys, "--trends", "--tokens", "10", "--seeds", "1", "--png", str(tmp_path / "f.png"))
-    assert rc == 2
+    rc, out, err = cli(capsys, "--trends", "--tokens", "10", "--seeds", "1", "--png", str(tmp_path / "f.png"))
+    assert rc == 2 and out == ""  # refused before any work
     assert "pip install matplotlib" in err and len(err.strip().splitlines()) == 1
 
 

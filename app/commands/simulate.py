@@ -3,8 +3,9 @@
 Compares iterative, synchronous speculative, pipelined speculative and PipeInfer decoding
 for per-stage compute times measured by `potluck perf` (``--from-perf``) or given, and with
 ``--trends`` reproduces the PipeInfer paper's trend figures at 1-32 nodes as tables and
-text plots (a PNG too with ``--png`` where matplotlib is installed). The model's figures
-are predictions, not measurements: the lead checks them against loopback runs.
+text plots (a PNG too with ``--png`` where matplotlib is installed). Its figures are
+predictions, not measurements: check them against loopback runs (``--fit-iterative`` takes
+one measured speed to fix the per-hop cost of real sockets).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ...engine.errors import PotluckError
 from ...engine.simulate import (
@@ -29,7 +31,8 @@ from ...engine.simulate import (
 )
 
 DEFAULT_MODEL_MS = 12.0  # SmolLM2-135M, one token on 2 threads (docs/facts.md §6)
-MARKERS = {"iterative": "i", "speculative": "s", "pipelined": "p", "pipeinfer": "P"}
+MARKERS = {"iterative": "i", "speculative": "s", "pipelined": "p", "pipeinfer": "P",
+           "pipeinfer-nocancel": "c", "pipeinfer-nocontinuous": "n"}
 FIGURES = {
     "tok_s_high": "(a) tokens/s against nodes, high acceptance",
     "tok_s_low": "(a) tokens/s against nodes, low acceptance",
@@ -100,16 +103,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.png and not args.trends:
         raise PotluckError("simulate: --png draws the --trends figures; add --trends")
+    plt = pyplot() if args.png else None  # refused before any work when matplotlib is missing
     cfg = config_from_args(args)
     if args.trends:
         rule = args.cutoff_rule or "reference"
-        result = trends(replace(cfg, cutoff_rule=rule, strategies=TrendSetting.strategies), trend_setting(args))
+        setting = trend_setting(args)
+        if args.strategies:
+            setting = replace(setting, strategies=cfg.strategies)
+        result = trends(replace(cfg, cutoff_rule=rule), setting)
         if args.json:
             print(json.dumps(result))
         else:
             print_trends(result, rule)
-        if args.png:
-            write_png(result, args.png)
+        if plt is not None:
+            write_png(plt, result, args.png)
             if not args.json:
                 print(f"figures written to {args.png}")
         return 0
@@ -268,7 +275,7 @@ def text_plot(series: dict[str, list[float]], xs: list[int], height: int = 10, s
     return lines
 
 
-def write_png(result: dict, path: Path) -> None:
+def pyplot() -> Any:
     try:
         import matplotlib
 
@@ -276,6 +283,10 @@ def write_png(result: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PotluckError("simulate: --png needs matplotlib, which is not installed: pip install matplotlib") from None
+    return plt
+
+
+def write_png(plt: Any, result: dict, path: Path) -> None:
     nodes = result["nodes"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (key, title) in zip(axes.flat, FIGURES.items()):
