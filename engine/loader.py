@@ -68,7 +68,8 @@ def open_session(spec: EngineSpec) -> Session:
     """Load the target (and whatever the strategy needs) and return a fresh session.
 
     In cluster mode the target is opened vocab-only on this machine: the head tokenizes,
-    renders the chat template and samples, but never maps a weight of the target.
+    renders the chat template and samples, and maps only a slice of the target's last
+    layer(s) and output layer (it computes the logits: pipeline/tail.py).
     Every value is checked by :mod:`.limits` first (and again against the model before any
     context exists), so bad settings end as one-line errors, never inside llama.cpp.
     """
@@ -135,4 +136,5 @@ def _open_target(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -
         on_plan=c.on_plan,
         progress=c.progress,
         skip_failed_joins=c.skip_failed_joins,
+        n_threads=spec.n_threads,
     )

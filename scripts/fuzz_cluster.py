@@ -246,11 +246,15 @@ def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: P
         exact = True
         pos = len(prompt)
         tok = 1
-        for _ in range(6):  # greedy steps straight through the worker: logits identical
+        for _ in range(6):  # greedy steps straight through the worker and the head's tail: logits identical
             ref = local.decode([tok])[0]
-            head.send_multipart(wire.to_frames(wire.Forward.from_job(next_txn, DecodeJob.tokens(1, [tok], pos))))
+            job = DecodeJob.tokens(1, [tok], pos)
+            head.send_multipart(wire.to_frames(wire.Forward.from_job(next_txn, job)))
             res = until(head, lambda m, t=next_txn: isinstance(m, (wire.Result, wire.Error)) and m.txn == t)[-1]
-            exact = exact and isinstance(res, wire.Result) and np.array_equal(res.logits[0], ref)
+            exact = exact and isinstance(res, wire.Result) and res.hidden.shape == (1, model.n_embd)
+            if exact:
+                tail_job = DecodeJob(1, res.hidden, job.positions, job.seq_ids, job.outputs)
+                exact = np.array_equal(target.tail.runner.submit(tail_job).result()[0], ref)
             next_txn, pos, tok = next_txn + 1, pos + 1, int(np.argmax(ref))
         report["exact_after"] = bool(exact)
         report["worker_alive"] = proc.poll() is None
@@ -281,13 +285,14 @@ def target_check(msg: wire.Forward, n_vocab: int) -> None:
 class LyingWorker:
     """Honest setup (hello, offer, load); every batch answered by ``answer(forward)`` frames."""
 
-    def __init__(self, keys: CurveKeys, n_vocab: int, answer) -> None:
+    def __init__(self, keys: CurveKeys, n_vocab: int, n_embd: int, answer) -> None:
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, keys)
         self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
         self.sock.setsockopt(zmq.SNDTIMEO, 2000)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.n_vocab = n_vocab
+        self.n_embd = n_embd
         self.answer = answer
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -308,7 +313,8 @@ class LyingWorker:
             elif isinstance(msg, wire.Offer):
                 out = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
             elif isinstance(msg, wire.Load):
-                out = [wire.to_frames(wire.Loaded(msg.layer_hi - msg.layer_lo, 576, self.n_vocab, msg.n_ctx, 1.0))]
+                n_layer = msg.layer_hi - msg.layer_lo
+                out = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
             elif isinstance(msg, wire.Forward):
                 out = self.answer(msg)
             elif isinstance(msg, wire.Ping):
@@ -330,17 +336,19 @@ class LyingWorker:
         self.ctx.term()
 
 
-def lies(rng: random.Random, msg: wire.Forward, n_vocab: int) -> list:
-    """Frames a malicious last stage sends for batch ``msg``, then (usually) an honest result."""
-    rows = int(np.count_nonzero(msg.outputs))
-    honest = wire.to_frames(wire.Result(msg.txn, msg.run_id, False, np.zeros((rows, n_vocab), np.float32)))
+def lies(rng: random.Random, msg: wire.Forward, n_embd: int) -> list:
+    """Frames a malicious last stage sends for batch ``msg``, then (usually) an honest result:
+    hidden states of every row (the head computes the last layer and the output layer)."""
+    rows = int(msg.positions.size)
+    honest = wire.to_frames(wire.Result(msg.txn, msg.run_id, False, np.zeros((rows, n_embd), np.float32)))
     kind = rng.randrange(9)
     txn = rng.choice([msg.txn, msg.txn, msg.txn + 1, 0, 2**40])
     if kind == 0:
-        width = rng.choice([n_vocab + 1, n_vocab + 1000, n_vocab - 1, 1])
-        lie = wire.to_frames(wire.Result(txn, msg.run_id, False, np.zeros((rows, width), np.float32)))
+        width = rng.choice([n_embd + 1, n_embd + 1000, n_embd - 1, 1])
+        dtype = rng.choice([np.float32, np.float16])
+        lie = wire.to_frames(wire.Result(txn, msg.run_id, False, np.zeros((rows, width), dtype)))
     elif kind == 1:
-        lie = wire.to_frames(wire.Result(txn, msg.run_id, False, np.zeros((rng.choice([0, rows + 1, 64]), n_vocab),
+        lie = wire.to_frames(wire.Result(txn, msg.run_id, False, np.zeros((rng.choice([0, rows + 1, 64]), n_embd),
                                                                             np.float32)))
     elif kind == 2:
         lie = wire.to_frames(wire.Result(txn, msg.run_id, rng.random() < 0.5, np.zeros((0, 1), np.float32)))
@@ -354,8 +362,8 @@ def lies(rng: random.Random, msg: wire.Forward, n_vocab: int) -> list:
         lie = wire.to_frames(rng.choice(samples()))
     elif kind == 7:  # a result bigger than any legal one (the head caps its message size)
         lie = [wire.MAGIC, json.dumps({"type": "result", "f": {"txn": txn, "run_id": 0, "skip": False},
-                                       "a": [["logits", "f32", [2 * N_BATCH + 8, n_vocab]]]}).encode(),
-               b"\0" * ((2 * N_BATCH + 8) * n_vocab * 4)]
+                                       "a": [["hidden", "f32", [2 * N_BATCH + 8, n_embd]]]}).encode(),
+               b"\0" * ((2 * N_BATCH + 8) * n_embd * 4)]
     else:
         lie = [rng.randbytes(rng.randrange(1, 64)) for _ in range(rng.randint(1, 5))]
     return [lie, honest]  # an unanswered batch is the stall path, tested elsewhere (and slow here)
@@ -366,7 +374,7 @@ def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp:
     rng = random.Random(seed)
     n_vocab = model.n_vocab
     cache = SliceCache(tmp / "slices")
-    liar = LyingWorker(keys, n_vocab, lambda m: lies(rng, m, n_vocab))
+    liar = LyingWorker(keys, n_vocab, model.n_embd, lambda m: lies(rng, m, model.n_embd))
     report = {"cases": 0, "refused": 0, "accepted_honest": 0, "reopened": 0, "wrong_shape_accepted": 0,
               "other_exceptions": 0}
     target = None

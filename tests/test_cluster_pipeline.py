@@ -92,7 +92,8 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
                      progress=lambda what, done, total: progress.append((what, done, total)))
     try:
         # Planned split: both stages get layers; the transfer happened with progress and a hash check.
-        assert len(plans) == 1 and len(plans[0].stages) == 2 and plans[0].bounds[-1] == 30
+        assert len(plans) == 1 and len(plans[0].stages) == 2 and plans[0].bounds[-1] == 29
+        assert plans[0].head == (29, 30)  # the head computes the last layer and the output layer
         assert first.transfer.files_sent == 2 and first.transfer.bytes_sent > 50_000_000
         assert progress[-1][1] == progress[-1][2]
         for name in STRATEGIES:
@@ -118,7 +119,8 @@ def test_three_stages_of_a_60_layer_target_exact(
         assert deep.n_layer == 60
         target = pipeline(deep_path, workers, slice_cache, split=[0, 17, 41, 60])
         try:
-            assert [lk.layers for lk in target.links] == [(0, 17), (17, 41), (41, 60)]
+            assert [lk.layers for lk in target.links] == [(0, 17), (17, 41), (41, 59)]
+            assert target.head_layers == (59, 60)  # the user's end, 60, is where the head's layer ends
             assert converse(deep, target, "autoregressive", None) == reference(deep)
         finally:
             target.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.errors import PotluckError
-from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, layer_costs, manual_plan, plan_split
+from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, head_layers, layer_costs, manual_plan, plan_split
 
 MB = 1 << 20
 
@@ -22,9 +22,10 @@ def node(name: str, free_mb: int = 10_000, speed: float = 1.0) -> NodeInfo:
 
 def test_equal_nodes_get_balanced_contiguous_ranges() -> None:
     plan = plan_split(costs(), [node("a"), node("b"), node("c")], n_ctx=512)
-    assert plan.bounds[0] == 0 and plan.bounds[-1] == 30
+    # the head computes layer 29 and the output layer; the workers share 0-28 evenly
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == 29 and plan.head == (29, 30)
     sizes = [s.hi - s.lo for s in plan.stages]
-    assert len(sizes) == 3 and max(sizes) - min(sizes) <= 3  # the head weights sit on the last stage
+    assert len(sizes) == 3 and max(sizes) - min(sizes) <= 1
 
 
 def test_faster_node_gets_more_layers() -> None:
@@ -47,10 +48,23 @@ def test_model_too_big_is_a_clear_error() -> None:
 
 def test_manual_plan_checks_counts() -> None:
     c = costs()
-    assert manual_plan(c, [node("a"), node("b")], [0, 9, 30], 512).bounds == [0, 9, 30]
-    assert manual_plan(c, [node("a"), node("b")], [9], 512).bounds == [0, 9, 30]
+    # the last stage ends where the head's layer begins: an end of 30 or 29 (or none) says so
+    for bounds in ([0, 9, 30], [0, 9, 29], [9]):
+        plan = manual_plan(c, [node("a"), node("b")], bounds, 512)
+        assert plan.bounds == [0, 9, 29] and plan.head == (29, 30)
     with pytest.raises(PotluckError, match="2 stages but 3"):
         manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 30], 512)
+    with pytest.raises(PotluckError, match="below 29; layers 29-29 and the output layer run on the head"):
+        manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 29, 30], 512)  # a stage of the head's layer
+
+
+def test_head_takes_the_fewest_last_layers_that_load() -> None:
+    assert head_layers(costs()) == 1
+    swa = tuple((i + 1) % 6 != 0 for i in range(18))  # Gemma 3 270M: layers 5, 11, 17 global
+    gemma = LayerCosts("gemma3", (100,) * 18, 50, 50, 10, 1000, 64, swa)
+    assert head_layers(gemma) == 2  # layer 17 alone aborts llama.cpp; 16-17 loads
+    with pytest.raises(PotluckError, match="cannot split a model of 1 layer"):
+        head_layers(costs(n=1))
 
 
 def test_layer_costs_of_the_default_model(model_path: Path) -> None:
@@ -58,7 +72,8 @@ def test_layer_costs_of_the_default_model(model_path: Path) -> None:
     assert c.arch == "llama" and c.n_layer == 30
     assert all(b > 0 for b in c.layer_bytes) and c.embd_bytes > 0 and c.kv_bytes_per_token_layer > 0
     lines = plan_split(c, [node("a"), node("b")], 1024).describe()
-    assert lines[0].startswith("split plan: 30 layers over 2")
+    assert lines[0].startswith("split plan: 30 layers over 2 stage(s) and the head")
+    assert lines[-1].split() == ["head:", "layers", "29-30", "and", "the", "output", "layer", "on", "this", "machine"]
 
 
 def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:

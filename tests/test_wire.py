@@ -89,7 +89,7 @@ def test_version_mismatch_is_named() -> None:
         ({"type": "ping", "f": {"nonce": 1, "x": 2}, "a": []}, [], "field set"),
         ({"type": "chunk", "f": {"sha256": SHA, "offset": 8, "total": 9}, "a": [["data", "u8", [4]]]},
          [b"abcd"], "outside"),
-        ({"type": "result", "f": {"txn": 1, "run_id": 0, "skip": False}, "a": [["logits", "f32", [1, 2]]]},
+        ({"type": "result", "f": {"txn": 1, "run_id": 0, "skip": False}, "a": [["hidden", "f32", [1, 2]]]},
          [np.array([1.0, np.nan], dtype=np.float32).tobytes()], "non-finite"),
         ({"type": "kv", "f": {"txn": 1, "run_id": 0, "op": "drop", "seq": 0, "dst": -1, "p0": 0,
                               "p1": -1, "delta": 0}, "a": []}, [], "kv op"),

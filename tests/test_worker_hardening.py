@@ -30,8 +30,8 @@ from potluck.engine.errors import PotluckError
 from potluck.engine.gguf_tools import slice_layers
 from potluck.engine.jobs import DecodeJob
 from potluck.engine.pipeline import wire
-from potluck.engine.pipeline.head import NodeFailedError, open_pipeline
-from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, loadable, manual_plan, plan_split
+from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, head_layers, loadable, manual_plan, plan_split
 from potluck.engine.pipeline.transfer import SliceCache, SliceFile, TransferStats, send_slice
 from potluck.engine.pipeline.transport import CurveKeys, client_socket, server_socket, start_authenticator
 from potluck.engine.pipeline.worker import MAX_UPLOADS, SliceStore
@@ -93,12 +93,14 @@ def state(sock: zmq.Socket) -> tuple:
     return st.state, st.sha256, st.layer_lo, st.layer_hi, st.txn, tuple(st.pos_max), st.finished
 
 
-def raw_decode(link_sock: zmq.Socket, txn: int, tokens: list[int], pos0: int) -> np.ndarray:
-    """One batch as transaction ``txn`` straight on the head's socket: the last row's logits."""
+def raw_decode(target: PipelineTarget, txn: int, tokens: list[int], pos0: int) -> np.ndarray:
+    """One batch as transaction ``txn`` straight on the head's socket, its hidden states then
+    through the head's own last layer and output layer: the last row's logits."""
     job = DecodeJob.tokens(1, tokens, pos0)
-    reply = call(link_sock, wire.Forward.from_job(txn, job))
-    assert isinstance(reply, wire.Result), reply
-    return reply.logits[-1]
+    reply = call(target.links[0].sock, wire.Forward.from_job(txn, job))
+    assert isinstance(reply, wire.Result) and reply.hidden.shape == (len(tokens), target.tail.n_embd), reply
+    tail_job = DecodeJob(1, reply.hidden, job.positions, job.seq_ids, job.outputs)
+    return target.tail.runner.submit(tail_job).result()[-1]
 
 
 def forward_frames(txn: int, n: int, outputs: list[int], pos0: int = 0) -> list:
@@ -159,8 +161,8 @@ def test_upstream_head_cannot_crash_or_leak_a_worker(
         assert worker.alive()
         # and the stage computes on exactly where it was
         tok = int(np.argmax(local.decode([1])[0]))
-        assert tok == int(np.argmax(raw_decode(head, txn + 6, [1], len(prompt))))
-        assert np.array_equal(local.decode([tok])[0], raw_decode(head, txn + 7, [tok], len(prompt) + 1))
+        assert tok == int(np.argmax(raw_decode(target, txn + 6, [1], len(prompt))))
+        assert np.array_equal(local.decode([tok])[0], raw_decode(target, txn + 7, [tok], len(prompt) + 1))
     finally:
         watcher.close(linger=0)
         ctx.term()
@@ -338,13 +340,14 @@ def test_slice_store_quota_evicts_least_recently_used(tmp_path: Path) -> None:
 class FakeWorker:
     """A token holder posing as a worker: honest setup, then ``result(forward)`` answers batches."""
 
-    def __init__(self, keys: CurveKeys, n_vocab: int, result) -> None:
+    def __init__(self, keys: CurveKeys, n_vocab: int, result, n_embd: int = 576) -> None:
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, keys)
         self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
         self.sock.setsockopt(zmq.SNDTIMEO, 2000)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.n_vocab = n_vocab
+        self.n_embd = n_embd
         self.result = result
         self.stop = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -370,7 +373,7 @@ class FakeWorker:
                 replies = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
             elif isinstance(msg, wire.Load):
                 n_layer = msg.layer_hi - msg.layer_lo
-                replies = [wire.to_frames(wire.Loaded(n_layer, 576, self.n_vocab, msg.n_ctx, 1.0))]
+                replies = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
             elif isinstance(msg, wire.Forward):
                 replies = self.result(msg)
             elif isinstance(msg, wire.Ping):
@@ -392,22 +395,24 @@ class FakeWorker:
 def test_a_malicious_worker_cannot_crash_the_head(
     keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
 ) -> None:
-    n_vocab = model.n_vocab
+    n_vocab, n_embd = model.n_vocab, model.n_embd
 
-    def logits(rows: int, width: int) -> list:
+    def hidden(rows: int, width: int) -> list:
         return wire.to_frames(wire.Result(0, 1, False, np.zeros((rows, width), np.float32)))
 
     def with_txn(frames: list, txn: int) -> list:
         msg = wire.parse_frames(frames)
-        return wire.to_frames(wire.Result(txn, msg.run_id, msg.skip, msg.logits))
+        return wire.to_frames(wire.Result(txn, msg.run_id, msg.skip, msg.hidden))
 
     cases = {
-        "wider than the vocabulary": lambda m: [with_txn(logits(1, n_vocab + 1), m.txn)],  # once: SIGABRT
-        "narrower": lambda m: [with_txn(logits(1, 10), m.txn)],
-        "too many rows": lambda m: [with_txn(logits(50, n_vocab), m.txn)],
-        "past the message size": lambda m: [
-            [wire.MAGIC, b'{"type":"result","f":{"txn":1,"run_id":1,"skip":false},"a":[["logits","f32",[200,'
-             + str(n_vocab).encode() + b"]]]}", b"\0" * (200 * n_vocab * 4)]
+        # llama.cpp reads n_tokens * n_embd floats: a narrower buffer would be read past its end
+        "wider than the head's width": lambda m: [with_txn(hidden(m.positions.size, n_embd + 1), m.txn)],
+        "narrower": lambda m: [with_txn(hidden(m.positions.size, 10), m.txn)],
+        "too many rows": lambda m: [with_txn(hidden(m.positions.size + 50, n_embd), m.txn)],
+        "output rows only": lambda m: [with_txn(hidden(1, n_embd), m.txn)],
+        "past the message size": lambda m: [  # hidden states of far more rows than n_batch
+            [wire.MAGIC, b'{"type":"result","f":{"txn":1,"run_id":1,"skip":false},"a":[["hidden","f32",[200,'
+             + str(n_embd).encode() + b"]]]}", b"\0" * (200 * n_embd * 4)]
         ],
         "malformed": lambda m: [[wire.MAGIC, b"{not json"]],
     }
@@ -424,10 +429,10 @@ def test_a_malicious_worker_cannot_crash_the_head(
             if target is not None:
                 target.close()
             fake.close()
-    # a worker that claims another vocabulary is refused at load time
-    fake = FakeWorker(keys, n_vocab + 100, lambda m: [])
+    # a worker that claims another width of hidden states is refused at load time
+    fake = FakeWorker(keys, n_vocab, lambda m: [], n_embd=n_embd + 100)
     try:
-        with pytest.raises(PotluckError, match="vocabulary"):
+        with pytest.raises(PotluckError, match="width"):
             open_pipeline(model_path, [fake.address], keys, n_ctx=N_CTX, slice_cache=cache)
     finally:
         fake.close()
@@ -585,8 +590,9 @@ def test_planner_never_makes_a_slice_without_a_sliding_window_layer() -> None:
         plan = plan_split(costs, (nodes * 2)[:n_nodes], 64)
         assert all(loadable(costs, s.lo, s.hi) for s in plan.stages)
     assert not loadable(costs, 17, 18) and loadable(costs, 16, 18)
+    assert head_layers(costs) == 2 and plan.head == (16, 18)  # the head's slice loads too
     with pytest.raises(PotluckError, match="sliding-window"):
-        manual_plan(costs, nodes, [0, 17], 64)
+        manual_plan(costs, (nodes * 2)[:3], [0, 11, 12], 64)  # layer 11 alone: global
 
 
 # --------------------------------------------------------------------------- tokens, zeroconf

@@ -58,7 +58,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "or the one `potluck token` saved)",
     )
     g.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for old scripts, undocumented
-    g.add_argument("--split", help="fixed layer boundaries, e.g. 0,12,30 (default: planned)")
+    g.add_argument(
+        "--split", help="fixed layer boundaries of the workers' stages, e.g. 0,12,30; the head computes the "
+        "last layer and the output itself, so the last stage ends there (default: planned)",
+    )
     g.add_argument(
         "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"
     )

@@ -356,7 +356,7 @@ class PotluckApp(App[None]):
         for line in event.lines:
             log.info("%s", line)
         if self.cluster_state is not None:
-            self.cluster_state = self.cluster_state.planned(event.lines, event.stages)
+            self.cluster_state = self.cluster_state.planned(event.lines, event.stages, event.head_layers)
         self.notify("\n".join(event.lines), title="Cluster plan", timeout=10)
         self.show_cluster()
         self.update_status()
@@ -422,7 +422,8 @@ class PotluckApp(App[None]):
         if self.cluster_state is not None:
             c = self.cluster_state
             self.cluster_state = ClusterState(
-                plan=c.plan, stages=c.stages, sent_bytes=c.sent_bytes, cached_bytes=c.cached_bytes
+                plan=c.plan, stages=c.stages, sent_bytes=c.sent_bytes, cached_bytes=c.cached_bytes,
+                head_layers=c.head_layers,
             )
         if event.error is not None:
             self.load_error = event.error
@@ -430,7 +431,7 @@ class PotluckApp(App[None]):
         elif event.session is not None:
             if self.cluster_state is not None:
                 target = getattr(event.session, "target", None)
-                self.cluster_state = self.cluster_state.loaded(stages_of(target))
+                self.cluster_state = self.cluster_state.loaded(stages_of(target), getattr(target, "head_layers", None))
                 self._traffic_at_load = traffic(target)
             old, self.session, self.spec, self.load_error = self.session, event.session, event.spec, None
             if old is not None:

@@ -84,9 +84,12 @@ class ClusterState:
     note: str = ""  # the latest loss / re-plan, for the user
     sent_bytes: int = 0  # slice bytes sent while loading
     cached_bytes: int = 0  # slice bytes the workers already had (nothing sent)
+    head_layers: tuple[int, int] | None = None  # the layers the head computes, with the output layer
 
-    def planned(self, lines: Sequence[str], stages: Sequence[StageRow]) -> ClusterState:
-        return replace(self, plan=tuple(lines), stages=tuple(stages), note="")
+    def planned(
+        self, lines: Sequence[str], stages: Sequence[StageRow], head_layers: tuple[int, int] | None = None
+    ) -> ClusterState:
+        return replace(self, plan=tuple(lines), stages=tuple(stages), note="", head_layers=head_layers)
 
     def sending(self, what: str, done: int, total: int) -> ClusterState:
         if done < total:
@@ -95,8 +98,8 @@ class ClusterState:
             return replace(self, transfer=None, cached_bytes=self.cached_bytes + total)
         return replace(self, transfer=None, sent_bytes=self.sent_bytes + total)
 
-    def loaded(self, stages: Sequence[StageRow]) -> ClusterState:
-        return replace(self, stages=tuple(stages), transfer=None)
+    def loaded(self, stages: Sequence[StageRow], head_layers: tuple[int, int] | None = None) -> ClusterState:
+        return replace(self, stages=tuple(stages), transfer=None, head_layers=head_layers or self.head_layers)
 
     def with_status(self, e: NodeStatus) -> ClusterState:
         rows = list(self.stages)
@@ -182,9 +185,9 @@ def human_bytes(n: float | None) -> str:
 
 # ----------------------------------------------------------------- loader-thread messages
 class ClusterPlanned(TMessage):
-    def __init__(self, lines: list[str], stages: list[StageRow]) -> None:
+    def __init__(self, lines: list[str], stages: list[StageRow], head_layers: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.lines, self.stages = lines, stages
+        self.lines, self.stages, self.head_layers = lines, stages, head_layers
 
 
 class SliceProgress(TMessage):
@@ -205,7 +208,8 @@ class LoadReporter:
             StageRow(s.node.name, s.node.address, (s.lo, s.hi), state="loading")  # type: ignore[attr-defined]
             for s in plan.stages  # type: ignore[attr-defined]
         ]
-        self.post(ClusterPlanned(list(plan.describe()), stages))  # type: ignore[attr-defined]
+        head = getattr(plan, "head", None)  # the head's own layers (it computes the output layer)
+        self.post(ClusterPlanned(list(plan.describe()), stages, head))  # type: ignore[attr-defined]
 
     def progress(self, what: str, done: int, total: int) -> None:
         pct = int(100 * done / total) if total else 100

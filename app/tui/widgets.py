@@ -310,6 +310,9 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
             (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
         ]))
         parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
+    if c.head_layers is not None:  # the last layer(s) and the output layer run on the head
+        lo, hi = c.head_layers
+        parts.append(grid([(Text(f"head L{lo}-{hi - 1} + output"), Text("this machine", style="dim"))]))
     if c.sent_bytes or c.cached_bytes:
         parts.append(grid([(Text("slices sent", style="dim"), human_bytes(c.sent_bytes))]))
     if c.cached_bytes:

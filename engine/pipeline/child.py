@@ -50,8 +50,7 @@ class StageSpec:
 
     path: str
     sha256: str
-    first: bool
-    last: bool
+    first: bool  # takes token ids; never last: the head computes the output layer (head.py)
     n_ctx: int
     n_batch: int
     n_seq_max: int
@@ -321,7 +320,7 @@ def _open(spec: StageSpec):  # pragma: no cover - child
     try:
         params = ContextParams(n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max,
                                n_threads=spec.n_threads, kv_unified=spec.kv_unified)
-        stage = Stage(model, first=spec.first, last=spec.last, params=params)
+        stage = Stage(model, first=spec.first, last=False, params=params)
     except BaseException:
         model.close()
         raise

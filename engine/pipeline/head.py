@@ -1,22 +1,27 @@
 """The head side: :class:`PipelineTarget`, a :class:`~potluck.engine.target.Target` whose layers
 run on LAN workers, and :func:`open_pipeline`, which joins, plans, distributes and loads.
 
-Data path: head -> stage 1 -> ... -> stage N -> head. The head sends every transaction
-(``forward`` batches, ``kv`` operations, ``reset``) to stage 1 only; each stage applies it and
-passes it on, so KV operations and batches happen in the same order everywhere. Any number of
-batches may be in flight: the last stage's results are filed by transaction number as they
-arrive and handed to whoever waits for that ticket, never dropped. ``cancel(run_id)`` goes
-to every stage out of band: queued batches of the run are skipped, a running one is aborted.
+Data path: head -> stage 1 -> ... -> stage N -> head's tail (:mod:`.tail`). The head sends
+every transaction (``forward`` batches, ``kv`` operations, ``reset``) to stage 1 only; each
+stage applies it and passes it on, so KV operations and batches happen in the same order
+everywhere. The last worker returns the hidden states of every row (n_embd floats a token,
+not n_vocab: 2.3 kB instead of 196 kB for SmolLM2), and the head's tail, which holds the
+model's last layer(s) and the output layer, takes them in transaction order with the KV
+operations and resets, and computes the logits of the rows a batch asks for. Any number of
+batches may be in flight: results are filed by ticket as the tail finishes them and handed
+to whoever waits for that ticket, never dropped. ``cancel(run_id)`` goes to every stage out
+of band, the tail included: queued batches of the run are skipped, a running one is aborted.
 
-The head needs the target's vocabulary and chat template only: the loader opens the target
-vocab-only, so a model too big for the head still works in cluster mode.
+The head maps only the tail's slice of the target (the loader opens the target itself
+vocab-only for the tokenizer and chat template), so a model too big for the head still
+works in cluster mode.
 
 Failure and recovery: every link has a ZeroMQ monitor; a worker that dies (socket closed),
 freezes (heartbeats stop, 2.5 s), becomes unreachable or stays busy past ``stall_timeout_s``
 is named as lost. The head then re-plans over the workers that still answer (and, when
 they cannot hold the model, over a :class:`HeadWorker` of its own), sends them their new
-slices, and replays its transaction log (:mod:`.recovery`) verbatim through the new chain,
-so the KV caches and every later result equal an uninterrupted run's; batches in flight
+slices, clears its tail and replays its transaction log (:mod:`.recovery`) verbatim through
+the new chain and the tail, so the KV caches and every later result equal an uninterrupted run's; batches in flight
 are re-sent by the replay and their tickets stay valid. The strategy never notices; the
 session hears of it through :meth:`PipelineTarget.notices` (``NodeStatus``
 "lost"/"recovering", ``PlanChanged``). Between replies :meth:`PipelineTarget.regroup` takes
@@ -35,6 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +53,13 @@ from ..gguf_tools import SPLITTABLE_ARCHS
 from ..jobs import DecodeJob, RunCancelled, Ticket
 from ..kv import KvOp
 from ..runner import CANCELLED_KEPT
+from ..runtime import ContextParams
+from ..stage import Stage
 from ..target import TargetBase
 from . import wire
 from .plan import NodeInfo, SplitPlan, layer_costs, manual_plan, plan_split
 from .recovery import LoggedBatch, LoggedKv, TransactionLog
+from .tail import HeadTail
 from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
 from .transport import AUTH_FAILED_EVENTS, CurveKeys, client_socket, endpoint, read_event
 
@@ -95,10 +104,10 @@ class NodeBusyError(NodeFailedError):
     """The worker serves another head (it refused our hello with code ``busy``)."""
 
 
-def max_result_bytes(n_batch: int, n_vocab: int) -> int:
-    """The largest message a worker may send this head: a result of every row of the
-    largest batch at the head's own vocabulary width, plus headers (ZMQ_MAXMSGSIZE)."""
-    return n_batch * n_vocab * 4 + (1 << 20) if n_vocab > 0 else -1
+def max_result_bytes(n_batch: int, n_embd: int) -> int:
+    """The largest message a worker may send this head: f32 hidden states of every row of
+    the largest batch at the head's own width, plus headers (ZMQ_MAXMSGSIZE)."""
+    return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
 
 
 class NodeLink:
@@ -379,6 +388,7 @@ class PipelineTarget(TargetBase):
         self,
         zctx: zmq.Context,
         links: Sequence[NodeLink],
+        tail: HeadTail,
         *,
         n_vocab: int,
         n_ctx: int,
@@ -395,6 +405,7 @@ class PipelineTarget(TargetBase):
         super().__init__()
         self._zctx = zctx
         self.links = list(links)
+        self.tail = tail  # the model's last layer(s) and the output layer, here
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -415,11 +426,11 @@ class PipelineTarget(TargetBase):
         self._tickets = itertools.count(1)
         self._txn = 0  # transactions sent to the current chain (each chain starts at 1)
         self._txn_ticket: dict[int, int] = {}  # txn of each batch sent to this chain -> its ticket
-        self._txn_rows: dict[int, int] = {}  # txn of each batch sent to this chain -> rows it returns
-        self._rows: dict[int, int] = {}  # ticket of each batch not yet waited for -> rows it returns
-        self._results: dict[int, wire.Result] = {}  # by ticket: arrived, not yet waited for
+        self._txn_rows: dict[int, int] = {}  # txn of each batch sent to this chain -> hidden rows it returns
+        self._rows: dict[int, int] = {}  # ticket of each batch not yet waited for -> logits rows it returns
+        self._results: dict[int, np.ndarray] = {}  # by ticket: logits computed, not yet waited for
         self._refused: dict[int, str] = {}  # by ticket: why a stage refused it
-        self._skipped: set[int] = set()  # tickets of batches of cancelled runs never (re)sent
+        self._skipped: set[int] = set()  # tickets of batches of cancelled runs: skipped or aborted
         self._cancelled: dict[int, None] = {}  # run ids cancelled, oldest first (as many as a runner keeps)
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
@@ -476,15 +487,13 @@ class PipelineTarget(TargetBase):
         if t in self._refused:
             self._results.pop(t, None)
             raise PotluckError(self._refused.pop(t))
-        res = self._results.pop(t)
-        if res.skip:
-            raise RunCancelled(f"run {res.run_id} was cancelled")
-        if res.logits.shape != (rows, self.n_vocab):
-            err = f"the last stage returned logits of shape {res.logits.shape}, expected ({rows}, {self.n_vocab})"
+        logits = self._results.pop(t)
+        if logits.shape != (rows, self.n_vocab):
+            err = f"the head's output layer returned logits of shape {logits.shape}, expected ({rows}, {self.n_vocab})"
             self._fail(err)
             raise NodeFailedError(err)
         self._recoveries_in_a_row = 0
-        return res.logits
+        return logits
 
     def poll(self, ticket: Ticket) -> bool:
         """Whether the ticket's result (or refusal) is here, after reading what arrived;
@@ -507,10 +516,16 @@ class PipelineTarget(TargetBase):
 
     @property
     def n_stages(self) -> int:  # type: ignore[override]
-        return max(1, len(self.links))
+        return len(self.links) + 1  # the workers, then the head's tail
+
+    @property
+    def head_layers(self) -> tuple[int, int]:
+        """The layers the head computes itself (with the output layer), for the panels."""
+        return self.tail.layers
 
     def cancel(self, run_id: int) -> None:
         """Tell every stage to skip ``run_id``'s queued batches and abort its running one."""
+        self.tail.cancel(run_id)  # thread-safe: the head's own stage hears it at once
         self._cancel_requests.append(run_id)
         if threading.get_ident() == self._owner:
             self._flush_cancels()
@@ -518,13 +533,13 @@ class PipelineTarget(TargetBase):
     def kv(self, op: KvOp, run_id: int = 0) -> None:
         self._check_usable()
         self.log.kv(op, run_id)
-        self._deliver(lambda: self._send_first(wire.KvApply.from_op(self._next_txn(), op, run_id)))
+        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op, run_id), op))
 
     def reset(self) -> None:
         """Clear every sequence on every stage (a new conversation)."""
         self._check_usable()
         self.log.reset()
-        self._deliver(lambda: self._send_first(wire.Reset(self._next_txn())))
+        self._deliver(lambda: self._send_op(wire.Reset, Stage.clear))
         self._n_past = 0
 
     def truncate(self, n_past: int) -> None:
@@ -544,6 +559,7 @@ class PipelineTarget(TargetBase):
         if self.head_worker is not None:
             self.head_worker.close()
             self.head_worker = None
+        self.tail.close()
         self._zctx.term()
 
     # -- more than the Target protocol
@@ -570,7 +586,7 @@ class PipelineTarget(TargetBase):
             if address in known or self._retry_at.get(address, 0.0) > now:
                 continue
             link = NodeLink(self._zctx, setup.keys, address, setup.head_id.encode(),
-                            max_result_bytes(self.n_batch, self.n_vocab))
+                            max_result_bytes(self.n_batch, self.tail.n_embd))
             try:
                 link.join(setup.head_id, setup.potluck_version, REGROUP_JOIN_TIMEOUT_S)
             except PotluckError as e:
@@ -654,8 +670,15 @@ class PipelineTarget(TargetBase):
     def _send_batch(self, ticket: int, job: DecodeJob) -> None:
         txn = self._next_txn()
         self._txn_ticket[txn] = ticket
-        self._txn_rows[txn] = job.n_outputs
+        self._txn_rows[txn] = job.n_tokens
         self._send_first(wire.Forward.from_job(txn, job))
+        self.tail.expect(txn, ticket, job)
+
+    def _send_op(self, message: Callable[[int], wire.WireMessage], work: KvOp | Callable[[Stage], object]) -> None:
+        """A KV operation or a reset: down the chain, and to the tail in its place."""
+        txn = self._next_txn()
+        self._send_first(message(txn))
+        self.tail.apply(txn, work)
 
     def _deliver(self, send: Callable[[], None]) -> None:
         """Send a logged transaction; after a loss the replay of the log carries it instead."""
@@ -684,12 +707,14 @@ class PipelineTarget(TargetBase):
         for link in self.links:
             self._poller.register(link.sock, zmq.POLLIN)
             self._poller.register(link.monitor, zmq.POLLIN)
+        self._poller.register(self.tail.wake_fd, zmq.POLLIN)
 
     def _receive(self, timeout_ms: int, control_from: NodeLink | None = None) -> object:
-        """Read what arrived within ``timeout_ms``: file results and refusals by ticket; return
-        True if anything came, or the first control reply from ``control_from``."""
+        """Read what arrived within ``timeout_ms``: pass hidden states to the tail, file its
+        logits and refusals by ticket; return True if anything came, or the first control
+        reply from ``control_from``."""
         events = dict(self._poller.poll(timeout_ms))
-        got: object = False
+        got: object = self._file_tail(self.tail.finished())
         for link in self.links:
             if link.monitor in events:
                 lost = link.drain_events()
@@ -713,7 +738,29 @@ class PipelineTarget(TargetBase):
                         raise NodeFailedError(why)
                 elif link is control_from and not isinstance(msg, wire.Result):
                     return msg
-        return got
+        return self._file_tail(self.tail.finished()) or got
+
+    def _file_tail(self, done: list[tuple[int, Future]]) -> bool:
+        """File what the tail finished: logits, or why a batch has none."""
+        for ticket, fut in done:
+            err = fut.exception()
+            if not ticket:  # a KV operation or a reset: the stages may now disagree
+                if err is not None:
+                    raise NodeFailedError(f"the head's own layers refused a cache operation: {err}")
+                continue
+            if not self._awaited(ticket):
+                if err is not None:
+                    raise NodeFailedError(f"a replayed batch failed on the head's own layers: {err}")
+                continue  # a replayed batch whose result was delivered before
+            if err is None:
+                self._results[ticket] = fut.result()
+            elif isinstance(err, RunCancelled):  # skipped or aborted here: llama.cpp dropped its cells
+                self._skipped.add(ticket)
+                self.log.forget(ticket)
+            else:
+                self._refused.setdefault(ticket, f"the head's own layers refused it: {err}")
+                self.log.forget(ticket)
+        return bool(done)
 
     def _awaited(self, ticket: int) -> bool:
         """Whether ``ticket``'s result is still wanted (not yet arrived, refused or skipped)."""
@@ -721,16 +768,23 @@ class PipelineTarget(TargetBase):
             and ticket not in self._skipped
 
     def _file_result(self, msg: wire.Result) -> None:
+        """The last worker's hidden states of a batch: on to the tail, or why there are none."""
         ticket = self._txn_ticket.pop(msg.txn, 0)
         rows = self._txn_rows.pop(msg.txn, 0)  # replayed batches too
-        if ticket and not msg.skip and msg.logits.shape != (rows, self.n_vocab):
-            # checked against this head's own vocabulary, never the worker's word: a wider
-            # row would hand llama.cpp a token id past the vocabulary (it aborts)
-            raise NodeFailedError(
-                f"{self.links[-1].describe()} sent logits of shape {msg.logits.shape} for transaction "
-                f"{msg.txn}, expected ({rows}, {self.n_vocab})"
-            )
-        if self._awaited(ticket) and msg.skip and msg.run_id not in self._cancelled:
+        if not ticket:
+            return  # not a batch of this chain
+        if not msg.skip:
+            if msg.hidden.shape != (rows, self.tail.n_embd):
+                # checked against this head's own width and the rows it sent, never the
+                # worker's word: llama.cpp reads n_tokens * n_embd floats from the buffer
+                raise NodeFailedError(
+                    f"{self.links[-1].describe()} sent hidden states of shape {msg.hidden.shape} for "
+                    f"transaction {msg.txn}, expected ({rows}, {self.tail.n_embd})"
+                )
+            self.tail.arrived(msg.txn, msg.hidden)
+            return
+        sent_as = self.tail.drop(msg.txn)
+        if self._awaited(ticket) and msg.run_id not in self._cancelled:
             # a stage refused it (its error may still be on the way) or the worker lies:
             # never a RunCancelled for a run nobody cancelled
             self._refused.setdefault(
@@ -739,11 +793,10 @@ class PipelineTarget(TargetBase):
             )
             self.log.forget(ticket)
             return
-        if self._awaited(ticket):
-            self._results[ticket] = msg
-            if msg.skip:  # cancelled before it computed: it never touched a cache
-                self.log.forget(ticket)
-        elif ticket and msg.skip:
+        if self._awaited(ticket):  # cancelled before it computed: it never touched a cache
+            self._skipped.add(ticket)
+            self.log.forget(ticket)
+        elif sent_as == REPLAY_RUN:  # refused ones were settled by their error already
             raise NodeFailedError(f"a replayed batch (transaction {msg.txn}) came back skipped")
 
     def _check_links(self) -> None:
@@ -867,8 +920,8 @@ class PipelineTarget(TargetBase):
         self.links = used
         self._watch_links()
         loaded = load_chain(setup, used, plan, self.transfer)
-        if loaded[-1].n_vocab != self.n_vocab or min(ld.n_ctx for ld in loaded) < self.n_ctx:
-            raise PotluckError("the new chain's vocabulary or context differs from the old one's")
+        if loaded[-1].n_embd != self.tail.n_embd or min(ld.n_ctx for ld in loaded) < self.n_ctx:
+            raise PotluckError("the new chain's width or context differs from the old one's")
         self.plan = plan
 
     def _join_head_worker(self) -> NodeLink:
@@ -877,7 +930,7 @@ class PipelineTarget(TargetBase):
         if self.head_worker is None:
             self.head_worker = HeadWorker(setup.keys, setup.slice_cache.folder / "head-worker")
         link = NodeLink(self._zctx, setup.keys, self.head_worker.address, setup.head_id.encode(),
-                        max_result_bytes(self.n_batch, self.n_vocab))
+                        max_result_bytes(self.n_batch, self.tail.n_embd))
         try:
             link.join(setup.head_id, setup.potluck_version)
         except NodeFailedError:
@@ -888,14 +941,17 @@ class PipelineTarget(TargetBase):
         return link
 
     def _replay(self) -> None:
-        """Send the log, in order, to the new chain's first stage: each stage applies exactly
-        what the old chain applied. Batches whose result is still awaited keep their ticket."""
+        """Send the log, in order, to the new chain's first stage and the cleared tail: each
+        stage applies exactly what the old chain applied. Batches whose result is still
+        awaited keep their ticket; what the tail finished before it was cleared is filed."""
+        self._file_tail(self.tail.restart())
         self._txn = 0
         self._txn_ticket.clear()
         self._txn_rows.clear()
         for entry in self.log:
             if isinstance(entry, LoggedKv):
-                self._send_first(wire.KvApply.from_op(self._next_txn(), entry.op, entry.run_id))
+                op, run_id = entry.op, entry.run_id
+                self._send_op(lambda txn, op=op, run_id=run_id: wire.KvApply.from_op(txn, op, run_id), op)
                 continue
             assert isinstance(entry, LoggedBatch)
             job = entry.job
@@ -940,11 +996,15 @@ def open_pipeline(
     recover: bool = True,
     head_fallback: bool = True,
     candidates: Callable[[], Sequence[str]] | None = None,
+    n_threads: int = 0,
 ) -> PipelineTarget:
-    """Join the workers at ``addresses``, plan the split, send slices, load the stages.
+    """Join the workers at ``addresses``, plan the split, send slices, load the stages, and
+    load the head's own last layer(s) and output layer (``n_threads`` for those; 0: all).
 
-    ``split``: fixed layer boundaries (e.g. ``[0, 9, 18]``), one stage per address in order;
-    None plans by free memory and speed score. ``on_plan`` sees the plan before anything loads.
+    ``split``: fixed layer boundaries of the workers' stages (e.g. ``[0, 9, 18]``), one stage
+    per address in order; the last stage ends where the head's layers begin, so an end of
+    ``n_layer`` means that too (:func:`.plan.manual_plan`). None plans by free memory and speed.
+    ``on_plan`` sees the plan before anything loads.
     ``skip_failed_joins`` (``--nodes auto``): a node that does not join is skipped with a
     warning instead of failing the pipeline (anyone can advertise a zeroconf record).
     ``recover``: re-plan over the other workers when one is lost (else the target just fails);
@@ -967,8 +1027,9 @@ def open_pipeline(
         model_path, keys, head_id, n_ctx, n_batch, n_seq_max, kv_unified, hidden_dtype, potluck_version,
         slice_cache or SliceCache(), progress, tuple(split) if split else None,
     )
-    max_msg = max_result_bytes(n_batch, costs.n_vocab)
+    max_msg = max_result_bytes(n_batch, costs.n_embd)
     links = [NodeLink(zctx, keys, addr, head_id.encode(), max_msg) for addr in addresses]
+    tail: HeadTail | None = None
     try:
         for link in list(links):
             try:
@@ -995,16 +1056,21 @@ def open_pipeline(
         links = used
         stats = TransferStats()
         loaded = load_chain(setup, links, plan, stats)
-        if loaded[-1].n_vocab != costs.n_vocab:
+        (tail_slice,) = setup.slice_cache.slices(model_path, list(plan.head))
+        params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads,
+                               kv_unified=kv_unified)  # as a worker's stage (child.py)
+        tail = HeadTail(tail_slice.path, plan.head, params)
+        if loaded[-1].n_embd != tail.n_embd:
             raise NodeFailedError(
-                f"{links[-1].describe()} loaded a vocabulary of {loaded[-1].n_vocab} tokens; "
-                f"the model has {costs.n_vocab}"
+                f"{links[-1].describe()} loaded hidden states of width {loaded[-1].n_embd}; "
+                f"the model has {tail.n_embd}"
             )
         return PipelineTarget(
             zctx,
             links,
+            tail,
             n_vocab=costs.n_vocab,
-            n_ctx=min(n_ctx, *(ld.n_ctx for ld in loaded)),
+            n_ctx=min(n_ctx, tail.n_ctx, *(ld.n_ctx for ld in loaded)),
             n_batch=n_batch,
             n_seq_max=n_seq_max,
             plan=plan,
@@ -1018,5 +1084,7 @@ def open_pipeline(
     except BaseException:
         for lk in links:
             lk.close(release=True)
+        if tail is not None:
+            tail.close()
         zctx.term()
         raise

@@ -7,6 +7,10 @@ the first stage, the output head on the last, its KV cache for ``n_ctx`` tokens 
 fixed allowance for compute buffers. Dynamic programming over (nodes in order, layers)
 finds the assignment minimizing the bottleneck; nodes may get no layers.
 
+The head computes the model's last layer(s) and the output layer itself (so the last
+worker returns a hidden state, not a row of logits: head.py), so workers share layers
+``[0, n_layer - t)``; ``t`` is 1 unless that one layer cannot load alone (:func:`head_layers`).
+
 A range llama.cpp cannot load is never planned: a Gemma 3 slice without a sliding-window
 layer aborts the loading process (docs/facts.md §5), so every Gemma 3 stage holds one.
 """
@@ -68,23 +72,29 @@ class StageAssignment:
 
 @dataclass(frozen=True)
 class SplitPlan:
+    """Worker stages over layers ``[0, head[0])``; the head computes ``head`` and the output."""
+
     stages: tuple[StageAssignment, ...]
     n_layer: int
+    head: tuple[int, int]  # layers the head computes itself, with the output norm and matrix
 
     @property
     def bounds(self) -> list[int]:
-        return [s.lo for s in self.stages] + [self.n_layer]
+        """Where each worker stage starts, then where the last one ends (the head's first layer)."""
+        return [s.lo for s in self.stages] + [self.head[0]]
 
     def describe(self) -> list[str]:
         """Lines the CLI prints before loading."""
         worst = max(s.cost for s in self.stages) or 1.0
-        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s)"]
+        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"]
         for i, s in enumerate(self.stages):
             lines.append(
                 f"  stage {i + 1}: layers {s.lo:>3}-{s.hi:<3} on {s.node.name} ({s.node.address})  "
                 f"~{s.mem_mb:,.0f} MB of {s.node.free_mb:,} MB free, speed {s.node.speed:g}, "
                 f"load {s.cost / worst:.0%} of the slowest"
             )
+        lo, hi = self.head
+        lines.append(f"  head:    layers {lo:>3}-{hi:<3} and the output layer on this machine")
         return lines
 
 
@@ -145,6 +155,17 @@ def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
     return costs.swa is None or any(costs.swa[lo:hi])
 
 
+def head_layers(costs: LayerCosts) -> int:
+    """How many last layers the head computes: 1, or the fewest that llama.cpp loads as a
+    slice (Gemma 3 270M's last layer is global: the head takes 16-17, not 17 alone).
+    Workers must keep at least one layer, or there is nothing to split."""
+    n = costs.n_layer
+    for t in range(1, n):
+        if loadable(costs, n - t, n):
+            return t
+    raise PotluckError(f"cannot split a model of {n} layer(s): the head computes the last one and the output")
+
+
 def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
     prefix = costs.prefix_bytes
     return prefix[hi] - prefix[lo]
@@ -160,8 +181,7 @@ def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int) -> float:
 
 
 def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo) -> float:
-    b = _range_bytes(costs, lo, hi) + (costs.head_bytes if hi == costs.n_layer else 0)
-    return b / max(node.speed, 1e-9)
+    return _range_bytes(costs, lo, hi) / max(node.speed, 1e-9)  # the output layer is the head's
 
 
 def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int) -> StageAssignment:
@@ -169,10 +189,11 @@ def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int) -> 
 
 
 def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> SplitPlan:
-    """The contiguous assignment (nodes in the given order) with the smallest bottleneck."""
+    """The contiguous assignment (nodes in the given order) of the workers' layers
+    ``[0, n_layer - head_layers)`` with the smallest bottleneck."""
     if not nodes:
         raise PotluckError("no workers to split the model over")
-    n = costs.n_layer
+    n = costs.n_layer - head_layers(costs)
     inf = float("inf")
     # best[k][j]: smallest bottleneck covering layers [0, j) with the first k nodes.
     best = [[inf] * (n + 1) for _ in range(len(nodes) + 1)]
@@ -203,18 +224,28 @@ def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> Spli
         if i < j:
             stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx))
         j = i
-    return SplitPlan(tuple(reversed(stages)), n)
+    return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
 
 
 def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int) -> SplitPlan:
-    """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1])."""
+    """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
+
+    The head computes the last layer(s) (:func:`head_layers`), so the last worker stage ends
+    where the head's layers begin: a last boundary of ``n_layer`` (or none) means that
+    end too, and no stage may start inside the head's layers."""
+    end = costs.n_layer - head_layers(costs)
     b = list(bounds)
-    if b[0] != 0:
+    if b and b[0] != 0:
         b = [0, *b]
-    if b[-1] != costs.n_layer:
-        b = [*b, costs.n_layer]
-    if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != costs.n_layer:
-        raise PotluckError(f"split {b} is not increasing within 0..{costs.n_layer}")
+    if b[-1] == costs.n_layer:
+        b[-1] = end
+    elif b[-1] < end:
+        b = [*b, end]
+    if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != end:
+        raise PotluckError(
+            f"split {list(bounds)}: stages must start at increasing layers below {end}; layers "
+            f"{end}-{costs.n_layer - 1} and the output layer run on the head"
+        )
     for lo, hi in zip(b, b[1:]):
         if not loadable(costs, lo, hi):
             raise PotluckError(
@@ -223,4 +254,5 @@ def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[i
             )
     if len(b) - 1 != len(nodes):
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
-    return SplitPlan(tuple(_assign(costs, nd, lo, hi, n_ctx) for nd, lo, hi in zip(nodes, b, b[1:])), costs.n_layer)
+    stages = tuple(_assign(costs, nd, lo, hi, n_ctx) for nd, lo, hi in zip(nodes, b, b[1:]))
+    return SplitPlan(stages, costs.n_layer, (end, costs.n_layer))

@@ -9,7 +9,7 @@ Frame layout (one ZeroMQ multipart message, jupyter_client style)::
                  "a": [["inputs", "i32", [5]], ...]}  one [name, dtype, shape] per array
     frame 2.. one raw little-endian buffer per entry of "a", in order
 
-Binary payloads (token ids, hidden states, logits, file chunks) travel as extra frames,
+Binary payloads (token ids, hidden states, file chunks) travel as extra frames,
 never inside JSON. :func:`to_frames` and :func:`parse_frames` are exact inverses;
 :func:`parse_frames` validates everything (types, sizes, shapes, cross-field consistency) before anything is
 used and raises only :class:`WireError`. Authentication and encryption are not done here:
@@ -33,8 +33,8 @@ import numpy as np
 from ..jobs import DecodeJob
 from ..kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 4  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
-# 4: status reports busy time
+PROTOCOL_VERSION = 5  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+# 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output)
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
@@ -156,7 +156,8 @@ class Load(WireMessage):
 
     ``upstream`` is the routing id data-path traffic must come from (the head for the first
     stage, the previous stage's forwarder otherwise); ``next_addr`` is the next stage's
-    endpoint ("" for the last stage, which replies to ``reply_to``: the head's routing id).
+    endpoint ("" for the last stage, which returns its hidden states to ``reply_to``: the
+    head's routing id; the head computes the last layer and the output layer).
     """
 
     TYPE = "load"
@@ -279,8 +280,9 @@ class Forward(WireMessage):
     """One batch down the pipeline: token ids (to the first stage) or hidden states (later).
 
     ``inputs``: [n] i32 token ids, or [n, n_embd] f32/f16 hidden states.
-    ``positions``, ``seq_ids``: [n] i32. ``outputs``: [n] u8, rows whose logits the last stage
-    returns. ``skip``: the run was cancelled upstream; nothing is computed, order is kept.
+    ``positions``, ``seq_ids``: [n] i32. ``outputs``: [n] u8, rows whose logits the head
+    computes (every stage still computes every row: later layers need them all). ``skip``: the
+    run was cancelled upstream; nothing is computed, order is kept.
     """
 
     TYPE = "forward"
@@ -397,18 +399,20 @@ class Reset(WireMessage):
 
 @dataclass(frozen=True)
 class Result(WireMessage):
-    """Last stage -> head: logits [rows, vocab] f32 of the requested rows of transaction ``txn``."""
+    """Last worker -> head: the hidden states [n, n_embd] (f32, or f16 with ``hidden_dtype``
+    f16) of every row of transaction ``txn``; the head runs its own last layer(s) and the
+    output layer on them. Every row, not only output rows: the head's layer keeps a KV cache."""
 
     TYPE = "result"
-    ARRAYS = ("logits",)
+    ARRAYS = ("hidden",)
     txn: int
     run_id: int
     skip: bool
-    logits: np.ndarray = field(repr=False)
+    hidden: np.ndarray = field(repr=False)
 
     def check(self) -> None:
-        if self.logits.dtype != DTYPES["f32"] or self.logits.ndim != 2:
-            raise WireError("logits must be f32 [rows, vocab]")
+        if self.hidden.dtype not in (DTYPES["f32"], DTYPES["f16"]) or self.hidden.ndim != 2:
+            raise WireError("hidden states must be f32 or f16 [n, n_embd]")
 
 
 MESSAGES: dict[str, type[WireMessage]] = {

@@ -3,7 +3,8 @@
 Life of a worker: wait for a head (``hello``), receive or find its slice by sha256
 (``offer``/``chunk``), ``load`` it as one :class:`~potluck.engine.stage.Stage`, then take
 data-path transactions in ``txn`` order: ``forward`` (a batch: compute, pass hidden states to
-the next stage or logits to the head), ``kv`` and ``reset`` (apply, pass on). ``release``
+the next stage, or back to the head from the last worker: the head computes the model's last
+layer and the output layer itself), ``kv`` and ``reset`` (apply, pass on). ``release``
 by its head, or that head going away, frees the stage and the worker waits again.
 
 This process never runs llama.cpp: the stage lives in a supervised child (child.py), so a
@@ -181,7 +182,8 @@ def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
     """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the header."""
     costs = layer_costs(path)
     kv = costs.kv_bytes_per_token_layer * load.n_ctx * costs.n_layer
-    logits = load.n_batch * costs.n_vocab * 4 if load.last else 0
+    # every row is an output of a capturing stage: llama.cpp reserves a logits row for each
+    logits = load.n_batch * costs.n_vocab * 4
     activations = load.n_batch * max(costs.n_embd, 1) * 4 * 8
     size = path.stat().st_size
     return (size + kv + logits + activations) / (1 << 20) + COMPUTE_OVERHEAD_MB, costs.arch
@@ -493,7 +495,7 @@ class Worker:
         self.store.touch(msg.sha256)
         t0 = time.perf_counter()
         proc, self._spare = self._spare or StageProcess(), None
-        spec = StageSpec(str(path), msg.sha256, msg.first, msg.last, msg.n_ctx, msg.n_batch,
+        spec = StageSpec(str(path), msg.sha256, msg.first, msg.n_ctx, msg.n_batch,
                          msg.n_seq_max, msg.kv_unified, self.n_threads)
         try:
             info = proc.load(spec, LOAD_TIMEOUT_S)
@@ -627,7 +629,8 @@ class Worker:
             self._release()  # the head keeps its session: it may load again
 
     def _pass_on(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
-        """Send a finished transaction on: logits to the head, everything else downstream."""
+        """Send a finished transaction on: the last worker's hidden states to the head,
+        everything else downstream."""
         err = fut.exception()
         if isinstance(msg, wire.Forward):
             if err is not None and not isinstance(err, RunCancelled):
@@ -635,14 +638,14 @@ class Worker:
                 self.rejected += 1
                 self._send(self.head, wire.Error(self.node, "failed", f"{err}", msg.txn))
             out = None if err is not None else fut.result()
+            hidden = out.astype(np.float16) if out is not None and ld.load.hidden_dtype == "f16" else out
             if ld.load.last:
-                logits = out if out is not None else np.zeros((0, 1), dtype=np.float32)
-                self._send(self.head, wire.Result(msg.txn, msg.run_id, out is None, logits))
+                rows = hidden if hidden is not None else np.zeros((0, 1), dtype=np.float32)
+                self._send(self.head, wire.Result(msg.txn, msg.run_id, hidden is None, rows))
                 return
-            if out is None:
+            if hidden is None:
                 self._forward(wire.to_frames(msg.skipped() if not msg.skip else msg))
                 return
-            hidden = out.astype(np.float16) if ld.load.hidden_dtype == "f16" else out
             self._forward(wire.to_frames(wire.Forward.from_job(msg.txn, msg.job(), hidden)))
             return
         if err is not None:  # a KV operation refused or lost: the head must know

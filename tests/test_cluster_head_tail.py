@@ -1,0 +1,113 @@
+"""The head computes the model's last layer and the output layer (engine/pipeline/tail.py):
+the last worker returns hidden states, a few kB a token instead of 196 kB of logits, and
+every logit still equals one machine's exactly, on 2 and 3 real worker processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.discovery.auth import keys_from_token
+from potluck.engine.jobs import DecodeJob, RunCancelled
+from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
+from potluck.engine.pipeline.transfer import SliceCache
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.target import LocalTarget
+
+from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+
+N_CTX = 512
+PROMPT = "<|im_start|>user\nName three rivers of Europe.<|im_end|>\n<|im_start|>assistant\n"
+STEPS = 10
+MAX_BYTES_PER_TOKEN = 8 * 1024  # the issue's goal; logits were 196,709 bytes a token
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
+    tmp = tmp_path_factory.mktemp("tail-workers")
+    procs: list[WorkerProc] = []
+    try:
+        for i in range(3):
+            procs.append(start_worker(tmp, f"t{i}"))
+        yield procs
+    finally:
+        for w in procs:
+            stop_worker(w.proc)
+
+
+@pytest.fixture(scope="module")
+def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
+    return SliceCache(tmp_path_factory.mktemp("tail-slices"))
+
+
+def greedy_logits(target: LocalTarget | PipelineTarget, prompt: list[int]) -> list[np.ndarray]:
+    """The prompt's logits (every row), then STEPS greedy steps' logits."""
+    out = [target.decode(prompt, all_logits=True).copy()]
+    for _ in range(STEPS):
+        out.append(target.decode([int(np.argmax(out[-1][-1]))]).copy())
+    return out
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_last_worker_returns_hidden_states_and_logits_stay_exact(
+    n_workers: int, model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    prompt = model.tokenize(PROMPT)
+    local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    try:
+        want = greedy_logits(local, prompt)
+    finally:
+        local.close()
+    split = [0, 15, 30] if n_workers == 2 else None  # the user's split, or the planner's
+    target = open_pipeline(model_path, [w.address for w in workers[:n_workers]], keys_from_token(TOKEN),
+                           n_ctx=N_CTX, n_threads=1, slice_cache=slice_cache, split=split)
+    try:
+        # workers share layers 0-28; the head holds layer 29 and the output layer
+        assert target.head_layers == (29, 30) and target.links[-1].layers is not None
+        assert target.links[-1].layers[1] == 29
+        assert len(target.links) == n_workers and target.n_stages == n_workers + 1
+        last = target.links[-1]
+        bytes_in, tokens = last.bytes_in, target.stats.tokens
+        got = greedy_logits(target, prompt)
+        per_token = (last.bytes_in - bytes_in) / (target.stats.tokens - tokens)
+        assert target.stats.tokens - tokens == len(prompt) + STEPS
+        for ref, out in zip(want, got):
+            assert np.array_equal(ref, out)  # max |diff| 0.0, every row of the prompt too
+        # hidden states of every row came back (n_embd f32 each), never a row of logits
+        assert model.n_embd * 4 < per_token <= MAX_BYTES_PER_TOKEN, per_token
+        counters = target.tail.runner.counters
+        assert counters.finished == 1 + STEPS and counters.aborted == counters.skipped == 0
+    finally:
+        target.close()
+
+
+def test_kv_operations_and_cancels_reach_the_heads_layer_in_order(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """A removed tail, a batch of a cancelled run and a reset go through the head's own layer
+    in their place: the next logits still equal one machine's."""
+    prompt = model.tokenize(PROMPT)
+    target = open_pipeline(model_path, [w.address for w in workers[:2]], keys_from_token(TOKEN),
+                           n_ctx=N_CTX, n_threads=1, slice_cache=slice_cache, split=[0, 15])
+    local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    try:
+        for t in (local, target):
+            t.decode(prompt)
+            t.decode([11, 12, 13])
+            t.truncate(len(prompt))  # a KV rm, behind the batch before it
+        run = target.new_run()
+        target.cancel(run)
+        ticket = target.submit(DecodeJob.tokens(run, [5, 6], len(prompt)))
+        with pytest.raises(RunCancelled):
+            target.wait(ticket)
+        assert np.array_equal(local.decode([42]), target.decode([42]))
+        for t in (local, target):
+            t.reset()
+        assert np.array_equal(local.decode(prompt, all_logits=True), target.decode(prompt, all_logits=True))
+        assert target.tail.runner.counters.kv_ops >= 1
+    finally:
+        local.close()
+        target.close()
