@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import Strategy
 from .minions import Minions
 from .pearl import Pearl
+from .pipeinfer import PipeInfer
 from .plain import Autoregressive
 from .speculative import DraftModelSpeculative, NgramSpeculative
 from .triforce import TriForce
@@ -16,6 +17,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     Pearl.name: Pearl,
     Minions.name: Minions,
     TriForce.name: TriForce,
+    PipeInfer.name: PipeInfer,
 }
 
 

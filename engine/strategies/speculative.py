@@ -192,6 +192,13 @@ def _int_option(spec: EngineSpec, key: str, default: int, lo: int, hi: int) -> i
     return value
 
 
+def _float_option(spec: EngineSpec, key: str, default: float, lo: float, hi: float) -> float:
+    value = spec.strategy_options.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+        raise PotluckError(f"strategy option {key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
 def _bool_option(spec: EngineSpec, key: str, default: bool) -> bool:
     value = spec.strategy_options.get(key, default)
     if not isinstance(value, bool):

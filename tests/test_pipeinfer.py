@@ -1,0 +1,241 @@
+"""`pipeinfer` is lossless while several runs are in flight down a real pipeline.
+
+Two kinds of pipeline: stages chained in this process (one runner thread per stage, the
+same Stage class a worker runs) for the many-prompt checks, and worker processes on
+loopback for the cluster itself. Counters prove the paths ran: micro-batches were sent
+while others were in flight, guesses were rejected, runs built on them were cancelled (or,
+without cancellation, computed and thrown away).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.discovery.auth import keys_from_token
+from potluck.engine import verify
+from potluck.engine.events import Finished
+from potluck.engine.gguf_tools import merge_layer_ranges, slice_layers
+from potluck.engine.loader import EngineSpec
+from potluck.engine.pipeline.head import open_pipeline
+from potluck.engine.pipeline.transfer import SliceCache
+from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.sampling import Sampler, SamplingParams, probs
+from potluck.engine.session import Session
+from potluck.engine.split import SplitTarget
+from potluck.engine.strategies import pipeinfer
+from potluck.engine.strategies.base import Generation, Strategy
+from potluck.engine.strategies.pipeinfer import PipeInfer
+from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.target import LocalTarget, Target
+
+from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .test_spec_strategies import ALPHA, LONG_PROMPTS, TURNS, broken_residual, chi2_pvalue
+
+N_CTX = 2048
+MAX_TOKENS = 64
+TURN_TOKENS = 32
+PARAMS = ContextParams(n_ctx=N_CTX, n_threads=1)
+SPLITS = {2: [(0, 15), (15, 30)], 3: [(0, 9), (9, 21), (21, 30)]}
+
+
+def build(model: Model, draft: Path | None = None, **options: object) -> PipeInfer:
+    spec = EngineSpec(strategy="pipeinfer", draft=draft, n_ctx=N_CTX, n_threads=1, strategy_options=dict(options))
+    strategy = PipeInfer.build(model, spec)
+    assert isinstance(strategy, PipeInfer)
+    return strategy
+
+
+@pytest.fixture(scope="module")
+def stage_models(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, list[Model]]]:
+    tmp = tmp_path_factory.mktemp("pipeinfer-slices")
+    out = {n: [Model(slice_layers(model_path, tmp / f"{n}-{lo}.gguf", lo, hi)) for lo, hi in bounds]
+           for n, bounds in SPLITS.items()}
+    yield out
+    for models in out.values():
+        for m in models:
+            m.close()
+
+
+@pytest.fixture(scope="module")
+def weak_draft(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """20 of the 30 layers: a draft that is often wrong, so guesses get rejected."""
+    return merge_layer_ranges(model_path, tmp_path_factory.mktemp("pi-draft") / "d.gguf", [(0, 19)])
+
+
+CASES = [(p, MAX_TOKENS, True) for p in LONG_PROMPTS[:2]] + [(t, TURN_TOKENS, i == 0) for i, t in enumerate(TURNS[:2])]
+
+
+def replies(
+    model: Model, target: Target, strategy: Strategy, before_close: Callable[[], None] = lambda: None
+) -> tuple[list[list[int]], Counter[str]]:
+    """Two long prompts alone (a story, a code rewrite), then a two-turn conversation: the replies' tokens and the
+    counters summed over them (drafted/accepted from the replies, the rest from pipeinfer's
+    per-reply counters). Closes the session (target and strategy) after ``before_close``."""
+    session = Session(model, target, strategy)
+    got: list[list[int]] = []
+    sums: Counter[str] = Counter()
+    try:
+        for text, max_new, fresh in CASES:
+            if fresh:
+                session.load_messages([])
+            *_, fin = session.generate(text, SamplingParams(), max_new)
+            assert isinstance(fin, Finished)
+            got.append(list(fin.tokens))
+            sums.update(drafted=fin.drafted, accepted=fin.accepted)
+            if isinstance(strategy, PipeInfer):
+                c = strategy.counters
+                sums.update(cancelled=c.cancelled, wasted=c.wasted, speculative=c.speculative_runs)
+                sums["max_in_flight"] = max(sums["max_in_flight"], c.max_in_flight)
+        before_close()
+        return got, sums
+    finally:
+        session.close()
+
+
+@pytest.fixture(scope="module")
+def plain(model: Model) -> list[list[int]]:
+    return replies(model, LocalTarget(model, PARAMS), Autoregressive())[0]
+
+
+def split(models: list[Model]) -> SplitTarget:
+    return SplitTarget(models, PARAMS)
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_greedy_pipeinfer_equals_plain_decoding(
+    model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], n_stages: int
+) -> None:
+    got, c = replies(model, split(stage_models[n_stages]), build(model))
+    assert got == plain
+    assert c["drafted"] > c["accepted"] > 0  # N-gram guesses were both accepted and rejected
+    assert c["speculative"] > 0 and c["max_in_flight"] >= 2  # micro-batches overlapped
+    assert c["cancelled"] > 0  # runs built on a rejected guess were cancelled
+
+
+def test_pipeinfer_with_a_draft_model_that_gets_rejected(
+    model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], weak_draft: Path
+) -> None:
+    got, c = replies(model, split(stage_models[2]), build(model, weak_draft))
+    assert got == plain
+    assert c["drafted"] > c["accepted"] > 0 and c["cancelled"] > 0
+
+
+@pytest.mark.parametrize("options", [{"cancel": False}, {"continuous": False}, {"max_micro": 1, "max_runs": 6}])
+def test_ablations_stay_exact(
+    model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], options: dict[str, object]
+) -> None:
+    strategy = build(model, **options)
+    got, c = replies(model, split(stage_models[2]), strategy)
+    assert got == plain
+    assert c["drafted"] > c["accepted"] > 0
+    if options.get("cancel") is False:
+        assert c["cancelled"] == 0 and c["wasted"] > 0  # runs on rejected guesses computed to the end
+    if options.get("continuous") is False:
+        assert c["max_in_flight"] <= 2  # the own token and at most one speculative run
+
+
+def test_one_stage_runs_ordinary_speculation(model: Model, plain: list[list[int]]) -> None:
+    got, c = replies(model, LocalTarget(model, PARAMS), build(model))
+    assert got == plain
+    assert c["drafted"] > 0 and c["speculative"] == 0  # drafted, but never a pipelined run
+
+
+def test_options_are_checked(model: Model) -> None:
+    from potluck.engine.errors import PotluckError
+
+    with pytest.raises(PotluckError, match="max_micro"):
+        build(model, max_micro=9)
+    with pytest.raises(PotluckError, match="recovery"):
+        build(model, recovery=-1.0)
+
+
+# --------------------------------------------------------------------------- sampling
+
+SAMPLED = SamplingParams(temperature=0.8)
+TRIALS = 200
+
+
+def second_tokens(model: Model, stages: list[Model], strategy: PipeInfer, text: str) -> tuple[list[int], np.ndarray]:
+    """The token after the most likely first token, over ``TRIALS`` seeded replies, where a
+    guess was judged there; and the target's exact distribution at that position."""
+    target = split(stages)
+    try:
+        prompt = model.tokenize(text, add_special=True)
+        first_logits = target.decode(prompt)[-1].copy()
+        first = int(np.argmax(probs(first_logits, SAMPLED)))
+        pending = target.decode([first])[-1].copy()
+        target.truncate(len(prompt))
+        out: list[int] = []
+        for seed in range(TRIALS):
+            seeds = np.random.SeedSequence(seed)
+            g = Generation(
+                run_id=seed, target=target,
+                sampler=Sampler(SamplingParams(temperature=0.8, seed=seed), np.random.default_rng(seeds)),
+                seeds=seeds, history=list(prompt), first_logits=first_logits, max_new=4, is_eog=model.is_eog,
+            )
+            strategy.prepare(g)
+            rounds = strategy.run(g)
+            head = next(rounds)  # the first token: sampled from the prompt's logits
+            g.history += head.tokens
+            g.n_new += len(head.tokens)
+            if head.tokens == [first]:
+                nxt = next(rounds)
+                if nxt.drafted > 0:  # the verifier, not plain sampling, chose this token
+                    out.append(nxt.tokens[0])
+            rounds.close()
+            target.truncate(len(prompt))
+        assert len(out) > TRIALS // 3
+        return out, probs(pending, SAMPLED)
+    finally:
+        target.close()
+
+
+def test_sampled_pipeinfer_token_follows_target_distribution(
+    model: Model, stage_models: dict[int, list[Model]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strategy = build(model)  # N-gram guesses (q = delta): " apples" after "fruits:"
+    text = "My favourite fruits: apples, pears, plums. Her favourite fruits"  # then ":", then open
+    tokens, p = second_tokens(model, stage_models[2], strategy, text)
+    assert chi2_pvalue(tokens, p) > ALPHA
+    # the same with a verifier that resamples from p after a rejection must fail
+    monkeypatch.setattr(pipeinfer, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
+    tokens, p = second_tokens(model, stage_models[2], strategy, text)
+    assert chi2_pvalue(tokens, p) < ALPHA
+    strategy.close()
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
+    tmp = tmp_path_factory.mktemp("pi-workers")
+    procs: list[WorkerProc] = []
+    try:
+        for i in range(3):
+            procs.append(start_worker(tmp, f"pi{i}"))
+        yield procs
+    finally:
+        for w in procs:
+            stop_worker(w.proc)
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_pipeinfer_over_loopback_workers_equals_one_machine(
+    model: Model, model_path: Path, workers: list[WorkerProc], plain: list[list[int]], n_workers: int,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    target = open_pipeline(model_path, [w.address for w in workers[:n_workers]], keys_from_token(TOKEN),
+                           n_ctx=N_CTX, slice_cache=SliceCache(tmp_path_factory.mktemp("pi-cache")))
+    status = []
+    got, c = replies(model, target, build(model), lambda: status.extend(target.status()))
+    assert got == plain
+    assert c["drafted"] > c["accepted"] > 0 and c["cancelled"] > 0 and c["max_in_flight"] >= 2
+    assert len(status) == n_workers and all(st.busy_ms > 0 for st in status)
+    assert sum(st.skipped + st.aborted for st in status) > 0  # stages dropped cancelled work
