@@ -20,9 +20,10 @@ Failure and recovery: every link has a ZeroMQ monitor; a worker that dies (socke
 freezes (heartbeats stop, 2.5 s), becomes unreachable or stays busy past ``stall_timeout_s``
 is named as lost. The head then re-plans over the workers that still answer (and, when
 they cannot hold the model, over a :class:`HeadWorker` of its own), sends them their new
-slices, clears its tail and replays its transaction log (:mod:`.recovery`) verbatim through
-the new chain and the tail, so the KV caches and every later result equal an uninterrupted run's; batches in flight
-are re-sent by the replay and their tickets stay valid. The strategy never notices; the
+slices, lets its tail finish what it holds, clears it, and replays its transaction log
+(:mod:`.recovery`) verbatim through the new chain and the tail, so the KV caches and every
+later result equal an uninterrupted run's; batches in flight are re-sent by the replay and
+their tickets stay valid. The strategy never notices; the
 session hears of it through :meth:`PipelineTarget.notices` (``NodeStatus``
 "lost"/"recovering", ``PlanChanged``). Between replies :meth:`PipelineTarget.regroup` takes
 in workers that joined or came back, the same way, when they make the plan faster. When no
