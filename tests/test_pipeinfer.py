@@ -118,6 +118,33 @@ def test_greedy_pipeinfer_equals_plain_decoding(
     assert c["cancelled"] > 0  # runs built on a rejected guess were cancelled
 
 
+def test_replies_that_end_while_kept_tokens_are_in_flight(model: Model, stage_models: dict[int, list[Model]]) -> None:
+    """Short replies that end on an end-of-generation token the N-gram tables guessed (they
+    saw it end the turns before): the reply ends while the run holding that kept token is
+    still going down the pipeline; it must finish, not be cancelled, or the next turn finds
+    a hole in the stages' caches."""
+    turns = ["Answer with one word: yes or no. Is water wet?"] + ["Same question, same one-word answer."] * 4
+
+    def talk(target: Target, strategy: Strategy) -> tuple[list[tuple[int, ...]], int]:
+        session = Session(model, target, strategy)
+        out, kept = [], 0
+        try:
+            for turn in turns:
+                *_, fin = session.generate(turn, SamplingParams(), 16)
+                assert isinstance(fin, Finished)
+                out.append(fin.tokens)
+                if isinstance(strategy, PipeInfer):
+                    kept += strategy.counters.kept_at_end
+            return out, kept
+        finally:
+            session.close()
+
+    want, _ = talk(LocalTarget(model, PARAMS), Autoregressive())
+    got, kept = talk(split(stage_models[2]), build(model))
+    assert got == want
+    assert kept > 0
+
+
 def test_pipeinfer_with_a_draft_model_that_gets_rejected(
     model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], weak_draft: Path
 ) -> None:

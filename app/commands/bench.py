@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ...engine.benchmark import (
     ngram_scaling,
     run_bench,
 )
+from ...engine.cluster_bench import ClusterBenchConfig, ClusterRow
 from ...engine.errors import PotluckError
 from ...engine.fixtures import RECIPES, build_all, build_fixture
 from ...engine.loader import resolve_model
@@ -99,6 +101,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --chat-parity: repeat both with a background process spinning one core",
     )
     p.add_argument("--prompt", help="with --chat-parity: the user message (default: a short story)")
+    c = p.add_argument_group("cluster bench (synchronous pipeline, anpd/sd over it, pipeinfer and its ablations)")
+    c.add_argument(
+        "--cluster", type=positive_int, metavar="N",
+        help="start N `potluck worker`s on loopback (1 thread each) and bench the pipeline over them",
+    )
+    c.add_argument("--nodes", help="bench the pipeline over these running workers (host:port,... in order)")
+    c.add_argument("--token-file", type=Path, help="with --nodes: the cluster token's file (default: $POTLUCK_TOKEN)")
+    c.add_argument("--split", help="with --cluster/--nodes: fixed layer boundaries of the workers' stages")
+    c.add_argument(
+        "--variants", help="with --cluster/--nodes: comma-separated variants (default: all; the baselines always run)"
+    )
 
 
 def _parse_options(items: list[str]) -> dict[str, object]:
@@ -131,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         raise PotluckError("--load only applies to --chat-parity; add --chat-parity or drop --load")
     if args.chat_parity:
         return _chat_parity(args)
+    if args.cluster or args.nodes:
+        return _cluster(args)
+    for flag in ("token_file", "split", "variants"):
+        if getattr(args, flag) is not None:
+            raise PotluckError(f"--{flag.replace('_', '-')} only applies to --cluster or --nodes")
     if args.ngram_scaling:
         rows = ngram_scaling()
         if args.json:
@@ -198,6 +216,70 @@ def _chat_parity(args: argparse.Namespace) -> int:
     else:
         print(format_parity(rows, args.max_tokens, args.reps))
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import secrets
+    import tempfile
+
+    from ...discovery.auth import keys_from_token, resolve_token
+    from ...engine.cluster_bench import run_cluster_bench
+    from ..loopback import spawn_worker, stop_worker
+
+    if args.cluster and args.nodes:
+        raise PotluckError("pass either --cluster N (loopback workers) or --nodes (running workers), not both")
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    cfg = ClusterBenchConfig(
+        model=args.model,
+        draft=args.draft,
+        families=families,
+        max_tokens=args.max_tokens,
+        reps=args.reps,
+        n_ctx=limits.context_sizes(args.ctx or 2048).n_ctx,
+        n_threads=limits.threads(args.threads, "--threads"),
+        split=None if args.split is None else limits.split(args.split),
+        only=tuple(v.strip() for v in (args.variants or "").split(",") if v.strip()),
+    )
+    progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    procs = []
+    try:
+        if args.nodes:
+            addresses = limits.nodes(args.nodes)
+            keys = keys_from_token(resolve_token(None, args.token_file))
+        else:
+            token = secrets.token_urlsafe(32)
+            folder = Path(tempfile.mkdtemp(prefix="potluck-bench-"))
+            for i in range(args.cluster):
+                procs.append(spawn_worker(folder, f"w{i}", token))
+            addresses = tuple(p[2] for p in procs)
+            keys = keys_from_token(token)
+        rows = run_cluster_bench(cfg, addresses, keys, progress)
+    finally:
+        for proc, *_ in procs:
+            stop_worker(proc)
+        if procs:
+            shutil.rmtree(folder, ignore_errors=True)
+    if args.json:
+        print(json.dumps([r.as_json() for r in rows], ensure_ascii=False))
+    else:
+        print(format_cluster_table(rows, cfg))
+    return 0
+
+
+def format_cluster_table(rows: list[ClusterRow], cfg: ClusterBenchConfig) -> str:
+    cols = (f"{'family':<14}{'variant':<26}{'tok/s':>7}{'vs pipe':>8}{'vs one':>8}{'ttft s':>8}{'accept':>8}"
+            f"{'fed/tok':>8}{'cancel/rpl':>11}{'last B/tok':>11}  identical  stage busy")
+    lines = [f"max tokens {cfg.max_tokens}, reps {cfg.reps} (medians); 'one machine' holds the whole model "
+             f"with {cfg.n_threads or 'all'} threads", "", cols, "-" * len(cols)]
+    for r in rows:
+        busy = " ".join(f"{b:.2f}" for b in r.stage_busy) or "-"
+        lines.append(
+            f"{r.family:<14}{r.variant:<26}{r.tokens_per_s:>7.1f}{r.vs_pipeline:>7.2f}x{r.vs_one_machine:>7.2f}x"
+            f"{r.ttft_s:>8.2f}{_fmt(r.acceptance_rate, '.2f'):>8}{_fmt(r.fed_per_token, '.2f'):>8}"
+            f"{_fmt(r.cancelled_per_reply, '.1f'):>11}{_fmt(r.last_stage_bytes_per_token, '.0f'):>11}"
+            f"  {'yes' if r.identical_to_one_machine else 'NO':<9}  {busy}"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -89,6 +89,7 @@ class PipeInferCounters:
     cancelled: int = 0  # runs cancelled because they were built on a rejected guess
     wasted: int = 0  # runs computed on a rejected guess (cancellation off, or too late)
     max_in_flight: int = 0
+    kept_at_end: int = 0  # runs still in flight with kept tokens when the reply ended
 
 
 class PipeInfer(Strategy):
@@ -327,10 +328,14 @@ class PipeInfer(Strategy):
                     raise PotluckError("pipeinfer: no run in flight and no logits to decide from")
         finally:
             # the reply ended: no guess may stay in flight or in the cache past the conversation
-            if self.cancel:
-                for r in runs:
-                    if r.speculative:
+            # a run holding a kept token must finish (an accepted guess may still be on its way
+            # down the pipeline); runs wholly past the reply's end are cancelled
+            for r in runs:
+                if r.pos0 >= len(history):
+                    if self.cancel:
                         target.cancel(r.ticket.run_id)
+                else:
+                    counters.kept_at_end += 1
             for r in runs:
                 try:
                     target.wait(r.ticket)

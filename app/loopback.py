@@ -1,0 +1,73 @@
+"""`potluck worker` processes on this machine's loopback: the cluster bench's stages (and
+the tests' workers), real processes that only ever listen on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..engine.errors import PotluckError
+
+_LISTEN = re.compile(r"potluck worker (\w+) listening on ([\d.]+):(\d+)")
+START_TIMEOUT_S = 60.0
+
+
+def spawn_worker(
+    folder: Path,
+    name: str,
+    token: str,
+    *,
+    threads: int = 1,
+    zeroconf: bool = False,
+    extra_args: Sequence[str] = (),
+    preexec: Callable[[], None] | None = None,
+) -> tuple[subprocess.Popen, str, str, Path]:
+    """Start one worker with its own home and slice cache under ``folder``; returns once it
+    listens: (process, node id, "127.0.0.1:port", its log file). Zeroconf, if on, is bound
+    to loopback only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / f"{name}.log"
+    args = [
+        sys.executable, "-m", "potluck.app.cli", "worker", "--port", "0", "--bind", "127.0.0.1",
+        "--threads", str(threads), "--cache-dir", str(folder / f"{name}-cache"),
+        *(["--zeroconf-interface", "127.0.0.1"] if zeroconf else ["--no-zeroconf"]),
+        *extra_args,
+    ]
+    # the token travels in the environment, never on the command line (`ps` shows those)
+    env = dict(os.environ, POTLUCK_HOME=str(folder / f"{name}-home"), PYTHONUNBUFFERED="1", POTLUCK_TOKEN=token)
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file, env=env, preexec_fn=preexec)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    line = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            m = _LISTEN.search(line.decode(errors="replace"))
+            if m:
+                return proc, m.group(1), f"{m.group(2)}:{m.group(3)}", log_path
+        if proc.poll() is not None:
+            break
+    stop_worker(proc)
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [line.decode(errors="replace")]
+    raise PotluckError(f"a loopback worker did not start: {tail[0]}")
+
+
+def stop_worker(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    if proc.stdout is not None:
+        proc.stdout.close()
