@@ -79,6 +79,7 @@ class ClusterRow:
     vs_one_machine: float
     ttft_s: float  # median time to first token (prompt processing included)
     acceptance_rate: float | None
+    judged_per_token: float | None  # guesses the target judged per generated token
     identical_to_one_machine: bool
     stage_busy: tuple[float, ...]  # per stage: computing time / wall time of the replies
     last_stage_bytes_per_token: float | None  # received from the last worker per token it computed
@@ -222,6 +223,7 @@ def _row(v: Variant, fam: str, accs: dict[tuple[str, str], _Acc], stages: int) -
         vs_one_machine=ratio(ONE_MACHINE),
         ttft_s=statistics.median(acc.ttft) if acc.ttft else 0.0,
         acceptance_rate=acc.accepted / acc.drafted if acc.drafted else None,
+        judged_per_token=acc.drafted / acc.generated if acc.generated and acc.drafted else None,
         identical_to_one_machine=acc.identical,
         stage_busy=tuple(b / acc.wall_ms for b in acc.busy_ms) if acc.wall_ms else (),
         last_stage_bytes_per_token=acc.last_bytes / acc.fed if acc.fed else None,

@@ -266,3 +266,24 @@ def test_pipeinfer_over_loopback_workers_equals_one_machine(
     assert c["drafted"] > c["accepted"] > 0 and c["cancelled"] > 0 and c["max_in_flight"] >= 2
     assert len(status) == n_workers and all(st.busy_ms > 0 for st in status)
     assert sum(st.skipped + st.aborted for st in status) > 0  # stages dropped cancelled work
+
+
+def test_cluster_bench_reports_overlap_and_bytes(
+    model_path: Path, workers: list[WorkerProc], tmp_path: Path
+) -> None:
+    """The cluster bench's rows (not its timings): every variant's output equals one
+    machine's, stages report busy time, the last worker sends hidden states, not logits."""
+    from potluck.engine.cluster_bench import ONE_MACHINE, SYNC, ClusterBenchConfig, run_cluster_bench
+
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Rewrite with snake_case: def addTwo(firstValue, secondValue): return firstValue + 2\n")
+    cfg = ClusterBenchConfig(model=model_path, families=(str(prompts),), reps=1, max_tokens=24, only=("pipeinfer",))
+    rows = {r.variant: r for r in run_cluster_bench(cfg, [w.address for w in workers[:2]], keys_from_token(TOKEN))}
+    assert set(rows) == {ONE_MACHINE, SYNC, "pipeinfer"}  # the baselines always run
+    assert all(r.identical_to_one_machine for r in rows.values())
+    for name in (SYNC, "pipeinfer"):
+        r = rows[name]
+        assert len(r.stage_busy) == 2 and all(0 < b < 1 for b in r.stage_busy)
+        assert r.last_stage_bytes_per_token is not None and r.last_stage_bytes_per_token < 8192
+    assert rows["pipeinfer"].fed_per_token > rows[SYNC].fed_per_token  # guesses went down the pipeline
+    assert rows["pipeinfer"].cancelled_per_reply is not None
