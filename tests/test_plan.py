@@ -54,7 +54,7 @@ def test_manual_plan_checks_counts() -> None:
         assert plan.bounds == [0, 9, 29] and plan.head == (29, 30)
     with pytest.raises(PotluckError, match="2 stages but 3"):
         manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 30], 512)
-    with pytest.raises(PotluckError, match="below 29; layers 29-29 and the output layer run on the head"):
+    with pytest.raises(PotluckError, match="below 29; layer 29 and the output layer run on the head"):
         manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 29, 30], 512)  # a stage of the head's layer
 
 

@@ -242,9 +242,11 @@ def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[i
     elif b[-1] < end:
         b = [*b, end]
     if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != end:
+        last = costs.n_layer - 1
+        held = f"layer {end}" if end == last else f"layers {end}-{last}"
         raise PotluckError(
-            f"split {list(bounds)}: stages must start at increasing layers below {end}; layers "
-            f"{end}-{costs.n_layer - 1} and the output layer run on the head"
+            f"split {list(bounds)}: stages must start at increasing layers below {end}; "
+            f"{held} and the output layer run on the head"
         )
     for lo, hi in zip(b, b[1:]):
         if not loadable(costs, lo, hi):
