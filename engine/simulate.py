@@ -56,13 +56,13 @@ words, its authors' code and potluck's module differ:
 - ``code`` (``engine/strategies/pipeinfer.py`` as of 2026-11-23): ``iterations`` is the
   number of speculative runs in flight; ``declines`` resets when a round accepts guesses
   and ends on no token of the target's own; a cutoff above 1 stops speculation without
-  counting a decline; the head drafts up to ``max_runs`` even when a result is waiting.
+  counting a decline. The cutoff itself is the strategy's :class:`Cutoff` (one formula).
 
 The readings matter: under ``paper``, a burst whose first guess fails leaves the cutoff
 above 1 until about 40 idle declines (decay 0.01) bring it down, so PipeInfer spends most
-of its time one token at a time (``--trends --cutoff-rule paper``); under ``code`` the
-recovery factor 0.4 allows at most 3 speculative runs in flight, too few to fill more
-than about 4 stages.
+of its time one token at a time (``--trends --cutoff-rule paper``); under ``code`` with
+the paper's recovery factor 0.4 at most 3 speculative runs fly at once, too few to fill
+more than about 4 stages, which is why the strategy's default shrinks it on deep pipelines.
 
 On one stage ``pipeinfer`` runs as ``speculative``, as the strategy module does.
 """
@@ -79,13 +79,13 @@ from typing import Any
 import numpy as np
 
 from .errors import PotluckError
+from .strategies.pipeinfer import MAX_MICRO, Cutoff
 
 # docs/facts.md §6, `potluck perf` with logits for every row (SmolLM2-135M, 2 threads)
 DEFAULT_BATCH_COST: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.76), (4, 3.06), (8, 5.55), (16, 11.07))
 STRATEGIES = ("iterative", "speculative", "pipelined", "pipeinfer", "pipeinfer-nocancel", "pipeinfer-nocontinuous")
 TREND_NODES = (1, 2, 4, 8, 16, 32)
 CUTOFF_RULES = ("paper", "reference", "code")
-MAX_MICRO = 4  # PipeInfer's micro-batches hold 1-4 tokens (§IV-B1)
 MAX_MS = 1e6  # any time setting (ms): beyond it sums of times lose their precision
 
 
@@ -113,7 +113,7 @@ class SimConfig:
     max_runs: int = 0  # runs in flight (0: stages + 1)
     max_draft: int = 8  # pipeinfer-nocontinuous: one bigger speculative run
     p_accept: float = 0.001  # PipeInfer's cutoff factors (the paper's -pa -pr -pd)
-    recovery: float = 0.4
+    recovery: float | None = None  # None: the strategy's own default, min(0.4, 1 / (stages + 1))
     decay: float = 0.01
     cutoff_rule: str = "code"  # or "paper", "reference" (module docstring)
     skip_ms: float = 0.01
@@ -134,7 +134,7 @@ class SimConfig:
         for name, value in (("--head-ms", self.head_ms),
                             ("--sample-ms", self.sample_ms), ("--draft-ms", self.draft_ms),
                             ("--latency-ms", self.latency_ms), ("--skip-ms", self.skip_ms),
-                            ("--abort-ms", self.abort_ms), ("--recovery", self.recovery),
+                            ("--abort-ms", self.abort_ms), ("--recovery", self.recovery or 0.0),
                             ("--prefill-ms", self.prefill_ms),
                             ("--decay", self.decay), ("--p-accept", self.p_accept)):
             if not 0 <= value <= MAX_MS:
@@ -223,19 +223,6 @@ class PerfTiming:
 
 
 @dataclass(frozen=True)
-class Cutoff:
-    """PipeInfer's confidence cutoff (§IV-B2): ``p_accept + iterations * recovery -
-    declines * decay``, never below 0."""
-
-    p_accept: float
-    recovery: float
-    decay: float
-
-    def value(self, iterations: int, declines: int) -> float:
-        return max(0.0, self.p_accept + iterations * self.recovery - declines * self.decay)
-
-
-@dataclass(frozen=True)
 class Policy:
     """One way of decoding, as switches of the one head loop."""
 
@@ -252,9 +239,10 @@ class Policy:
 
 def policy(name: str, cfg: SimConfig) -> Policy:
     cap = cfg.max_runs or cfg.n_stages + 1  # one run per stage, one more for the trip back
-    cutoff = Cutoff(cfg.p_accept, cfg.recovery, cfg.decay)
-    pipeinfer = Policy("pipeinfer", MAX_MICRO, cap, True, True, True, cutoff, cfg.cutoff_rule,
-                       poll_before_draft=cfg.cutoff_rule != "code")
+    # the paper's readings use its factor; potluck's strategy (None) sizes it to the pipeline
+    recovery = cfg.recovery if cfg.recovery is not None or cfg.cutoff_rule == "code" else 0.4
+    cutoff = Cutoff(cfg.p_accept, recovery, cfg.decay)
+    pipeinfer = Policy("pipeinfer", MAX_MICRO, cap, True, True, True, cutoff, cfg.cutoff_rule)
     if cfg.n_stages < 2 and name.startswith("pipeinfer"):
         name = "speculative"  # on one stage the strategy runs as ordinary speculation
     return {
@@ -575,7 +563,7 @@ def _head_loop(
             if pol.cutoff is not None:
                 if pol.cutoff_rule == "code":
                     iterations = sum(r.speculative for r in runs)
-                want = pol.cutoff.value(iterations, declines)
+                want = pol.cutoff.value(iterations, declines, cfg.n_stages)
                 n = 0 if want > 1.0 else _longest_confident(alpha, want, room)
             if n and cfg.p_none and rng.random() < cfg.p_none:
                 n = 0

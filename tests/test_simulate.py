@@ -57,7 +57,8 @@ def test_alpha_zero_pipeinfer_costs_no_more_than_its_skips() -> None:
     r = run(replace(FOUR, alpha=0.0), "iterative", "pipeinfer", "speculative")
     it, p, s = r["iterative"], r["pipeinfer"], r["speculative"]
     assert p["accepted"] == 0
-    assert p["tok_s"] >= 0.97 * it["tok_s"]
+    # a stage busy with a doomed micro-batch delays the own token until the abort lands
+    assert p["tok_s"] >= 0.95 * it["tok_s"]
     # speculation pays for its drafts and bigger batches and gets nothing back
     assert s["tok_s"] < it["tok_s"]
     assert s["drafted"] > 0 and s["accepted"] == 0
@@ -269,10 +270,11 @@ def test_fit_latency_makes_iterative_match_a_measurement() -> None:
 
 
 def test_code_rule_caps_speculative_runs_by_the_recovery_factor() -> None:
-    # potluck's strategy counts the speculative runs in flight: p_accept + 3 * 0.4 > 1 stops a 4th
+    # potluck's strategy counts the speculative runs in flight: with the paper's 0.4,
+    # p_accept + 3 * 0.4 > 1 stops a 4th; its default (1 / (stages + 1)) fills 8 stages
     cfg = replace(FOUR, stage_ms=(1.5,) * 8, alpha=1.0, cutoff_rule="code")
-    capped = run(cfg, "pipeinfer")["pipeinfer"]
+    capped = run(replace(cfg, recovery=0.4), "pipeinfer")["pipeinfer"]
     assert capped["max_in_flight"] == 4  # 3 speculative + the own token's run
-    deeper = run(replace(cfg, recovery=0.1), "pipeinfer")["pipeinfer"]
+    deeper = run(cfg, "pipeinfer")["pipeinfer"]
     assert deeper["max_in_flight"] == 9  # stages + 1
     assert deeper["busy_mean"] > capped["busy_mean"] + 0.2

@@ -79,7 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-runs", type=int, default=d.max_runs, help="runs in flight (default: stages + 1)")
     s.add_argument("--max-draft", type=int, default=d.max_draft, help="pipeinfer-nocontinuous's run size")
     s.add_argument("--p-accept", type=float, default=d.p_accept, help="PipeInfer cutoff base (paper 0.001)")
-    s.add_argument("--recovery", type=float, default=d.recovery, help="cutoff recovery factor (paper 0.4)")
+    s.add_argument("--recovery", type=float, default=d.recovery,
+                   help="cutoff recovery factor (default: min(0.4, 1 / (stages + 1)), as the strategy; paper 0.4)")
     s.add_argument("--decay", type=float, default=d.decay, help="cutoff decay factor (paper 0.01)")
     s.add_argument("--cutoff-rule", choices=CUTOFF_RULES, default=None,
                    help="how the cutoff's counters reset (see engine/simulate.py; default: 'code', potluck's "

@@ -62,14 +62,18 @@ MAX_MICRO = 4  # the paper's micro-batches hold 1-4 tokens
 @dataclass(frozen=True)
 class Cutoff:
     """The confidence cutoff of continuous speculation (PipeInfer §IV-B2), with the
-    factors of the paper's own runs (``-pa 0.001 -pr 0.4 -pd 0.01``)."""
+    factors of the paper's own runs (``-pa 0.001 -pr 0.4 -pd 0.01``), except that the
+    recovery factor shrinks on deep pipelines: at 0.4 a fourth micro-batch in flight is
+    never confident enough, which cannot fill more than about four stages (measured with
+    ``potluck simulate``). ``recovery=None``: min(0.4, 1 / (stages + 1))."""
 
     p_accept: float = 0.001
-    recovery: float = 0.4
+    recovery: float | None = None
     decay: float = 0.01
 
-    def value(self, iterations: int, declines: int) -> float:
-        return max(0.0, self.p_accept + iterations * self.recovery - declines * self.decay)
+    def value(self, iterations: int, declines: int, n_stages: int) -> float:
+        recovery = self.recovery if self.recovery is not None else min(0.4, 1.0 / (n_stages + 1))
+        return max(0.0, self.p_accept + iterations * recovery - declines * self.decay)
 
 
 @dataclass
@@ -102,7 +106,8 @@ class PipeInfer(Strategy):
         "cancel": "cancel runs built on a rejected guess (false: compute them to the end)",
         "continuous": "keep speculating while runs are in flight (false: one speculative run at a time)",
         "p_accept": "the confidence a micro-batch needs to be sent (the cutoff's base)",
-        "recovery": "added to the cutoff for each micro-batch in flight since an accepted run",
+        "recovery": "added to the cutoff for each speculative micro-batch in flight "
+        "(default: min(0.4, 1 / (stages + 1)))",
         "decay": "taken off the cutoff each time the head idles with speculation declined",
     }
 
@@ -136,9 +141,10 @@ class PipeInfer(Strategy):
         cancel = _bool_option(spec, "cancel", True)
         continuous = _bool_option(spec, "continuous", True)
         cutoff = Cutoff(
-            _float_option(spec, "p_accept", Cutoff.p_accept, 0.0, 1.0),
-            _float_option(spec, "recovery", Cutoff.recovery, 0.0, 1.0),
-            _float_option(spec, "decay", Cutoff.decay, 0.0, 1.0),
+            p_accept=_float_option(spec, "p_accept", Cutoff.p_accept, 0.0, 1.0),
+            recovery=None if "recovery" not in spec.strategy_options
+            else _float_option(spec, "recovery", 0.4, 0.0, 1.0),
+            decay=_float_option(spec, "decay", Cutoff.decay, 0.0, 1.0),
         )
         drafter: Drafter
         if spec.draft is None:
@@ -303,7 +309,7 @@ class PipeInfer(Strategy):
                     room = min(self.max_micro, g.remaining - 1 - len(guesses))
                     if room <= 0:
                         break
-                    want = self.cutoff.value(sum(r.speculative for r in runs), declines)
+                    want = self.cutoff.value(sum(r.speculative for r in runs), declines, target.n_stages)
                     if want > 1.0:
                         break
                     context = ContextView(history, p, tuple(guesses))
