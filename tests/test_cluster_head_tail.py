@@ -12,9 +12,12 @@ import pytest
 
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.jobs import DecodeJob, RunCancelled
+from potluck.engine.kv import KvOp
 from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
+from potluck.engine.pipeline.tail import HeadTail
 from potluck.engine.pipeline.transfer import SliceCache
 from potluck.engine.runtime import ContextParams, Model
+from potluck.engine.stage import Stage
 from potluck.engine.target import LocalTarget
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
@@ -111,3 +114,58 @@ def test_kv_operations_and_cancels_reach_the_heads_layer_in_order(
     finally:
         local.close()
         target.close()
+
+
+def test_tail_takes_transactions_in_order_whatever_order_hidden_states_arrive(
+    model: Model, model_path: Path, tmp_path: Path
+) -> None:
+    """The head's stage on its own (no workers): a batch whose hidden states come first waits
+    for the earlier one, a KV operation waits behind the batch before it, a dropped batch
+    frees its place; the logits equal one machine's."""
+    front_slice, tail_slice = SliceCache(tmp_path).slices(model_path, [0, 29, 30])
+    params = ContextParams(n_ctx=N_CTX, n_threads=1)
+    prompt = model.tokenize(PROMPT)
+    local = LocalTarget(model, params)
+    with Model(front_slice.path) as front_model:
+        front = Stage(front_model, first=True, last=False, params=params)
+        tail = HeadTail(tail_slice.path, (29, 30), params)
+        try:
+            want = [local.decode(prompt).copy(), local.decode([7, 8], all_logits=True).copy()]
+            local.truncate(len(prompt))
+            want.append(local.decode([9]).copy())
+            jobs = [DecodeJob.tokens(1, prompt, 0), DecodeJob.tokens(1, [7, 8], len(prompt), outputs="all"),
+                    DecodeJob.tokens(1, [5], len(prompt) + 2), DecodeJob.tokens(1, [9], len(prompt))]
+            for txn, job in enumerate(jobs[:3], start=1):
+                tail.expect(txn, txn, job)
+            tail.apply(4, KvOp.rm(0, len(prompt)))  # behind batch 3, which never computes
+            tail.expect(5, 5, jobs[3])
+            hidden = [front.compute(jobs[0]), front.compute(jobs[1])]
+            tail.arrived(2, hidden[1])  # before batch 1: it must wait
+            assert not wait_done(tail, 0.5) and tail.runner.counters.finished == 0
+            tail.arrived(1, hidden[0])
+            tail.drop(3)  # skipped upstream: the KV operation behind it goes ahead
+            front.apply_kv(KvOp.rm(0, len(prompt)))
+            tail.arrived(5, front.compute(jobs[3]))
+            done = wait_done(tail, 30.0, count=4)
+            assert [ticket for ticket, _ in done] == [1, 2, 0, 5]
+            got = [fut.result() for ticket, fut in done if ticket]
+            for ref, out in zip(want, got):
+                assert np.array_equal(ref, out)
+            assert tail.runner.counters.kv_ops == 1
+        finally:
+            tail.close()
+            front.close()
+            local.close()
+
+
+def wait_done(tail: HeadTail, timeout_s: float, count: int = 1) -> list:
+    """What the tail finished within ``timeout_s`` (stops at ``count`` items)."""
+    import select
+    import time
+
+    done: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(done) < count and time.monotonic() < deadline:
+        select.select([tail.wake_fd], [], [], 0.05)
+        done += tail.finished()
+    return done

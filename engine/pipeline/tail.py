@@ -70,6 +70,7 @@ class HeadTail:
         self._queue: collections.deque[_Waiting] = collections.deque()
         self._batches: dict[int, _Waiting] = {}  # txn -> batch still waiting for hidden states
         self._running: collections.deque[tuple[int, Future]] = collections.deque()  # (ticket, future)
+        self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -147,6 +148,10 @@ class HeadTail:
         return done
 
     def close(self) -> None:
+        """Stop the runner and free the context and weights (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self.runner.close()
         self.stage.close()
         self.model.close()
