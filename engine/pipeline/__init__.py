@@ -2,5 +2,6 @@
 
 ``wire`` is the protocol (no sockets), ``transport`` the CURVE sockets, ``worker`` the
 worker's server, ``head`` the :class:`~.head.PipelineTarget`, ``tail`` the head's own last
-layer(s) and output layer, ``plan`` the split planner and ``transfer`` the slice distribution. Nothing here imports :mod:`potluck.discovery`.
+layer(s) and output layer, ``plan`` the split planner and ``transfer`` the slice distribution.
+Nothing here imports :mod:`potluck.discovery`.
 """
