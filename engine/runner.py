@@ -72,15 +72,18 @@ class StageRunner:
             self._cond.notify()
         return fut
 
-    def cancel(self, run_id: int) -> None:
-        """Skip ``run_id``'s queued jobs and abort its running one."""
+    def cancel(self, run_id: int, *more: int) -> None:
+        """Skip the runs' queued jobs and abort the running one. Several runs are cancelled
+        in one step: after an abort frees a run's cells, the next job must not start unless
+        it is known to be cancelled too (its positions would no longer follow the cache's)."""
         with self._cond:
-            if run_id not in self._cancelled:
-                self._cancelled.add(run_id)
-                self._cancel_order.append(run_id)
-                if len(self._cancel_order) > CANCELLED_KEPT:
-                    self._cancelled.discard(self._cancel_order.popleft())
-            if self._running == run_id:
+            for rid in (run_id, *more):
+                if rid not in self._cancelled:
+                    self._cancelled.add(rid)
+                    self._cancel_order.append(rid)
+                    if len(self._cancel_order) > CANCELLED_KEPT:
+                        self._cancelled.discard(self._cancel_order.popleft())
+            if self._running in (run_id, *more):
                 self.stage.ctx.request_abort()
 
     @property

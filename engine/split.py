@@ -70,9 +70,9 @@ class SplitTarget(TargetBase):
     def poll(self, ticket: Ticket) -> bool:
         return self._pending[ticket.seq_no].done()
 
-    def cancel(self, run_id: int) -> None:
+    def cancel(self, run_id: int, *more: int) -> None:
         for runner in self.runners:
-            runner.cancel(run_id)
+            runner.cancel(run_id, *more)
 
     def kv(self, op: KvOp) -> None:
         self.stages[0].ctx.check_kv(op)

@@ -63,8 +63,9 @@ class Target(Protocol):
         keep working while results are on the way (PipeInfer's continuous speculation)."""
         ...
 
-    def cancel(self, run_id: int) -> None:
-        """Skip ``run_id``'s queued jobs and abort its running one; any thread."""
+    def cancel(self, run_id: int, *more: int) -> None:
+        """Skip the runs' queued jobs and abort the running one; any thread. Runs cancelled
+        together are cancelled in one step on every stage (name them in one call)."""
         ...
 
     def kv(self, op: KvOp) -> None:
@@ -139,7 +140,7 @@ class TargetBase(ABC):
     def poll(self, ticket: Ticket) -> bool: ...
 
     @abstractmethod
-    def cancel(self, run_id: int) -> None: ...
+    def cancel(self, run_id: int, *more: int) -> None: ...
 
     @abstractmethod
     def kv(self, op: KvOp) -> None: ...
@@ -252,8 +253,8 @@ class LocalTarget(TargetBase):
     def poll(self, ticket: Ticket) -> bool:
         return self._pending[ticket.seq_no].done()
 
-    def cancel(self, run_id: int) -> None:
-        self.runner.cancel(run_id)
+    def cancel(self, run_id: int, *more: int) -> None:
+        self.runner.cancel(run_id, *more)
 
     def kv(self, op: KvOp) -> None:
         self.stage.ctx.check_kv(op)

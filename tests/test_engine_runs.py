@@ -110,6 +110,28 @@ def test_cancel_reaches_a_running_batch_and_skips_queued_ones(model: Model) -> N
         t.close()
 
 
+def test_runs_cancelled_together_never_start_after_the_abort(model: Model) -> None:
+    """Three runs, each continuing the one before (pipeinfer's micro-batches): cancelled in
+    one call while the first computes, the first aborts (its cells go) and the next two are
+    skipped. Started, the second would ask llama.cpp for positions that no longer follow."""
+    t = LocalTarget(model, ContextParams(n_ctx=1024, n_threads=THREADS))
+    try:
+        long = model.tokenize("The quick brown fox jumps over the lazy dog. " * 60)[:500]
+        runs = [t.new_run() for _ in range(3)]
+        tickets = [t.submit(DecodeJob.tokens(r, long[i * 160 : (i + 1) * 160], i * 160)) for i, r in enumerate(runs)]
+        while t.runner.running_run != runs[0]:
+            time.sleep(0.001)
+        t.cancel(*runs)
+        for ticket in tickets:
+            with pytest.raises(RunCancelled):
+                t.wait(ticket)
+        c = t.runner.counters
+        assert (c.aborted, c.skipped) == (1, 2)
+        assert t.pos_max()[0] == -1
+    finally:
+        t.close()
+
+
 def test_ranged_copy_across_streams_is_refused_not_fatal(model: Model) -> None:
     """llama.cpp aborts the process on this (GGML_ASSERT); the runtime refuses it for every caller."""
     with Context(model, SEQS) as ctx:

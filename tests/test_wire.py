@@ -27,6 +27,7 @@ def samples() -> list[wire.WireMessage]:
         wire.Loaded(12, 576, 49152, 512, 12.5),
         wire.Release(),
         wire.Cancel(3),
+        wire.Cancel(3, np.array([4, 5], dtype=np.int32)),
         wire.Ping(1),
         wire.Pong(1),
         wire.Status(),

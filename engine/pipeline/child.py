@@ -165,9 +165,9 @@ class StageProcess:
                 fut.set_exception(StageCrashed(self.crashed or str(e)))
         return fut
 
-    def cancel(self, run_id: int) -> None:
+    def cancel(self, run_id: int, *more: int) -> None:
         try:
-            self._send(("cancel", run_id))
+            self._send(("cancel", (run_id, *more)))
         except PotluckError:
             pass
 
@@ -292,7 +292,7 @@ def _child_main(conn: Connection) -> None:  # pragma: no cover - runs in the chi
             if kind == "close":
                 break
             if kind == "cancel":
-                runner.cancel(msg[1])
+                runner.cancel(*msg[1])
                 continue
             n, payload = msg[1], msg[2]
             if kind == "status":

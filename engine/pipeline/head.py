@@ -111,6 +111,10 @@ def max_result_bytes(n_batch: int, n_embd: int) -> int:
     return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
 
 
+def cancel_message(run_ids: Sequence[int]) -> wire.Cancel:
+    return wire.Cancel(run_ids[0], np.array(run_ids[1 : 1 + wire.MAX_CANCEL], dtype="<i4"))
+
+
 class NodeLink:
     """One CURVE DEALER connection from the head to one worker, with its monitor."""
 
@@ -436,7 +440,7 @@ class PipelineTarget(TargetBase):
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
         self._owner = threading.get_ident()
-        self._cancel_requests: collections.deque[int] = collections.deque()
+        self._cancel_requests: collections.deque[tuple[int, ...]] = collections.deque()
         self._broken: str | None = None
         self._poller = zmq.Poller()
         self._watch_links()
@@ -524,10 +528,11 @@ class PipelineTarget(TargetBase):
         """The layers the head computes itself (with the output layer), for the panels."""
         return self.tail.layers
 
-    def cancel(self, run_id: int) -> None:
-        """Tell every stage to skip ``run_id``'s queued batches and abort its running one."""
-        self.tail.cancel(run_id)  # thread-safe: the head's own stage hears it at once
-        self._cancel_requests.append(run_id)
+    def cancel(self, run_id: int, *more: int) -> None:
+        """Tell every stage to skip the runs' queued batches and abort the running one
+        (one message: see :class:`wire.Cancel`)."""
+        self.tail.cancel(run_id, *more)  # thread-safe: the head's own stage hears it at once
+        self._cancel_requests.append((run_id, *more))
         if threading.get_ident() == self._owner:
             self._flush_cancels()
 
@@ -693,14 +698,15 @@ class PipelineTarget(TargetBase):
 
     def _flush_cancels(self) -> None:
         while self._cancel_requests:
-            run_id = self._cancel_requests.popleft()
-            self._cancelled[run_id] = None
+            run_ids = self._cancel_requests.popleft()
+            for run_id in run_ids:
+                self._cancelled[run_id] = None
             while len(self._cancelled) > CANCELLED_KEPT:
                 del self._cancelled[next(iter(self._cancelled))]
             if self._broken is not None:
                 continue
             for link in self.links:
-                link.send_nowait(wire.Cancel(run_id))
+                link.send_nowait(cancel_message(run_ids))
 
     # -- internals: receiving
     def _watch_links(self) -> None:
@@ -968,9 +974,10 @@ class PipelineTarget(TargetBase):
             self.stats.replayed_tokens += job.n_tokens
         # The new stages skip later batches of cancelled runs as the old ones did; replayed
         # batches run under REPLAY_RUN, so these cancels cannot touch them.
-        for run_id in self._cancelled:
+        ids = tuple(self._cancelled)
+        for i in range(0, len(ids), wire.MAX_CANCEL + 1):
             for link in self.links:
-                link.send_nowait(wire.Cancel(run_id))
+                link.send_nowait(cancel_message(ids[i : i + wire.MAX_CANCEL + 1]))
 
 
 # --------------------------------------------------------------------------- open

@@ -119,9 +119,9 @@ class HeadTail:
         self._pump()
         return item.job.run_id
 
-    def cancel(self, run_id: int) -> None:
-        """Skip ``run_id``'s queued batches here and abort its running one (any thread)."""
-        self.runner.cancel(run_id)
+    def cancel(self, run_id: int, *more: int) -> None:
+        """Skip the runs' queued batches here and abort the running one (any thread)."""
+        self.runner.cancel(run_id, *more)
 
     def finished(self) -> list[tuple[int, Future]]:
         """(ticket, future) of the work done since the last call, in order (ticket 0: KV or reset)."""

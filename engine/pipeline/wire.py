@@ -33,12 +33,14 @@ import numpy as np
 from ..jobs import DecodeJob
 from ..kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 5  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
-# 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output)
+PROTOCOL_VERSION = 6  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+# 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output);
+# 6: one cancel names several runs
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
 MAX_ARRAYS = 4
+MAX_CANCEL = 256  # runs one cancel may name
 MAX_DIM = 1 << 31
 INT32_MAX = (1 << 31) - 1
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # one message; the worker also sets ZMQ_MAXMSGSIZE
@@ -210,13 +212,25 @@ class Release(WireMessage):
 
 @dataclass(frozen=True)
 class Cancel(WireMessage):
-    """Head -> every stage, out of band: skip the data-path work of ``run_id``.
+    """Head -> every stage, out of band: skip the data-path work of ``run_id`` and of the
+    runs in ``more``, all at once: a stage that aborts the first must never start the next
+    before it hears of it (the abort freed cells that batch's positions follow).
 
     Skipped decodes still travel down the pipeline (empty) so that order is kept.
     """
 
     TYPE = "cancel"
+    ARRAYS = ("more",)
     run_id: int
+    more: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="<i4"), repr=False)  # [k] i32
+
+    def check(self) -> None:
+        if self.more.dtype != DTYPES["i32"] or self.more.ndim != 1 or self.more.shape[0] > MAX_CANCEL:
+            raise WireError(f"cancel: more must be at most {MAX_CANCEL} i32 run ids")
+
+    @property
+    def run_ids(self) -> tuple[int, ...]:
+        return (self.run_id, *self.more.tolist())
 
 
 @dataclass(frozen=True)

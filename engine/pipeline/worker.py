@@ -397,7 +397,7 @@ class Worker:
             self.owner, self.owner_name = b"", ""
         elif isinstance(msg, wire.Cancel):
             if self.stage is not None:
-                self.stage.proc.cancel(msg.run_id)  # reaches a running batch, not only queued ones
+                self.stage.proc.cancel(*msg.run_ids)  # reaches a running batch, not only queued ones
         else:
             raise PotluckError(f"a worker does not accept {msg.TYPE!r} messages")
 

@@ -222,14 +222,14 @@ class PipeInfer(Strategy):
         def drop_after(p: int, keep_nonspec: bool) -> None:
             """Runs holding positions >= ``p`` were built on a rejected guess: cancel them
             (or let them run, without cancellation) and trim the cache back to ``p``."""
-            for r in list(runs):
-                if r.pos0 + r.n > p and (r.speculative or not keep_nonspec):
-                    assert r.pos0 >= p, "a run straddles the rejected position"
-                    runs.remove(r)
-                    if self.cancel:
-                        target.cancel(r.ticket.run_id)
-                        counters.cancelled += 1
-                    stale.append(r)
+            doomed = [r for r in runs if r.pos0 + r.n > p and (r.speculative or not keep_nonspec)]
+            for r in doomed:
+                assert r.pos0 >= p, "a run straddles the rejected position"
+                runs.remove(r)
+                stale.append(r)
+            if doomed and self.cancel:  # in one call: a stage never starts one after aborting another
+                target.cancel(*(r.ticket.run_id for r in doomed))
+                counters.cancelled += len(doomed)
             target.truncate(min(target.n_past, p))
             for k in [k for k in rows if k > p]:
                 del rows[k]
@@ -336,12 +336,10 @@ class PipeInfer(Strategy):
             # the reply ended: no guess may stay in flight or in the cache past the conversation
             # a run holding a kept token must finish (an accepted guess may still be on its way
             # down the pipeline); runs wholly past the reply's end are cancelled
-            for r in runs:
-                if r.pos0 >= len(history):
-                    if self.cancel:
-                        target.cancel(r.ticket.run_id)
-                else:
-                    counters.kept_at_end += 1
+            past_end = [r.ticket.run_id for r in runs if r.pos0 >= len(history)]
+            counters.kept_at_end += len(runs) - len(past_end)
+            if past_end and self.cancel:
+                target.cancel(*past_end)
             for r in runs:
                 try:
                     target.wait(r.ticket)
