@@ -68,6 +68,7 @@ class ClusterBenchConfig:
     n_threads: int = 0  # one machine's threads (default: all cores)
     split: tuple[int, ...] | None = None
     only: tuple[str, ...] = ()  # variant labels to run (default: all)
+    options: dict[str, object] = field(default_factory=dict)  # pipeinfer's options (`--option`)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ def run_cluster_bench(
             for v in chosen:
                 spec = EngineSpec(
                     model=path, strategy=v.strategy, draft=cfg.draft, n_ctx=cfg.n_ctx,
-                    n_threads=cfg.n_threads if not v.on_pipeline else 1, strategy_options=dict(v.options),
+                    n_threads=cfg.n_threads if not v.on_pipeline else 1,
+                    strategy_options={**(cfg.options if v.strategy == "pipeinfer" else {}), **v.options},
                     cluster=ClusterSpec(tuple(addresses), keys) if v.on_pipeline else None,
                 )
                 strategy = get_strategy_class(v.strategy).build(model, spec)

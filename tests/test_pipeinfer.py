@@ -45,6 +45,9 @@ SPLITS = {2: [(0, 15), (15, 30)], 3: [(0, 9), (9, 21), (21, 30)]}
 
 
 def build(model: Model, draft: Path | None = None, **options: object) -> PipeInfer:
+    """Without the floor unless asked: these tests must see rejected guesses and cancelled
+    runs whatever this machine's load makes the gate decide."""
+    options.setdefault("adaptive", False)
     spec = EngineSpec(strategy="pipeinfer", draft=draft, n_ctx=N_CTX, n_threads=1, strategy_options=dict(options))
     strategy = PipeInfer.build(model, spec)
     assert isinstance(strategy, PipeInfer)
@@ -165,6 +168,18 @@ def test_ablations_stay_exact(
         assert c["cancelled"] == 0 and c["wasted"] > 0  # runs on rejected guesses computed to the end
     if options.get("continuous") is False:
         assert c["max_in_flight"] <= 2  # the own token and at most one speculative run
+
+
+def test_the_floor_keeps_pipeinfer_exact(
+    model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]]
+) -> None:
+    """Default settings: the gate judges rounds with guesses in flight against synchronous
+    ones (each reply starts open, so guesses are sent) and the output stays exact."""
+    strategy = build(model, adaptive=True)
+    got, c = replies(model, split(stage_models[2]), strategy)
+    assert got == plain
+    assert c["speculative"] > 0
+    assert strategy.gate.plain_ms is not None  # synchronous rounds were measured
 
 
 def test_one_stage_runs_ordinary_speculation(model: Model, plain: list[list[int]]) -> None:

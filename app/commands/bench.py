@@ -239,6 +239,7 @@ def _cluster(args: argparse.Namespace) -> int:
         n_threads=limits.threads(args.threads, "--threads"),
         split=None if args.split is None else limits.split(args.split),
         only=tuple(v.strip() for v in (args.variants or "").split(",") if v.strip()),
+        options=_parse_options(args.option),
     )
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     procs = []

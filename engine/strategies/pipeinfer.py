@@ -28,6 +28,12 @@ Each micro-batch holds at most 4 tokens, well inside ``MAX_EXACT_BATCH``: greedy
 token for token plain decoding's; sampled output keeps the target's distribution (each
 position is judged with :func:`~..verify.judge`, as in pearl).
 
+The floor every speculative strategy has (:class:`~..adaptive.DraftGate`) judges the
+rounds here too: on machines where a speculative run takes cores the stages on the
+critical path need (loopback workers sharing a CPU), guesses that are mostly rejected cost
+more than the idle stages they fill, and the gate falls back to the synchronous pipeline
+until a probe pays again.
+
 On a target of one stage there is nothing to overlap: the strategy runs as ordinary
 speculation (:class:`~.speculative.Speculative`) with the same drafter.
 """
@@ -42,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..adaptive import LengthConfig
+from ..adaptive import UNTIL_REPLY_END, DraftGate, LengthConfig
 from ..drafters import ContextView, Drafter, DraftRequest
 from ..errors import PotluckError
 from ..jobs import RunCancelled, Ticket
@@ -109,6 +115,7 @@ class PipeInfer(Strategy):
         "recovery": "added to the cutoff for each speculative micro-batch in flight "
         "(default: min(0.4, 1 / (stages + 1)))",
         "decay": "taken off the cutoff each time the head idles with speculation declined",
+        "adaptive": "stop speculating while it loses to the synchronous pipeline (false: always speculate)",
     }
 
     def __init__(
@@ -121,6 +128,8 @@ class PipeInfer(Strategy):
         cancel: bool = True,
         continuous: bool = True,
         cutoff: Cutoff = Cutoff(),
+        adaptive: bool = True,
+        gate_backoff: int = DraftGate().backoff,
     ) -> None:
         self.drafter = drafter
         self.local = local  # one stage: ordinary speculation with the same drafter
@@ -129,6 +138,9 @@ class PipeInfer(Strategy):
         self.cancel = cancel
         self.continuous = continuous
         self.cutoff = cutoff
+        self.adaptive = adaptive
+        self.gate_backoff = gate_backoff
+        self.gate = DraftGate(backoff=gate_backoff)
         self.counters = PipeInferCounters()
 
     @classmethod
@@ -140,6 +152,7 @@ class PipeInfer(Strategy):
         max_runs = _int_option(spec, "max_runs", 0, 0, 64)
         cancel = _bool_option(spec, "cancel", True)
         continuous = _bool_option(spec, "continuous", True)
+        adaptive = _bool_option(spec, "adaptive", True)
         cutoff = Cutoff(
             p_accept=_float_option(spec, "p_accept", Cutoff.p_accept, 0.0, 1.0),
             recovery=None if "recovery" not in spec.strategy_options
@@ -151,6 +164,7 @@ class PipeInfer(Strategy):
             from ..drafters.ngram import NgramDrafter
 
             drafter, length = NgramDrafter(), LengthConfig(s_init=7, s_max=7)  # anpd's defaults
+            backoff = DraftGate().backoff
         else:
             from ..drafters.draft_model import DraftModelDrafter
 
@@ -161,9 +175,11 @@ class PipeInfer(Strategy):
                 draft_model.close()
                 raise
             length = LengthConfig(s_init=4, s_max=12)  # sd's defaults
-        local = Speculative(drafter, length, costs=saved_costs(target_model, spec))
+            backoff = UNTIL_REPLY_END  # a draft model pays a catch-up prefill to resume
+        local = Speculative(drafter, length, adaptive=adaptive, costs=saved_costs(target_model, spec),
+                            gate_backoff=backoff)
         return cls(drafter, local, max_micro=max_micro, max_runs=max_runs, cancel=cancel,
-                   continuous=continuous, cutoff=cutoff)
+                   continuous=continuous, cutoff=cutoff, adaptive=adaptive, gate_backoff=backoff)
 
     def prepare(self, g: Generation) -> None:
         self.drafter.begin(g.history, g.drafter_rng())
@@ -183,6 +199,10 @@ class PipeInfer(Strategy):
         params = sampler.params
         history = g.history  # grows by what each round yields (the session appends)
         counters = self.counters = PipeInferCounters()
+        gate = self.gate
+        gate.new_reply()
+        speculated = False  # a speculative run was in flight during this round
+        first = True
         cap = self.in_flight_cap(target)
         runs: deque[_Run] = deque()  # in flight, in the order sent (a pipeline returns them so)
         stale: list[_Run] = []  # cancelled or wasted runs whose tickets are still to redeem
@@ -281,6 +301,11 @@ class PipeInfer(Strategy):
                     if n_accepted and not own:
                         declines = 0  # a speculative run was accepted whole
                     now = time.perf_counter()
+                    # the floor: a round with guesses in flight against synchronous rounds
+                    if not first:  # the first token came from prompt processing: no round to time
+                        gate.record(max(judged, 1) if speculated else 0, len(emitted), (now - last) * 1e3)
+                    first = False
+                    speculated = any(r.speculative for r in runs)
                     yield Round(
                         tokens=emitted,
                         drafted=judged,
@@ -307,6 +332,8 @@ class PipeInfer(Strategy):
                     if runs and target.poll(runs[0].ticket):
                         break  # logits are waiting: sampling them comes first (the paper's probe)
                     room = min(self.max_micro, g.remaining - 1 - len(guesses))
+                    if self.adaptive:  # the gate's risk budget caps the guesses in flight
+                        room = min(room, gate.draft_cap(MAX_MICRO * cap) - len(guesses))
                     if room <= 0:
                         break
                     want = self.cutoff.value(sum(r.speculative for r in runs), declines, target.n_stages)
@@ -322,6 +349,7 @@ class PipeInfer(Strategy):
                     guesses += tokens
                     guess_q += list(draft.q[: len(tokens)]) if draft.q is not None else [None] * len(tokens)
                     send(tokens, speculative=True)
+                    speculated = True
                 draft_ms += (time.perf_counter() - t0) * 1e3
 
                 # 5. nothing more to send: wait for the oldest run
@@ -351,6 +379,7 @@ class PipeInfer(Strategy):
 
     def reset(self) -> None:
         self.local.reset()  # the drafter too
+        self.gate = DraftGate(backoff=self.gate_backoff)
 
     def close(self) -> None:
         self.local.close()  # the drafter too
