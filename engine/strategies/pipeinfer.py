@@ -333,7 +333,9 @@ class PipeInfer(Strategy):
                         break  # logits are waiting: sampling them comes first (the paper's probe)
                     room = min(self.max_micro, g.remaining - 1 - len(guesses))
                     if self.adaptive:  # the gate's risk budget caps the guesses in flight
-                        room = min(room, gate.draft_cap(MAX_MICRO * cap) - len(guesses))
+                        # a wasted guess costs about one stage's share of a plain step
+                        row_ms = gate.plain_ms / target.n_stages if gate.plain_ms else None
+                        room = min(room, gate.draft_cap(MAX_MICRO * cap, row_ms) - len(guesses))
                     if room <= 0:
                         break
                     want = self.cutoff.value(sum(r.speculative for r in runs), declines, target.n_stages)
