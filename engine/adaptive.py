@@ -137,11 +137,17 @@ class DraftBreakEven:
             self._verify.setdefault(batch, deque(maxlen=self._per_size)).append(verify_ms)
 
     def line(self) -> tuple[float, float] | None:
-        """(a, m): verify ms of a 1-token batch and of each extra token, if measurable."""
+        """(a, m): verify ms of a 1-token batch and of each extra token, if measurable.
+
+        Fitted through each batch size's fastest recent timing: another program taking a
+        core only ever slows a batch (by 10-100x when llama.cpp's threads wait for a
+        descheduled one, docs/facts.md §6), and a line fitted through such timings, kept on
+        disk, would stop drafting for good.
+        """
         if len(self._verify) < 2:
             return None
-        b = np.array([size for size, times in self._verify.items() for _ in times], dtype=float)
-        ms = np.array([t for times in self._verify.values() for t in times], dtype=float)
+        b = np.array([size for size in self._verify], dtype=float)
+        ms = np.array([min(times) for times in self._verify.values()], dtype=float)
         m, a1 = np.polyfit(b - 1.0, ms, 1)
         if a1 <= 0:
             return None

@@ -100,6 +100,17 @@ def test_break_even_keeps_multi_token_samples_through_long_plain_runs() -> None:
     assert be.line() is not None and abs(be.threshold() - 0.7) < 0.02
 
 
+def test_break_even_ignores_timings_of_a_busy_moment() -> None:
+    """A kept line measured while another program took a core (batches 10-100x slower) must
+    not forbid drafting for good: one normal timing per size restores the line."""
+    be = DraftBreakEven()
+    be.load({1: [10.0] * 12, 2: [300.0] * 12, 4: [900.0] * 12, 7: [1400.0] * 12})
+    assert be.threshold() == 1.0  # the busy moment's line: nothing pays
+    for k in (2, 4, 7):
+        be.record(k, 10.0 + 2.0 * (k - 1))  # quiet again: extra rows cost 2 ms
+    assert abs(be.threshold() - 0.2) < 0.02
+
+
 def test_cost_line_is_kept_across_runs(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
     be = DraftBreakEven()

@@ -114,6 +114,32 @@ def test_adaptive_anpd_equals_plain_decoding(model: Model, reference: dict[str, 
     strategy.close()
 
 
+def test_a_cost_line_that_forbids_drafting_is_probed_again(
+    model: Model, reference: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line kept from a busy moment says no draft can pay: every PROBE_EVERY rounds a short
+    draft re-measures a batch, and the fresh timing lets drafting back in."""
+    from potluck.engine.adaptive import DraftBreakEven
+    from potluck.engine.strategies import speculative
+    from potluck.engine.strategies.speculative import Speculative
+
+    monkeypatch.setattr(speculative, "PROBE_EVERY", 16)  # the reply is shorter than 64 rounds
+    strategy = build("anpd", model)
+    assert isinstance(strategy, Speculative)
+    strategy.costs = None  # keep the poisoned line out of the shared cost file
+    strategy.break_even = DraftBreakEven()
+    strategy.break_even.load({1: [10.0] * 12, 2: [3000.0] * 12, 4: [9000.0] * 12})
+    assert strategy.break_even.threshold() == 1.0
+    prompt = LONG_PROMPTS[1]  # the code rewrite: the N-gram tables have guesses
+    session = make_session(model, strategy)
+    tokens, rounds = reply(session, prompt)
+    session.target.close()
+    assert tokens == reference[prompt]
+    assert len(rounds) > 16 and sum(r.drafted for r in rounds) > 0
+    assert strategy.break_even.threshold() < 1.0  # the probe's timing replaced the stale line
+    strategy.close()
+
+
 def test_greedy_equals_plain_decoding(
     model: Model, draft_path: Path, reference: dict[str, list[int]]
 ) -> None:

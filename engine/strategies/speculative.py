@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from ..runtime import Model
 
 
+# A cost line that forbids drafting is re-checked by a short draft every PROBE_EVERY rounds.
+PROBE_EVERY = 64
+PROBE_LEN = 3
+
+
 class Speculative(Strategy):
     """Draft/verify rounds over any :class:`Drafter` (subclasses pick the drafter)."""
 
@@ -67,6 +72,7 @@ class Speculative(Strategy):
             self.break_even.load(costs.restore())
         self.gate_backoff = gate_backoff
         self.gate = DraftGate(backoff=gate_backoff)
+        self._blocked = 0  # rounds in a row the break-even threshold allowed no draft
 
     def run(self, g: Generation) -> Iterator[Round]:
         try:
@@ -94,7 +100,13 @@ class Speculative(Strategy):
             k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
             min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
             if min_accept_p >= 1.0:
-                k = 0  # not even a sure draft pays here now: plain step, no draft sync
+                # not even a sure draft pays here now: plain step, no draft sync; but now and
+                # then a short probe re-measures what a batch costs (the line may be stale)
+                self._blocked += 1
+                if self._blocked < PROBE_EVERY:
+                    k = 0
+                else:
+                    self._blocked, min_accept_p, k = 0, 0.0, min(k, PROBE_LEN)
 
             # 2. draft
             t0 = time.perf_counter()
