@@ -65,6 +65,17 @@ the paper's recovery factor 0.4 at most 3 speculative runs fly at once, too few 
 more than about 4 stages, which is why the strategy's default shrinks it on deep pipelines.
 
 On one stage ``pipeinfer`` runs as ``speculative``, as the strategy module does.
+
+**Shared cores** (``cores``, 0 by default). By default every stage and the head has its
+own machine. Validating the model against loopback runs breaks that: on one machine the
+worker processes and the head share its cores, and speculative micro-batches that keep
+stages busy take cores from the critical path. With ``cores = N`` every computing
+activity (a stage's job, the head's output layer for a run, its drafting and sampling)
+shares N cores by processor sharing: while k compute at once each progresses at
+``min(1, N / k)``. The engine keeps each activity's work left; when the rate changes it
+brings them up to date and moves their finish events (the version that invalidates a
+finish an abort moved). Iterative decoding never computes two things at once, so it and
+:func:`fit_latency` are the same with or without shared cores.
 """
 
 from __future__ import annotations
@@ -118,6 +129,7 @@ class SimConfig:
     cutoff_rule: str = "code"  # or "paper", "reference" (module docstring)
     skip_ms: float = 0.01
     abort_ms: float = 0.5
+    cores: int = 0  # cores all computing shares (0: each stage and the head on its own machine)
     strategies: tuple[str, ...] = STRATEGIES
 
     @property
@@ -150,7 +162,7 @@ class SimConfig:
                                         ("--prompt-tokens", self.prompt_tokens, 1, 1_000_000),
                                         ("--n-batch", self.n_batch, 1, 1_000_000), ("--k", self.k, 1, 64),
                                         ("--max-runs", self.max_runs, 0, 1024), ("--max-draft", self.max_draft, 1, 64),
-                                        ("--n-embd", self.n_embd, 1, 1_000_000),
+                                        ("--n-embd", self.n_embd, 1, 1_000_000), ("--cores", self.cores, 0, 1024),
                                         ("--return-bytes", self.return_bytes, 0, 100_000_000)):
             if not low <= ivalue <= high:
                 raise PotluckError(f"simulate: {name} must be between {low} and {high}, got {ivalue}")
@@ -267,6 +279,7 @@ class Counters:
     accepted: int = 0
     declines: int = 0  # times the cutoff stopped speculation
     max_in_flight: int = 0
+    max_computing: int = 0  # most activities computing at once (stages, head output layer, head loop)
 
 
 @dataclass
@@ -279,12 +292,82 @@ class _Msg:
 
 
 @dataclass
+class _Task:
+    """One computing activity: ``work`` ms left at full speed as of ``since``."""
+
+    work: float
+    since: float
+    done: Callable[..., None]
+    args: tuple
+    version: int = 0  # invalidates a finish event that an abort or a rate change moved
+
+
+class _Cores:
+    """Processor sharing over ``cores`` cores (0: as many as there are activities):
+    while k activities compute, each progresses at min(1, cores / k)."""
+
+    def __init__(self, eng: Engine, cores: int) -> None:
+        self.eng = eng
+        self.cores = cores
+        self.active: list[_Task] = []
+        self.rate = 1.0
+        self.contended_ms = 0.0  # time with more activities than cores
+        self._since = 0.0  # when contended_ms was last brought up to date
+
+    def start(self, work: float, done: Callable[..., None], *args: object) -> _Task:
+        task = _Task(work, self.eng.now, done, args)
+        self._changed(len(self.active) + 1)
+        self.active.append(task)
+        self._schedule(task)
+        c = self.eng.counters
+        c.max_computing = max(c.max_computing, len(self.active))
+        return task
+
+    def set_work(self, task: _Task, work: float) -> None:
+        """The task now has ``work`` ms left (a stage that polls its abort flag)."""
+        task.work, task.since = work, self.eng.now
+        self._schedule(task)
+
+    def contended_until_now(self) -> float:
+        now = self.eng.now
+        return self.contended_ms + (now - self._since if self.rate < 1.0 else 0.0)
+
+    def _schedule(self, task: _Task) -> None:
+        task.version += 1
+        self.eng._at(self.eng.now + task.work / self.rate, self._finish, task, task.version)
+
+    def _finish(self, task: _Task, version: int) -> None:
+        if version != task.version:
+            return
+        self.active.remove(task)
+        self._changed(len(self.active))
+        task.done(*task.args)
+
+    def _changed(self, k: int) -> None:
+        """``k`` activities compute from now on: where that changes the rate, bring the
+        work of those in :attr:`active` up to date and move their finish events."""
+        now = self.eng.now
+        rate = min(1.0, self.cores / k) if self.cores and k else 1.0
+        if rate == self.rate:
+            return
+        if self.rate < 1.0:
+            self.contended_ms += now - self._since
+        self._since = now
+        for task in self.active:
+            task.work = max(0.0, task.work - (now - task.since) * self.rate)
+            task.since = now
+        self.rate = rate
+        for task in self.active:
+            self._schedule(task)
+
+
+@dataclass
 class _Stage:
     ms: float
     queue: deque[_Msg] = field(default_factory=deque)
     current: _Msg | None = None
+    task: _Task | None = None  # the current job's compute
     started: float = 0.0
-    version: int = 0  # invalidates a finish event after an abort moved it
     busy_ms: float = 0.0
     cancelled: set[int] = field(default_factory=set)  # runs whose cancel reached this stage
 
@@ -294,8 +377,9 @@ Action = tuple[int, float]  # (BUSY, ms) or (WAIT, run id)
 
 
 class Engine:
-    """The event engine: stages, links and the head's output layer. The head loop
-    drives it through :meth:`submit`, :meth:`cancel` and :meth:`ready`."""
+    """The event engine: stages, links and the head's output layer, all computing on
+    :class:`_Cores`. The head loop drives it through :meth:`submit`, :meth:`cancel` and
+    :meth:`ready`; its own drafting and sampling compute on the same cores."""
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -303,7 +387,8 @@ class Engine:
         self.stages = [_Stage(ms) for ms in cfg.stage_ms]
         self.total_ms = sum(cfg.stage_ms) or 1.0
         self.link_free = [0.0] * (len(self.stages) + 1)  # head->s1, ..., sN->head
-        self.head_free = 0.0  # the head's output-layer runner
+        self.head_queue: deque[tuple[int, float]] = deque()  # the head's output-layer runner: (run, ms)
+        self.head_busy = False
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = 0
@@ -313,6 +398,7 @@ class Engine:
         self._loop: Generator[Action, None, None] | None = None
         self.done = False
         self.counters = Counters()
+        self.cores = _Cores(self, cfg.cores)
 
     # --- the head's side ---
     def submit(self, n: int, prefill: bool = False) -> int:
@@ -361,7 +447,7 @@ class Engine:
                 return
             if kind == BUSY:
                 if value > 0:
-                    self._at(self.now + value, self._resume)
+                    self.cores.start(value, self._resume)
                     return
             elif int(value) not in self._arrived:
                 self._waiting = int(value)
@@ -402,17 +488,14 @@ class Engine:
         else:
             ms = stage.ms * self.cost(msg.n)
         stage.started = self.now
-        stage.version += 1
-        self._at(self.now + ms, self._finish, i, stage.version)
+        stage.task = self.cores.start(ms, self._finish, i)
 
-    def _finish(self, i: int, version: int) -> None:
+    def _finish(self, i: int) -> None:
         stage = self.stages[i]
-        if version != stage.version:
-            return
         msg = stage.current
         assert msg is not None
         stage.busy_ms += self.now - stage.started
-        stage.current = None
+        stage.current = stage.task = None
         self._send(i + 1, msg)
         if stage.queue:
             self._start(i)
@@ -424,18 +507,28 @@ class Engine:
         if msg is not None and msg.run == run and not msg.empty:
             msg.empty = True  # stops at the next poll of the abort flag
             self.counters.aborted += 1
-            stage.version += 1
-            end = self.now + self.cfg.abort_ms
-            self._at(end, self._finish, i, stage.version)
+            assert stage.task is not None
+            self.cores.set_work(stage.task, self.cfg.abort_ms)
 
     def _reach_head(self, msg: _Msg) -> None:
-        if msg.empty:
-            done = self.now  # nothing to compute: only ever dropped
-        else:
-            rows_ms = self.cfg.head_ms * self.cost(msg.rows) if msg.rows else 0.0
-            self.head_free = max(self.now, self.head_free) + rows_ms
-            done = self.head_free
-        self._at(done, self._result, msg.run)
+        if msg.empty or not self.cfg.head_ms:
+            self._at(self.now, self._result, msg.run)  # nothing to compute (an empty one is only dropped)
+            return
+        self.head_queue.append((msg.run, self.cfg.head_ms * self.cost(msg.rows)))
+        if not self.head_busy:
+            self._head_next()
+
+    def _head_next(self) -> None:
+        """The head's output layer computes the rows of one run at a time, in order."""
+        run, ms = self.head_queue.popleft()
+        self.head_busy = True
+        self.cores.start(ms, self._head_done, run)
+
+    def _head_done(self, run: int) -> None:
+        self.head_busy = False
+        self._result(run)
+        if self.head_queue and not self.head_busy:
+            self._head_next()
 
     def _result(self, run: int) -> None:
         self._arrived.add(run)
@@ -460,6 +553,7 @@ class Timeline:
     first_after: float = 0.0
     end: float = 0.0
     busy_at_prefill: list[float] = field(default_factory=list)
+    contended_at_prefill: float = 0.0
 
 
 def _head_loop(
@@ -478,6 +572,7 @@ def _head_loop(
     n_past -= 1
     timeline.prefill_end = eng.now
     timeline.busy_at_prefill = eng.busy_until_now()
+    timeline.contended_at_prefill = eng.cores.contended_until_now()
     goal = h + cfg.tokens
     rows: set[int] = set()  # positions the target has given a row (logits) for
     runs: deque[_Run] = deque()  # in flight, in the order sent
@@ -609,6 +704,8 @@ def _simulate_one(cfg: SimConfig, name: str, seed: int) -> dict[str, float | lis
         "ttft_e2e_ms": timeline.first_after,
         "prefill_ms": timeline.prefill_end,
         "stage_busy": busy,
+        # share of the time more activities computed than there were cores
+        "contended": (eng.cores.contended_until_now() - timeline.contended_at_prefill) / wall,
         "runs": c.runs,
         "speculative_runs": c.speculative_runs,
         "cancelled": c.cancelled,
@@ -619,6 +716,7 @@ def _simulate_one(cfg: SimConfig, name: str, seed: int) -> dict[str, float | lis
         "accepted": c.accepted,
         "declines": c.declines,
         "max_in_flight": c.max_in_flight,
+        "max_computing": c.max_computing,
         "tokens_per_run": cfg.tokens / max(1, c.runs),
     }
 

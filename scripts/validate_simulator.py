@@ -5,15 +5,18 @@
 Run it on a quiet machine. It measures this machine's per-token cost and batch-cost curve
 with one thread (`potluck perf`), starts 3 loopback workers (1 thread each), runs the
 cluster bench on 2 and 3 of them (the synchronous pipeline, `anpd` over it and
-`pipeinfer`), and simulates the same pipelines: the model split evenly over the stages,
-the per-hop cost fitted to the measured synchronous pipeline (one figure), the acceptance
-rate and the share of positions with no guess taken from the measured pipeinfer run. The
-other speeds are then predictions; the table prints each against its measurement.
+`pipeinfer`), and simulates the same pipelines: the head's share of the model
+(``HEAD_SHARE``) on the head, the rest split evenly over the stages, all sharing this
+machine's cores (``cores``), the per-hop cost fitted to the measured synchronous pipeline
+(one figure), the acceptance rate and the share of positions with no guess taken from the
+measured pipeinfer run. The other speeds are then predictions; the table prints each
+against its measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shutil
 import tempfile
@@ -30,6 +33,10 @@ from potluck.engine.simulate import PerfTiming, fit_latency, simulate
 
 # measured variant -> the simulator's strategy that models it
 MODELLED = {SYNC: "iterative", "anpd": "speculative", "pipeinfer": "pipeinfer"}
+# the head's share of a token's compute: the workers hold every layer but the last, the head
+# computes the last layer and the output layer. SmolLM2-135M: output matrix 49152x576 ≈ 28M
+# MACs + one layer ≈ 3.5M, of ≈ 134M per token
+HEAD_SHARE = 0.235
 
 
 def main() -> None:
@@ -67,8 +74,10 @@ def report_family(n: int, fam: str, by: dict[str, ClusterRow], perf: PerfTiming,
     alpha = pi.acceptance_rate or 0.0
     # positions the target judged a guess at, per generated token: the rest had none
     p_none = min(0.99, max(0.0, 1.0 - (pi.judged_per_token or 0.0)))
-    base = replace(perf.config(n), alpha=alpha, p_none=p_none, tokens=tokens, seeds=5,
-                   strategies=tuple(MODELLED.values()))
+    # the workers and the head share this machine's cores (1 thread each)
+    base = replace(perf.config(n), stage_ms=(perf.model_ms * (1 - HEAD_SHARE) / n,) * n,
+                   head_ms=perf.model_ms * HEAD_SHARE, cores=os.cpu_count() or 1, alpha=alpha, p_none=p_none,
+                   tokens=tokens, seeds=5, strategies=tuple(MODELLED.values()))
     sim = simulate(fit_latency(base, by[SYNC].tokens_per_s))["results"]
     for variant, name in MODELLED.items():
         measured, predicted = by[variant].tokens_per_s, sim[name]["tok_s"]

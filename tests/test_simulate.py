@@ -278,3 +278,59 @@ def test_code_rule_caps_speculative_runs_by_the_recovery_factor() -> None:
     deeper = run(cfg, "pipeinfer")["pipeinfer"]
     assert deeper["max_in_flight"] == 9  # stages + 1
     assert deeper["busy_mean"] > capped["busy_mean"] + 0.2
+
+
+# --- shared cores (loopback workers on one machine) ---
+
+TWO = SimConfig(stage_ms=(6.0, 6.0), head_ms=1.0, draft_ms=0.05, tokens=120, seeds=2)
+
+
+def test_enough_cores_change_nothing() -> None:
+    # one mechanism: with a core for everything that can compute at once, the shared
+    # model is the default one, figure for figure
+    cfg = replace(TWO, alpha=0.6, p_none=0.1)
+    own, shared = simulate(cfg)["results"], simulate(replace(cfg, cores=64))["results"]
+    assert own == shared
+    assert own["pipeinfer"]["max_computing"] >= 3 and own["pipeinfer"]["contended"] == 0.0
+
+
+def test_one_core_slows_pipeinfer_not_iterative() -> None:
+    cfg = replace(TWO, alpha=0.8)
+    own = run(cfg, "iterative", "pipeinfer")
+    one = run(replace(cfg, cores=1), "iterative", "pipeinfer")
+    assert own["iterative"] == one["iterative"]  # one thing computes at a time
+    assert one["iterative"]["max_computing"] == 1 and one["iterative"]["contended"] == 0.0
+    gain_own = own["pipeinfer"]["speed_vs_iterative"]
+    gain_one = one["pipeinfer"]["speed_vs_iterative"]
+    assert gain_own > 1.2
+    assert gain_one < gain_own - 0.3  # micro-batches take the core the own token needs
+    assert one["pipeinfer"]["contended"] > 0.3 and one["pipeinfer"]["max_computing"] >= 2
+    for r in (*own.values(), *one.values()):
+        assert all(0.0 <= b <= 1.0 + 1e-9 for b in r["stage_busy"])
+
+
+def test_shared_cores_keep_aborts_and_determinism() -> None:
+    cfg = replace(TWO, alpha=0.5, cores=1, seeds=2)
+    r = simulate(cfg)
+    assert r == simulate(cfg)
+    p = r["results"]["pipeinfer"]
+    assert p["cancelled"] > 0 and p["aborted"] > 0 and p["contended"] > 0
+    assert simulate(replace(cfg, seeds=3))["results"]["pipeinfer"] != p
+
+
+def test_fit_latency_holds_with_shared_cores() -> None:
+    from potluck.engine.simulate import fit_latency
+
+    for cores in (1, 2):
+        cfg = fit_latency(replace(TWO, cores=cores), 50.0)
+        assert run(cfg, "iterative")["iterative"]["tok_s"] == pytest.approx(50.0, rel=1e-6)
+
+
+def test_cli_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--stages", "2", "--cores", "2", "--tokens", "40", "--seeds", "1", "--json")
+    assert rc == 0 and json.loads(out)["config"]["cores"] == 2
+    rc, out, _ = cli(capsys, "--stages", "2", "--cores", "1", "--tokens", "40", "--seeds", "1")
+    assert rc == 0 and "1 shared core;" in out
+    rc, out, err = cli(capsys, "--cores", "-1")
+    assert rc == 2 and out == ""
+    assert "--cores must be between 0 and 1024" in err and len(err.strip().splitlines()) == 1

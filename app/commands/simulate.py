@@ -69,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--fit-iterative", type=float, metavar="TOK_S",
                    help="a measured speed of the synchronous pipeline: sets --latency-ms so that 'iterative' "
                    "decodes at it (the per-hop cost of real sockets), the other strategies become predictions")
+    g.add_argument("--cores", type=int, default=d.cores,
+                   help="cores that the stages and the head all share (default 0: each on its own machine; "
+                   "N models loopback workers on one N-core machine)")
     g.add_argument("--skip-ms", type=float, default=d.skip_ms, help="a stage skipping a cancelled run")
     g.add_argument("--abort-ms", type=float, default=d.abort_ms, help="a stage stopping a run mid-compute")
     s = p.add_argument_group("decoding")
@@ -170,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seeds=args.seeds, prompt_tokens=args.prompt_tokens, n_batch=args.n_batch, k=args.k,
         max_runs=args.max_runs, max_draft=args.max_draft, p_accept=args.p_accept, recovery=args.recovery,
         decay=args.decay, cutoff_rule=args.cutoff_rule or "code", skip_ms=args.skip_ms,
-        abort_ms=args.abort_ms, strategies=strategies, prefill_ms=prefill_ms or 0.0,
+        abort_ms=args.abort_ms, strategies=strategies, prefill_ms=prefill_ms or 0.0, cores=args.cores,
     )
     if batch_cost:
         cfg = replace(cfg, batch_cost=batch_cost)
@@ -221,7 +224,9 @@ def print_table(result: dict) -> None:
     per_stage_ms = ", ".join(f"{ms:.2f}" for ms in stages)
     print(f"{len(stages)} stages ({per_stage_ms} ms a token), link {cfg['latency_ms']:.3g} ms + "
           f"{cfg['bandwidth_mbps']:g} Mbit/s, alpha {cfg['alpha']}, draft {cfg['draft_ms']} ms a token, "
-          f"cutoff rule {cfg['cutoff_rule']}; means of {cfg['seeds']} x {cfg['tokens']} tokens")
+          f"cutoff rule {cfg['cutoff_rule']}, "
+          + (f"{cfg['cores']} shared core{'s' * (cfg['cores'] > 1)}" if cfg["cores"] else "a machine each")
+          + f"; means of {cfg['seeds']} x {cfg['tokens']} tokens")
     per_stage = len(stages) <= 4
     busy_head = "busy per stage" if per_stage else "busy (mean)"
     print(f"{'strategy':<24}{'tok/s':>8}{'vs iter':>9}{'TTFT ms':>9}{'e2e ms':>9}  {busy_head:<20}"
