@@ -58,7 +58,8 @@ def main() -> None:
               f"  {'accept':>6} {'no guess':>8}")
         for n in (2, 3):
             cfg = ClusterBenchConfig(families=tuple(args.families.split(",")), reps=args.reps,
-                                     max_tokens=args.max_tokens, only=("anpd", "pipeinfer"))
+                                     max_tokens=args.max_tokens, only=("anpd", "pipeinfer"),
+                                     options={"adaptive": False})  # the model has no floor
             rows = run_cluster_bench(cfg, [p[2] for p in procs[:n]], keys_from_token(token))
             for fam in cfg.families:
                 by = {r.variant: r for r in rows if r.family == fam}
