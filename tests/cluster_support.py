@@ -7,13 +7,13 @@ Workers run ``potluck worker`` as real processes: 1 thread each, an OS-picked po
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.app.loopback import spawn_worker, stop_worker
 
-__all__ = ["TOKEN", "WorkerProc", "start_worker", "stop_worker"]
+__all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "stop_worker"]
 
 TOKEN = "potluck-test-token-0123456789abcdef"
 
@@ -47,3 +47,15 @@ def start_worker(
         tmp, name, token, threads=threads, zeroconf=zeroconf, extra_args=extra_args, preexec=preexec
     )
     return WorkerProc(proc, node_id, address, log_path)
+
+
+def loopback_workers(tmp: Path, prefix: str, n: int = 3, **kw: object) -> Iterator[list[WorkerProc]]:
+    """``n`` workers for a module fixture (``yield from``): stopped when it ends."""
+    procs: list[WorkerProc] = []
+    try:
+        for i in range(n):
+            procs.append(start_worker(tmp, f"{prefix}{i}", **kw))  # type: ignore[arg-type]
+        yield procs
+    finally:
+        for w in procs:
+            stop_worker(w.proc)

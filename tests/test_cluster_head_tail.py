@@ -20,7 +20,7 @@ from potluck.engine.runtime import ContextParams, Model
 from potluck.engine.stage import Stage
 from potluck.engine.target import LocalTarget
 
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, loopback_workers
 
 N_CTX = 512
 PROMPT = "<|im_start|>user\nName three rivers of Europe.<|im_end|>\n<|im_start|>assistant\n"
@@ -30,15 +30,7 @@ MAX_BYTES_PER_TOKEN = 8 * 1024  # the issue's goal; logits were 196,709 bytes a 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    tmp = tmp_path_factory.mktemp("tail-workers")
-    procs: list[WorkerProc] = []
-    try:
-        for i in range(3):
-            procs.append(start_worker(tmp, f"t{i}"))
-        yield procs
-    finally:
-        for w in procs:
-            stop_worker(w.proc)
+    yield from loopback_workers(tmp_path_factory.mktemp("tail-workers"), "t")
 
 
 @pytest.fixture(scope="module")

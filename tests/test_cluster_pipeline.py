@@ -23,7 +23,7 @@ from potluck.engine.session import Session
 from potluck.engine.strategies.registry import STRATEGIES
 from potluck.engine.target import LocalTarget, Target
 
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, loopback_workers
 
 N_CTX = 1024
 TURNS = ["Hi! Name two fruits.", "Which one is sweeter?"]
@@ -32,15 +32,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    tmp = tmp_path_factory.mktemp("workers")
-    procs: list[WorkerProc] = []
-    try:
-        for i in range(3):
-            procs.append(start_worker(tmp, f"w{i}", zeroconf=True))
-        yield procs
-    finally:
-        for w in procs:
-            stop_worker(w.proc)
+    yield from loopback_workers(tmp_path_factory.mktemp("workers"), "w", zeroconf=True)
 
 
 @pytest.fixture(scope="module")

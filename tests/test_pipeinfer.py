@@ -34,7 +34,7 @@ from potluck.engine.strategies.pipeinfer import PipeInfer
 from potluck.engine.strategies.plain import Autoregressive
 from potluck.engine.target import LocalTarget, Target
 
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, loopback_workers
 from .test_spec_strategies import ALPHA, LONG_PROMPTS, TURNS, broken_residual, chi2_pvalue
 
 N_CTX = 2048
@@ -257,15 +257,7 @@ def test_sampled_pipeinfer_token_follows_target_distribution(
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    tmp = tmp_path_factory.mktemp("pi-workers")
-    procs: list[WorkerProc] = []
-    try:
-        for i in range(3):
-            procs.append(start_worker(tmp, f"pi{i}"))
-        yield procs
-    finally:
-        for w in procs:
-            stop_worker(w.proc)
+    yield from loopback_workers(tmp_path_factory.mktemp("pi-workers"), "pi")
 
 
 @pytest.mark.parametrize("n_workers", [2, 3])
