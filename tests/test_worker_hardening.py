@@ -340,7 +340,7 @@ def test_slice_store_quota_evicts_least_recently_used(tmp_path: Path) -> None:
 class FakeWorker:
     """A token holder posing as a worker: honest setup, then ``result(forward)`` answers batches."""
 
-    def __init__(self, keys: CurveKeys, n_vocab: int, result, n_embd: int = 576) -> None:
+    def __init__(self, keys: CurveKeys, n_vocab: int, result, n_embd: int = 576, stale: bool = False) -> None:
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, keys)
         self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
@@ -349,6 +349,7 @@ class FakeWorker:
         self.n_vocab = n_vocab
         self.n_embd = n_embd
         self.result = result
+        self.stale = stale  # a result of an old chain goes out just before the offer's reply
         self.stop = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -371,6 +372,8 @@ class FakeWorker:
                 replies = [wire.to_frames(wire.Welcome("fake", "0", 2, 4000, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Offer):
                 replies = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
+                if self.stale:
+                    replies.insert(0, wire.to_frames(wire.Result(7, 3, False, np.zeros((1, self.n_embd), np.float32))))
             elif isinstance(msg, wire.Load):
                 n_layer = msg.layer_hi - msg.layer_lo
                 replies = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
@@ -390,6 +393,24 @@ class FakeWorker:
         self.sock.close(linger=0)
         self.auth.stop()
         self.ctx.term()
+
+
+def test_a_late_result_of_the_old_chain_is_not_a_reply(keys: CurveKeys) -> None:
+    """Found by the hour-long soak: during a rebuild a survivor's last result of the broken
+    chain arrived where the head awaited the answer to a slice offer, and recovery died on
+    an assertion. Data-path results are never replies to a request."""
+    from potluck.engine.pipeline.head import NodeLink
+
+    fake = FakeWorker(keys, 49152, lambda m: [], stale=True)
+    zctx = zmq.Context()
+    link = NodeLink(zctx, keys, fake.address, b"head-test")
+    try:
+        link.join("head-test", "0")
+        assert isinstance(link.request(wire.Offer("ab" * 32, 10)), wire.OfferReply)
+    finally:
+        link.close(release=False)
+        zctx.term()
+        fake.close()
 
 
 def test_a_malicious_worker_cannot_crash_the_head(

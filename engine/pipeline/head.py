@@ -211,6 +211,8 @@ class NodeLink:
                 reply = self.recv()
                 if isinstance(reply, wire.Pong) and reply.nonce == wire.PROBE_NONCE:
                     continue  # the worker checking we are still here
+                if isinstance(reply, wire.Result):
+                    continue  # a batch of a chain being rebuilt, sent before the worker rejoined
                 return reply
             lost = self.drain_events()
             if lost:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
+from ..errors import PotluckError
 from ..gguf_tools import file_sha256, slice_layers
 from . import wire
 
@@ -107,7 +108,8 @@ def send_slice(
 ) -> None:
     """Offer the slice; stream it if the worker lacks it. ``request`` sends and awaits the reply."""
     reply = request(wire.Offer(sl.sha256, sl.size))
-    assert isinstance(reply, wire.OfferReply)
+    if not isinstance(reply, wire.OfferReply):
+        raise PotluckError(f"the worker answered a slice offer with {reply.TYPE!r}")
     what = f"layers {sl.lo}-{sl.hi}"
     if reply.have:
         stats.files_cached += 1
@@ -118,7 +120,8 @@ def send_slice(
     done = 0
     for chunk in chunks(sl, chunk_bytes):
         ack = request(chunk)
-        assert isinstance(ack, wire.ChunkAck)
+        if not isinstance(ack, wire.ChunkAck):
+            raise PotluckError(f"the worker answered a slice chunk with {ack.TYPE!r}")
         done = ack.received
         stats.bytes_sent += chunk.data.size
         if progress:
