@@ -114,6 +114,17 @@ class _Acc:
         return statistics.median(rates) if rates else 0.0
 
 
+def chosen_variants(cfg: ClusterBenchConfig) -> list[Variant]:
+    """The variants ``cfg.only`` names, plus the baselines (every speed is relative to them,
+    every output checked against one machine); an unknown name is one line."""
+    every = variants(cfg.draft is not None)
+    unknown = set(cfg.only) - {v.label for v in every}
+    if unknown:
+        raise PotluckError(f"no cluster bench variant {sorted(unknown)[0]!r}; choose from: "
+                           + ", ".join(v.label for v in every))
+    return [v for v in every if not cfg.only or v.label in (*cfg.only, ONE_MACHINE, SYNC)]
+
+
 def run_cluster_bench(
     cfg: ClusterBenchConfig,
     addresses: Sequence[str],
@@ -124,13 +135,7 @@ def run_cluster_bench(
     say = progress or (lambda _msg: None)
     if cfg.reps <= 0 or cfg.max_tokens <= 1:
         raise PotluckError("--reps must be >= 1 and --max-tokens >= 2")
-    every = variants(cfg.draft is not None)
-    unknown = set(cfg.only) - {v.label for v in every}
-    if unknown:
-        raise PotluckError(f"no cluster bench variant {sorted(unknown)[0]!r}; choose from: "
-                           + ", ".join(v.label for v in every))
-    # the baselines always run: every speed is relative to them, every output checked against one machine
-    chosen = [v for v in every if not cfg.only or v.label in (*cfg.only, ONE_MACHINE, SYNC)]
+    chosen = chosen_variants(cfg)
     prompts = {fam: load_prompts(fam) for fam in cfg.families}
     path = resolve_model(cfg.model)
     model = Model(path)

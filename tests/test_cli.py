@@ -94,3 +94,20 @@ def test_bad_input_is_one_line_exit_2(case: str, tmp_path: Path, model_path: Pat
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("potluck: error: ") and expect in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["--split", "0,10,30"], "--split only applies to --cluster or --nodes"),
+        (["--cluster", "2", "--nodes", "127.0.0.1:1"], "not both"),
+        (["--cluster", "2", "--variants", "bogus"], "no cluster bench variant 'bogus'"),
+    ],
+)
+def test_cluster_bench_bad_flags_are_one_line(args: list[str], expect: str, tmp_path: Path) -> None:
+    """Refused before any worker starts or model loads (the variant check comes before joining)."""
+    out = run(["bench", *args], tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert expect in lines[0]

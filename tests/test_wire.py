@@ -98,6 +98,8 @@ def test_version_mismatch_is_named() -> None:
                                 "n_ctx": 64, "n_batch": 8, "n_seq_max": 999, "kv_unified": True,
                                 "hidden_dtype": "f32", "next_addr": "", "upstream": "h", "reply_to": "h"},
           "a": []}, [], "n_seq_max"),
+        ({"type": "cancel", "f": {"run_id": 1}, "a": [["more", "i32", [300]]]}, [b"\0" * 1200], "at most"),
+        ({"type": "cancel", "f": {"run_id": 1}, "a": [["more", "f32", [2]]]}, [b"\0" * 8], "i32"),
     ],
 )
 def test_inconsistent_messages_are_refused(header: dict, buffers: list[bytes], why: str) -> None:
@@ -181,3 +183,13 @@ def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
     base = dict(txn=1, run_id=0, op="add", seq=0, dst=-1, p0=0, p1=-1, delta=0) | fields
     with pytest.raises(wire.WireError, match="int32"):
         wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))])
+
+
+def test_many_cancelled_runs_go_in_as_few_messages_as_fit() -> None:
+    from potluck.engine.pipeline.head import cancel_messages
+
+    msgs = cancel_messages(list(range(1, 601)))
+    assert [len(m.run_ids) for m in msgs] == [257, 257, 86]
+    assert [r for m in msgs for r in m.run_ids] == list(range(1, 601))
+    for m in msgs:
+        assert wire.parse_frames(wire.to_frames(m)).run_ids == m.run_ids

@@ -223,7 +223,7 @@ def _cluster(args: argparse.Namespace) -> int:
     import tempfile
 
     from ...discovery.auth import keys_from_token, resolve_token
-    from ...engine.cluster_bench import run_cluster_bench
+    from ...engine.cluster_bench import chosen_variants, run_cluster_bench
     from ..loopback import spawn_worker, stop_worker
 
     if args.cluster and args.nodes:
@@ -241,6 +241,7 @@ def _cluster(args: argparse.Namespace) -> int:
         only=tuple(v.strip() for v in (args.variants or "").split(",") if v.strip()),
         options=_parse_options(args.option),
     )
+    chosen_variants(cfg)  # a wrong name is refused before any worker starts
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     procs = []
     try:

@@ -111,8 +111,11 @@ def max_result_bytes(n_batch: int, n_embd: int) -> int:
     return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
 
 
-def cancel_message(run_ids: Sequence[int]) -> wire.Cancel:
-    return wire.Cancel(run_ids[0], np.array(run_ids[1 : 1 + wire.MAX_CANCEL], dtype="<i4"))
+def cancel_messages(run_ids: Sequence[int]) -> list[wire.Cancel]:
+    """``run_ids`` as few Cancel messages as the wire allows (each names up to 257 runs)."""
+    step = wire.MAX_CANCEL + 1
+    return [wire.Cancel(run_ids[i], np.array(run_ids[i + 1 : i + step], dtype="<i4"))
+            for i in range(0, len(run_ids), step)]
 
 
 class NodeLink:
@@ -707,8 +710,9 @@ class PipelineTarget(TargetBase):
                 del self._cancelled[next(iter(self._cancelled))]
             if self._broken is not None:
                 continue
-            for link in self.links:
-                link.send_nowait(cancel_message(run_ids))
+            for msg in cancel_messages(run_ids):
+                for link in self.links:
+                    link.send_nowait(msg)
 
     # -- internals: receiving
     def _watch_links(self) -> None:
@@ -976,10 +980,9 @@ class PipelineTarget(TargetBase):
             self.stats.replayed_tokens += job.n_tokens
         # The new stages skip later batches of cancelled runs as the old ones did; replayed
         # batches run under REPLAY_RUN, so these cancels cannot touch them.
-        ids = tuple(self._cancelled)
-        for i in range(0, len(ids), wire.MAX_CANCEL + 1):
+        for msg in cancel_messages(tuple(self._cancelled)):
             for link in self.links:
-                link.send_nowait(cancel_message(ids[i : i + wire.MAX_CANCEL + 1]))
+                link.send_nowait(msg)
 
 
 # --------------------------------------------------------------------------- open
