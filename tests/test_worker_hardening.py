@@ -349,7 +349,7 @@ class FakeWorker:
         self.n_vocab = n_vocab
         self.n_embd = n_embd
         self.result = result
-        self.stale = stale  # a result of an old chain goes out just before the offer's reply
+        self.stale = stale  # late messages go out just before the offer's reply
         self.stop = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -372,8 +372,9 @@ class FakeWorker:
                 replies = [wire.to_frames(wire.Welcome("fake", "0", 2, 4000, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Offer):
                 replies = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
-                if self.stale:
-                    replies.insert(0, wire.to_frames(wire.Result(7, 3, False, np.zeros((1, self.n_embd), np.float32))))
+                if self.stale:  # a result of the old chain, the welcome of a hello that timed out
+                    replies[:0] = [wire.to_frames(wire.Result(7, 3, False, np.zeros((1, self.n_embd), np.float32))),
+                                   wire.to_frames(wire.Welcome("fake", "0", 2, 4000, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Load):
                 n_layer = msg.layer_hi - msg.layer_lo
                 replies = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
@@ -395,10 +396,11 @@ class FakeWorker:
         self.ctx.term()
 
 
-def test_a_late_result_of_the_old_chain_is_not_a_reply(keys: CurveKeys) -> None:
-    """Found by the hour-long soak: during a rebuild a survivor's last result of the broken
-    chain arrived where the head awaited the answer to a slice offer, and recovery died on
-    an assertion. Data-path results are never replies to a request."""
+def test_late_messages_are_not_replies(keys: CurveKeys) -> None:
+    """Found by the hour-long soak, twice: during a rebuild a survivor's last result of the
+    broken chain, then the welcome of a frozen worker's timed-out hello, arrived where the
+    head awaited the answer to a slice offer, and recovery died. Only a request's own kind
+    of reply answers it."""
     from potluck.engine.pipeline.head import NodeLink
 
     fake = FakeWorker(keys, 49152, lambda m: [], stale=True)

@@ -206,17 +206,19 @@ class NodeLink:
         return msg
 
     def request(self, msg: wire.WireMessage, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.WireMessage:
-        """Send ``msg`` and wait for this worker's reply, watching the connection meanwhile."""
+        """Send ``msg`` and wait for this worker's reply, watching the connection meanwhile.
+        Messages that are not that reply are late and dropped: a probe, a result of a chain
+        being rebuilt, the welcome of a hello that timed out (a worker that was frozen)."""
+        want = wire.REPLY_TO[type(msg)]
         self.send(msg)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(100):
-                reply = self.recv()
-                if isinstance(reply, wire.Pong) and reply.nonce == wire.PROBE_NONCE:
-                    continue  # the worker checking we are still here
-                if isinstance(reply, wire.Result):
-                    continue  # a batch of a chain being rebuilt, sent before the worker rejoined
-                return reply
+                reply = self.recv()  # a refusal raises
+                if isinstance(reply, want):
+                    return reply
+                log.debug("%s: dropped a late %s while waiting for a %s", self.describe(), reply.TYPE, want.TYPE)
+                continue
             lost = self.drain_events()
             if lost:
                 raise self.lost(lost)

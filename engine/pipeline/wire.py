@@ -437,6 +437,12 @@ MESSAGES: dict[str, type[WireMessage]] = {
     )
 }
 
+# a control request -> its reply (or an Error): anything else that arrives while the head
+# waits is late (a reply to a request that timed out, a result of a broken chain)
+REPLY_TO: dict[type[WireMessage], type[WireMessage]] = {
+    Hello: Welcome, Offer: OfferReply, Chunk: ChunkAck, Load: Loaded, Status: StatusReply,
+}
+
 
 def _check_sha(sha: str) -> None:
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
