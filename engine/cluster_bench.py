@@ -68,7 +68,7 @@ class ClusterBenchConfig:
     n_threads: int = 0  # one machine's threads (default: all cores)
     split: tuple[int, ...] | None = None
     only: tuple[str, ...] = ()  # variant labels to run (default: all)
-    options: dict[str, object] = field(default_factory=dict)  # pipeinfer's options (`--option`)
+    options: dict[str, object] = field(default_factory=dict)  # `--option`: to each variant whose strategy takes it
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,20 @@ def chosen_variants(cfg: ClusterBenchConfig) -> list[Variant]:
     if unknown:
         raise PotluckError(f"no cluster bench variant {sorted(unknown)[0]!r}; choose from: "
                            + ", ".join(v.label for v in every))
-    return [v for v in every if not cfg.only or v.label in (*cfg.only, ONE_MACHINE, SYNC)]
+    chosen = [v for v in every if not cfg.only or v.label in (*cfg.only, ONE_MACHINE, SYNC)]
+    taken = {key for v in chosen for key in get_strategy_class(v.strategy).options}
+    stray = sorted(set(cfg.options) - taken)
+    if stray:
+        raise PotluckError(f"no chosen variant takes the option {stray[0]!r} (their options: "
+                           + (", ".join(sorted(taken)) or "none") + ")")
+    return chosen
+
+
+def variant_options(v: Variant, cfg: ClusterBenchConfig) -> dict[str, object]:
+    """The ``--option``s this variant's strategy takes (``adaptive`` reaches anpd and pipeinfer
+    alike), then the variant's own (an ablation's switch wins)."""
+    takes = get_strategy_class(v.strategy).options
+    return {**{k: val for k, val in cfg.options.items() if k in takes}, **v.options}
 
 
 def run_cluster_bench(
@@ -149,7 +162,7 @@ def run_cluster_bench(
                 spec = EngineSpec(
                     model=path, strategy=v.strategy, draft=cfg.draft, n_ctx=cfg.n_ctx,
                     n_threads=cfg.n_threads if not v.on_pipeline else 1,
-                    strategy_options={**(cfg.options if v.strategy == "pipeinfer" else {}), **v.options},
+                    strategy_options=variant_options(v, cfg),
                     cluster=ClusterSpec(tuple(addresses), keys) if v.on_pipeline else None,
                 )
                 strategy = get_strategy_class(v.strategy).build(model, spec)

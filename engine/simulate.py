@@ -14,6 +14,12 @@ keeps only what decides the speed of one conversation on a pipeline:
   carries ``return_bytes`` a token (the hidden state when the head computes the output
   layer, ``vocab * 4`` when the last stage returns logits). The head's output layer costs
   ``head_ms * cost(b)`` per run, on its own runner (not the head loop).
+- **Per-message work.** A stage's job also costs ``run_ms`` whatever its rows (the decode
+  call's own work: building the batch and the graph, copying the hidden state out). Taking
+  in a message costs ``msg_ms`` of CPU at its stage and at the head (a socket thread, the
+  pipe to the worker's llama.cpp process, decoding the frame), one message at a time per
+  receiver, empty ones and cancelled ones included; it is what makes many small runs dearer
+  than few big ones on real workers.
 - **Head loop.** One thing at a time: drafting costs ``draft_ms`` a drafted token (0 for
   N-gram lookups), sampling/verifying ``sample_ms`` a run's result.
 - **Acceptance.** Each drafted token is right with probability ``alpha``, independently;
@@ -106,6 +112,8 @@ class SimConfig:
 
     stage_ms: tuple[float, ...] = (6.0, 6.0)  # per stage, one token (default: 12 ms/token split in two)
     head_ms: float = 0.0  # the head's output layer, one token
+    run_ms: float = 0.0  # a stage's fixed cost per job, whatever its rows
+    msg_ms: float = 0.0  # CPU to take in one message, at each stage and at the head
     sample_ms: float = 0.1  # sampling / verifying one run's result
     draft_ms: float = 0.0  # one drafted token (0: N-gram lookups)
     latency_ms: float = 0.1  # one message on one link (loopback ~0.1, gigabit ~1)
@@ -143,7 +151,7 @@ class SimConfig:
         if not all(0 < ms <= MAX_MS for ms in self.stage_ms):
             raise PotluckError(f"simulate: each stage's ms must be above 0 and at most {MAX_MS:g}, "
                                f"got {list(self.stage_ms)}")
-        for name, value in (("--head-ms", self.head_ms),
+        for name, value in (("--head-ms", self.head_ms), ("--run-ms", self.run_ms), ("--msg-ms", self.msg_ms),
                             ("--sample-ms", self.sample_ms), ("--draft-ms", self.draft_ms),
                             ("--latency-ms", self.latency_ms), ("--skip-ms", self.skip_ms),
                             ("--abort-ms", self.abort_ms), ("--recovery", self.recovery or 0.0),
@@ -362,8 +370,17 @@ class _Cores:
 
 
 @dataclass
+class _Inbox:
+    """A receiver's thread: takes in one message at a time (``msg_ms`` of CPU each)."""
+
+    queue: deque[_Msg] = field(default_factory=deque)
+    busy: bool = False
+
+
+@dataclass
 class _Stage:
     ms: float
+    inbox: _Inbox = field(default_factory=_Inbox)
     queue: deque[_Msg] = field(default_factory=deque)
     current: _Msg | None = None
     task: _Task | None = None  # the current job's compute
@@ -389,6 +406,7 @@ class Engine:
         self.link_free = [0.0] * (len(self.stages) + 1)  # head->s1, ..., sN->head
         self.head_queue: deque[tuple[int, float]] = deque()  # the head's output-layer runner: (run, ms)
         self.head_busy = False
+        self.head_inbox = _Inbox()
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = 0
@@ -465,10 +483,33 @@ class Engine:
         start = max(self.now, self.link_free[link])
         self.link_free[link] = start + size * 8 / (cfg.bandwidth_mbps * 1e3)
         arrive = self.link_free[link] + cfg.latency_ms
+        inbox = self.head_inbox if link == len(self.stages) else self.stages[link].inbox
+        self._at(arrive, self._take_in, inbox, link, msg)
+
+    def _take_in(self, inbox: _Inbox, link: int, msg: _Msg) -> None:
+        """A message arrived at the receiver of ``link``: its thread takes it in, in order."""
+        if not self.cfg.msg_ms:
+            self._received(link, msg)
+            return
+        inbox.queue.append(msg)
+        if not inbox.busy:
+            self._next_in(inbox, link)
+
+    def _next_in(self, inbox: _Inbox, link: int) -> None:
+        inbox.busy = True
+        self.cores.start(self.cfg.msg_ms, self._taken_in, inbox, link)
+
+    def _taken_in(self, inbox: _Inbox, link: int) -> None:
+        inbox.busy = False
+        self._received(link, inbox.queue.popleft())
+        if inbox.queue:
+            self._next_in(inbox, link)
+
+    def _received(self, link: int, msg: _Msg) -> None:
         if link == len(self.stages):
-            self._at(arrive, self._reach_head, msg)
+            self._reach_head(msg)
         else:
-            self._at(arrive, self._reach_stage, link, msg)
+            self._reach_stage(link, msg)
 
     def _reach_stage(self, i: int, msg: _Msg) -> None:
         stage = self.stages[i]
@@ -484,9 +525,9 @@ class Engine:
             self.counters.skipped += 1
             ms = self.cfg.skip_ms
         elif msg.prefill and self.cfg.prefill_ms:
-            ms = self.cfg.prefill_ms * msg.n * stage.ms / self.total_ms
+            ms = self.cfg.run_ms + self.cfg.prefill_ms * msg.n * stage.ms / self.total_ms
         else:
-            ms = stage.ms * self.cost(msg.n)
+            ms = self.cfg.run_ms + stage.ms * self.cost(msg.n)
         stage.started = self.now
         stage.task = self.cores.start(ms, self._finish, i)
 
@@ -749,13 +790,14 @@ def fit_latency(cfg: SimConfig, iterative_tok_s: float) -> SimConfig:
     Real links cost more than the wire: each hop also pays for framing, a socket and a
     thread handoff. One measured figure (the synchronous pipeline's tokens/s) fixes that
     per-hop cost; the other strategies are then predictions. Iterative decoding's token
-    time is closed form: every stage, every link and the head in turn."""
+    time is closed form: every stage, every link and the head in turn (``run_ms`` and
+    ``msg_ms`` are CPU the model charges on their own, so they are not in the latency)."""
     cfg.check()
     if not (iterative_tok_s > 0 and math.isfinite(iterative_tok_s)):
         raise PotluckError(f"simulate: the measured speed must be positive, got {iterative_tok_s}")
     n = cfg.n_stages
     wire_ms = (n * cfg.n_embd * 4 + (cfg.return_bytes or cfg.n_embd * 4)) * 8 / (cfg.bandwidth_mbps * 1e3)
-    fixed_ms = sum(cfg.stage_ms) + cfg.head_ms + cfg.sample_ms + wire_ms
+    fixed_ms = sum(cfg.stage_ms) + n * cfg.run_ms + (n + 1) * cfg.msg_ms + cfg.head_ms + cfg.sample_ms + wire_ms
     latency_ms = (1000.0 / iterative_tok_s - fixed_ms) / (n + 1)
     if latency_ms < 0:
         raise PotluckError(

@@ -5,12 +5,18 @@
 Run it on a quiet machine. It measures this machine's per-token cost and batch-cost curve
 with one thread (`potluck perf`), starts 3 loopback workers (1 thread each), runs the
 cluster bench on 2 and 3 of them (the synchronous pipeline, `anpd` over it and
-`pipeinfer`), and simulates the same pipelines: the head's share of the model
-(``HEAD_SHARE``) on the head, the rest split evenly over the stages, all sharing this
-machine's cores (``cores``), the per-hop cost fitted to the measured synchronous pipeline
-(one figure), the acceptance rate and the share of positions with no guess taken from the
-measured pipeinfer run. The other speeds are then predictions; the table prints each
-against its measurement.
+`pipeinfer`, both drafting without the floor, anpd 4 tokens at a time as the model does),
+and simulates the same pipelines: the head's share of the model (``HEAD_SHARE``) on the
+head, the rest split evenly over the stages, all sharing this machine's cores (``cores``).
+
+What a message costs is measured, not fitted: one synchronous reply is decoded while the
+workers' CPU time (each worker and its llama.cpp process, from /proc) and the stages' busy
+counters are read at its first and last token. A stage's busy time per job beyond its
+share of the model is ``run_ms``; its CPU beyond its busy time, per job, is ``msg_ms``; the
+head's CPU beyond its output layer, per run, is ``sample_ms``. The link latency is then
+fitted to the measured synchronous pipeline (one figure), the acceptance rate and the
+share of positions with no guess taken from the measured pipeinfer run. The other speeds
+are predictions; the table prints each against its measurement.
 """
 
 from __future__ import annotations
@@ -20,16 +26,25 @@ import os
 import secrets
 import shutil
 import tempfile
-from dataclasses import asdict, replace
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from potluck.app.loopback import spawn_worker, stop_worker
 from potluck.assets import default_model_path
 from potluck.discovery.auth import keys_from_token
+from potluck.engine.benchmark import load_prompts
 from potluck.engine.cluster_bench import SYNC, ClusterBenchConfig, ClusterRow, run_cluster_bench
+from potluck.engine.events import Finished, TokenText
+from potluck.engine.loader import EngineSpec
 from potluck.engine.perf import measure
+from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
+from potluck.engine.pipeline.transport import CurveKeys
 from potluck.engine.runtime import Model
-from potluck.engine.simulate import PerfTiming, fit_latency, simulate
+from potluck.engine.sampling import SamplingParams
+from potluck.engine.session import Session
+from potluck.engine.simulate import PerfTiming, SimConfig, fit_latency, simulate
+from potluck.engine.strategies.registry import get_strategy_class
 
 # measured variant -> the simulator's strategy that models it
 MODELLED = {SYNC: "iterative", "anpd": "speculative", "pipeinfer": "pipeinfer"}
@@ -37,6 +52,68 @@ MODELLED = {SYNC: "iterative", "anpd": "speculative", "pipeinfer": "pipeinfer"}
 # computes the last layer and the output layer. SmolLM2-135M: output matrix 49152x576 ≈ 28M
 # MACs + one layer ≈ 3.5M, of ≈ 134M per token
 HEAD_SHARE = 0.235
+K = 4  # anpd's draft length, fixed, as the model's speculative policy drafts
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Per-message work measured on a synchronous reply (ms)."""
+
+    run_ms: float  # a stage's busy time per job beyond its share of the model
+    msg_ms: float  # a worker's CPU per job beyond its busy time (sockets, the pipe, Python)
+    head_ms: float  # the head's output layer per run
+    sample_ms: float  # the head's other CPU per run (its poll loop, sampling), less one message
+    busy_per_job: tuple[float, ...]
+
+    def apply(self, cfg: SimConfig) -> SimConfig:
+        return replace(cfg, run_ms=self.run_ms, msg_ms=self.msg_ms, head_ms=self.head_ms, sample_ms=self.sample_ms)
+
+
+def tree_cpu_ms(pid: int) -> float:
+    """User + system CPU time of a process and all its descendants, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) * 1e3 / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def measure_overheads(
+    model: Model, pipeline: PipelineTarget, pids: list[int], stage_ms: float, tokens: int
+) -> Overheads:
+    """Decode one reply synchronously; read CPU and counters at its first and last token."""
+    strategy = get_strategy_class("autoregressive").build(model, EngineSpec(strategy="autoregressive", n_ctx=2048))
+    session = Session(model, pipeline, strategy)
+    marks = []
+
+    def mark() -> tuple:
+        st = pipeline.status()
+        return ([tree_cpu_ms(p) for p in pids], [s.busy_ms for s in st],
+                [s.finished + s.aborted + s.skipped for s in st], time.process_time() * 1e3,
+                pipeline.tail.runner.counters.busy_s * 1e3, pipeline.stats.batches)
+
+    pipeline.reset()
+    for ev in session.generate(load_prompts("code_editing")[0], SamplingParams(), tokens):
+        if (isinstance(ev, TokenText) and not marks) or isinstance(ev, Finished):
+            marks.append(mark())
+    (cpu0, busy0, jobs0, head0, tail0, runs0), (cpu1, busy1, jobs1, head1, tail1, runs1) = marks
+    jobs = [b - a for a, b in zip(jobs0, jobs1)]
+    busy = [(b - a) / j for a, b, j in zip(busy0, busy1, jobs)]
+    msg = [((c1 - c0) - (b1 - b0)) / j for c0, c1, b0, b1, j in zip(cpu0, cpu1, busy0, busy1, jobs)]
+    runs = runs1 - runs0
+    msg_ms = max(0.0, sum(msg) / len(msg))
+    head_ms = (tail1 - tail0) / runs
+    return Overheads(
+        run_ms=max(0.0, sum(busy) / len(busy) - stage_ms), msg_ms=msg_ms, head_ms=head_ms,
+        sample_ms=max(0.0, (head1 - head0 - (tail1 - tail0)) / runs - msg_ms), busy_per_job=tuple(busy),
+    )
 
 
 def main() -> None:
@@ -56,28 +133,52 @@ def main() -> None:
     try:
         print(f"{'stages':>6} {'family':<13} {'variant':<10} {'measured':>9} {'simulated':>10} {'error':>7}"
               f"  {'accept':>6} {'no guess':>8}")
+        keys = keys_from_token(token)
         for n in (2, 3):
+            addresses = [p[2] for p in procs[:n]]
+            over = calibrate(path, addresses, keys, [p[0].pid for p in procs[:n]], perf, n, args.max_tokens)
             cfg = ClusterBenchConfig(families=tuple(args.families.split(",")), reps=args.reps,
                                      max_tokens=args.max_tokens, only=("anpd", "pipeinfer"),
-                                     options={"adaptive": False})  # the model has no floor
-            rows = run_cluster_bench(cfg, [p[2] for p in procs[:n]], keys_from_token(token))
+                                     options={"adaptive": False, "max_draft": K})  # the model has no floor
+            rows = run_cluster_bench(cfg, addresses, keys)
             for fam in cfg.families:
                 by = {r.variant: r for r in rows if r.family == fam}
-                report_family(n, fam, by, perf, args.max_tokens)
+                report_family(n, fam, by, perf, over, args.max_tokens)
     finally:
         for proc, *_ in procs:
             stop_worker(proc)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def report_family(n: int, fam: str, by: dict[str, ClusterRow], perf: PerfTiming, tokens: int) -> None:
+def stage_ms(perf: PerfTiming, n: int) -> float:
+    return perf.model_ms * (1 - HEAD_SHARE) / n
+
+
+def calibrate(
+    path: Path, addresses: list[str], keys: CurveKeys, pids: list[int], perf: PerfTiming, n: int, tokens: int
+) -> Overheads:
+    with Model(path) as model:
+        pipeline = open_pipeline(path, addresses, keys, n_ctx=2048)
+        try:
+            over = measure_overheads(model, pipeline, pids, stage_ms(perf, n), tokens)
+        finally:
+            pipeline.close()
+    print(f"{n} stages, per job: stage busy {', '.join(f'{b:.2f}' for b in over.busy_per_job)} ms "
+          f"(model share {stage_ms(perf, n):.2f}, so run_ms {over.run_ms:.2f}); msg_ms {over.msg_ms:.2f}; "
+          f"head: output layer {over.head_ms:.2f} ms a run, other CPU {over.sample_ms:.2f} ms a run")
+    return over
+
+
+def report_family(
+    n: int, fam: str, by: dict[str, ClusterRow], perf: PerfTiming, over: Overheads, tokens: int
+) -> None:
     pi = by["pipeinfer"]
     alpha = pi.acceptance_rate or 0.0
     # positions the target judged a guess at, per generated token: the rest had none
     p_none = min(0.99, max(0.0, 1.0 - (pi.judged_per_token or 0.0)))
     # the workers and the head share this machine's cores (1 thread each)
-    base = replace(perf.config(n), stage_ms=(perf.model_ms * (1 - HEAD_SHARE) / n,) * n,
-                   head_ms=perf.model_ms * HEAD_SHARE, cores=os.cpu_count() or 1, alpha=alpha, p_none=p_none,
+    base = replace(over.apply(perf.config(n)), stage_ms=(stage_ms(perf, n),) * n, k=K,
+                   cores=os.cpu_count() or 1, alpha=alpha, p_none=p_none,
                    tokens=tokens, seeds=5, strategies=tuple(MODELLED.values()))
     sim = simulate(fit_latency(base, by[SYNC].tokens_per_s))["results"]
     for variant, name in MODELLED.items():

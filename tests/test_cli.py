@@ -102,6 +102,8 @@ def test_bad_input_is_one_line_exit_2(case: str, tmp_path: Path, model_path: Pat
         (["--split", "0,10,30"], "--split only applies to --cluster or --nodes"),
         (["--cluster", "2", "--nodes", "127.0.0.1:1"], "not both"),
         (["--cluster", "2", "--variants", "bogus"], "no cluster bench variant 'bogus'"),
+        (["--cluster", "2", "--variants", "anpd", "--option", "cancel=false"],
+         "no chosen variant takes the option 'cancel'"),
     ],
 )
 def test_cluster_bench_bad_flags_are_one_line(args: list[str], expect: str, tmp_path: Path) -> None:

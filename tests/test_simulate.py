@@ -334,3 +334,19 @@ def test_cli_cores(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = cli(capsys, "--cores", "-1")
     assert rc == 2 and out == ""
     assert "--cores must be between 0 and 1024" in err and len(err.strip().splitlines()) == 1
+
+
+def test_per_message_work_weighs_on_many_small_runs() -> None:
+    """The same measured synchronous speed, with part of its time moved from link latency
+    into CPU per job and per message: iterative decoding is unchanged (it fits), PipeInfer,
+    sending several runs a token on shared cores, slows down."""
+    from potluck.engine.simulate import fit_latency
+
+    base = replace(TWO, alpha=0.7, cores=1)
+    free = fit_latency(base, 40.0)
+    dear = fit_latency(replace(base, run_ms=1.0, msg_ms=1.0), 40.0)
+    assert dear.latency_ms == pytest.approx(free.latency_ms - (2 * 1.0 + 3 * 1.0) / 3)
+    a, b = run(free, "iterative", "pipeinfer"), run(dear, "iterative", "pipeinfer")
+    assert a["iterative"]["tok_s"] == pytest.approx(40.0) and b["iterative"]["tok_s"] == pytest.approx(40.0)
+    assert b["pipeinfer"]["runs"] > 1.2 * b["iterative"]["runs"]
+    assert b["pipeinfer"]["tok_s"] < 0.9 * a["pipeinfer"]["tok_s"]

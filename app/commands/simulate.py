@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
     g.add_argument("--head-ms", type=float, default=d.head_ms, help="the head's output layer, ms a token")
     g.add_argument("--sample-ms", type=float, default=d.sample_ms, help="sampling one run's result, ms")
+    g.add_argument("--run-ms", type=float, default=d.run_ms, help="a stage's fixed cost per job, whatever its rows")
+    g.add_argument("--msg-ms", type=float, default=d.msg_ms,
+                   help="CPU to take in one message at a stage or the head (sockets, pipes; with --cores)")
     g.add_argument("--latency-ms", type=float, help=f"one message on one link (default {d.latency_ms})")
     g.add_argument("--bandwidth-mbps", type=float, help=f"link bandwidth, Mbit/s (default {d.bandwidth_mbps:g})")
     g.add_argument("--n-embd", type=int, help=f"hidden size: n_embd*4 bytes a token a link (default {d.n_embd})")
@@ -164,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if args.strategies else STRATEGIES
     d = SimConfig()
     cfg = SimConfig(
-        stage_ms=stage_ms, head_ms=args.head_ms, sample_ms=args.sample_ms,
+        stage_ms=stage_ms, head_ms=args.head_ms, sample_ms=args.sample_ms, run_ms=args.run_ms, msg_ms=args.msg_ms,
         draft_ms=d.draft_ms if args.draft_ms is None else args.draft_ms,
         latency_ms=d.latency_ms if args.latency_ms is None else args.latency_ms,
         bandwidth_mbps=d.bandwidth_mbps if args.bandwidth_mbps is None else args.bandwidth_mbps,
