@@ -82,7 +82,7 @@ class ClusterRow:
     acceptance_rate: float | None
     judged_per_token: float | None  # guesses the target judged per generated token
     identical_to_one_machine: bool
-    stage_busy: tuple[float, ...]  # per stage: computing time / wall time of the replies
+    stage_busy: tuple[float, ...]  # per worker, then the head: computing time / wall time of the replies
     last_stage_bytes_per_token: float | None  # received from the last worker per token it computed
     fed_per_token: float | None  # tokens sent down the pipeline per generated token (prompt excluded)
     cancelled_per_reply: float | None  # pipeinfer's cancelled runs
@@ -194,7 +194,7 @@ def _reply(
     if v.on_pipeline:
         pipeline.reset()
         target = pipeline
-        before = pipeline.status()
+        before = pipeline.busy_ms()
         bytes0, fed0 = pipeline.links[-1].bytes_in, pipeline.stats.tokens
     else:
         threads = cfg.n_threads or default_threads()
@@ -219,8 +219,7 @@ def _reply(
         acc.last_bytes += pipeline.links[-1].bytes_in - bytes0
         acc.fed += pipeline.stats.tokens - fed0
         acc.prompt += fin.prefill_tokens
-        after = pipeline.status()
-        busy = [b.busy_ms - a.busy_ms for a, b in zip(before, after)]
+        busy = [b - a for a, b in zip(before, pipeline.busy_ms())]
         acc.busy_ms = [x + y for x, y in zip(acc.busy_ms, busy)] if acc.busy_ms else busy
         acc.wall_ms += (fin.prefill_s + fin.decode_s) * 1e3
         acc.generated += len(fin.tokens)

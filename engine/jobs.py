@@ -83,3 +83,13 @@ class Ticket:
 
     run_id: int
     seq_no: int  # the target's submission counter (the pipeline's transaction number)
+
+
+@dataclass
+class InFlight:
+    """Tokens sent to the target and not yet redeemed: the strategies that keep several
+    batches in flight (pearl, pipeinfer) file each one's rows by position when it returns."""
+
+    ticket: Ticket
+    pos0: int  # position of its first token: its rows predict positions pos0+1 ..
+    n: int

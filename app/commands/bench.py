@@ -270,7 +270,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def format_cluster_table(rows: list[ClusterRow], cfg: ClusterBenchConfig) -> str:
     cols = (f"{'family':<14}{'variant':<26}{'tok/s':>7}{'vs pipe':>8}{'vs one':>8}{'ttft s':>8}{'accept':>8}"
-            f"{'fed/tok':>8}{'cancel/rpl':>11}{'last B/tok':>11}  identical  stage busy")
+            f"{'fed/tok':>8}{'cancel/rpl':>11}{'last B/tok':>11}  identical  busy: workers, head")
     lines = [f"max tokens {cfg.max_tokens}, reps {cfg.reps} (medians); 'one machine' holds the whole model "
              f"with {cfg.n_threads or 'all'} threads", "", cols, "-" * len(cols)]
     for r in rows:

@@ -655,6 +655,11 @@ class PipelineTarget(TargetBase):
         """(bytes the head sent, bytes it received) on the data path and control so far."""
         return sum(lk.bytes_out for lk in self.links), sum(lk.bytes_in for lk in self.links)
 
+    def busy_ms(self) -> list[float]:
+        """Computing time so far of each worker's stage in chain order, then the head's own
+        layers (the last layer and the output layer): what proves the stages overlap."""
+        return [st.busy_ms for st in self.status()] + [self.tail.runner.counters.busy_s * 1e3]
+
     def status(self) -> list[wire.StatusReply]:
         """Each stage's state and counters (finished / aborted / skipped batches)."""
         self._check_usable()

@@ -40,7 +40,7 @@ import numpy as np
 from ..adaptive import UNTIL_REPLY_END, DraftGate
 from ..drafters import ContextView, Drafter, DraftRequest
 from ..errors import PotluckError
-from ..jobs import RunCancelled, Ticket
+from ..jobs import InFlight, RunCancelled
 from ..sampling import SamplingParams, probs
 from ..target import MAX_EXACT_BATCH
 from ..verify import judge
@@ -207,10 +207,7 @@ class DraftAhead:
 
 
 @dataclass
-class _Batch:
-    ticket: Ticket
-    pos0: int  # position of its first token; its rows predict positions pos0+1 ..
-    n: int
+class _Batch(InFlight):
     queued_at: float
 
 

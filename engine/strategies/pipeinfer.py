@@ -51,7 +51,7 @@ import numpy as np
 from ..adaptive import UNTIL_REPLY_END, DraftGate, LengthConfig
 from ..drafters import ContextView, Drafter, DraftRequest
 from ..errors import PotluckError
-from ..jobs import RunCancelled, Ticket
+from ..jobs import InFlight, RunCancelled
 from ..sampling import probs
 from ..target import Target
 from ..verify import judge
@@ -83,11 +83,8 @@ class Cutoff:
 
 
 @dataclass
-class _Run:
-    ticket: Ticket
-    pos0: int  # position of its first token: its rows predict positions pos0+1 ..
-    n: int
-    speculative: bool
+class _Run(InFlight):
+    speculative: bool  # guesses (cancelled when one before them is rejected), or the target's own token
 
 
 @dataclass
