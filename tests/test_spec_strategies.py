@@ -26,7 +26,7 @@ from potluck.engine.verify import verify_chain
 
 from .conftest import flat_cost_line
 
-# Five prompts across the benchmark families; three of them run to the 256-token limit.
+# Four prompts: prose, a code edit, a summary, an explanation; two run to the 256-token limit.
 LONG_PROMPTS = [
     "Write a long, detailed story about a robot who learns to cook. Use many paragraphs.",
     "Rewrite this Python code with snake_case names and return the whole code:\n\n"
@@ -37,8 +37,6 @@ LONG_PROMPTS = [
     "plan. It proposes three bus lines, a bike-sharing program and longer opening hours for the "
     "central station. Members disagreed about the cost; a business association supported it.",
     "Explain in detail how a hash table works, with examples, collisions, resizing and complexity.",
-    "Write a Python class for a bank account with deposit, withdraw, balance and history, "
-    "with docstrings and tests.",
 ]
 MAX_TOKENS = 256
 # One thread: this box has 2 cores shared with other jobs, and two spinning threads on a
@@ -87,7 +85,7 @@ def reference(model: Model) -> dict[str, list[int]]:
     for i, turn in enumerate(TURNS):
         out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
     s.close()
-    assert sum(len(v) >= MAX_TOKENS for v in out.values()) >= 3
+    assert sum(len(v) >= MAX_TOKENS for v in out.values()) >= 2
     return out
 
 
