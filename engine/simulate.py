@@ -15,11 +15,12 @@ keeps only what decides the speed of one conversation on a pipeline:
   layer, ``vocab * 4`` when the last stage returns logits). The head's output layer costs
   ``head_ms * cost(b)`` per run, on its own runner (not the head loop).
 - **Per-message work.** A stage's job also costs ``run_ms`` whatever its rows (the decode
-  call's own work: building the batch and the graph, copying the hidden state out). Taking
-  in a message costs ``msg_ms`` of CPU at its stage and at the head (a socket thread, the
-  pipe to the worker's llama.cpp process, decoding the frame), one message at a time per
-  receiver, empty ones and cancelled ones included; it is what makes many small runs dearer
-  than few big ones on real workers.
+  call's own work: building the batch and the graph, copying the hidden state out). Each
+  message also burns ``msg_ms`` of CPU at its receiver, a stage or the head (a socket
+  thread, the pipe to the worker's llama.cpp process, the encryption threads), empty and
+  cancelled ones included. That CPU runs beside the message, not in its way: the delay a
+  hop adds is ``latency_ms``. Only on shared cores does it slow anything, by taking cores
+  from the computing stages: what makes many small runs dearer than few big ones there.
 - **Head loop.** One thing at a time: drafting costs ``draft_ms`` a drafted token (0 for
   N-gram lookups), sampling/verifying ``sample_ms`` a run's result.
 - **Acceptance.** Each drafted token is right with probability ``alpha``, independently;
@@ -113,7 +114,7 @@ class SimConfig:
     stage_ms: tuple[float, ...] = (6.0, 6.0)  # per stage, one token (default: 12 ms/token split in two)
     head_ms: float = 0.0  # the head's output layer, one token
     run_ms: float = 0.0  # a stage's fixed cost per job, whatever its rows
-    msg_ms: float = 0.0  # CPU to take in one message, at each stage and at the head
+    msg_ms: float = 0.0  # CPU one message burns at its receiver, beside it (with cores > 0)
     sample_ms: float = 0.1  # sampling / verifying one run's result
     draft_ms: float = 0.0  # one drafted token (0: N-gram lookups)
     latency_ms: float = 0.1  # one message on one link (loopback ~0.1, gigabit ~1)
@@ -370,17 +371,8 @@ class _Cores:
 
 
 @dataclass
-class _Inbox:
-    """A receiver's thread: takes in one message at a time (``msg_ms`` of CPU each)."""
-
-    queue: deque[_Msg] = field(default_factory=deque)
-    busy: bool = False
-
-
-@dataclass
 class _Stage:
     ms: float
-    inbox: _Inbox = field(default_factory=_Inbox)
     queue: deque[_Msg] = field(default_factory=deque)
     current: _Msg | None = None
     task: _Task | None = None  # the current job's compute
@@ -406,7 +398,6 @@ class Engine:
         self.link_free = [0.0] * (len(self.stages) + 1)  # head->s1, ..., sN->head
         self.head_queue: deque[tuple[int, float]] = deque()  # the head's output-layer runner: (run, ms)
         self.head_busy = False
-        self.head_inbox = _Inbox()
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = 0
@@ -483,29 +474,11 @@ class Engine:
         start = max(self.now, self.link_free[link])
         self.link_free[link] = start + size * 8 / (cfg.bandwidth_mbps * 1e3)
         arrive = self.link_free[link] + cfg.latency_ms
-        inbox = self.head_inbox if link == len(self.stages) else self.stages[link].inbox
-        self._at(arrive, self._take_in, inbox, link, msg)
-
-    def _take_in(self, inbox: _Inbox, link: int, msg: _Msg) -> None:
-        """A message arrived at the receiver of ``link``: its thread takes it in, in order."""
-        if not self.cfg.msg_ms:
-            self._received(link, msg)
-            return
-        inbox.queue.append(msg)
-        if not inbox.busy:
-            self._next_in(inbox, link)
-
-    def _next_in(self, inbox: _Inbox, link: int) -> None:
-        inbox.busy = True
-        self.cores.start(self.cfg.msg_ms, self._taken_in, inbox, link)
-
-    def _taken_in(self, inbox: _Inbox, link: int) -> None:
-        inbox.busy = False
-        self._received(link, inbox.queue.popleft())
-        if inbox.queue:
-            self._next_in(inbox, link)
+        self._at(arrive, self._received, link, msg)
 
     def _received(self, link: int, msg: _Msg) -> None:
+        if self.cfg.msg_ms and self.cfg.cores:  # the receiver's CPU, beside the message
+            self.cores.start(self.cfg.msg_ms, _nothing)
         if link == len(self.stages):
             self._reach_head(msg)
         else:
@@ -576,6 +549,10 @@ class Engine:
         if self._waiting == run:
             self._waiting = None
             self._resume()
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -790,21 +767,37 @@ def fit_latency(cfg: SimConfig, iterative_tok_s: float) -> SimConfig:
     Real links cost more than the wire: each hop also pays for framing, a socket and a
     thread handoff. One measured figure (the synchronous pipeline's tokens/s) fixes that
     per-hop cost; the other strategies are then predictions. Iterative decoding's token
-    time is closed form: every stage, every link and the head in turn (``run_ms`` and
-    ``msg_ms`` are CPU the model charges on their own, so they are not in the latency)."""
+    time is closed form (every stage, every link and the head in turn) unless the
+    messages' CPU shares too few cores with the computing: then the closed form's latency is
+    refined by bisection on the simulated speed."""
     cfg.check()
     if not (iterative_tok_s > 0 and math.isfinite(iterative_tok_s)):
         raise PotluckError(f"simulate: the measured speed must be positive, got {iterative_tok_s}")
     n = cfg.n_stages
     wire_ms = (n * cfg.n_embd * 4 + (cfg.return_bytes or cfg.n_embd * 4)) * 8 / (cfg.bandwidth_mbps * 1e3)
-    fixed_ms = sum(cfg.stage_ms) + n * cfg.run_ms + (n + 1) * cfg.msg_ms + cfg.head_ms + cfg.sample_ms + wire_ms
-    latency_ms = (1000.0 / iterative_tok_s - fixed_ms) / (n + 1)
+    fixed_ms = sum(cfg.stage_ms) + n * cfg.run_ms + cfg.head_ms + cfg.sample_ms + wire_ms
+    target_ms = 1000.0 / iterative_tok_s
+    latency_ms = (target_ms - fixed_ms) / (n + 1)
+    too_fast = PotluckError(
+        f"simulate: {iterative_tok_s:g} tok/s is faster than the stages alone allow "
+        f"({1000.0 / fixed_ms:.1f} tok/s): the stage times are too high for that measurement"
+    )
     if latency_ms < 0:
-        raise PotluckError(
-            f"simulate: {iterative_tok_s:g} tok/s is faster than the stages alone allow "
-            f"({1000.0 / fixed_ms:.1f} tok/s): the stage times are too high for that measurement"
-        )
-    return replace(cfg, latency_ms=latency_ms).check()
+        raise too_fast
+    if not (cfg.msg_ms and cfg.cores):
+        return replace(cfg, latency_ms=latency_ms).check()
+
+    def token_ms(lat: float) -> float:
+        c = replace(cfg, latency_ms=lat, strategies=("iterative",), seeds=1)
+        return 1000.0 / simulate(c)["results"]["iterative"]["tok_s"]
+
+    lo, hi = 0.0, latency_ms  # the messages' CPU only ever slows a token: the answer is below
+    if token_ms(lo) > target_ms:
+        raise too_fast
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if token_ms(mid) < target_ms else (lo, mid)
+    return replace(cfg, latency_ms=(lo + hi) / 2).check()
 
 
 @dataclass(frozen=True)

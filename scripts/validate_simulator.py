@@ -12,10 +12,11 @@ head, the rest split evenly over the stages, all sharing this machine's cores (`
 What a message costs is measured, not fitted: one synchronous reply is decoded while the
 workers' CPU time (each worker and its llama.cpp process, from /proc) and the stages' busy
 counters are read at its first and last token. A stage's busy time per job beyond its
-share of the model is ``run_ms``; its CPU beyond its busy time, per job, is ``msg_ms``; the
-head's CPU beyond its output layer, per run, is ``sample_ms``. The link latency is then
-fitted to the measured synchronous pipeline (one figure), the acceptance rate and the
-share of positions with no guess taken from the measured pipeinfer run. The other speeds
+share of the model is ``run_ms``; its CPU beyond its busy time, per job, is ``msg_ms`` (the
+model burns it beside each message, at the head too); the head's output layer per run is
+``head_ms``. The link latency is then fitted to the measured synchronous pipeline (one
+figure), the acceptance rate and the share of positions with no guess taken from the
+measured pipeinfer run. The other speeds
 are predictions; the table prints each against its measurement.
 """
 
@@ -62,11 +63,11 @@ class Overheads:
     run_ms: float  # a stage's busy time per job beyond its share of the model
     msg_ms: float  # a worker's CPU per job beyond its busy time (sockets, the pipe, Python)
     head_ms: float  # the head's output layer per run
-    sample_ms: float  # the head's other CPU per run (its poll loop, sampling), less one message
+    head_other_ms: float  # the head's other CPU per run (shown, not modelled beyond msg_ms)
     busy_per_job: tuple[float, ...]
 
     def apply(self, cfg: SimConfig) -> SimConfig:
-        return replace(cfg, run_ms=self.run_ms, msg_ms=self.msg_ms, head_ms=self.head_ms, sample_ms=self.sample_ms)
+        return replace(cfg, run_ms=self.run_ms, msg_ms=self.msg_ms, head_ms=self.head_ms)
 
 
 def tree_cpu_ms(pid: int) -> float:
@@ -112,7 +113,7 @@ def measure_overheads(
     head_ms = (tail1 - tail0) / runs
     return Overheads(
         run_ms=max(0.0, sum(busy) / len(busy) - stage_ms), msg_ms=msg_ms, head_ms=head_ms,
-        sample_ms=max(0.0, (head1 - head0 - (tail1 - tail0)) / runs - msg_ms), busy_per_job=tuple(busy),
+        head_other_ms=(head1 - head0 - (tail1 - tail0)) / runs, busy_per_job=tuple(busy),
     )
 
 
@@ -165,7 +166,7 @@ def calibrate(
             pipeline.close()
     print(f"{n} stages, per job: stage busy {', '.join(f'{b:.2f}' for b in over.busy_per_job)} ms "
           f"(model share {stage_ms(perf, n):.2f}, so run_ms {over.run_ms:.2f}); msg_ms {over.msg_ms:.2f}; "
-          f"head: output layer {over.head_ms:.2f} ms a run, other CPU {over.sample_ms:.2f} ms a run")
+          f"head: output layer {over.head_ms:.2f} ms a run, other CPU {over.head_other_ms:.2f} ms a run")
     return over
 
 

@@ -350,3 +350,17 @@ def test_per_message_work_weighs_on_many_small_runs() -> None:
     assert a["iterative"]["tok_s"] == pytest.approx(40.0) and b["iterative"]["tok_s"] == pytest.approx(40.0)
     assert b["pipeinfer"]["runs"] > 1.2 * b["iterative"]["runs"]
     assert b["pipeinfer"]["tok_s"] < 0.9 * a["pipeinfer"]["tok_s"]
+
+
+def test_message_cpu_runs_beside_the_message() -> None:
+    """With a core to spare, a message's CPU delays nothing in synchronous decoding: the
+    fitted latency only loses the per-job cost; on one core it is in the way, and the fit
+    finds the latency by bisection that still matches the measurement."""
+    from potluck.engine.simulate import fit_latency
+
+    free = fit_latency(replace(TWO, cores=2), 40.0)
+    spare = fit_latency(replace(TWO, cores=2, run_ms=1.0, msg_ms=1.0), 40.0)
+    assert spare.latency_ms == pytest.approx(free.latency_ms - 2 * 1.0 / 3)
+    tight = fit_latency(replace(TWO, cores=1, run_ms=1.0, msg_ms=0.5), 40.0)
+    assert tight.latency_ms < spare.latency_ms
+    assert run(tight, "iterative")["iterative"]["tok_s"] == pytest.approx(40.0, rel=1e-4)
