@@ -16,8 +16,8 @@ share of the model is ``run_ms``; its CPU beyond its busy time, per job, is ``ms
 model burns it beside each message, at the head too); the head's output layer per run is
 ``head_ms``. The link latency is then fitted to the measured synchronous pipeline (one
 figure), the acceptance rate and the share of positions with no guess taken from the
-measured pipeinfer run. The other speeds
-are predictions; the table prints each against its measurement.
+measured pipeinfer run. The other speeds are predictions; the table prints each against
+its measurement.
 """
 
 from __future__ import annotations
