@@ -76,14 +76,15 @@ class StageRunner:
         """Skip the runs' queued jobs and abort the running one. Several runs are cancelled
         in one step: after an abort frees a run's cells, the next job must not start unless
         it is known to be cancelled too (its positions would no longer follow the cache's)."""
+        runs = (run_id, *more)
         with self._cond:
-            for rid in (run_id, *more):
+            for rid in runs:
                 if rid not in self._cancelled:
                     self._cancelled.add(rid)
                     self._cancel_order.append(rid)
                     if len(self._cancel_order) > CANCELLED_KEPT:
                         self._cancelled.discard(self._cancel_order.popleft())
-            if self._running in (run_id, *more):
+            if self._running in runs:
                 self.stage.ctx.request_abort()
 
     @property

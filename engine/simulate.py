@@ -81,8 +81,9 @@ activity (a stage's job, the head's output layer for a run, its drafting and sam
 shares N cores by processor sharing: while k compute at once each progresses at
 ``min(1, N / k)``. The engine keeps each activity's work left; when the rate changes it
 brings them up to date and moves their finish events (the version that invalidates a
-finish an abort moved). Iterative decoding never computes two things at once, so it and
-:func:`fit_latency` are the same with or without shared cores.
+finish an abort moved). Iterative decoding never computes two things at once, so it is the
+same with or without shared cores, unless the messages' CPU (``msg_ms``) runs beside a
+stage on a single core; :func:`fit_latency` then bisects instead of solving.
 """
 
 from __future__ import annotations

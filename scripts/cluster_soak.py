@@ -37,6 +37,7 @@ from potluck.engine.runtime import Model
 from potluck.engine.sampling import SamplingParams
 from potluck.engine.session import Session
 from potluck.engine.strategies.plain import Autoregressive
+from scripts.procfs import process_tree
 from tests.cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
 N_CTX = 2048
@@ -53,15 +54,11 @@ PROMPTS = [
 def rss_mb(pid: int, descendants: bool = True) -> float:
     """Resident memory of ``pid`` (and its descendants), in MB (0 once it is gone)."""
     total = 0.0
-    todo = [pid]
-    while todo:
-        p = todo.pop()
+    for p in process_tree(pid) if descendants else [pid]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) / 1024
-            for task in Path(f"/proc/{p}/task").iterdir() if descendants else ():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
         except (OSError, ValueError):
             continue
     return total

@@ -46,6 +46,7 @@ from potluck.engine.sampling import SamplingParams
 from potluck.engine.session import Session
 from potluck.engine.simulate import PerfTiming, SimConfig, fit_latency, simulate
 from potluck.engine.strategies.registry import get_strategy_class
+from scripts.procfs import process_tree
 
 # measured variant -> the simulator's strategy that models it
 MODELLED = {SYNC: "iterative", "anpd": "speculative", "pipeinfer": "pipeinfer"}
@@ -73,16 +74,13 @@ class Overheads:
 def tree_cpu_ms(pid: int) -> float:
     """User + system CPU time of a process and all its descendants, from /proc (Linux)."""
     tick = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
+    total = 0.0
+    for p in process_tree(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) * 1e3 / tick
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
+        except OSError:
             continue
+        total += (int(fields[11]) + int(fields[12])) * 1e3 / tick
     return total
 
 

@@ -217,6 +217,8 @@ def test_cli_png_without_matplotlib_says_what_to_install(capsys: pytest.CaptureF
         ["--trends", "--model-ms", "-5"],
         ["--fit-iterative", "1000"],
         ["--sample-ms", "1e308"],
+        ["--msg-ms", "-1"],
+        ["--run-ms", "1e308"],
         ["--stages", "99999999999999999999"],
         ["--batch-cost", "1:1,2:1e300"],
         ["--fit-iterative", "40", "--latency-ms", "1"],

@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--sample-ms", type=float, default=d.sample_ms, help="sampling one run's result, ms")
     g.add_argument("--run-ms", type=float, default=d.run_ms, help="a stage's fixed cost per job, whatever its rows")
     g.add_argument("--msg-ms", type=float, default=d.msg_ms,
-                   help="CPU to take in one message at a stage or the head (sockets, pipes; with --cores)")
+                   help="CPU one message burns at its receiver, beside it (sockets, pipes); counts only with --cores")
     g.add_argument("--latency-ms", type=float, help=f"one message on one link (default {d.latency_ms})")
     g.add_argument("--bandwidth-mbps", type=float, help=f"link bandwidth, Mbit/s (default {d.bandwidth_mbps:g})")
     g.add_argument("--n-embd", type=int, help=f"hidden size: n_embd*4 bytes a token a link (default {d.n_embd})")
