@@ -163,11 +163,19 @@ def wait_done(tail: HeadTail, timeout_s: float, count: int = 1) -> list:
     return done
 
 
-def test_the_heads_layers_take_one_thread_beside_a_loopback_worker() -> None:
+def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
+    model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
     """llama.cpp's OpenMP threads spin between batches: beside a worker on this machine the
     head's layers keep to one thread; with only remote workers they take every core."""
     from potluck.engine.pipeline.head import tail_threads
 
+    target = open_pipeline(model_path, [w.address for w in workers[:2]], keys_from_token(TOKEN),
+                           n_ctx=N_CTX, slice_cache=slice_cache, split=[0, 15])  # no n_threads given
+    try:
+        assert target.tail.stage.ctx.params.n_threads == 1
+    finally:
+        target.close()
     assert tail_threads(["127.0.0.1:5555", "10.0.0.2:5555"]) == 1
     assert tail_threads(["localhost:1"]) == tail_threads(["[::1]:1"]) == tail_threads(["tcp://127.0.0.2:1"]) == 1
     assert tail_threads(["10.0.0.2:5555", "pc-kitchen.local:5555"]) == 0  # 0: all cores
