@@ -340,12 +340,18 @@ def test_slice_store_quota_evicts_least_recently_used(tmp_path: Path) -> None:
 class FakeWorker:
     """A token holder posing as a worker: honest setup, then ``result(forward)`` answers batches."""
 
-    def __init__(self, keys: CurveKeys, n_vocab: int, result, n_embd: int = 576, stale: bool = False) -> None:
+    def __init__(
+        self, keys: CurveKeys, n_vocab: int, result, n_embd: int = 576, stale: bool = False, port: int = 0
+    ) -> None:
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, keys)
         self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
         self.sock.setsockopt(zmq.SNDTIMEO, 2000)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        if port:
+            self.sock.bind(f"tcp://127.0.0.1:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.n_vocab = n_vocab
         self.n_embd = n_embd
         self.result = result
@@ -413,6 +419,37 @@ def test_late_messages_are_not_replies(keys: CurveKeys) -> None:
         link.close(release=False)
         zctx.term()
         fake.close()
+
+
+def test_a_join_waits_for_a_slow_handshake_up_to_its_own_timeout(keys: CurveKeys) -> None:
+    """Found by CI: the head's own worker, started on a busy machine, had not finished the
+    CURVE handshake when the hello's send gave up (3 s), twice, and recovery failed. A join
+    now waits for the handshake up to the deadline its caller chose."""
+    from potluck.engine.pipeline.head import SEND_TIMEOUT_MS, NodeLink
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # free again: the worker binds it only after the send timeout has passed
+    zctx = zmq.Context()
+    link = NodeLink(zctx, keys, f"127.0.0.1:{port}", b"head-test")
+    late: list[FakeWorker] = []
+    def start_late() -> None:
+        late.append(FakeWorker(keys, 49152, lambda m: [], port=port))
+
+    starter = threading.Timer(SEND_TIMEOUT_MS / 1000 + 1.0, start_late)
+    starter.start()
+    try:
+        t0 = time.monotonic()
+        welcome = link.join("head-test", "0", timeout_s=SEND_TIMEOUT_MS / 1000 + 10)
+        assert welcome.node_id == "fake" and link.handshaken
+        assert time.monotonic() - t0 > SEND_TIMEOUT_MS / 1000  # the path under test: a handshake after 3 s
+    finally:
+        starter.join()
+        link.close(release=False)
+        zctx.term()
+        for w in late:
+            w.close()
 
 
 def test_a_malicious_worker_cannot_crash_the_head(

@@ -77,6 +77,9 @@ REJOIN_TIMEOUT_S = 15.0
 # Between replies the head asks listed workers it does not use whether they are back: a
 # short join, and an address that does not answer is asked again only this much later.
 REGROUP_JOIN_TIMEOUT_S = 1.0
+# The head's own worker (HeadWorker) is in this process: it can only be slow to accept, on a
+# machine busy with everything else, never absent.
+HEAD_WORKER_JOIN_TIMEOUT_S = 30.0
 REGROUP_RETRY_S = 30.0
 REGROUP_GAIN = 0.9  # a new plan is taken only if its slowest stage is this much faster
 # Recoveries in a row without one result coming back: past this the cluster is flapping.
@@ -234,8 +237,21 @@ class NodeLink:
             )
         return f"{self.describe()} did not answer within {timeout_s:g} s"
 
+    def await_handshake(self, deadline: float) -> bool:
+        """Wait until CURVE completes (or is refused): with IMMEDIATE, a send before that
+        would wait only ``SEND_TIMEOUT_MS``, whatever the caller's deadline."""
+        while not (self.handshaken or self.auth_failed):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return False
+            self.monitor.poll(min(left_ms, 100))
+            self.drain_events()
+        return self.handshaken
+
     def join(self, head_id: str, version: str, timeout_s: float = JOIN_TIMEOUT_S) -> wire.Welcome:
         deadline = time.monotonic() + timeout_s
+        if not self.await_handshake(deadline):
+            raise NodeLostError(self._silence_reason(timeout_s), self.address)
         while True:  # a worker whose last head just vanished is busy until it notices (< 3 s)
             try:
                 reply = self.request(wire.Hello(head_id, version), max(0.5, deadline - time.monotonic()))
@@ -953,7 +969,7 @@ class PipelineTarget(TargetBase):
         link = NodeLink(self._zctx, setup.keys, self.head_worker.address, setup.head_id.encode(),
                         max_result_bytes(self.n_batch, self.tail.n_embd))
         try:
-            link.join(setup.head_id, setup.potluck_version)
+            link.join(setup.head_id, setup.potluck_version, HEAD_WORKER_JOIN_TIMEOUT_S)
         except NodeFailedError:
             link.close(release=False)
             self.head_worker.close()  # it does not answer: the next attempt starts a fresh one
