@@ -402,7 +402,7 @@ class FakeWorker:
         self.ctx.term()
 
 
-def test_late_messages_are_not_replies(keys: CurveKeys) -> None:
+def test_late_messages_are_not_replies(keys: CurveKeys, caplog: pytest.LogCaptureFixture) -> None:
     """Found by the hour-long soak, twice: during a rebuild a survivor's last result of the
     broken chain, then the welcome of a frozen worker's timed-out hello, arrived where the
     head awaited the answer to a slice offer, and recovery died. Only a request's own kind
@@ -414,7 +414,10 @@ def test_late_messages_are_not_replies(keys: CurveKeys) -> None:
     link = NodeLink(zctx, keys, fake.address, b"head-test")
     try:
         link.join("head-test", "0")
-        assert isinstance(link.request(wire.Offer("ab" * 32, 10)), wire.OfferReply)
+        with caplog.at_level("DEBUG", logger="potluck.engine.pipeline.head"):
+            assert isinstance(link.request(wire.Offer("ab" * 32, 10)), wire.OfferReply)
+        dropped = [r.message for r in caplog.records if "dropped a late" in r.message]
+        assert len(dropped) == 2 and "late result" in dropped[0] and "late welcome" in dropped[1]
     finally:
         link.close(release=False)
         zctx.term()
@@ -434,6 +437,7 @@ def test_a_join_waits_for_a_slow_handshake_up_to_its_own_timeout(keys: CurveKeys
     zctx = zmq.Context()
     link = NodeLink(zctx, keys, f"127.0.0.1:{port}", b"head-test")
     late: list[FakeWorker] = []
+
     def start_late() -> None:
         late.append(FakeWorker(keys, 49152, lambda m: [], port=port))
 
@@ -450,6 +454,19 @@ def test_a_join_waits_for_a_slow_handshake_up_to_its_own_timeout(keys: CurveKeys
         zctx.term()
         for w in late:
             w.close()
+
+
+def test_a_wrong_reply_during_a_slice_transfer_is_one_line(tmp_path: Path) -> None:
+    """``NodeLink.request`` returns only a request's own kind of reply; ``send_slice`` still
+    names any other it is given, offer and chunk alike, instead of failing an assert."""
+    data = tmp_path / "s.gguf"
+    data.write_bytes(b"x" * 10)
+    sl = SliceFile(data, "ab" * 32, 10, 0, 1)
+    with pytest.raises(PotluckError, match="^the worker answered a slice offer with 'pong'$"):
+        send_slice(lambda m: wire.Pong(1), sl, TransferStats())
+    replies = iter([wire.OfferReply(sl.sha256, False), wire.Pong(1)])
+    with pytest.raises(PotluckError, match="^the worker answered a slice chunk with 'pong'$"):
+        send_slice(lambda m: next(replies), sl, TransferStats())
 
 
 def test_a_malicious_worker_cannot_crash_the_head(
