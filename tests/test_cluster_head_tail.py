@@ -176,6 +176,18 @@ def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
         assert target.tail.stage.ctx.params.n_threads == 1
     finally:
         target.close()
-    assert tail_threads(["127.0.0.1:5555", "10.0.0.2:5555"]) == 1
+    assert tail_threads(["127.0.0.1:5555", "192.0.2.7:5555"]) == 1
     assert tail_threads(["localhost:1"]) == tail_threads(["[::1]:1"]) == tail_threads(["tcp://127.0.0.2:1"]) == 1
-    assert tail_threads(["10.0.0.2:5555", "pc-kitchen.local:5555"]) == 0  # 0: all cores
+    # 192.0.2.0/24 is reserved for documentation: never this machine's. 0: all cores
+    assert tail_threads(["192.0.2.7:5555", "[2001:db8::7]:5555", "pc-kitchen.local:5555"]) == 0
+
+
+def test_a_worker_at_this_machines_lan_address_shares_its_cores() -> None:
+    """Zeroconf lists a worker on the same PC at its LAN address, not at 127.0.0.1."""
+    from potluck.discovery.lan import _local_ipv4  # what a worker advertises
+    from potluck.engine.pipeline.head import tail_threads
+
+    lan = [a for a in _local_ipv4() if not a.startswith("127.")]
+    if not lan:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    assert tail_threads([f"{lan[0]}:5555"]) == 1
