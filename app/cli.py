@@ -16,7 +16,7 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from ..engine.errors import PotluckError
+from ..engine import PotluckError
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
 COMMANDS = ["chat", "generate", "models", "perf", "locate", "worker", "nodes", "token", "bench", "simulate"]

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..engine.errors import PotluckError
+from ..engine import PotluckError
 
 _LISTEN = re.compile(r"potluck worker (\w+) listening on ([\d.]+):(\d+)")
 START_TIMEOUT_S = 60.0

@@ -31,9 +31,9 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85
 
-from ..engine import paths
-from ..engine.errors import PotluckError
-from ..engine.pipeline.transport import CurveKeys
+from ..engine.core import paths
+from ..engine.core.errors import PotluckError
+from ..engine.core.spec import CurveKeys
 
 TOKEN_PREFIX = "potluck-"
 TOKEN_ENV = "POTLUCK_TOKEN"

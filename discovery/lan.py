@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from zeroconf import InterfaceChoice, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
-from ..engine.pipeline.profile import NodeProfile
-from ..engine.pipeline.wire import PROTOCOL_VERSION
+from ..engine.cluster.profile import NodeProfile
+from ..engine.cluster.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -2,54 +2,51 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..assets import default_model_path
-from . import limits
-from .errors import ModelError
-from .runtime import GGML_TYPE_BF16, GGML_TYPE_F16, ContextParams, Model
-from .session import Session
-from .strategies.registry import get_strategy_class
-from .target import LocalTarget, Target
+from .core import validate as limits
+from .core.errors import ModelError, PotluckError
+from .core.runtime import ContextParams, Model
+from .core.session import Session
+from .core.spec import KV_TYPES, EngineSpec
+from .core.target import LocalTarget, Target
+from .speculation.strategies.registry import STRATEGIES, get_strategy_class
 
 if TYPE_CHECKING:
-    from .pipeline.plan import SplitPlan
-    from .pipeline.transport import CurveKeys
-    from .strategies.base import Strategy
+    from .core.strategy import Strategy
 
 
-@dataclass(frozen=True)
-class ClusterSpec:
-    """Run the target on LAN workers (cluster mode); the draft and sampling stay on the head."""
+def strategy_fits(strategy: str, draft: Path | None, options: dict[str, object]) -> type[Strategy]:
+    """The strategy class, refusing a draft it would ignore or a missing draft it needs."""
+    cls = get_strategy_class(strategy)
+    cls.check_options(options)
+    with_draft = ", ".join(n for n, c in STRATEGIES.items() if c.needs_draft or c.accepts_draft) or "none"
+    if cls.needs_draft and draft is None:
+        raise PotluckError(f"strategy {strategy!r} needs a draft model: pass --draft PATH (a small GGUF "
+                           "with the target's vocabulary)")
+    if draft is not None and not (cls.needs_draft or cls.accepts_draft):
+        raise PotluckError(f"--draft is only used by --strategy {with_draft}, not {strategy!r}; "
+                           "drop --draft or pick one of those")
+    return cls
 
-    nodes: tuple[str, ...]  # host:port of each worker, in pipeline order
-    keys: CurveKeys  # from the cluster token (potluck.discovery.auth.keys_from_token)
-    split: tuple[int, ...] | None = None  # fixed layer boundaries; None: plan by memory and speed
-    hidden_dtype: str = "f32"  # "f16" halves the bytes between stages (see the closing note)
-    potluck_version: str = "0"
-    on_plan: Callable[[SplitPlan], None] | None = field(default=None, compare=False)
-    progress: Callable[[str, int, int], None] | None = field(default=None, compare=False)
-    skip_failed_joins: bool = False  # --nodes auto: a node that does not join is skipped, with a warning
 
-
-@dataclass(frozen=True)
-class EngineSpec:
-    model: Path | None = None  # None: the bundled default model
-    strategy: str = "autoregressive"
-    draft: Path | None = None
-    n_ctx: int = 4096
-    n_threads: int = 0
-    system: str | None = None
-    use_extra_bufts: bool | None = None
-    strategy_options: dict[str, object] = field(default_factory=dict)
-    cluster: ClusterSpec | None = None  # None: the whole target on this machine
-    # KV cache of the target (limits.KV_CACHES): "bf16" computes every position on one
-    # flash-attention path; "f16" prefills about 2x faster (tiled path) and stays exact by
-    # running 1-token steps on one thread (docs/facts.md §3), so plain steps decode slower.
-    kv_cache: str = "bf16"
+def checked_spec(s: EngineSpec) -> EngineSpec:
+    """Check every value of ``s`` that needs no model file; returns it with the values
+    llama.cpp will use (context rounded up, paths expanded)."""
+    model = limits.path("-m/--model", s.model)
+    draft = limits.path("--draft", s.draft)
+    strategy_fits(s.strategy, draft, s.strategy_options)
+    sizes = limits.context_sizes(s.n_ctx)
+    n_threads = limits.threads(s.n_threads)
+    limits.kv_cache(s.kv_cache)
+    if s.kv_cache != "bf16" and s.cluster is not None:
+        raise PotluckError(f"--kv {s.kv_cache} is for one machine; cluster workers keep bf16 (drop --kv)")
+    if s.system is not None:
+        limits.text("the system prompt", s.system)
+    return replace(s, model=model, draft=draft, n_ctx=sizes.n_ctx, n_threads=n_threads)
 
 
 def resolve_model(path: Path | str | None) -> Path:
@@ -69,11 +66,11 @@ def open_session(spec: EngineSpec) -> Session:
 
     In cluster mode the target is opened vocab-only on this machine: the head tokenizes,
     renders the chat template and samples, and maps only a slice of the target's last
-    layer(s) and output layer (it computes the logits: pipeline/tail.py).
-    Every value is checked by :mod:`.limits` first (and again against the model before any
+    layer(s) and output layer (it computes the logits: cluster/tail.py).
+    Every value is checked by :mod:`.core.validate` first (and again against the model before any
     context exists), so bad settings end as one-line errors, never inside llama.cpp.
     """
-    spec = limits.spec(spec)
+    spec = checked_spec(spec)
     strategy_cls = get_strategy_class(spec.strategy)
     model = Model(
         resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts, vocab_only=spec.cluster is not None
@@ -96,10 +93,6 @@ def open_session(spec: EngineSpec) -> Session:
     return Session(model, target, strategy, system=spec.system)
 
 
-# --kv setting -> (KV cache type, threads for 1-token steps; 0: all of them)
-KV_TYPES = {"bf16": (GGML_TYPE_BF16, 0), "f16": (GGML_TYPE_F16, 1)}
-
-
 def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> ContextParams:
     """The target context a strategy needs on this machine (the bench opens the same one)."""
     n_sequences = strategy_cls.n_sequences
@@ -119,7 +112,7 @@ def _open_target(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -
     sizes = limits.context_sizes(spec.n_ctx, n_sequences)
     if spec.cluster is None:
         return LocalTarget(model, target_params(model, spec, strategy_cls))
-    from .pipeline.head import open_pipeline
+    from .cluster.head import open_pipeline
 
     c = spec.cluster
     return open_pipeline(

@@ -53,7 +53,7 @@ class TeeSession:
         return getattr(self._session, name)
 
     def generate(self, user, sampling, max_tokens):  # noqa: ANN001, ANN201
-        from potluck.engine.events import TokenText
+        from potluck.engine.core.events import TokenText
 
         streamed = 0
         for event in self._session.generate(user, sampling, max_tokens):
@@ -64,8 +64,8 @@ class TeeSession:
 
 
 async def run_child(db: Path, events: Path, threads: int) -> None:
+    from potluck.app.config import ModelSettings, SamplingSettings, Settings, UISettings
     from potluck.app.tui import build_app
-    from potluck.engine.config import ModelSettings, SamplingSettings, Settings, UISettings
     from potluck.engine.loader import open_session
 
     fd = os.open(events, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -39,16 +39,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from potluck.discovery.auth import keys_from_token  # noqa: E402
-from potluck.engine.errors import PotluckError  # noqa: E402
-from potluck.engine.jobs import DecodeJob  # noqa: E402
-from potluck.engine.kv import KV_OPS  # noqa: E402
+from potluck.engine.cluster import wire  # noqa: E402
+from potluck.engine.cluster.head import open_pipeline  # noqa: E402
+from potluck.engine.cluster.transfer import SliceCache  # noqa: E402
+from potluck.engine.cluster.transport import client_socket, server_socket, start_authenticator  # noqa: E402
+from potluck.engine.core.errors import PotluckError  # noqa: E402
+from potluck.engine.core.jobs import DecodeJob  # noqa: E402
+from potluck.engine.core.kv import KV_OPS  # noqa: E402
+from potluck.engine.core.runtime import ContextParams, Model  # noqa: E402
+from potluck.engine.core.spec import CurveKeys  # noqa: E402
+from potluck.engine.core.target import LocalTarget  # noqa: E402
 from potluck.engine.loader import resolve_model  # noqa: E402
-from potluck.engine.pipeline import wire  # noqa: E402
-from potluck.engine.pipeline.head import open_pipeline  # noqa: E402
-from potluck.engine.pipeline.transfer import SliceCache  # noqa: E402
-from potluck.engine.pipeline.transport import CurveKeys, client_socket, server_socket, start_authenticator  # noqa: E402
-from potluck.engine.runtime import ContextParams, Model  # noqa: E402
-from potluck.engine.target import LocalTarget  # noqa: E402
 from tests.test_wire import mutate, samples  # noqa: E402
 
 TOKEN = "potluck-fuzz-Q7vX2mLp9RkT4wZcH8sN3bYd"

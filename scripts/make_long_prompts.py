@@ -87,8 +87,8 @@ def main() -> None:
     pairs = prompts()
     if args.check:
         from potluck.assets import default_model_path
-        from potluck.engine.benchmark import chat_prompt_tokens
-        from potluck.engine.runtime import Model
+        from potluck.engine.core.runtime import Model
+        from potluck.engine.lab.benchmark import chat_prompt_tokens
 
         with Model(default_model_path(), vocab_only=True) as model:
             for label, text in pairs:

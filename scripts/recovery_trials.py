@@ -30,14 +30,14 @@ from pathlib import Path
 
 from potluck.assets import default_model_path
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.events import Finished, PlanChanged
-from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.target import LocalTarget, Target
+from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.events import Finished, PlanChanged
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.target import LocalTarget, Target
 from tests.cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
 N_CTX = 1024

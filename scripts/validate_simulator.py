@@ -34,18 +34,17 @@ from pathlib import Path
 from potluck.app.loopback import spawn_worker, stop_worker
 from potluck.assets import default_model_path
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.benchmark import load_prompts
-from potluck.engine.cluster_bench import SYNC, ClusterBenchConfig, ClusterRow, run_cluster_bench
-from potluck.engine.events import Finished, TokenText
-from potluck.engine.loader import EngineSpec
-from potluck.engine.perf import measure
-from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
-from potluck.engine.pipeline.transport import CurveKeys
-from potluck.engine.runtime import Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.simulate import PerfTiming, SimConfig, fit_latency, simulate
-from potluck.engine.strategies.registry import get_strategy_class
+from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.core.events import Finished, TokenText
+from potluck.engine.core.runtime import Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import CurveKeys, EngineSpec
+from potluck.engine.lab.benchmark import load_prompts
+from potluck.engine.lab.cluster_bench import SYNC, ClusterBenchConfig, ClusterRow, run_cluster_bench
+from potluck.engine.lab.perf import measure
+from potluck.engine.lab.simulate import PerfTiming, SimConfig, fit_latency, simulate
+from potluck.engine.speculation.strategies.registry import get_strategy_class
 from scripts.procfs import process_tree
 
 # measured variant -> the simulator's strategy that models it

@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from potluck.engine.chat import Message
-from potluck.engine.errors import PotluckError
-from potluck.engine.events import Event, Finished, ReplyStarted, RoundStats, TokenText
-from potluck.engine.loader import EngineSpec
-from potluck.engine.sampling import SamplingParams
+from potluck.engine.core.chat import Message
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.events import Event, Finished, ReplyStarted, RoundStats, TokenText
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.spec import EngineSpec
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,9 @@ class ScriptedSession:
 
     def close(self) -> None:
         self.closed = True
+
+    def cluster_view(self) -> None:
+        return None  # one machine
 
     def generate(
         self, user: str | None, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512

@@ -18,24 +18,29 @@ import zmq
 
 from potluck.assets import default_model_path
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.events import Finished
-from potluck.engine.gguf_tools import slice_layers
-from potluck.engine.jobs import DecodeJob
-from potluck.engine.pipeline import wire
-from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.split import SplitTarget
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.target import LocalTarget, Target
+from potluck.engine.cluster import wire
+from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.target import LocalTarget, Target
+from potluck.engine.lab.split import SplitTarget
 
 from .cluster_support import TOKEN, start_worker, stop_worker
 from .conftest import PROMPTS
 
 N_CTX = 1024
 NEW = 64
+
+
+def _first_link_bytes(target) -> tuple[int, int]:
+    """(bytes sent to, bytes received from) the chain's workers so far."""
+    return sum(lk.bytes_out for lk in target.links), sum(lk.bytes_in for lk in target.links)
 
 
 def chat_speed(model: Model, target: Target, repeats: int = 3) -> tuple[float, list[tuple[int, ...]]]:
@@ -114,12 +119,12 @@ def main() -> None:
             print(f"{n_stages} stages (1 thread each): {tps:.1f} tok/s; output identical to one machine: {outs == ref}")
             target.reset()
             target.decode([1, 2, 3])
-            out0, in0 = target.wire_bytes()
+            out0, in0 = _first_link_bytes(target)
             t0 = time.perf_counter()
             for _ in range(NEW):
                 target.decode([1])
             ms = (time.perf_counter() - t0) / NEW * 1000
-            out1, in1 = target.wire_bytes()
+            out1, in1 = _first_link_bytes(target)
             hops = n_stages + 1
             base = split_ms[n_stages]
             print(f"  {ms:.2f} ms per token vs {base:.2f} ms for the same split in one process: "

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from potluck.assets import default_model_path
-from potluck.engine import paths
-from potluck.engine.runtime import Model
+from potluck.engine.core import paths
+from potluck.engine.core.runtime import Model
 
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "potluck-test-numba"))
 
@@ -44,8 +44,8 @@ def flat_cost_line(model: Model, n_threads: int) -> None:
     """Keep a memory-bound verify-cost line (extra rows almost free) for ``model``, so the
     break-even threshold lets drafts through whatever this machine's load: tests of the
     adaptive path then reach drafting deterministically (the gate still judges real rounds)."""
-    from potluck.engine.loader import EngineSpec
-    from potluck.engine.strategies.speculative import saved_costs
+    from potluck.engine.core.spec import EngineSpec
+    from potluck.engine.speculation.strategies.speculative import saved_costs
 
     saved_costs(model, EngineSpec(n_threads=n_threads)).keep({1: [10.0] * 8, 2: [10.2] * 8, 4: [10.6] * 8})
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from potluck.app.tui.catalog import ModelInfo, compatible_choices, gather_models, read_model_info
 from potluck.app.tui.export import code_blocks
-from potluck.engine.strategies.registry import STRATEGIES
+from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 
 class _Plain:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from potluck.app.config import ModelSettings, SamplingSettings, Settings, UISettings
 from potluck.app.store import Store
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.cluster import AUTO, ClusterChoice
 from potluck.app.tui.screens import ClusterScreen, PickerScreen
-from potluck.engine.config import ModelSettings, SamplingSettings, Settings, UISettings
 from potluck.engine.loader import open_session
 
 from .app_fakes import run_async, until

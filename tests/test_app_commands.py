@@ -40,7 +40,7 @@ def test_chat_options_default_to_the_settings() -> None:
 
 
 def test_bad_config_is_a_one_line_error(tmp_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from potluck.engine import paths
+    from potluck.engine.core import paths
 
     paths.config_file().write_text("[ui]\nthme = 'x'\n")
     assert main(["chat"]) == 2

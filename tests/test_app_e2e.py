@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from potluck.app.config import ModelSettings, SamplingSettings, Settings, UISettings
 from potluck.app.store import Store
 from potluck.app.tui import build_app
-from potluck.engine.config import ModelSettings, SamplingSettings, Settings, UISettings
 from potluck.engine.loader import open_session
 
 from .app_fakes import run_async, until

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from potluck.app.config import Settings, UISettings, load_settings
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
 from potluck.app.tui.screens import PickerScreen
 from potluck.app.tui.widgets import ChatLog, MessageView, StatsPanel
-from potluck.engine.config import Settings, UISettings, load_settings
-from potluck.engine.errors import PotluckError
-from potluck.engine.strategies.registry import STRATEGIES
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, run_async, until, words
 

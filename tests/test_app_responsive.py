@@ -14,8 +14,8 @@ from pathlib import Path
 
 from textual import events
 
+from potluck.app.config import Settings, UISettings
 from potluck.app.tui import build_app
-from potluck.engine.config import Settings, UISettings
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, run_async, until
 

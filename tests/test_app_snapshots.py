@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from potluck.app.config import Settings, UISettings
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
 from potluck.app.tui.cluster import ClusterState, StageRow
 from potluck.app.tui.screens import PickerScreen
 from potluck.app.tui.stats import ReplyProgress
-from potluck.engine.config import Settings, UISettings
-from potluck.engine.events import NodeStatus, ReplyStarted, RoundStats
+from potluck.engine.core.events import NodeStatus, ReplyStarted, RoundStats
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, until, words
 

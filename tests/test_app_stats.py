@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from potluck.app.config import SamplingSettings
 from potluck.app.tui.replies import Reply, ReplyFinished, reply_in_thread
 from potluck.app.tui.stats import ReplyProgress, SpeedMeter
-from potluck.engine.config import SamplingSettings
-from potluck.engine.events import Event, Finished, NodeStatus, ReplyStarted, RoundStats, TokenText
+from potluck.engine.core.events import Event, Finished, NodeStatus, ReplyStarted, RoundStats, TokenText
 
 from .app_fakes import ScriptedSession, Step
 
@@ -116,7 +116,7 @@ def test_esc_before_the_engine_starts_the_reply_still_stops_it() -> None:
 
 def test_pearl_overlap_and_minions_drafters_reach_the_panel() -> None:
     from potluck.app.tui.widgets import StatsPanel  # noqa: F401  (the panel renders these rows)
-    from potluck.engine.events import DrafterStanding
+    from potluck.engine.core.events import DrafterStanding
 
     meter = SpeedMeter()
     p = fold([

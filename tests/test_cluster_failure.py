@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.events import TokenText
-from potluck.engine.pipeline.head import NodeFailedError, open_pipeline
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.cluster.head import NodeFailedError, open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.events import TokenText
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 

@@ -1,4 +1,4 @@
-"""The head computes the model's last layer and the output layer (engine/pipeline/tail.py):
+"""The head computes the model's last layer and the output layer (engine/cluster/tail.py):
 the last worker returns hidden states, a few kB a token instead of 196 kB of logits, and
 every logit still equals one machine's exactly, on 2 and 3 real worker processes."""
 
@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.jobs import DecodeJob, RunCancelled
-from potluck.engine.kv import KvOp
-from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
-from potluck.engine.pipeline.tail import HeadTail
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.stage import Stage
-from potluck.engine.target import LocalTarget
+from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.cluster.tail import HeadTail
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.jobs import DecodeJob, RunCancelled
+from potluck.engine.core.kv import KvOp
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.stage import Stage
+from potluck.engine.core.target import LocalTarget
 
 from .cluster_support import TOKEN, WorkerProc, loopback_workers
 
@@ -168,7 +168,7 @@ def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
 ) -> None:
     """llama.cpp's OpenMP threads spin between batches: beside a worker on this machine the
     head's layers keep to one thread; with only remote workers they take every core."""
-    from potluck.engine.pipeline.head import tail_threads
+    from potluck.engine.cluster.head import tail_threads
 
     target = open_pipeline(model_path, [w.address for w in workers[:2]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, slice_cache=slice_cache, split=[0, 15])  # no n_threads given
@@ -185,7 +185,7 @@ def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
 def test_a_worker_at_this_machines_lan_address_shares_its_cores() -> None:
     """Zeroconf lists a worker on the same PC at its LAN address, not at 127.0.0.1."""
     from potluck.discovery.lan import _local_ipv4  # what a worker advertises
-    from potluck.engine.pipeline.head import tail_threads
+    from potluck.engine.cluster.head import tail_threads
 
     lan = [a for a in _local_ipv4() if not a.startswith("127.")]
     if not lan:

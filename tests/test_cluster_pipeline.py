@@ -12,16 +12,16 @@ import pytest
 
 from potluck.discovery.auth import keys_from_token
 from potluck.discovery.lan import browse
-from potluck.engine.events import Finished
-from potluck.engine.gguf_tools import merge_layer_ranges
-from potluck.engine.loader import EngineSpec
-from potluck.engine.pipeline.head import PipelineTarget, open_pipeline
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.strategies.registry import STRATEGIES
-from potluck.engine.target import LocalTarget, Target
+from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import merge_layer_ranges
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.target import LocalTarget, Target
+from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 from .cluster_support import TOKEN, WorkerProc, loopback_workers
 
@@ -184,8 +184,8 @@ def test_two_runs_in_flight_on_two_stages_exact(
     """A side run in sequence 1 and a canonical run in sequence 0 in flight together over the
     pipeline: each equals the same tokens computed alone on one machine, and sequence 0 goes
     on as if the side run had never been (per-sequence KV streams on every stage)."""
-    from potluck.engine.jobs import DecodeJob
-    from potluck.engine.kv import KvOp
+    from potluck.engine.core.jobs import DecodeJob
+    from potluck.engine.core.kv import KvOp
 
     prefix = model.tokenize("<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n")
     canonical = model.tokenize(" The Danube, the Rhine and the Seine.")
@@ -221,7 +221,7 @@ def test_cancel_aborts_a_batch_running_on_a_worker(
 ) -> None:
     """Cancel reaches a batch mid-compute (the worker's control thread sets llama.cpp's abort
     flag): counted as aborted, not finished; the next stage skips it; the stages stay exact."""
-    from potluck.engine.jobs import DecodeJob, RunCancelled
+    from potluck.engine.core.jobs import DecodeJob, RunCancelled
 
     target = pipeline(model_path, workers[:2], slice_cache, split=[0, 15, 30])
     try:
@@ -302,7 +302,8 @@ def test_head_does_not_map_the_targets_weights(
 ) -> None:
     """Cluster mode opens the target vocab-only on the head: no byte of the GGUF is resident
     in the head (a model too big for the head still works)."""
-    from potluck.engine.loader import ClusterSpec, open_session
+    from potluck.engine.core.spec import ClusterSpec
+    from potluck.engine.loader import open_session
 
     keys = keys_from_token(TOKEN)
     spec = EngineSpec(

@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.events import Event, Finished, NodeStatus, PlanChanged, TokenText
-from potluck.engine.jobs import DecodeJob
-from potluck.engine.kv import KvOp
-from potluck.engine.loader import EngineSpec
-from potluck.engine.pipeline import head
-from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
-from potluck.engine.pipeline.recovery import LoggedBatch, LoggedKv, TransactionLog
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.strategies.registry import STRATEGIES
-from potluck.engine.target import LocalTarget, Target
+from potluck.engine.cluster import head
+from potluck.engine.cluster.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.cluster.recovery import LoggedBatch, LoggedKv, TransactionLog
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.events import Event, Finished, NodeStatus, PlanChanged, TokenText
+from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.kv import KvOp
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.target import LocalTarget, Target
+from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 from .app_fakes import FakeFactory, ScriptedSession, run_async, until, words
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
@@ -289,8 +289,8 @@ def test_nothing_left_and_no_head_fallback_is_one_clear_error(
 
 @run_async
 async def test_chat_app_shows_the_new_plan_and_the_reply_goes_on(tmp_path: Path) -> None:
+    from potluck.app.config import Settings, UISettings
     from potluck.app.tui import build_app
-    from potluck.engine.config import Settings, UISettings
 
     class ReplannedSession(ScriptedSession):
         def _run(self, steps):  # noqa: ANN001, ANN202 - a PlanChanged after the first word

@@ -15,15 +15,15 @@ import pytest
 import zmq
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.errors import PotluckError
-from potluck.engine.jobs import DecodeJob
-from potluck.engine.kv import KV_OPS
-from potluck.engine.pipeline import wire
-from potluck.engine.pipeline.head import open_pipeline
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.pipeline.transport import client_socket
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.target import LocalTarget
+from potluck.engine.cluster import wire
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.cluster.transport import client_socket
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.kv import KV_OPS
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.target import LocalTarget
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 from .test_wire import mutate, samples

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine import paths
-from potluck.engine.config import (
+from potluck.app.config import (
     KeySettings,
     ModelSettings,
     SamplingSettings,
@@ -16,7 +15,8 @@ from potluck.engine.config import (
     load_settings,
     save_settings,
 )
-from potluck.engine.errors import PotluckError
+from potluck.engine.core import paths
+from potluck.engine.core.errors import PotluckError
 
 
 def test_missing_file_gives_defaults(tmp_home: Path) -> None:

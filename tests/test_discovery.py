@@ -8,8 +8,8 @@ import pytest
 
 from potluck.discovery.auth import generate_token, keys_from_token, resolve_token, save_token
 from potluck.discovery.lan import Advertiser, Membership, browse
-from potluck.engine.errors import PotluckError
-from potluck.engine.pipeline.profile import NodeProfile
+from potluck.engine.cluster.profile import NodeProfile
+from potluck.engine.core.errors import PotluckError
 
 LOOPBACK = ["127.0.0.1"]
 

@@ -9,16 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.chat import Message
-from potluck.engine.events import Finished
-from potluck.engine.gguf_tools import slice_layers
-from potluck.engine.loader import EngineSpec, open_session
-from potluck.engine.runtime import GGML_TYPE_BF16, ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.split import SplitTarget
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.target import LocalTarget
+from potluck.engine.core.chat import Message
+from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import GGML_TYPE_BF16, ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.target import LocalTarget
+from potluck.engine.lab.split import SplitTarget
+from potluck.engine.loader import open_session
 
 from .conftest import PROMPTS
 
@@ -208,9 +209,9 @@ def test_verify_batches_equal_single_steps_with_all_threads_at_long_context(mode
 
 def test_anpd_equals_plain_past_512_cells_with_two_threads(model: Model) -> None:
     """The symptom of the regression above, end to end: a long reply with all threads."""
-    from potluck.engine.benchmark import load_prompts
-    from potluck.engine.loader import EngineSpec
-    from potluck.engine.strategies.registry import get_strategy_class
+    from potluck.engine.core.spec import EngineSpec
+    from potluck.engine.lab.benchmark import load_prompts
+    from potluck.engine.speculation.strategies.registry import get_strategy_class
 
     prompt = load_prompts("code_editing")[2]
     outputs = []

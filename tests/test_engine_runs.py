@@ -14,18 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.drafters import Draft, Drafter, DraftRequest
-from potluck.engine.events import Finished
-from potluck.engine.gguf_tools import merge_layer_ranges, slice_layers
-from potluck.engine.jobs import DecodeJob, RunCancelled
-from potluck.engine.kv import KvOp
-from potluck.engine.loader import EngineSpec
-from potluck.engine.runtime import Context, ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.split import SplitTarget
-from potluck.engine.strategies.registry import get_strategy_class
-from potluck.engine.target import LocalTarget, Target, TargetBase
+from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import merge_layer_ranges, slice_layers
+from potluck.engine.core.jobs import DecodeJob, RunCancelled
+from potluck.engine.core.kv import KvOp
+from potluck.engine.core.runtime import Context, ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.target import LocalTarget, Target, TargetBase
+from potluck.engine.lab.split import SplitTarget
+from potluck.engine.speculation.drafters import Draft, Drafter, DraftRequest
+from potluck.engine.speculation.strategies.registry import get_strategy_class
 
 THREADS = 2  # more than one thread: BF16 KV keeps batches exact at any count (docs/facts.md §3)
 PROMPT = "<|im_start|>user\nName three rivers of Europe.<|im_end|>\n<|im_start|>assistant\n"
@@ -229,8 +229,8 @@ def test_seeded_sampling_repeats_with_drafting_on_another_thread(
 
 def test_drafting_never_draws_from_the_verifiers_generator(model: Model) -> None:
     """The contract behind the test above: a drafter's random draws come from its own generator."""
-    from potluck.engine.drafters.draft_model import DraftModelDrafter
-    from potluck.engine.sampling import Sampler
+    from potluck.engine.core.sampling import Sampler
+    from potluck.engine.speculation.drafters.draft_model import DraftModelDrafter
 
     params = SamplingParams(temperature=1.0, seed=3)
     seeds = np.random.SeedSequence(params.seed)

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.chat import ChatFormat, Message, TextStream
-from potluck.engine.gguf_tools import file_sha256, merge_layer_ranges, parse_recipe
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import Sampler, SamplingParams, probs
-from potluck.engine.session import Session
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.target import LocalTarget
+from potluck.engine.core.chat import ChatFormat, Message, TextStream
+from potluck.engine.core.gguf_tools import file_sha256, merge_layer_ranges, parse_recipe
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.session import Session
+from potluck.engine.core.target import LocalTarget
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
 TOP3 = [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0]

@@ -29,9 +29,10 @@ def test_counters_count_when_drafting() -> None:
     # Fixed-length drafting (adaptive off) on a repetitive reply: the drafter must draft, and
     # the same result_json that `generate --json` prints carries the counts.
     from potluck.app.commands.generate import result_json
-    from potluck.engine.events import Finished
-    from potluck.engine.loader import EngineSpec, open_session
-    from potluck.engine.sampling import SamplingParams
+    from potluck.engine.core.events import Finished
+    from potluck.engine.core.sampling import SamplingParams
+    from potluck.engine.core.spec import EngineSpec
+    from potluck.engine.loader import open_session
 
     session = open_session(EngineSpec(strategy="anpd", n_ctx=512, strategy_options={"adaptive": False}))
     try:

@@ -23,13 +23,13 @@ import tomli_w
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from potluck.app.config import load_settings
 from potluck.app.tui.app import spec_from_settings
 from potluck.assets import default_model_path
-from potluck.engine import limits
-from potluck.engine.config import load_settings
-from potluck.engine.errors import ContextFullError, DecodeError, PotluckError
-from potluck.engine.loader import EngineSpec
-from potluck.engine.sampling import SamplingParams
+from potluck.engine.core import validate as limits
+from potluck.engine.core.errors import ContextFullError, DecodeError, PotluckError
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.spec import EngineSpec
 
 POTLUCK = [sys.executable, "-m", "potluck.app.cli"]
 EXAMPLES = int(os.environ.get("POTLUCK_FUZZ_EXAMPLES", "20"))
@@ -282,9 +282,9 @@ def test_a_too_long_batch_is_an_error_not_an_abort(home: Path) -> None:
     """Runtime guard: a context whose n_batch llama.cpp clamped refuses a longer batch itself."""
     script = textwrap.dedent(
         f"""
-        from potluck.engine.errors import DecodeError
-        from potluck.engine.runtime import Batch, Context, ContextParams, Model
-        from potluck.engine.target import LocalTarget
+        from potluck.engine.core.errors import DecodeError
+        from potluck.engine.core.runtime import Batch, Context, ContextParams, Model
+        from potluck.engine.core.target import LocalTarget
         with Model({str(MODEL)!r}) as m:
             with Context(m, ContextParams(n_ctx=16, n_batch=512)) as ctx:
                 assert ctx.n_batch == 16, ctx.n_batch
@@ -314,7 +314,7 @@ def test_a_too_long_batch_is_an_error_not_an_abort(home: Path) -> None:
 
 @pytest.mark.parametrize(("n_ctx", "streams"), [(1, 1), (16, 1), (300, 1), (4096, 1), (16, 2), (300, 3)])
 def test_context_sizes_are_what_llama_cpp_allocates(n_ctx: int, streams: int, model) -> None:  # noqa: ANN001
-    from potluck.engine.runtime import Context, ContextParams
+    from potluck.engine.core.runtime import Context, ContextParams
 
     sizes = limits.context_sizes(n_ctx, streams)
     params = ContextParams(n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=streams, kv_unified=streams == 1)
@@ -412,8 +412,8 @@ def config_runs(configs: list[str], home: Path) -> Iterator[tuple[str, str]]:
         import sys
         from pathlib import Path
         from potluck.app.tui.app import spec_from_settings
-        from potluck.engine.config import load_settings
-        from potluck.engine.errors import PotluckError
+        from potluck.app.config import load_settings
+        from potluck.engine.core.errors import PotluckError
         from potluck.engine.loader import open_session
         for p in {paths!r}:
             try:

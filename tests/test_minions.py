@@ -14,23 +14,23 @@ import pytest
 from scipy.stats import chisquare
 
 from potluck.app.cli import main
-from potluck.engine.drafters import Draft, DraftRequest
-from potluck.engine.drafters.lookup import LookupDrafter
-from potluck.engine.errors import PotluckError
-from potluck.engine.events import Finished, RoundStats
-from potluck.engine.gguf_tools import merge_layer_ranges
-from potluck.engine.kernels.lookup import lookup_draft, lookup_reference
-from potluck.engine.loader import EngineSpec
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import Sampler, SamplingParams, probs
-from potluck.engine.session import Session
-from potluck.engine.strategies.base import Round, Strategy
-from potluck.engine.strategies.minions import AheadGate, MajorityVote, Minions, MinionsRound
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.strategies.registry import get_strategy_class
-from potluck.engine.strategies.speculative import _verify
-from potluck.engine.target import LocalTarget
-from potluck.engine.voting import DrafterWeights, WeightConfig, heaviest_path, judge
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.events import Finished, RoundStats
+from potluck.engine.core.gguf_tools import merge_layer_ranges
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.strategy import Round, Strategy
+from potluck.engine.core.target import LocalTarget
+from potluck.engine.speculation.drafters import Draft, DraftRequest
+from potluck.engine.speculation.drafters.lookup import LookupDrafter
+from potluck.engine.speculation.kernels.lookup import lookup_draft, lookup_reference
+from potluck.engine.speculation.strategies.minions import AheadGate, MajorityVote, Minions, MinionsRound
+from potluck.engine.speculation.strategies.registry import get_strategy_class
+from potluck.engine.speculation.strategies.speculative import _verify
+from potluck.engine.speculation.voting import DrafterWeights, WeightConfig, heaviest_path, judge
 
 from .conftest import flat_cost_line
 

@@ -14,18 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine import verify
-from potluck.engine.drafters import ContextView
-from potluck.engine.events import Finished
-from potluck.engine.loader import EngineSpec
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import SamplingParams
-from potluck.engine.session import Session
-from potluck.engine.strategies import pearl
-from potluck.engine.strategies.base import Strategy
-from potluck.engine.strategies.pearl import Pearl, split_threads
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.target import LocalTarget
+from potluck.engine.core.events import Finished
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.strategy import Strategy
+from potluck.engine.core.target import LocalTarget
+from potluck.engine.speculation import verify
+from potluck.engine.speculation.drafters import ContextView
+from potluck.engine.speculation.strategies import pearl
+from potluck.engine.speculation.strategies.pearl import Pearl, split_threads
 
 from .test_spec_strategies import (
     ALPHA,
@@ -142,7 +142,7 @@ def test_sampled_pearl_token_follows_target_distribution(
 
 
 def test_pearl_refuses_one_thread_with_a_draft_model(model: Model, draft_path: Path) -> None:  # noqa: F811
-    from potluck.engine.errors import PotluckError
+    from potluck.engine.core.errors import PotluckError
 
     spec = EngineSpec(strategy="pearl", draft=draft_path, n_ctx=512, n_threads=1)
     with pytest.raises(PotluckError, match="at least 2 threads"):

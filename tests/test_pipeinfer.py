@@ -18,21 +18,21 @@ import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine import verify
-from potluck.engine.events import Finished
-from potluck.engine.gguf_tools import merge_layer_ranges, slice_layers
-from potluck.engine.loader import EngineSpec
-from potluck.engine.pipeline.head import open_pipeline
-from potluck.engine.pipeline.transfer import SliceCache
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import Sampler, SamplingParams, probs
-from potluck.engine.session import Session
-from potluck.engine.split import SplitTarget
-from potluck.engine.strategies import pipeinfer
-from potluck.engine.strategies.base import Generation, Strategy
-from potluck.engine.strategies.pipeinfer import PipeInfer
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.target import LocalTarget, Target
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import merge_layer_ranges, slice_layers
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.strategy import Generation, Strategy
+from potluck.engine.core.target import LocalTarget, Target
+from potluck.engine.lab.split import SplitTarget
+from potluck.engine.speculation import verify
+from potluck.engine.speculation.strategies import pipeinfer
+from potluck.engine.speculation.strategies.pipeinfer import PipeInfer
 
 from .cluster_support import TOKEN, WorkerProc, loopback_workers
 from .test_spec_strategies import ALPHA, LONG_PROMPTS, TURNS, broken_residual, chi2_pvalue
@@ -189,7 +189,7 @@ def test_one_stage_runs_ordinary_speculation(model: Model, plain: list[list[int]
 
 
 def test_options_are_checked(model: Model) -> None:
-    from potluck.engine.errors import PotluckError
+    from potluck.engine.core.errors import PotluckError
 
     with pytest.raises(PotluckError, match="max_micro"):
         build(model, max_micro=9)
@@ -280,7 +280,7 @@ def test_cluster_bench_reports_overlap_and_bytes(
 ) -> None:
     """The cluster bench's rows (not its timings): every variant's output equals one
     machine's, stages report busy time, the last worker sends hidden states, not logits."""
-    from potluck.engine.cluster_bench import ONE_MACHINE, SYNC, ClusterBenchConfig, run_cluster_bench
+    from potluck.engine.lab.cluster_bench import ONE_MACHINE, SYNC, ClusterBenchConfig, run_cluster_bench
 
     prompts = tmp_path / "mine.txt"
     prompts.write_text("Rewrite with snake_case: def addTwo(firstValue, secondValue): return firstValue + 2\n")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine.errors import PotluckError
-from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, head_layers, layer_costs, manual_plan, plan_split
+from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_layers, layer_costs, manual_plan, plan_split
+from potluck.engine.core.errors import PotluckError
 
 MB = 1 << 20
 
@@ -82,8 +82,8 @@ def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     import numpy as np
 
     from potluck.discovery.auth import keys_from_token
-    from potluck.engine.gguf_tools import slice_layers
-    from potluck.engine.pipeline.head import open_pipeline
+    from potluck.engine.cluster.head import open_pipeline
+    from potluck.engine.core.gguf_tools import slice_layers
 
     path = tmp_path / "other.gguf"
     w = gguf.GGUFWriter(str(path), arch="qwen2")

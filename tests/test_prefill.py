@@ -11,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from potluck.engine import limits
-from potluck.engine.benchmark import load_prompts
-from potluck.engine.errors import PotluckError
-from potluck.engine.events import Finished
-from potluck.engine.loader import EngineSpec, open_session, target_params
-from potluck.engine.runtime import GGML_TYPE_F16, Context, ContextParams, Model
-from potluck.engine.strategies.plain import Autoregressive
+from potluck.engine.core import validate as limits
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.events import Finished
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import GGML_TYPE_F16, Context, ContextParams, Model
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.lab.benchmark import load_prompts
+from potluck.engine.loader import open_session, target_params
 
 THREADS = 2
 

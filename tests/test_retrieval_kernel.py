@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from potluck.engine.kernels.retrieval import chunk_scores, chunk_scores_reference, retrieval_ranges
+from potluck.engine.speculation.kernels.retrieval import chunk_scores, chunk_scores_reference, retrieval_ranges
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,4 +1,4 @@
-"""The pipeline model (engine/simulate.py) and `potluck simulate`: the event engine's
+"""The pipeline model (engine/lab/simulate.py) and `potluck simulate`: the event engine's
 invariants against figures worked out by hand, the counters that show each path ran, and
 the command's output and refusals. Pure Python: the whole file runs in seconds."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from potluck.app.cli import main
-from potluck.engine.errors import PotluckError
-from potluck.engine.simulate import SimConfig, batch_cost_fn, simulate, trends
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.lab.simulate import SimConfig, batch_cost_fn, simulate, trends
 
 FOUR = SimConfig(stage_ms=(3.0,) * 4, tokens=150, seeds=2)
 
@@ -243,7 +243,7 @@ def test_text_plot_puts_equal_points_side_by_side() -> None:
 
 
 def test_perf_report_sets_the_stages() -> None:
-    from potluck.engine.simulate import PerfTiming
+    from potluck.engine.lab.simulate import PerfTiming
 
     timing = PerfTiming.from_report({"decode_tokens_per_s": 50.0, "batch_cost": {"1": 1.0, "4": 2.5}})
     cfg = timing.config(4)
@@ -262,7 +262,7 @@ def test_cli_trends_take_explicit_link_settings(capsys: pytest.CaptureFixture[st
 
 
 def test_fit_latency_makes_iterative_match_a_measurement() -> None:
-    from potluck.engine.simulate import fit_latency
+    from potluck.engine.lab.simulate import fit_latency
 
     cfg = fit_latency(replace(FOUR, stage_ms=(10.0, 10.0)), 40.0)  # 25 ms a token, 20.1 of it computed
     assert cfg.latency_ms > 1.0
@@ -321,7 +321,7 @@ def test_shared_cores_keep_aborts_and_determinism() -> None:
 
 
 def test_fit_latency_holds_with_shared_cores() -> None:
-    from potluck.engine.simulate import fit_latency
+    from potluck.engine.lab.simulate import fit_latency
 
     for cores in (1, 2):
         cfg = fit_latency(replace(TWO, cores=cores), 50.0)
@@ -342,7 +342,7 @@ def test_per_message_work_weighs_on_many_small_runs() -> None:
     """The same measured synchronous speed, with part of its time moved from link latency
     into CPU per job and per message: iterative decoding is unchanged (it fits), PipeInfer,
     sending several runs a token on shared cores, slows down."""
-    from potluck.engine.simulate import fit_latency
+    from potluck.engine.lab.simulate import fit_latency
 
     base = replace(TWO, alpha=0.7, cores=1)
     free = fit_latency(base, 40.0)
@@ -358,7 +358,7 @@ def test_message_cpu_runs_beside_the_message() -> None:
     """With a core to spare, a message's CPU delays nothing in synchronous decoding: the
     fitted latency only loses the per-job cost; on one core it is in the way, and the fit
     finds the latency by bisection that still matches the measurement."""
-    from potluck.engine.simulate import fit_latency
+    from potluck.engine.lab.simulate import fit_latency
 
     free = fit_latency(replace(TWO, cores=2), 40.0)
     spare = fit_latency(replace(TWO, cores=2, run_ms=1.0, msg_ms=1.0), 40.0)

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
-from potluck.engine.costs import CostBook, SavedLine
+from potluck.engine.speculation.adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
+from potluck.engine.speculation.costs import CostBook, SavedLine
 
 
 def simulate(

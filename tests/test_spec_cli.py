@@ -10,10 +10,10 @@ import pytest
 
 from potluck.app.cli import main
 from potluck.app.commands.bench import format_table
-from potluck.engine.benchmark import BenchRow, load_prompts, ngram_scaling
-from potluck.engine.errors import PotluckError
-from potluck.engine.fixtures import build_fixture
-from potluck.engine.runtime import Model
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.runtime import Model
+from potluck.engine.lab.benchmark import BenchRow, load_prompts, ngram_scaling
+from potluck.engine.lab.fixtures import build_fixture
 
 
 def write_foreign_vocab(src: Path, dst: Path) -> Path:

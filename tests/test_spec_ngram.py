@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from potluck.engine.kernels.ngram import NgramReference, NgramTables, warm_up
+from potluck.engine.speculation.kernels.ngram import NgramReference, NgramTables, warm_up
 
 warm_up()
 

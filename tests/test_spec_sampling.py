@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from potluck.engine.sampling import SamplingParams, probs
-from potluck.engine.verify import accept_prob, judge, residual, verify_chain
+from potluck.engine.core.sampling import SamplingParams, probs
+from potluck.engine.speculation.verify import accept_prob, judge, residual, verify_chain
 
 VOCAB = 5
 K = 3  # drafts per round: positions 0..3 are all checked

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from potluck.engine.events import Finished, RoundStats
-from potluck.engine.gguf_tools import merge_layer_ranges
-from potluck.engine.loader import EngineSpec
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.sampling import Sampler, SamplingParams, probs
-from potluck.engine.session import Session
-from potluck.engine.strategies import speculative
-from potluck.engine.strategies.base import Generation, Strategy
-from potluck.engine.strategies.plain import Autoregressive
-from potluck.engine.strategies.registry import get_strategy_class
-from potluck.engine.target import MAX_EXACT_BATCH, LocalTarget
-from potluck.engine.verify import verify_chain
+from potluck.engine.core.events import Finished, RoundStats
+from potluck.engine.core.gguf_tools import merge_layer_ranges
+from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.strategy import Generation, Strategy
+from potluck.engine.core.target import MAX_EXACT_BATCH, LocalTarget
+from potluck.engine.speculation.strategies import speculative
+from potluck.engine.speculation.strategies.registry import get_strategy_class
+from potluck.engine.speculation.verify import verify_chain
 
 from .conftest import flat_cost_line
 
@@ -117,9 +117,9 @@ def test_a_cost_line_that_forbids_drafting_is_probed_again(
 ) -> None:
     """A line kept from a busy moment says no draft can pay: every PROBE_EVERY rounds a short
     draft re-measures a batch, and the fresh timing lets drafting back in."""
-    from potluck.engine.adaptive import DraftBreakEven
-    from potluck.engine.strategies import speculative
-    from potluck.engine.strategies.speculative import Speculative
+    from potluck.engine.speculation.adaptive import DraftBreakEven
+    from potluck.engine.speculation.strategies import speculative
+    from potluck.engine.speculation.strategies.speculative import Speculative
 
     monkeypatch.setattr(speculative, "PROBE_EVERY", 16)  # the reply is shorter than 64 rounds
     strategy = build("anpd", model)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from potluck.engine.verify import (
+from potluck.engine.speculation.verify import (
     TokenTree,
     chain_first_token_dist,
     residual,

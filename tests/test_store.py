@@ -9,7 +9,7 @@ import pytest
 
 from potluck.app.store import Store
 from potluck.app.store.migrations import SCHEMA_VERSION, v1_initial, v2_reply_stats
-from potluck.engine.errors import PotluckError
+from potluck.engine.core.errors import PotluckError
 
 
 def test_fresh_database_gets_the_latest_schema(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from potluck.app.config import Settings, UISettings
 from potluck.app.store import Store
 from potluck.app.tui import build_app
-from potluck.engine.config import Settings, UISettings
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, run_async, until, words
 

@@ -8,14 +8,15 @@ from collections.abc import Callable
 
 import pytest
 
-from potluck.engine.adaptive import DraftBreakEven
-from potluck.engine.benchmark import load_prompts
-from potluck.engine.errors import PotluckError
-from potluck.engine.events import Finished
-from potluck.engine.loader import EngineSpec, open_session
-from potluck.engine.runtime import Model
-from potluck.engine.strategies.base import Strategy
-from potluck.engine.strategies.triforce import TriForce
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.events import Finished
+from potluck.engine.core.runtime import Model
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.strategy import Strategy
+from potluck.engine.lab.benchmark import load_prompts
+from potluck.engine.loader import open_session
+from potluck.engine.speculation.adaptive import DraftBreakEven
+from potluck.engine.speculation.strategies.triforce import TriForce
 
 N_CTX = 4096
 THREADS = 2

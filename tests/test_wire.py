@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from potluck.engine.jobs import DecodeJob
-from potluck.engine.pipeline import wire
+from potluck.engine.cluster import wire
+from potluck.engine.core.jobs import DecodeJob
 
 SHA = "ab" * 32
 
@@ -186,7 +186,7 @@ def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
 
 
 def test_many_cancelled_runs_go_in_as_few_messages_as_fit() -> None:
-    from potluck.engine.pipeline.head import cancel_messages
+    from potluck.engine.cluster.head import cancel_messages
 
     msgs = cancel_messages(list(range(1, 601)))
     assert [len(m.run_ids) for m in msgs] == [257, 257, 86]

@@ -25,18 +25,19 @@ import pytest
 import zmq
 
 from potluck.discovery.auth import keys_from_token, read_token_file, save_token
-from potluck.engine import paths
-from potluck.engine.errors import PotluckError
-from potluck.engine.gguf_tools import slice_layers
-from potluck.engine.jobs import DecodeJob
-from potluck.engine.pipeline import wire
-from potluck.engine.pipeline.head import NodeFailedError, PipelineTarget, open_pipeline
-from potluck.engine.pipeline.plan import LayerCosts, NodeInfo, head_layers, loadable, manual_plan, plan_split
-from potluck.engine.pipeline.transfer import SliceCache, SliceFile, TransferStats, send_slice
-from potluck.engine.pipeline.transport import CurveKeys, client_socket, server_socket, start_authenticator
-from potluck.engine.pipeline.worker import MAX_UPLOADS, SliceStore
-from potluck.engine.runtime import ContextParams, Model
-from potluck.engine.target import LocalTarget
+from potluck.engine.cluster import wire
+from potluck.engine.cluster.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_layers, loadable, manual_plan, plan_split
+from potluck.engine.cluster.transfer import SliceCache, SliceFile, TransferStats, send_slice
+from potluck.engine.cluster.transport import client_socket, server_socket, start_authenticator
+from potluck.engine.cluster.worker import MAX_UPLOADS, SliceStore
+from potluck.engine.core import paths
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.spec import CurveKeys
+from potluck.engine.core.target import LocalTarget
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
@@ -407,14 +408,14 @@ def test_late_messages_are_not_replies(keys: CurveKeys, caplog: pytest.LogCaptur
     broken chain, then the welcome of a frozen worker's timed-out hello, arrived where the
     head awaited the answer to a slice offer, and recovery died. Only a request's own kind
     of reply answers it."""
-    from potluck.engine.pipeline.head import NodeLink
+    from potluck.engine.cluster.head import NodeLink
 
     fake = FakeWorker(keys, 49152, lambda m: [], stale=True)
     zctx = zmq.Context()
     link = NodeLink(zctx, keys, fake.address, b"head-test")
     try:
         link.join("head-test", "0")
-        with caplog.at_level("DEBUG", logger="potluck.engine.pipeline.head"):
+        with caplog.at_level("DEBUG", logger="potluck.engine.cluster.head"):
             assert isinstance(link.request(wire.Offer("ab" * 32, 10)), wire.OfferReply)
         dropped = [r.message for r in caplog.records if "dropped a late" in r.message]
         assert len(dropped) == 2 and "late result" in dropped[0] and "late welcome" in dropped[1]
@@ -428,7 +429,7 @@ def test_a_join_waits_for_a_slow_handshake_up_to_its_own_timeout(keys: CurveKeys
     """Found by CI: the head's own worker, started on a busy machine, had not finished the
     CURVE handshake when the hello's send gave up (3 s), twice, and recovery failed. A join
     now waits for the handshake up to the deadline its caller chose."""
-    from potluck.engine.pipeline.head import SEND_TIMEOUT_MS, NodeLink
+    from potluck.engine.cluster.head import SEND_TIMEOUT_MS, NodeLink
 
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
@@ -640,7 +641,7 @@ def test_gemma_default_plan_over_two_workers_is_exact(tmp_path: Path, keys: Curv
         target = open_pipeline(path, [w.address for w in ws], keys, n_ctx=N_CTX, slice_cache=SliceCache(tmp_path))
         try:
             assert target.plan is not None
-            from potluck.engine.pipeline.plan import layer_costs
+            from potluck.engine.cluster.plan import layer_costs
 
             costs = layer_costs(path)
             assert all(loadable(costs, s.lo, s.hi) for s in target.plan.stages)
@@ -698,7 +699,7 @@ def test_zeroconf_record_cannot_take_over_a_known_node() -> None:
     from zeroconf import ServiceInfo, Zeroconf
 
     from potluck.discovery.lan import SERVICE_TYPE, Advertiser, Membership
-    from potluck.engine.pipeline.profile import NodeProfile
+    from potluck.engine.cluster.profile import NodeProfile
 
     loop = ["127.0.0.1"]
     real = Advertiser(NodeProfile("victimnode", 2, 1000, 1.0), 40110, "9.9", interfaces=loop)

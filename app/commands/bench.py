@@ -14,8 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from ...engine import limits
-from ...engine.benchmark import (
+from ...engine import PotluckError, resolve_model, validate
+from ...engine.lab.benchmark import (
     BASELINE,
     FAMILIES,
     LONG_FAMILY,
@@ -25,10 +25,8 @@ from ...engine.benchmark import (
     ngram_scaling,
     run_bench,
 )
-from ...engine.cluster_bench import ClusterBenchConfig, ClusterRow
-from ...engine.errors import PotluckError
-from ...engine.fixtures import RECIPES, build_all, build_fixture
-from ...engine.loader import resolve_model
+from ...engine.lab.cluster_bench import ClusterBenchConfig, ClusterRow
+from ...engine.lab.fixtures import RECIPES, build_all, build_fixture
 from .common import positive_int
 
 
@@ -68,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
-        "--kv", default="bf16", choices=sorted(limits.KV_CACHES),
+        "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
         help="the target's KV cache: bf16 (default) or f16 (faster prefill, 1-token steps on one thread)",
     )
     p.add_argument(
@@ -186,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
         families=families,
         max_tokens=args.max_tokens,
         reps=args.reps,
-        n_ctx=limits.context_sizes(args.ctx or (8192 if long else 4096)).n_ctx,
-        n_threads=limits.threads(args.threads, "--threads"),
+        n_ctx=validate.context_sizes(args.ctx or (8192 if long else 4096)).n_ctx,
+        n_threads=validate.threads(args.threads, "--threads"),
         options=_parse_options(args.option),
         kv_cache=args.kv,
     )
@@ -204,9 +202,9 @@ def _chat_parity(args: argparse.Namespace) -> int:
     from ..tui.parity import PROMPT, format_parity, run_parity
 
     model = None if args.model is None else resolve_model(args.model)
-    prompt = limits.text("--prompt", args.prompt) if args.prompt else PROMPT
-    threads = limits.threads(args.threads, "--threads")
-    n_ctx = limits.context_sizes(args.ctx or 4096).n_ctx
+    prompt = validate.text("--prompt", args.prompt) if args.prompt else PROMPT
+    threads = validate.threads(args.threads, "--threads")
+    n_ctx = validate.context_sizes(args.ctx or 4096).n_ctx
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     rows = run_parity(model, prompt, args.max_tokens, args.reps, threads, n_ctx, args.load, progress)
     if args.json:
@@ -223,7 +221,7 @@ def _cluster(args: argparse.Namespace) -> int:
     import tempfile
 
     from ...discovery.auth import keys_from_token, resolve_token
-    from ...engine.cluster_bench import chosen_variants, run_cluster_bench
+    from ...engine.lab.cluster_bench import chosen_variants, run_cluster_bench
     from ..loopback import spawn_worker, stop_worker
 
     if args.cluster and args.nodes:
@@ -235,9 +233,9 @@ def _cluster(args: argparse.Namespace) -> int:
         families=families,
         max_tokens=args.max_tokens,
         reps=args.reps,
-        n_ctx=limits.context_sizes(args.ctx or 2048).n_ctx,
-        n_threads=limits.threads(args.threads, "--threads"),
-        split=None if args.split is None else limits.split(args.split),
+        n_ctx=validate.context_sizes(args.ctx or 2048).n_ctx,
+        n_threads=validate.threads(args.threads, "--threads"),
+        split=None if args.split is None else validate.split(args.split),
         only=tuple(v.strip() for v in (args.variants or "").split(",") if v.strip()),
         options=_parse_options(args.option),
     )
@@ -246,7 +244,7 @@ def _cluster(args: argparse.Namespace) -> int:
     procs = []
     try:
         if args.nodes:
-            addresses = limits.nodes(args.nodes)
+            addresses = validate.nodes(args.nodes)
             keys = keys_from_token(resolve_token(None, args.token_file))
         else:
             token = secrets.token_urlsafe(32)

@@ -9,10 +9,8 @@ import argparse
 import logging
 from dataclasses import replace
 
-from ...engine import limits, paths
-from ...engine.config import load_settings
-from ...engine.loader import EngineSpec, open_session, resolve_model
-from ...engine.runtime import check_gguf_file
+from ...engine import EngineSpec, check_gguf_file, open_session, paths, resolve_model, strategy_fits, validate
+from ..config import load_settings
 from .common import add_cluster_args, add_model_args, add_sampling_args, check_cluster_args
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
@@ -56,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         if value is None:
             continue
         if dest in ("model", "draft"):
-            value = str(limits.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
+            value = str(validate.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
         if section == "model" and dest == "system":
             value = value or None
         part = getattr(settings, section)
@@ -64,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # Refuse bad values (engine.limits) before the screen opens: one line, exit code 2.
     settings.sampling.params()
     if args.draft is not None:  # given here, it must be used: the same rule as `generate`
-        limits.strategy_fits(settings.model.strategy, args.draft, {})
+        strategy_fits(settings.model.strategy, args.draft, {})
     spec = spec_from_settings(settings)
     for path in (resolve_model(spec.model), spec.draft):
         if path is not None:
@@ -108,10 +106,10 @@ def cluster_choice(args: argparse.Namespace):  # -> ClusterChoice | None
     token_file = getattr(args, "token_file", None)
     resolve_token(args.token, token_file)  # no token: refuse now, not after the screen is up
     return ClusterChoice(
-        nodes=AUTO if args.nodes == AUTO else limits.nodes(args.nodes),
+        nodes=AUTO if args.nodes == AUTO else validate.nodes(args.nodes),
         token=args.token,
         token_file=token_file,
-        split=None if args.split is None else limits.split(args.split),
+        split=None if args.split is None else validate.split(args.split),
         hidden_dtype="f16" if args.hidden_f16 else "f32",
         discover_timeout_s=args.discover_timeout or 2.0,
     )

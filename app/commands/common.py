@@ -1,6 +1,6 @@
 """Arguments shared by the commands that load a model (generate, chat, bench).
 
-Argument types only parse (int, float, path); :mod:`potluck.engine.limits` decides which
+Argument types only parse (int, float, path); :mod:`potluck.engine.core.validate` decides which
 values are acceptable, for the CLI and config.toml alike.
 """
 
@@ -11,12 +11,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import limits
-from ...engine.config import SamplingSettings
-from ...engine.errors import PotluckError
-from ...engine.loader import EngineSpec
-from ...engine.sampling import SamplingParams
-from ...engine.strategies.registry import strategy_names
+from ...engine import EngineSpec, PotluckError, SamplingParams, checked_spec, strategy_names, validate
+from ..config import SamplingSettings
 
 
 def positive_int(text: str) -> int:
@@ -85,13 +81,13 @@ def check_cluster_args(args: argparse.Namespace) -> None:
     if nodes is None:
         return
     if nodes != "auto":
-        limits.nodes(nodes)
+        validate.nodes(nodes)
         if args.discover_timeout is not None:
             raise PotluckError("--discover-timeout only applies to --nodes auto; drop it")
     elif args.discover_timeout is not None:
-        limits.discover_timeout(args.discover_timeout)
+        validate.discover_timeout(args.discover_timeout)
     if args.split is not None:
-        limits.split(args.split)
+        validate.split(args.split)
 
 
 def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
@@ -100,7 +96,7 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
     if nodes_arg is None:
         return None
     check_cluster_args(args)
-    from ...engine.loader import ClusterSpec
+    from ...engine import ClusterSpec
     from ..cli import potluck_version
 
     keys = cluster_keys(args)
@@ -112,8 +108,8 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
             raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
         nodes = tuple(n.address for n in found)
     else:
-        nodes = limits.nodes(nodes_arg)
-    split = None if args.split is None else limits.split(args.split)
+        nodes = validate.nodes(nodes_arg)
+    split = None if args.split is None else validate.split(args.split)
     return ClusterSpec(
         nodes=nodes,
         keys=keys,
@@ -164,7 +160,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The checked spec, without its cluster: that needs the network (see :func:`with_cluster`)."""
     if hasattr(args, "nodes"):
         check_cluster_args(args)
-    return limits.spec(
+    return checked_spec(
         EngineSpec(
             model=args.model,
             strategy=args.strategy,
@@ -199,14 +195,14 @@ def read_prompt(arg: str | None) -> str:
     if arg is not None and arg != "-":
         if not arg.strip():
             raise PotluckError("the prompt is empty; pass some text")
-        return limits.text("the prompt", arg)
+        return validate.text("the prompt", arg)
     if sys.stdin is None or sys.stdin.isatty():
         raise PotluckError("no prompt: pass it as an argument or pipe it on stdin")
     if hasattr(sys.stdin, "buffer"):  # bytes: invalid UTF-8 becomes a one-line refusal, not a traceback
         raw = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
     else:
         raw = sys.stdin.read()
-    text = limits.text("the prompt on stdin", raw)
+    text = validate.text("the prompt on stdin", raw)
     if not text.strip():
         raise PotluckError("the prompt on stdin is empty")
     return text

@@ -7,10 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ...engine import limits
-from ...engine.events import Finished, PlanChanged, TokenText
-from ...engine.loader import open_session
-from ...engine.strategies.plain import Autoregressive
+from ...engine import Autoregressive, Finished, PlanChanged, TokenText, open_session, validate
 from .common import (
     add_cluster_args,
     add_model_args,
@@ -28,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     add_cluster_args(p)
     p.add_argument(
-        "--kv", default="bf16", choices=sorted(limits.KV_CACHES),
+        "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
         help="KV cache: bf16 (default) or f16, which prefills long prompts about 2x faster and runs "
         "single-token steps on one thread (both exact)",
     )

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from ...assets import DEFAULT_MODEL_NAME, default_model_path
-from ...engine.errors import PotluckError
-from ...engine.gguf_tools import describe
+from ...engine import PotluckError
+from ...engine import describe_gguf as describe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,10 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ...engine import limits
-from ...engine.loader import resolve_model
-from ...engine.perf import history_consistency, measure
-from ...engine.runtime import Model, default_threads
+from ...engine import Model, default_threads, resolve_model, validate
+from ...engine.lab.perf import history_consistency, measure
 from .common import positive_int
 
 
@@ -24,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.threads = limits.threads(args.threads, "--threads")
+    args.threads = validate.threads(args.threads, "--threads")
     with Model(resolve_model(args.model)) as model:
         report = measure(model, n_threads=args.threads, runs=args.runs)
         history = history_consistency(model, n_threads=args.threads) if args.history_check else None

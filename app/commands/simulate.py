@@ -1,4 +1,4 @@
-"""`potluck simulate`: the discrete-event model of the LAN pipeline (engine/simulate.py).
+"""`potluck simulate`: the discrete-event model of the LAN pipeline (engine/lab/simulate.py).
 
 Compares iterative, synchronous speculative, pipelined speculative and PipeInfer decoding
 for per-stage compute times measured by `potluck perf` (``--from-perf``) or given, and with
@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ...engine.errors import PotluckError
-from ...engine.simulate import (
+from ...engine import PotluckError
+from ...engine.lab.simulate import (
     CUTOFF_RULES,
     STRATEGIES,
     PerfTiming,
@@ -89,7 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cutoff recovery factor (default: min(0.4, 1 / (stages + 1)), as the strategy; paper 0.4)")
     s.add_argument("--decay", type=float, default=d.decay, help="cutoff decay factor (paper 0.01)")
     s.add_argument("--cutoff-rule", choices=CUTOFF_RULES, default=None,
-                   help="how the cutoff's counters reset (see engine/simulate.py; default: 'code', potluck's "
+                   help="how the cutoff's counters reset (see engine/lab/simulate.py; default: 'code', potluck's "
                    "strategy, and 'reference', the paper authors' code, for --trends)")
     s.add_argument("--strategies", default=None, help=f"comma-separated, from {','.join(STRATEGIES)} (default all)")
     r = p.add_argument_group("run")

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     if args.show:
         path = token_file()
         if not path.exists():
-            from ...engine.errors import PotluckError
+            from ...engine import PotluckError
 
             raise PotluckError("no saved token; run `potluck token` to make one")
         print(read_token_file(path))

@@ -8,11 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ...engine import limits, paths
-from ...engine.errors import PotluckError
-from ...engine.pipeline.profile import measure_profile
-from ...engine.pipeline.worker import DEFAULT_CACHE_QUOTA_MB, Worker
-from ...engine.runtime import default_threads
+from ...engine import DEFAULT_CACHE_QUOTA_MB, PotluckError, Worker, default_threads, measure_profile, paths, validate
 from ..cli import potluck_version
 from .common import cluster_keys
 
@@ -53,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise PotluckError("--cache-quota-mb must be at least 1")
     if not 1 <= args.max_message_mb <= 4096:
         raise PotluckError("--max-message-mb must be 1..4096")
-    threads = limits.threads(args.threads, "--threads") or default_threads()
+    threads = validate.threads(args.threads, "--threads") or default_threads()
     profile = measure_profile(threads)
     cache = args.cache_dir or (paths.cache_dir() / "worker")
     worker = Worker(

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...engine.errors import PotluckError
+from ...engine import PotluckError
 from .migrations import MIGRATIONS, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)

@@ -25,13 +25,8 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Footer, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
-from ...engine import limits
-from ...engine.chat import Message
-from ...engine.config import Settings, save_settings
-from ...engine.errors import PotluckError
-from ...engine.events import PlanChanged
-from ...engine.loader import EngineSpec
-from ...engine.strategies.registry import get_strategy_class
+from ...engine import EngineSpec, Message, PlanChanged, PotluckError, checked_spec, get_strategy_class, validate
+from ..config import Settings, save_settings
 from ..store import Conversation, Store, StoredMessage
 from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
 from .cluster import (
@@ -75,10 +70,10 @@ def spec_from_settings(settings: Settings) -> EngineSpec:
     The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
     m = settings.model
     cls = get_strategy_class(m.strategy)  # an unknown name: one line
-    draft = limits.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
-    return limits.spec(
+    draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
+    return checked_spec(
         EngineSpec(
-            model=limits.path("[model] path", m.path),
+            model=validate.path("[model] path", m.path),
             strategy=m.strategy,
             draft=draft,
             n_ctx=m.n_ctx,
@@ -374,7 +369,7 @@ class PotluckApp(App[None]):
         if isinstance(e, PlanChanged):
             self.cluster_state = self.cluster_state.with_plan(e)
             # The new chain was loaded with fresh slices: count bytes per token from here.
-            self._traffic_at_load = traffic(getattr(self.session, "target", None))
+            self._traffic_at_load = traffic(self.session.cluster_view() if self.session else None)
             notes[:] = [e.reason]  # it names the node and what the head did: the one line to keep
         else:
             self.cluster_state = self.cluster_state.with_status(e)
@@ -430,9 +425,9 @@ class PotluckApp(App[None]):
             self.report_error(f"could not load the model: {event.error}")
         elif event.session is not None:
             if self.cluster_state is not None:
-                target = getattr(event.session, "target", None)
-                self.cluster_state = self.cluster_state.loaded(stages_of(target), getattr(target, "head_layers", None))
-                self._traffic_at_load = traffic(target)
+                view = event.session.cluster_view()
+                self.cluster_state = self.cluster_state.loaded(stages_of(view), view.head_layers if view else None)
+                self._traffic_at_load = traffic(view)
             old, self.session, self.spec, self.load_error = self.session, event.session, event.spec, None
             if old is not None:
                 old.close()
@@ -582,7 +577,7 @@ class PotluckApp(App[None]):
             progress = self.reply.progress if self.reply is not None else self.progress
             figures = self.meter.sample(progress, self.clock() if now is None else now)
         if self.cluster_state is not None and self.session is not None:
-            now = traffic(getattr(self.session, "target", None))
+            now = traffic(self.session.cluster_view() if self.session else None)
             self.cluster_state = self.cluster_state.with_bytes(bytes_per_token(now, self._traffic_at_load))
             self.show_cluster()
         try:
@@ -835,11 +830,10 @@ def build_app(
 ) -> PotluckApp:
     """Build the chat app from explicit arguments; the CLI and every test call this.
 
-    Unset locations come from :mod:`potluck.engine.paths` (XDG, or the tests' override);
+    Unset locations come from :mod:`potluck.engine.core.paths` (XDG, or the tests' override);
     ``settings_path=None`` means the picker's choice is not saved.
     """
-    from ...engine import paths
-    from ...engine.strategies.registry import STRATEGIES
+    from ...engine import STRATEGIES, paths
     from .clipboard import system_clipboard
 
     if export_dir is None:

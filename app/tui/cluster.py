@@ -16,8 +16,7 @@ from pathlib import Path
 
 from textual.message import Message as TMessage
 
-from ...engine.errors import PotluckError
-from ...engine.events import NodeStatus, PlanChanged
+from ...engine import ClusterView, NodeStatus, PlanChanged, PotluckError
 
 AUTO = "auto"
 
@@ -40,7 +39,7 @@ class ClusterChoice:
     def resolve(self, on_plan: Callable[[object], None], progress: Callable[[str, int, int], None]):  # noqa: ANN201
         """The engine's ClusterSpec (network: runs in the loader thread)."""
         from ...discovery.auth import keys_from_token, resolve_token
-        from ...engine.loader import ClusterSpec
+        from ...engine import ClusterSpec
         from ..cli import potluck_version
 
         keys = keys_from_token(resolve_token(self.token, self.token_file))
@@ -147,21 +146,19 @@ class ClusterState:
         return any(r.state in ("lost", "failed") for r in self.stages)
 
 
-def stages_of(target: object) -> list[StageRow]:
-    """The chain a loaded session runs on (a :class:`PipelineTarget`'s links), or []."""
-    return [
-        StageRow(lk.node_id or lk.address, lk.address, tuple(lk.layers or (0, 0)))  # type: ignore[arg-type]
-        for lk in getattr(target, "links", ())
-    ]
+def stages_of(view: ClusterView | None) -> list[StageRow]:
+    """The chain a loaded session runs on (its :meth:`Session.cluster_view`), or []."""
+    return [StageRow(s.node, s.address, s.layers) for s in (view.stages if view else ())]
 
 
 Counters = tuple[int, dict[str, int]]  # tokens through the chain, bytes per link address
 
 
-def traffic(target: object) -> Counters:
+def traffic(view: ClusterView | None) -> Counters:
     """The head's counters now (ints read between its updates: a torn read is impossible)."""
-    tokens = getattr(getattr(target, "stats", None), "tokens", 0)
-    return tokens, {lk.address: lk.bytes_out + lk.bytes_in for lk in getattr(target, "links", ())}
+    if view is None:
+        return 0, {}
+    return view.tokens, {s.address: s.bytes_total for s in view.stages}
 
 
 def bytes_per_token(now: Counters, since: Counters) -> dict[str, float]:

@@ -22,9 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...engine import paths
-from ...engine.config import ModelSettings, SamplingSettings, Settings, UISettings
-from ...engine.loader import open_session
+from ...engine import open_session, paths
+from ..config import ModelSettings, SamplingSettings, Settings, UISettings
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -17,12 +17,19 @@ from typing import Protocol
 
 from textual.message import Message as TMessage
 
-from ...engine.chat import Message
-from ...engine.config import SamplingSettings
-from ...engine.errors import PotluckError
-from ...engine.events import Event, Finished, NodeStatus, PlanChanged, ReplyStarted, TokenText
-from ...engine.loader import EngineSpec
-from ...engine.sampling import SamplingParams
+from ...engine import (
+    EngineSpec,
+    Event,
+    Finished,
+    Message,
+    NodeStatus,
+    PlanChanged,
+    PotluckError,
+    ReplyStarted,
+    SamplingParams,
+    TokenText,
+)
+from ..config import SamplingSettings
 from ..store import Store
 from .stats import ReplyProgress
 from .widgets import MessageView
@@ -33,7 +40,7 @@ SAVE_EVERY_S = 0.5  # a streaming reply is saved this often: a crash loses at mo
 
 
 class ChatSession(Protocol):
-    """What the app needs from :class:`potluck.engine.session.Session` (tests fake it)."""
+    """What the app needs from :class:`potluck.engine.core.session.Session` (tests fake it)."""
 
     messages: list[Message]
 

@@ -4,7 +4,7 @@ The reply thread folds each event it receives into a :class:`ReplyProgress` snap
 (stamped with the app's clock), so the panels never poll engine state. The panels sample
 the latest snapshot on a timer instead of repainting per token; :class:`SpeedMeter` turns
 successive samples into "tokens/s now" and keeps that series for the sparkline. After a
-reply ends, the figures come from its :class:`~potluck.engine.events.Finished` totals, so
+reply ends, the figures come from its :class:`~potluck.engine.core.events.Finished` totals, so
 they stay exact and stable.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ...engine.events import DrafterStanding, Event, Finished, ReplyStarted, RoundStats, TokenText
+from ...engine import DrafterStanding, Event, Finished, ReplyStarted, RoundStats, TokenText
 
 DASH = "—"
 

@@ -1,0 +1,244 @@
+"""The one configuration module: typed, frozen settings read from ``config.toml``.
+
+Nothing is read at import time: callers load :class:`Settings` once (``load_settings``) and
+pass it down, so tests build their own. The file is optional; every field has a default.
+Unknown keys and wrong types are refused with a one-line :class:`PotluckError` that names
+the key, because a silently ignored typo is worse than an error.
+
+Example ``config.toml``::
+
+    [model]
+    path = "~/models/SmolLM2-1.7B-Instruct-Q4_K_M.gguf"
+    draft = "~/models/SmolLM2-135M-Instruct-Q4_1.gguf"
+    strategy = "sd"
+    library = ["~/models"]
+
+    [sampling]
+    temperature = 0.7
+
+    [ui]
+    theme = "nord"
+
+    [keys]
+    regenerate = "ctrl+r"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..engine import PotluckError, SamplingParams, paths, validate
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which model the chat opens and how it decodes."""
+
+    path: str | None = None
+    """Target GGUF file; unset means the bundled SmolLM2-135M."""
+    draft: str | None = None
+    """Draft GGUF for strategies that need one; it must share the target's vocabulary."""
+    strategy: str = "autoregressive"
+    """Decoding strategy name (``potluck generate --help`` lists them)."""
+    n_ctx: int = 4096
+    """Context window in tokens."""
+    n_threads: int = 0
+    """CPU threads; 0 uses every core."""
+    system: str | None = None
+    """System prompt given to new conversations."""
+    library: tuple[str, ...] = ()
+    """Extra GGUF files or folders of them that the model picker offers."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How tokens are drawn; temperature 0 is greedy (exactly reproducible)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    """Keep the k likeliest tokens; 0 turns the filter off."""
+    top_p: float = 1.0
+    """Nucleus mass; 1 turns the filter off."""
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    """RNG seed; unset draws a fresh one per reply."""
+    max_tokens: int = 512
+    """Longest reply in tokens."""
+
+    def params(self) -> SamplingParams:
+        """Checked by :mod:`.limits` (the seed mapped onto numpy's range)."""
+        validate.max_tokens(self.max_tokens)
+        return validate.sampling(
+            SamplingParams(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                repeat_penalty=self.repeat_penalty,
+                seed=self.seed,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class UISettings:
+    """Look and behaviour of the chat screen."""
+
+    theme: str = "textual-dark"
+    """Any Textual theme name (``textual-dark``, ``nord``, ``gruvbox``, ...)."""
+    show_panels: bool = True
+    """Show the live speed / acceptance panels at start (toggle with the ``toggle_panels`` key)."""
+    stats_interval_s: float = 0.25
+    """How often the panels sample the engine's counters; 0 stops the timer (tests)."""
+    cursor_blink: bool = True
+    """Blinking input cursor; snapshot tests turn it off."""
+    export_dir: str | None = None
+    """Where exported conversations go; unset means ``potluck locate``'s exports folder."""
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """Key map: one Textual key string per action (comma-separate alternatives)."""
+
+    send: str = "enter"
+    newline: str = "ctrl+j,shift+enter,alt+enter"
+    """Insert a line break in the message (ctrl+j works in every terminal)."""
+    stop: str = "escape"
+    regenerate: str = "ctrl+r"
+    new_conversation: str = "ctrl+n"
+    rename_conversation: str = "f2"
+    delete_conversation: str = "f8"
+    previous_conversation: str = "ctrl+pageup,alt+up"
+    next_conversation: str = "ctrl+pagedown,alt+down"
+    system_prompt: str = "f4"
+    picker: str = "ctrl+o"
+    cluster: str = "f9"
+    """Cluster picker: the workers found on the LAN (cluster mode)."""
+    replan: str = "ctrl+g"
+    """Cluster mode: reopen the session over the workers found now (after a loss)."""
+    toggle_panels: str = "ctrl+t"
+    copy_reply: str = "f3"
+    copy_code: str = "f5"
+    export: str = "ctrl+s"
+    log: str = "ctrl+l"
+
+    def keymap(self) -> dict[str, str]:
+        """Binding id -> keys, the form ``App.set_keymap`` takes."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    ui: UISettings = field(default_factory=UISettings)
+    keys: KeySettings = field(default_factory=KeySettings)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelSettings,
+    "sampling": SamplingSettings,
+    "ui": UISettings,
+    "keys": KeySettings,
+}
+
+
+def _check(section: str, key: str, value: Any, hint: Any) -> Any:
+    """Coerce a TOML value to the field's type or raise a one-line error naming the key."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    where = f"[{section}] {key}"
+    if typing.get_origin(base) is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and "\x00" not in v for v in value):
+            raise PotluckError(f"config: {where} must be a list of strings (without NUL characters)")
+        return tuple(value)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if (base is int and isinstance(value, bool)) or not isinstance(value, base):
+        raise PotluckError(f"config: {where} must be {base.__name__}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # TOML allows nan and inf
+        raise PotluckError(f"config: {where} must be a finite number, got {value!r}")
+    if isinstance(value, str) and "\x00" in value:  # TOML allows \u0000; no path or key may hold it
+        raise PotluckError(f"config: {where} contains a NUL character")
+    return value
+
+
+def settings_from_dict(data: dict[str, Any]) -> Settings:
+    """Build settings from parsed TOML, refusing unknown sections/keys and wrong types."""
+    parts: dict[str, Any] = {}
+    for section, table in data.items():
+        cls = _SECTIONS.get(section)
+        if cls is None:
+            known = ", ".join(_SECTIONS)
+            raise PotluckError(f"config: unknown section [{section}]; known: {known}")
+        if not isinstance(table, dict):
+            raise PotluckError(f"config: [{section}] must be a table")
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for key, value in table.items():
+            if key not in hints:
+                raise PotluckError(
+                    f"config: unknown key {key!r} in [{section}]; known: {', '.join(hints)}"
+                )
+            values[key] = _check(section, key, value, hints[key])
+        parts[section] = cls(**values)
+    return Settings(**parts)
+
+
+def settings_to_dict(settings: Settings) -> dict[str, Any]:
+    """The TOML form: only values that differ from the defaults (TOML has no null)."""
+    out: dict[str, Any] = {}
+    for section in _SECTIONS:
+        current, default = getattr(settings, section), getattr(Settings(), section)
+        table = {
+            f.name: list(v) if isinstance(v, tuple) else v
+            for f in dataclasses.fields(current)
+            if (v := getattr(current, f.name)) is not None and v != getattr(default, f.name)
+        }
+        if table:
+            out[section] = table
+    return out
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """Read ``path`` (default: ``paths.config_file()``); a missing file gives the defaults."""
+    if path is None:
+        path = paths.config_file()
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return Settings()
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise PotluckError(f"config: {path} is not valid TOML ({e})") from None
+    except OSError as e:
+        raise PotluckError(f"config: cannot read {path} ({e.strerror or e})") from None
+    return settings_from_dict(data)
+
+
+def save_settings(settings: Settings, path: Path | None = None) -> Path:
+    """Write the non-default settings atomically (the picker saves its choice here)."""
+    import tomli_w
+
+    if path is None:
+        path = paths.config_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(tomli_w.dumps(settings_to_dict(settings)), encoding="utf-8")
+    tmp.replace(path)
+    return path

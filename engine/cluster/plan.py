@@ -1,0 +1,260 @@
+"""Split planning: contiguous layer ranges so every node fits and the slowest stage is fastest.
+
+A stage's time is estimated as its weight bytes divided by the node's measured speed score
+(decode is bound by reading weights; docs/facts.md §6 says measure, so the score is
+measured on each worker). A stage's memory is its layers' bytes, the token embeddings on
+the first stage, the output head on the last, its KV cache for ``n_ctx`` tokens and a
+fixed allowance for compute buffers. Dynamic programming over (nodes in order, layers)
+finds the assignment minimizing the bottleneck; nodes may get no layers.
+
+The head computes the model's last layer(s) and the output layer itself (so the last
+worker returns a hidden state, not a row of logits: head.py), so workers share layers
+``[0, n_layer - t)``; ``t`` is 1 unless that one layer cannot load alone (:func:`head_layers`).
+
+A range llama.cpp cannot load is never planned: a Gemma 3 slice without a sliding-window
+layer aborts the loading process (docs/facts.md §5), so every Gemma 3 stage holds one.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import PotluckError
+
+COMPUTE_OVERHEAD_MB = 96
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Sizes of one GGUF's parts, read from its header (no weights loaded)."""
+
+    arch: str
+    layer_bytes: tuple[int, ...]  # [n_layer] weight bytes per layer
+    embd_bytes: int  # token_embd (first stage)
+    head_bytes: int  # output_norm + output (last stage; tied models reuse token_embd)
+    kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer
+    n_vocab: int = 0  # tokens in the GGUF's own vocabulary (the head checks results against it)
+    n_embd: int = 0
+    swa: tuple[bool, ...] | None = None  # per layer: sliding-window (archs with a pattern only)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_bytes)
+
+    @functools.cached_property
+    def prefix_bytes(self) -> list[int]:
+        """[n_layer + 1] prefix sums: the planner asks for range sizes O(nodes * L^2) times."""
+        return [0, *itertools.accumulate(self.layer_bytes)]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str  # node id
+    address: str  # host:port
+    free_mb: int
+    speed: float
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    node: NodeInfo
+    lo: int  # first layer (inclusive)
+    hi: int  # last layer (exclusive)
+    mem_mb: float
+    cost: float  # estimated relative time per token (bytes / speed)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Worker stages over layers ``[0, head[0])``; the head computes ``head`` and the output."""
+
+    stages: tuple[StageAssignment, ...]
+    n_layer: int
+    head: tuple[int, int]  # layers the head computes itself, with the output norm and matrix
+
+    @property
+    def bounds(self) -> list[int]:
+        """Where each worker stage starts, then where the last one ends (the head's first layer)."""
+        return [s.lo for s in self.stages] + [self.head[0]]
+
+    def describe(self) -> list[str]:
+        """Lines the CLI prints before loading."""
+        worst = max(s.cost for s in self.stages) or 1.0
+        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"]
+        for i, s in enumerate(self.stages):
+            lines.append(
+                f"  stage {i + 1}: layers {s.lo:>3}-{s.hi:<3} on {s.node.name} ({s.node.address})  "
+                f"~{s.mem_mb:,.0f} MB of {s.node.free_mb:,} MB free, speed {s.node.speed:g}, "
+                f"load {s.cost / worst:.0%} of the slowest"
+            )
+        lo, hi = self.head
+        lines.append(f"  head:    layers {lo:>3}-{hi:<3} and the output layer on this machine")
+        return lines
+
+
+def layer_costs(path: Path) -> LayerCosts:
+    """Per-layer weight bytes and the other sizes the planner needs, from the GGUF header
+    (remembered per file version: a head re-plans and reconnects without re-reading it)."""
+    path = Path(path)
+    st = path.stat()
+    return _layer_costs(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
+    from ..core.gguf_tools import _reader
+
+    r = _reader(path)
+    arch = str(r.fields["general.architecture"].contents())
+
+    def num(key: str, default: int) -> int:
+        f = r.fields.get(f"{arch}.{key}")
+        if f is None:
+            return default
+        v = f.contents()
+        return int(max(v)) if isinstance(v, list) else int(v)
+
+    n_layer = num("block_count", 0)
+    per_layer = [0] * n_layer
+    embd = head = 0
+    for t in r.tensors:
+        m = _BLK.match(t.name)
+        if m:
+            i = int(m.group(1))
+            if i < n_layer:
+                per_layer[i] += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            embd = int(t.n_bytes)
+        else:
+            head += int(t.n_bytes)
+    if "output.weight" not in {t.name for t in r.tensors}:
+        head += embd  # tied embeddings: the last stage reads token_embd as its output head
+    n_embd = num("embedding_length", 0)
+    n_head = num("attention.head_count", 1) or 1
+    n_head_kv = num("attention.head_count_kv", n_head) or n_head
+    head_dim = num("attention.key_length", n_embd // n_head)
+    kv = 2 * n_head_kv * head_dim * 2  # K and V, f16
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else num("vocab_size", 0)
+    swa = None
+    if arch == "gemma3":
+        from ..core.gguf_tools import _gemma3_swa_pattern
+
+        swa = tuple(_gemma3_swa_pattern(r, arch, range(n_layer)))
+    return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa)
+
+
+def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
+    """Whether llama.cpp can load layers [lo, hi) as a slice (Gemma 3: a sliding-window layer)."""
+    return costs.swa is None or any(costs.swa[lo:hi])
+
+
+def head_layers(costs: LayerCosts) -> int:
+    """How many last layers the head computes: 1, or the fewest that llama.cpp loads as a
+    slice (Gemma 3 270M's last layer is global: the head takes 16-17, not 17 alone).
+    Workers must keep at least one layer, or there is nothing to split."""
+    n = costs.n_layer
+    for t in range(1, n):
+        if loadable(costs, n - t, n):
+            return t
+    raise PotluckError(f"cannot split a model of {n} layer(s): the head computes the last one and the output")
+
+
+def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
+    prefix = costs.prefix_bytes
+    return prefix[hi] - prefix[lo]
+
+
+def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int) -> float:
+    b = _range_bytes(costs, lo, hi) + costs.kv_bytes_per_token_layer * n_ctx * (hi - lo)
+    if lo == 0:
+        b += costs.embd_bytes
+    if hi == costs.n_layer:
+        b += costs.head_bytes
+    return b / (1 << 20) + COMPUTE_OVERHEAD_MB
+
+
+def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo) -> float:
+    return _range_bytes(costs, lo, hi) / max(node.speed, 1e-9)  # the output layer is the head's
+
+
+def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int) -> StageAssignment:
+    return StageAssignment(node, lo, hi, stage_mem_mb(costs, lo, hi, n_ctx), _cost(costs, lo, hi, node))
+
+
+def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> SplitPlan:
+    """The contiguous assignment (nodes in the given order) of the workers' layers
+    ``[0, n_layer - head_layers)`` with the smallest bottleneck."""
+    if not nodes:
+        raise PotluckError("no workers to split the model over")
+    n = costs.n_layer - head_layers(costs)
+    inf = float("inf")
+    # best[k][j]: smallest bottleneck covering layers [0, j) with the first k nodes.
+    best = [[inf] * (n + 1) for _ in range(len(nodes) + 1)]
+    cut = [[-1] * (n + 1) for _ in range(len(nodes) + 1)]
+    best[0][0] = 0.0
+    for k, node in enumerate(nodes, start=1):
+        for j in range(n + 1):
+            best[k][j], cut[k][j] = best[k - 1][j], j  # this node takes no layers
+            for i in range(j):
+                if best[k - 1][i] == inf or not loadable(costs, i, j):
+                    continue
+                if stage_mem_mb(costs, i, j, n_ctx) > node.free_mb:
+                    continue
+                v = max(best[k - 1][i], _cost(costs, i, j, node))
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    if best[len(nodes)][n] == inf:
+        need = stage_mem_mb(costs, 0, n, n_ctx)
+        have = sum(nd.free_mb for nd in nodes)
+        raise PotluckError(
+            f"the model does not fit: it needs about {need:,.0f} MB in all and the "
+            f"{len(nodes)} worker(s) have {have:,} MB free; add workers or lower --ctx"
+        )
+    stages: list[StageAssignment] = []
+    j = n
+    for k in range(len(nodes), 0, -1):
+        i = cut[k][j]
+        if i < j:
+            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx))
+        j = i
+    return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
+
+
+def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int) -> SplitPlan:
+    """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
+
+    The head computes the last layer(s) (:func:`head_layers`), so the last worker stage ends
+    where the head's layers begin: a last boundary of ``n_layer`` (or none) means that
+    end too, and no stage may start inside the head's layers."""
+    end = costs.n_layer - head_layers(costs)
+    b = list(bounds)
+    if b and b[0] != 0:
+        b = [0, *b]
+    if b[-1] == costs.n_layer:
+        b[-1] = end
+    elif b[-1] < end:
+        b = [*b, end]
+    if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != end:
+        last = costs.n_layer - 1
+        held = f"layer {end}" if end == last else f"layers {end}-{last}"
+        raise PotluckError(
+            f"split {list(bounds)}: stages must start at increasing layers below {end}; "
+            f"{held} and the output layer run on the head"
+        )
+    for lo, hi in zip(b, b[1:]):
+        if not loadable(costs, lo, hi):
+            raise PotluckError(
+                f"split {b}: layers {lo}-{hi} hold no sliding-window layer, which llama.cpp cannot "
+                f"load for {costs.arch}; move the boundary"
+            )
+    if len(b) - 1 != len(nodes):
+        raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
+    stages = tuple(_assign(costs, nd, lo, hi, n_ctx) for nd, lo, hi in zip(nodes, b, b[1:]))
+    return SplitPlan(stages, costs.n_layer, (end, costs.n_layer))

@@ -1,0 +1,130 @@
+"""Slice distribution: the head cuts the GGUF once (cached by content hash) and streams each
+slice to its worker in chunks, unless the worker already holds that sha256.
+
+The head's cache lives in :func:`potluck.engine.core.paths.slices_dir`: slices are named by the
+source file's sha256 and the layer range, and an index remembers sha256s so that a second
+run hashes nothing it hashed before (the source is re-hashed only if its size or mtime
+changed). The worker verifies the sha256 of what it received before keeping it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core import paths
+from ..core.errors import PotluckError
+from ..core.gguf_tools import file_sha256, slice_layers
+from . import wire
+
+CHUNK_BYTES = 4 << 20
+INDEX_NAME = "index.json"
+
+Progress = Callable[[str, int, int], None]  # (what, bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class SliceFile:
+    path: Path
+    sha256: str
+    size: int
+    lo: int
+    hi: int
+
+
+@dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    files_sent: int = 0
+    files_cached: int = 0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_sent / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+class SliceCache:
+    """The head's slices by (source sha256, layer range), with an index of known hashes."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = Path(folder) if folder is not None else paths.slices_dir()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._index_path = self.folder / INDEX_NAME
+        try:
+            self._index: dict[str, str] = json.loads(self._index_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            self._index = {}
+
+    def _save(self) -> None:
+        tmp = self._index_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._index, indent=0), encoding="utf-8")
+        tmp.replace(self._index_path)
+
+    def sha256_of(self, path: Path) -> str:
+        """sha256 of ``path``, remembered by (path, size, mtime) so big models hash once."""
+        st = path.stat()
+        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        sha = self._index.get(key)
+        if sha is None:
+            sha = file_sha256(path)
+            self._index[key] = sha
+            self._save()
+        return sha
+
+    def slices(self, src: Path, bounds: list[int]) -> list[SliceFile]:
+        """The slice files for consecutive ranges of ``bounds`` (made when missing)."""
+        src = Path(src)
+        src_sha = self.sha256_of(src)
+        out: list[SliceFile] = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            path = self.folder / f"{src_sha[:24]}-{lo}-{hi}.gguf"
+            if not path.exists():
+                slice_layers(src, path, lo, hi)
+            out.append(SliceFile(path, self.sha256_of(path), path.stat().st_size, lo, hi))
+        return out
+
+
+def chunks(sl: SliceFile, chunk_bytes: int = CHUNK_BYTES):
+    """Yield :class:`.wire.Chunk` messages covering the slice file."""
+    import numpy as np
+
+    with open(sl.path, "rb") as f:
+        offset = 0
+        while block := f.read(chunk_bytes):
+            yield wire.Chunk(sl.sha256, offset, sl.size, np.frombuffer(block, dtype="u1"))
+            offset += len(block)
+
+
+def send_slice(
+    request: Callable[[wire.Message], wire.Message],
+    sl: SliceFile,
+    stats: TransferStats,
+    progress: Progress | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """Offer the slice; stream it if the worker lacks it. ``request`` sends and awaits the reply."""
+    reply = request(wire.Offer(sl.sha256, sl.size))
+    if not isinstance(reply, wire.OfferReply):
+        raise PotluckError(f"the worker answered a slice offer with {reply.TYPE!r}")
+    what = f"layers {sl.lo}-{sl.hi}"
+    if reply.have:
+        stats.files_cached += 1
+        if progress:
+            progress(what + " (cached)", sl.size, sl.size)
+        return
+    t0 = time.perf_counter()
+    done = 0
+    for chunk in chunks(sl, chunk_bytes):
+        ack = request(chunk)
+        if not isinstance(ack, wire.ChunkAck):
+            raise PotluckError(f"the worker answered a slice chunk with {ack.TYPE!r}")
+        done = ack.received
+        stats.bytes_sent += chunk.data.size
+        if progress:
+            progress(what, done, sl.size)
+    stats.seconds += time.perf_counter() - t0
+    stats.files_sent += 1

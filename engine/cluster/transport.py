@@ -1,0 +1,143 @@
+"""ZeroMQ sockets as the cluster uses them: CURVE keys bound to the token, heartbeats, limits.
+
+Every connection is CURVE-encrypted and authenticated. Both key pairs derive from the
+cluster token (:func:`potluck.discovery.auth.keys_from_token`), so only a holder of the
+token knows the server's public key (needed to connect at all) and the client secret key
+(checked by the worker's ZAP handler). ZeroMQ heartbeats run in libzmq's I/O thread, so a
+peer busy computing still answers them and only a dead or frozen process misses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.auth.thread
+from zmq.utils.monitor import parse_monitor_message
+
+from ..core.spec import CurveKeys
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
+HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is dropped
+# Replies queued per peer (a head reads its results as they come); past that they are dropped.
+SERVER_SNDHWM = 1024
+MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
+ZAP_DOMAIN = "potluck"
+
+
+def _common(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    # Never stop reading a connection: libzmq 4.3 aborts the process when a heartbeat times
+    # out on a connection whose input it stopped at the receive high-water mark (libzmq
+    # issues #3937, #4767; docs/facts.md §12), which a token holder can cause by sending
+    # faster than we parse.
+    # Messages are bounded by MAXMSGSIZE and read as fast as they come.
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> zmq.Socket:
+    """A ROUTER that only completes the CURVE handshake with token holders.
+
+    Its sends never wait: a peer that stops reading fills its own bounded queue
+    (``SERVER_SNDHWM``) and further replies to it are dropped (``zmq.Again``), so one slow
+    reader cannot stall the worker for everyone. Connections that do not finish the
+    handshake within ``HANDSHAKE_IVL_MS`` are closed, so idle TCP connections cannot pile up.
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    _common(sock)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that is gone fails at once
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
+    sock.setsockopt(zmq.SNDTIMEO, 0)
+    sock.curve_server = True
+    sock.curve_publickey = keys.server_public
+    sock.curve_secretkey = keys.server_secret
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    return sock
+
+
+def client_socket(ctx: zmq.Context, keys: CurveKeys, routing_id: bytes) -> zmq.Socket:
+    """A DEALER speaking CURVE to a worker's ROUTER, under a chosen routing id."""
+    sock = ctx.socket(zmq.DEALER)
+    _common(sock)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on completed connections
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+    return sock
+
+
+class _TokenCredentials:
+    """ZAP credentials check: the client's public key must be the token's client key."""
+
+    def __init__(self, keys: CurveKeys, on_reject: Callable[[str], None]) -> None:
+        self._allowed = keys.client_public
+        self._on_reject = on_reject
+
+    def callback(self, domain: str, key: bytes) -> bool:  # key: Z85, as pyzmq passes it
+        ok = key == self._allowed
+        if not ok:
+            self._on_reject(f"refused a CURVE client with a key not derived from the cluster token ({domain})")
+        return ok
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> zmq.auth.thread.ThreadAuthenticator:
+    """Run the ZAP handler that gates every CURVE server socket of ``ctx``."""
+    auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("potluck.zap"))
+    auth.start()
+    auth.configure_curve_callback(
+        domain=ZAP_DOMAIN, credentials_provider=_TokenCredentials(keys, lambda m: log.warning("%s", m))
+    )
+    return auth
+
+
+# Monitor events that mean "this peer is gone" (for a DEALER with one peer).
+LOST_EVENTS = {zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED}
+AUTH_FAILED_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+}
+
+
+def read_event(monitor: zmq.Socket) -> tuple[int, str]:
+    """(event id, endpoint) of one pending monitor message."""
+    msg = parse_monitor_message(monitor.recv_multipart())
+    endpoint = msg.get("endpoint", b"")
+    return int(msg["event"]), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def raise_open_files_limit(want: int = MAX_OPEN_FILES) -> int:
+    """Raise this process's soft limit on open files toward ``want`` (capped by the hard
+    limit): with the default 1024 a flood of idle TCP connections exhausts the descriptors
+    and the listener stops accepting real heads until the handshake timeout frees them."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return int(soft)
+
+
+def endpoint(address: str) -> str:
+    """``host:port`` (or a full endpoint) -> a ZeroMQ TCP endpoint."""
+    if "://" in address:
+        return address
+    return f"tcp://{address}"

@@ -1,0 +1,662 @@
+"""The worker side: one ROUTER socket serving a head's control requests and pipeline traffic.
+
+Life of a worker: wait for a head (``hello``), receive or find its slice by sha256
+(``offer``/``chunk``), ``load`` it as one :class:`~potluck.engine.core.stage.Stage`, then take
+data-path transactions in ``txn`` order: ``forward`` (a batch: compute, pass hidden states to
+the next stage, or back to the head from the last worker: the head computes the model's last
+layer and the output layer itself), ``kv`` and ``reset`` (apply, pass on). ``release``
+by its head, or that head going away, frees the stage and the worker waits again.
+
+This process never runs llama.cpp: the stage lives in a supervised child (child.py), so a
+slice that makes llama.cpp abort or segfault costs that child only; the head is told the
+cause and the worker serves the next head. This thread owns every socket and answers
+control messages at once; the child computes. So a ``cancel`` reaches a running batch
+(aborted mid-compute through llama.cpp's abort flag) and queued batches of the run are
+skipped; a skipped or refused batch still goes downstream, empty, so every stage sees every
+transaction in order. Finished work comes back to this thread through a queue and a pipe
+the poller watches.
+
+Nothing a peer sends can crash or stall a worker: every message is validated by
+:func:`.wire.parse_frames`, by ownership, and by the stage before use, refused with a log
+line and an ``error`` reply; replies never wait on a peer that does not read them; load
+settings are checked against this machine's memory and the architecture allow-list;
+received slices live under a quota and are re-hashed before each load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from ..core import paths
+from ..core.errors import PotluckError
+from ..core.gguf_tools import SPLITTABLE_ARCHS
+from ..core.jobs import RunCancelled
+from ..core.spec import CurveKeys
+from . import wire
+from .child import StageCrashed, StageInfo, StageProcess, StageSpec
+from .plan import COMPUTE_OVERHEAD_MB, layer_costs
+from .profile import NodeProfile, free_memory_mb
+from .transport import (
+    AUTH_FAILED_EVENTS,
+    client_socket,
+    raise_open_files_limit,
+    read_event,
+    server_socket,
+    start_authenticator,
+)
+
+log = logging.getLogger(__name__)
+
+FORWARD_TIMEOUT_MS = 5000
+LOAD_TIMEOUT_S = 300.0
+DEFAULT_CACHE_QUOTA_MB = 20 * 1024
+DISK_MARGIN_BYTES = 256 << 20  # never fill the disk to the last byte
+MAX_UPLOADS = 2  # slices being received at once; a newer offer drops the oldest
+PROBE_INTERVAL_S = 1.0
+
+
+class NotOwnerError(PotluckError):
+    """A control request from a peer that does not own this worker's stage (code ``busy``)."""
+
+
+class LoadedStage:
+    """A cached slice loaded as one stage in a child process (see child.py)."""
+
+    def __init__(self, proc: StageProcess, load: wire.Load, info: StageInfo) -> None:
+        self.proc = proc
+        self.load = load
+        self.info = info
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+@dataclass
+class _Upload:
+    total: int
+    received: int
+    part: Path
+    fd: int
+    hasher: hashlib._Hash
+
+    def discard(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.part.unlink(missing_ok=True)
+
+
+class SliceStore:
+    """The worker's slices by sha256 under a byte quota, least recently used evicted first.
+
+    ``.part`` files left by an earlier run are removed at start; a finished upload is
+    fsynced before it is renamed into place; files are private to the user (0600 in a 0700
+    folder). Nothing is trusted because it is here: the stage process re-hashes a slice
+    before loading it (child.py).
+    """
+
+    def __init__(self, folder: Path, quota_bytes: int) -> None:
+        self.folder = paths.private_dir(Path(folder))
+        self.quota = quota_bytes
+        for stale in self.folder.glob("*.part"):
+            stale.unlink(missing_ok=True)
+            log.info("removed a partial upload left behind: %s", stale.name)
+
+    def path(self, sha: str) -> Path:
+        return self.folder / f"{sha}.gguf"
+
+    def has(self, sha: str) -> bool:
+        return self.path(sha).is_file()
+
+    def touch(self, sha: str) -> None:
+        try:
+            os.utime(self.path(sha))
+        except OSError:
+            pass
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*.gguf"))
+
+    def make_room(self, size: int, reserved: int, keep: set[str]) -> None:
+        """Evict least recently used slices (never ``keep``) until ``size`` more bytes fit
+        the quota and the disk; refuse if they cannot."""
+        if size + reserved > self.quota:
+            raise PotluckError(
+                f"a slice of {size >> 20} MB does not fit this worker's slice cache quota of "
+                f"{self.quota >> 20} MB (start it with a larger --cache-quota-mb)"
+            )
+        files = sorted(self.folder.glob("*.gguf"), key=lambda p: p.stat().st_mtime)
+        used = sum(p.stat().st_size for p in files)
+        for victim in files:
+            free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
+            if used + reserved + size <= self.quota and size <= free:
+                return
+            if victim.stem in keep:
+                continue
+            used -= victim.stat().st_size
+            victim.unlink(missing_ok=True)
+            log.info("evicted slice %s from the cache (quota %d MB)", victim.stem[:12], self.quota >> 20)
+        free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
+        if used + reserved + size > self.quota or size > free:
+            raise PotluckError(
+                f"a slice of {size >> 20} MB does not fit: {max(free, 0) >> 20} MB free on disk, "
+                f"{used >> 20} of {self.quota >> 20} MB of the cache quota in use"
+            )
+
+    def begin(self, sha: str) -> tuple[Path, int]:
+        part = self.folder / f"{sha}.part"
+        part.unlink(missing_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return part, fd
+
+    def commit(self, up: _Upload, sha: str) -> None:
+        """fsync the finished upload, rename it into place, fsync the folder."""
+        os.fsync(up.fd)
+        os.close(up.fd)
+        up.part.replace(self.path(sha))
+        try:
+            dfd = os.open(self.folder, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
+
+def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
+    """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the header."""
+    costs = layer_costs(path)
+    kv = costs.kv_bytes_per_token_layer * load.n_ctx * costs.n_layer
+    # every row is an output of a capturing stage: llama.cpp reserves a logits row for each
+    logits = load.n_batch * costs.n_vocab * 4
+    activations = load.n_batch * max(costs.n_embd, 1) * 4 * 8
+    size = path.stat().st_size
+    return (size + kv + logits + activations) / (1 << 20) + COMPUTE_OVERHEAD_MB, costs.arch
+
+
+class Worker:
+    """Serves one head at a time on ``tcp://bind:port`` until :meth:`stop`.
+
+    Ownership: the peer (ZeroMQ routing id) whose ``hello`` opened the session owns the
+    worker; only the owner may offer, upload, load, release or cancel. While a stage is
+    loaded, another head's ``hello`` is refused (``busy``) unless the owner has gone away
+    (a reply to it fails at once: ROUTER_MANDATORY). ``ping`` and ``status`` are open to any
+    token holder: they change nothing.
+    """
+
+    def __init__(
+        self,
+        keys: CurveKeys,
+        profile: NodeProfile,
+        cache_dir: Path,
+        *,
+        bind: str = "0.0.0.0",
+        port: int = 0,
+        n_threads: int = 0,
+        max_msg_bytes: int = wire.DEFAULT_MAX_BYTES,
+        cache_quota_bytes: int = DEFAULT_CACHE_QUOTA_MB << 20,
+        potluck_version: str = "0",
+    ) -> None:
+        self.keys = keys
+        self.profile = profile
+        self.store = SliceStore(Path(cache_dir), cache_quota_bytes)
+        self.cache_dir = self.store.folder
+        self.n_threads = n_threads
+        self.max_msg_bytes = max_msg_bytes
+        self.version = potluck_version
+        self.open_files = raise_open_files_limit()
+        self.zctx = zmq.Context()
+        self.auth = start_authenticator(self.zctx, keys)
+        self.sock = server_socket(self.zctx, keys, max_msg_bytes=max_msg_bytes)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        if port:
+            self.sock.bind(f"tcp://{bind}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
+        self.bind = bind
+        self._stop = False
+        self.stage: LoadedStage | None = None
+        self.owner: bytes = b""  # routing id of the head whose session this is
+        self.owner_name = ""
+        self._probed_at = 0.0
+        self.head: bytes = b""
+        self.txn = 0
+        self.forward: zmq.Socket | None = None
+        # finished stage work, in txn order, back to this thread: (stage, message, future)
+        self._done: queue.SimpleQueue[tuple[LoadedStage, wire.WireMessage, Future]] = queue.SimpleQueue()
+        self._crashed: queue.SimpleQueue[tuple[StageProcess, str]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.uploads: dict[str, _Upload] = {}
+        self._spare: StageProcess | None = StageProcess()  # warm: imports llama.cpp meanwhile
+        self.rejected = 0  # messages refused (tests and logs)
+        self.dropped_replies = 0  # replies to peers that do not read theirs
+        self.unreachable_replies = 0  # replies to peers already gone
+        self.crashes = 0
+        self.bytes_received = 0
+
+    # -- lifetime
+    @property
+    def node(self) -> str:
+        return f"{self.profile.node_id}@{self.bind}:{self.port}"
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        log.info("worker %s waiting for a head", self.node)
+        try:
+            while not self._stop:
+                events = dict(poller.poll(200))
+                if self.monitor in events:
+                    self._log_handshake_failures()
+                if self._wake_r in events:
+                    self._send_finished()
+                if self.sock in events:
+                    self._serve_pending()
+        finally:
+            self.close()
+
+    def _serve_pending(self) -> None:
+        for _ in range(64):  # bounded, so the stop flag and the monitor are checked
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.bytes_received += sum(len(f.buffer) for f in frames)
+            self.handle(frames[0].bytes, frames[1:])
+            self._send_finished()  # keep results flowing while a burst of requests arrives
+
+    def _log_handshake_failures(self) -> None:
+        while self.monitor.poll(0):
+            try:
+                event, _ = read_event(self.monitor)
+            except zmq.ZMQError:
+                return
+            if event in AUTH_FAILED_EVENTS:
+                self.rejected += 1
+                log.warning("refused a connection that failed the CURVE handshake (no or wrong token)")
+
+    def close(self) -> None:
+        self._release()
+        self._drop_uploads()
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.auth.stop()
+        self.zctx.term()
+
+    # -- dispatch
+    def handle(self, ident: bytes, frames: list) -> None:
+        try:
+            msg = wire.parse_frames(frames, max_bytes=self.max_msg_bytes)
+        except wire.WireError as e:
+            self._refuse(ident, "malformed", str(e))
+            return
+        try:
+            if isinstance(msg, (wire.Forward, wire.KvApply, wire.Reset)):
+                self._data(ident, msg)
+            else:
+                self._control(ident, msg)
+        except NotOwnerError as e:
+            self._refuse(ident, "busy", str(e), getattr(msg, "txn", 0))
+        except PotluckError as e:
+            self._refuse(ident, "refused", str(e), getattr(msg, "txn", 0))
+        except Exception as e:  # a bug must not take the worker down
+            log.exception("error while serving %s", type(msg).__name__)
+            self._refuse(ident, "internal", f"{type(e).__name__}: {e}", getattr(msg, "txn", 0))
+
+    def _refuse(self, ident: bytes, code: str, why: str, txn: int = 0) -> None:
+        self.rejected += 1
+        log.warning("refused a message from %r: %s", ident[:24], why)
+        self._send(ident, wire.Error(node=self.node, code=code, message=why, txn=txn))
+
+    def _send(self, ident: bytes, msg: wire.WireMessage) -> bool:
+        """Queue a reply without ever waiting: a peer that is gone or does not read its
+        replies loses this one (counted), everyone else is served meanwhile."""
+        try:
+            self.sock.send_multipart([ident, *wire.to_frames(msg)], copy=False)
+            return True
+        except zmq.Again:
+            self.dropped_replies += 1
+            if self.dropped_replies % 1000 == 1:  # a flood must not become a flood of log lines
+                log.warning("dropped a reply to %r: it does not read its replies (%d dropped so far)",
+                            ident[:24], self.dropped_replies)
+        except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY: EHOSTUNREACH)
+            self.unreachable_replies += 1
+            if self.unreachable_replies % 1000 == 1:
+                log.info("could not reply to %r: %s (%d so far)", ident[:24], e, self.unreachable_replies)
+        return False
+
+    def _owner_present(self) -> bool:
+        """Whether the owner's connection is still up (a probe it ignores; rate-limited)."""
+        now = time.monotonic()
+        if now - self._probed_at < PROBE_INTERVAL_S:
+            return True
+        self._probed_at = now
+        try:
+            self.sock.send_multipart([self.owner, *wire.to_frames(wire.Pong(wire.PROBE_NONCE))], copy=False)
+        except zmq.Again:
+            return True  # there, only not reading
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def _control(self, ident: bytes, msg: wire.WireMessage) -> None:
+        if isinstance(msg, wire.Ping):
+            self._send(ident, wire.Pong(msg.nonce))
+            return
+        if isinstance(msg, wire.Status):
+            self._send(ident, self._status())
+            return
+        if isinstance(msg, wire.Hello):
+            self._hello(ident, msg)
+            return
+        if not self.owner and isinstance(msg, (wire.Release, wire.Cancel)):
+            return  # nothing loaded, nothing running: nothing to refuse either
+        if ident != self.owner or not self.owner:
+            who = f"head {self.owner_name}" if self.owner else "no head (send hello first)"
+            raise NotOwnerError(f"{msg.TYPE!r} refused: this worker is serving {who}")
+        if isinstance(msg, wire.Offer):
+            self._send(ident, wire.OfferReply(msg.sha256, self._offer(msg)))
+        elif isinstance(msg, wire.Chunk):
+            self._send(ident, self._chunk(msg))
+        elif isinstance(msg, wire.Load):
+            self._send(ident, self._load(msg))
+        elif isinstance(msg, wire.Release):
+            self._release()
+            self._drop_uploads()
+            self.owner, self.owner_name = b"", ""
+        elif isinstance(msg, wire.Cancel):
+            if self.stage is not None:
+                self.stage.proc.cancel(*msg.run_ids)  # reaches a running batch, not only queued ones
+        else:
+            raise PotluckError(f"a worker does not accept {msg.TYPE!r} messages")
+
+    def _hello(self, ident: bytes, msg: wire.Hello) -> None:
+        if self.stage is not None and ident != self.owner:
+            if self._owner_present():
+                raise NotOwnerError(
+                    f"this worker is serving head {self.owner_name}; it joins another head once "
+                    "that one releases it or goes away"
+                )
+            log.info("head %s went away without releasing; a new head takes over", self.owner_name)
+        self._release()
+        if ident != self.owner:
+            self._drop_uploads()
+        self.owner, self.owner_name = ident, msg.head_id
+        log.info("head %s joined", msg.head_id)
+        p = self.profile
+        welcome = wire.Welcome(
+            p.node_id, self.version, p.cores, free_memory_mb(), p.speed, "idle", self.max_msg_bytes
+        )
+        self._send(ident, welcome)
+
+    # -- slice cache
+    def cached_path(self, sha: str) -> Path:
+        return self.store.path(sha)
+
+    def _drop_uploads(self) -> None:
+        for up in self.uploads.values():
+            up.discard()
+        self.uploads.clear()
+
+    def _offer(self, msg: wire.Offer) -> bool:
+        if self.store.has(msg.sha256):
+            self.store.touch(msg.sha256)
+            return True
+        old = self.uploads.pop(msg.sha256, None)
+        if old is not None:
+            old.discard()
+        while len(self.uploads) >= MAX_UPLOADS:  # a newer offer wins over the oldest one
+            self.uploads.pop(next(iter(self.uploads))).discard()
+        reserved = sum(u.total - u.received for u in self.uploads.values())
+        keep = {self.stage.load.sha256} if self.stage is not None else set()
+        self.store.make_room(msg.size, reserved, keep)
+        part, fd = self.store.begin(msg.sha256)
+        self.uploads[msg.sha256] = _Upload(msg.size, 0, part, fd, hashlib.sha256())
+        return False
+
+    def _chunk(self, msg: wire.Chunk) -> wire.ChunkAck:
+        up = self.uploads.get(msg.sha256)
+        if up is None:
+            raise PotluckError("chunk for a file that was not offered")
+        if msg.total != up.total or msg.offset != up.received:
+            raise PotluckError(f"chunk at {msg.offset} but {up.received} bytes received so far")
+        data = msg.data.tobytes()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(up.fd, view):]
+        up.hasher.update(data)
+        up.received += len(data)
+        done = up.received == up.total
+        if done:
+            del self.uploads[msg.sha256]
+            if up.hasher.hexdigest() != msg.sha256:
+                up.discard()
+                raise PotluckError("received slice does not match its sha256; discarded")
+            self.store.commit(up, msg.sha256)
+            log.info("received slice %s (%d bytes)", msg.sha256[:12], up.total)
+        return wire.ChunkAck(msg.sha256, up.received, done)
+
+    # -- stage
+    def _check_load(self, path: Path, msg: wire.Load) -> None:
+        """Refuse what this machine cannot or should not load, before a process maps it."""
+        try:
+            need_mb, arch = stage_memory_mb(path, msg)
+        except Exception as e:  # a header that does not parse: not a slice we load
+            raise PotluckError(f"slice {msg.sha256[:12]} is not a readable GGUF ({type(e).__name__})") from None
+        if arch not in SPLITTABLE_ARCHS:
+            raise PotluckError(
+                f"architecture {arch!r} is not verified for layer splitting "
+                f"(this worker loads: {', '.join(sorted(SPLITTABLE_ARCHS))})"
+            )
+        free = free_memory_mb()
+        if need_mb > free:
+            raise PotluckError(
+                f"this stage needs about {need_mb:,.0f} MB (n_ctx {msg.n_ctx}, n_batch {msg.n_batch}, "
+                f"{msg.n_seq_max} sequence(s)) but this worker has {free:,} MB free; lower --ctx"
+            )
+
+    def _load(self, msg: wire.Load) -> wire.Loaded:
+        path = self.cached_path(msg.sha256)
+        if not path.exists():
+            raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
+        self._release()
+        self._check_load(path, msg)
+        self.store.touch(msg.sha256)
+        t0 = time.perf_counter()
+        proc, self._spare = self._spare or StageProcess(), None
+        spec = StageSpec(str(path), msg.sha256, msg.first, msg.n_ctx, msg.n_batch,
+                         msg.n_seq_max, msg.kv_unified, self.n_threads)
+        try:
+            info = proc.load(spec, LOAD_TIMEOUT_S)
+        except StageCrashed as e:
+            self.crashes += 1
+            raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
+        except PotluckError as e:
+            if "does not match its sha256" in str(e):
+                path.unlink(missing_ok=True)  # corrupted on disk: the head sends it again
+            raise
+        finally:
+            self._spare = StageProcess()
+        stage = LoadedStage(proc, msg, info)
+        if info.n_layer != msg.layer_hi - msg.layer_lo:
+            stage.close()
+            raise PotluckError("slice layer count does not match the requested range")
+        if not msg.last:
+            fwd = client_socket(self.zctx, self.keys, f"fwd-{self.profile.node_id}".encode())
+            fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
+            try:
+                fwd.connect(msg.next_addr)
+            except zmq.ZMQError as e:
+                fwd.close(linger=0)
+                stage.close()
+                raise PotluckError(f"bad next-stage address {msg.next_addr!r}: {e}") from None
+            self.forward = fwd
+        proc.on_crash = lambda why, p=proc: self._on_crash(p, why)
+        self.stage = stage
+        self.head = msg.reply_to.encode()
+        self.txn = 0
+        load_ms = (time.perf_counter() - t0) * 1000
+        log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
+        return wire.Loaded(info.n_layer, info.n_embd, info.n_vocab, info.n_ctx, load_ms)
+
+    def _on_crash(self, proc: StageProcess, why: str) -> None:
+        """Reader thread: the stage process died; the socket thread frees the stage."""
+        self._crashed.put((proc, why))
+        self._wake()
+
+    def _release(self) -> None:
+        if self.stage is not None:
+            self.stage.proc.on_crash = None
+            self.stage.close()  # ends its process: nothing more reaches the queue
+            self.stage = None
+            log.info("stage released; waiting for a head")
+        self._drain_finished()
+        if self.forward is not None:
+            self.forward.close(linger=0)
+            self.forward = None
+        self.head = b""
+        self.txn = 0
+
+    def _status(self) -> wire.StatusReply:
+        ld = self.stage
+        if ld is None:
+            return wire.StatusReply("idle", "0" * 64, 0, 0, self.txn, 0, 0, 0, -1, 0.0, np.zeros(0, dtype="<i4"))
+        st = ld.proc.status()
+        return wire.StatusReply(
+            "loaded", ld.load.sha256, ld.load.layer_lo, ld.load.layer_hi, self.txn,
+            st.finished, st.aborted, st.skipped, st.running, st.busy_s * 1e3, np.array(st.positions, dtype="<i4"),
+        )
+
+    # -- data path: this thread checks order, the stage process checks and computes
+    def _data(self, ident: bytes, msg: wire.Forward | wire.KvApply | wire.Reset) -> None:
+        ld = self.stage
+        if ld is None:
+            raise PotluckError("no stage is loaded")
+        if ident != ld.load.upstream.encode():
+            raise PotluckError("pipeline traffic from a peer that is not this stage's upstream")
+        if msg.txn != self.txn + 1:
+            raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
+        self.txn = msg.txn  # in order: consumed whatever happens next, so later stages see it too
+        if isinstance(msg, wire.Reset):
+            fut = ld.proc.submit("reset")
+        elif isinstance(msg, wire.KvApply):
+            fut = ld.proc.submit("kv", msg.kv_op())
+        elif msg.skip:  # cancelled or refused upstream: skipped here too, in its place
+            fut = ld.proc.submit("skip", msg.run_id)
+        else:
+            fut = ld.proc.submit("job", msg.job())  # checked by the stage, in its place in the order
+        fut.add_done_callback(lambda f, m=msg: self._finished(ld, m, f))
+
+    def _finished(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
+        """Stage reader thread: hand the outcome to the socket thread."""
+        self._done.put((ld, msg, fut))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closing
+            pass
+
+    def _drain_finished(self) -> None:
+        while True:
+            try:
+                self._done.get_nowait()
+            except queue.Empty:
+                break
+
+    def _send_finished(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                ld, msg, fut = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if ld is not self.stage:
+                continue  # released meanwhile
+            try:
+                self._pass_on(ld, msg, fut)
+            except PotluckError as e:
+                log.warning("%s", e)
+                self._send(self.head, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
+        while True:
+            try:
+                proc, why = self._crashed.get_nowait()
+            except queue.Empty:
+                return
+            if self.stage is None or self.stage.proc is not proc:
+                continue
+            self.crashes += 1
+            ld = self.stage
+            log.error("layers %d-%d: %s", ld.load.layer_lo, ld.load.layer_hi, why)
+            self._send(self.head, wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
+                                             f"{ld.load.layer_hi}: {why}", 0))
+            self._release()  # the head keeps its session: it may load again
+
+    def _pass_on(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
+        """Send a finished transaction on: the last worker's hidden states to the head,
+        everything else downstream."""
+        err = fut.exception()
+        if isinstance(msg, wire.Forward):
+            if err is not None and not isinstance(err, RunCancelled):
+                log.warning("batch of transaction %d refused or failed: %s", msg.txn, err)
+                self.rejected += 1
+                self._send(self.head, wire.Error(self.node, "failed", f"{err}", msg.txn))
+            out = None if err is not None else fut.result()
+            hidden = out.astype(np.float16) if out is not None and ld.load.hidden_dtype == "f16" else out
+            if ld.load.last:
+                rows = hidden if hidden is not None else np.zeros((0, 1), dtype=np.float32)
+                self._send(self.head, wire.Result(msg.txn, msg.run_id, hidden is None, rows))
+                return
+            if hidden is None:
+                self._forward(wire.to_frames(msg.skipped() if not msg.skip else msg))
+                return
+            self._forward(wire.to_frames(wire.Forward.from_job(msg.txn, msg.job(), hidden)))
+            return
+        if err is not None:  # a KV operation refused or lost: the head must know
+            self.rejected += 1
+            self._send(self.head, wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
+        if self.forward is not None:
+            self._forward(wire.to_frames(msg))
+
+    def _forward(self, frames: list) -> None:
+        assert self.forward is not None
+        try:
+            self.forward.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise PotluckError(f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable") from None

@@ -1,0 +1,165 @@
+"""Runs one :class:`~potluck.engine.core.stage.Stage`'s work on a thread of its own.
+
+Jobs and KV operations run strictly in submission order (the order that keeps every stage's
+KV cache identical to plain decoding's). The submitting thread is free meanwhile: a strategy
+drafts while the target verifies, a worker reads its socket while a batch computes.
+
+Cancelling a run skips its queued jobs and aborts its running one mid-compute through the
+context's abort flag (llama.cpp then removes the batch's cells itself). Counters say which
+happened, so tests prove the path ran instead of guessing from timings.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from .jobs import DecodeJob, RunCancelled
+from .kv import KvOp
+from .stage import Stage
+
+log = logging.getLogger(__name__)
+
+CANCELLED_KEPT = 4096  # run ids remembered as cancelled (runs are short-lived)
+
+# What the queue holds: a batch, a KV operation, or a call on the stage in its place in the
+# order (clearing the cache for a new conversation, reading positions once earlier work ran).
+WorkItem = DecodeJob | KvOp | Callable[[Stage], object]
+
+
+@dataclass
+class RunnerCounters:
+    finished: int = 0  # jobs computed to the end
+    aborted: int = 0  # jobs stopped mid-compute by a cancel
+    skipped: int = 0  # jobs of a cancelled run never started
+    kv_ops: int = 0
+    busy_s: float = 0.0  # time spent computing jobs (aborted ones included): stage utilisation
+
+
+class StageRunner:
+    """FIFO of jobs and KV operations for one stage, with cancellation by run id."""
+
+    def __init__(self, stage: Stage, name: str = "stage") -> None:
+        self.stage = stage
+        self.counters = RunnerCounters()
+        self._queue: collections.deque[tuple[WorkItem, Future]] = collections.deque()
+        self._cond = threading.Condition()
+        self._cancelled: set[int] = set()
+        self._cancel_order: collections.deque[int] = collections.deque()
+        self._running: int | None = None  # run id of the job computing now
+        # last position per sequence after the latest item, read by other threads (a status
+        # request must not read llama.cpp's KV metadata while a batch is writing it)
+        self.positions: list[int] = stage.pos_max()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name=f"potluck-{name}", daemon=True)
+        self._thread.start()
+
+    # -- any thread
+    def submit(self, item: WorkItem) -> Future:
+        """Queue a job (its future gives the stage's output array), a KV operation or a call."""
+        fut: Future = Future()
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("runner is closed")
+            self._queue.append((item, fut))
+            self._cond.notify()
+        return fut
+
+    def cancel(self, run_id: int, *more: int) -> None:
+        """Skip the runs' queued jobs and abort the running one. Several runs are cancelled
+        in one step: after an abort frees a run's cells, the next job must not start unless
+        it is known to be cancelled too (its positions would no longer follow the cache's)."""
+        runs = (run_id, *more)
+        with self._cond:
+            for rid in runs:
+                if rid not in self._cancelled:
+                    self._cancelled.add(rid)
+                    self._cancel_order.append(rid)
+                    if len(self._cancel_order) > CANCELLED_KEPT:
+                        self._cancelled.discard(self._cancel_order.popleft())
+            if self._running in runs:
+                self.stage.ctx.request_abort()
+
+    @property
+    def running_run(self) -> int | None:
+        return self._running
+
+    def close(self) -> None:
+        """Stop after the running item; queued work is dropped. The stage stays open."""
+        with self._cond:
+            self._closing = True
+            if self._running is not None:
+                self.stage.ctx.request_abort()
+            self._cond.notify()
+        self._thread.join()
+        for _, fut in self._queue:
+            fut.cancel()
+        self._queue.clear()
+
+    # -- runner thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                item, fut = self._queue.popleft()
+                # a job with no rows is a placeholder that only keeps its place in the order
+                skip = isinstance(item, DecodeJob) and (item.run_id in self._cancelled or item.n_tokens == 0)
+                if isinstance(item, DecodeJob) and not skip:
+                    self._running = item.run_id
+                    self.stage.ctx.clear_abort()
+            if isinstance(item, DecodeJob):
+                self._run_job(item, fut, skip)
+            else:
+                self._run_other(item, fut)
+
+    def _run_job(self, job: DecodeJob, fut: Future, skip: bool) -> None:
+        if skip:
+            self.counters.skipped += 1
+            fut.set_exception(RunCancelled(f"run {job.run_id} was cancelled"))
+            return
+        outcome: np.ndarray | BaseException
+        t0 = time.perf_counter()
+        try:
+            outcome = self.stage.compute(job)
+            self.counters.finished += 1
+        except InterruptedError:
+            self.counters.aborted += 1
+            outcome = RunCancelled(f"run {job.run_id} was cancelled mid-compute")
+        except BaseException as e:  # delivered to whoever waits for it
+            outcome = e
+        self.counters.busy_s += time.perf_counter() - t0
+        with self._cond:
+            self._running = None
+        self._resolve(fut, outcome)
+
+    def _run_other(self, item: KvOp | Callable[[Stage], object], fut: Future) -> None:
+        outcome: object
+        try:
+            if isinstance(item, KvOp):
+                self.stage.apply_kv(item)
+                self.counters.kv_ops += 1
+                outcome = None
+            else:
+                outcome = item(self.stage)
+        except BaseException as e:
+            log.error("%s failed: %s", item, e)
+            outcome = e
+        self._resolve(fut, outcome)
+
+    def _resolve(self, fut: Future, outcome: object) -> None:
+        """Publish the positions first: whoever the result wakes may ask for them."""
+        self.positions = self.stage.pos_max()
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)

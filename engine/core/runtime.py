@@ -1,0 +1,750 @@
+"""The only module that imports ``llama_cpp``: typed, closeable wrappers over its C API.
+
+Objects here do what they are told and never decide anything: :class:`Model` (weights and
+vocabulary), :class:`Context` (a KV cache plus batch runs, logits, KV operations, an abort
+flag and capture of one named intermediate tensor) and :class:`Batch` (token ids or
+embeddings with explicit positions, sequence ids and output flags).
+
+Facts this module relies on (docs/facts.md):
+- CPUs with AMX crash inside ``llama_decode`` when llama.cpp uses its AMX "extra buffer
+  type"; extra buffer types are therefore off by default on such CPUs (§1).
+- Flash attention on makes a k-token batch (k <= 48) compute each position exactly like k
+  single-token steps, which is what lets speculative decoding be bit-exact (§3).
+- With per-sequence KV streams, a ranged ``seq_cp`` across streams aborts the process
+  inside llama.cpp; :meth:`Context.apply_kv` refuses it for every caller (§4).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# llama.cpp's CPU threads (an OpenMP team in this build) meet at a barrier after every graph
+# op, and libgomp's default lets a waiting thread spin a while before it sleeps. Measured on
+# this 2-core VM (docs/facts.md §6): spinning (the default) 120-131 tok/s idle and 35-40 with
+# another process spinning one core; OMP_WAIT_POLICY=PASSIVE 43-45 idle and 54-56 loaded. The
+# idle case is the common one, so libgomp's default stays; a user on a busy machine can set
+# OMP_WAIT_POLICY=PASSIVE (README "Busy machines"). libgomp reads it when llama_cpp loads.
+import llama_cpp as ll
+import numpy as np
+
+from .errors import DecodeError, ModelError
+from .kv import KvOp
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# --------------------------------------------------------------------------- backend / logs
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_last_error_lines: list[str] = []
+
+
+@ll.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    msg = text.decode("utf-8", errors="replace").rstrip()
+    if not msg:
+        return
+    if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+        _last_error_lines.append(msg)
+        del _last_error_lines[:-16]
+    log.debug("llama.cpp: %s", msg)
+
+
+def init_backend() -> None:
+    """Initialise llama.cpp once per process and route its logs to :mod:`logging`."""
+    global _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+        ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+def last_llama_error() -> str:
+    """The most telling error llama.cpp logged since the last clear, without function prefixes."""
+    lines = [ln.split("error loading model:", 1)[-1].strip() for ln in _last_error_lines]
+    specific = [ln for ln in lines if "failed to load model" not in ln]
+    line = (specific or lines or [""])[0]
+    return line.split(": ", 1)[1] if ": " in line and " " not in line.split(": ", 1)[0] else line
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag.startswith("amx") for flag in line.split())
+    except OSError:
+        pass
+    return False
+
+
+def default_extra_bufts() -> bool:
+    """Extra buffer types (repacking, AMX) unless the CPU has AMX; ``POTLUCK_EXTRA_BUFTS`` overrides."""
+    env = os.environ.get("POTLUCK_EXTRA_BUFTS")
+    if env is not None and env != "":
+        return env.lower() in ("1", "true", "yes", "on")
+    return not cpu_has_amx()
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail early, in one line, on the common ways a model path is wrong."""
+    if not path.exists():
+        raise ModelError(f"model file not found: {path} (pass an existing .gguf with -m)")
+    if path.is_dir():
+        raise ModelError(f"model path is a directory: {path} (pass a .gguf file with -m)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF model file: {path} (potluck loads llama.cpp GGUF files)")
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Model:
+    """Weights and vocabulary of one GGUF file."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        use_extra_bufts: bool | None = None,
+        use_mmap: bool = True,
+        vocab_only: bool = False,
+    ) -> None:
+        """``vocab_only``: tokenizer, chat template and metadata without mapping any weight
+        (a cluster head never computes a layer of the target)."""
+        init_backend()
+        self.path = Path(path)
+        check_gguf_file(self.path)
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_mmap = use_mmap
+        params.vocab_only = vocab_only
+        self.vocab_only = vocab_only
+        params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
+        _last_error_lines.clear()
+        self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path), params)
+        if not self._ptr:
+            why = last_llama_error() or "unknown reason"
+            raise ModelError(
+                f"could not load model {self.path}: the file is truncated or corrupt "
+                f"(llama.cpp: {why})"
+            )
+        self._vocab = ll.llama_model_get_vocab(self._ptr)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
+        self.n_embd: int = ll.llama_model_n_embd(self._ptr)
+        self.n_layer: int = ll.llama_model_n_layer(self._ptr)
+        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self._ptr)
+        self.arch: str = self.meta("general.architecture") or "unknown"
+        self.name: str = self.meta("general.name") or self.path.stem
+        self.bos: int = ll.llama_vocab_bos(self._vocab)
+        self.eos: int = ll.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self._vocab))
+        tmpl = ll.llama_model_chat_template(self._ptr, None)
+        self.chat_template: str | None = tmpl.decode("utf-8") if tmpl else None
+        self._piece_cache: dict[int, bytes] = {}
+        self._piece_cache_special: dict[int, bytes] = {}
+
+    # -- lifetime
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            ll.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; owners close explicitly
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def ptr(self) -> ctypes.c_void_p:
+        if not self._ptr:
+            raise RuntimeError("model is closed")
+        return self._ptr
+
+    # -- metadata
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        return buf.value.decode("utf-8", errors="replace")
+
+    def size_bytes(self) -> int:
+        return int(ll.llama_model_size(self.ptr))
+
+    def n_params(self) -> int:
+        return int(ll.llama_model_n_params(self.ptr))
+
+    # -- vocabulary
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        cache = self._piece_cache_special if special else self._piece_cache
+        piece = cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            piece = buf.raw[:n]
+            cache[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
+            "utf-8", errors="replace"
+        )
+
+    def vocab_signature(self) -> tuple[int, int, int]:
+        """Cheap fingerprint used to refuse a draft whose vocabulary differs from the target's."""
+        return (self.n_vocab, self.bos, self.eos)
+
+
+# --------------------------------------------------------------------------- batch
+
+
+class Batch:
+    """A ``llama_batch`` of token ids (``n_embd == 0``) or of embeddings (hidden states)."""
+
+    def __init__(self, capacity: int, *, n_embd: int = 0, n_seq_max: int = 1) -> None:
+        self.capacity = capacity
+        self.n_embd = n_embd
+        self.n_seq_max = n_seq_max
+        self._b = ll.llama_batch_init(capacity, n_embd, n_seq_max)
+        self.n_tokens = 0
+
+    def close(self) -> None:
+        if getattr(self, "_b", None) is not None:
+            ll.llama_batch_free(self._b)
+            self._b = None
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def raw(self) -> ll.llama_batch:
+        return self._b
+
+    def set_tokens(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seq_ids: Sequence[Sequence[int]] | int = 0,
+        outputs: Sequence[bool] | str = "last",
+    ) -> None:
+        n = len(tokens)
+        if n > self.capacity or self.n_embd:
+            raise ValueError(f"batch holds {self.capacity} token ids, got {n}")
+        b = self._b
+        for i in range(n):
+            b.token[i] = tokens[i]
+        self._fill_common(n, positions, seq_ids, outputs)
+
+    def set_embeddings(
+        self,
+        embd: np.ndarray,  # [n_tokens, n_embd] float32
+        positions: Sequence[int],
+        seq_ids: Sequence[Sequence[int]] | int = 0,
+        outputs: Sequence[bool] | str = "last",
+    ) -> None:
+        embd = np.ascontiguousarray(embd, dtype=np.float32)
+        n = embd.shape[0]
+        if not self.n_embd or embd.shape[1] != self.n_embd or n > self.capacity:
+            raise ValueError(f"embeddings of shape {embd.shape} do not fit this batch")
+        ctypes.memmove(self._b.embd, embd.ctypes.data, embd.nbytes)
+        self._fill_common(n, positions, seq_ids, outputs)
+
+    def _fill_common(
+        self,
+        n: int,
+        positions: Sequence[int],
+        seq_ids: Sequence[Sequence[int]] | int,
+        outputs: Sequence[bool] | str,
+    ) -> None:
+        b = self._b
+        for i in range(n):
+            b.pos[i] = positions[i]
+            ids = (seq_ids,) if isinstance(seq_ids, int) else seq_ids[i]
+            b.n_seq_id[i] = len(ids)
+            for j, s in enumerate(ids):
+                b.seq_id[i][j] = s
+            if outputs == "all":
+                b.logits[i] = True
+            elif outputs == "last":
+                b.logits[i] = i == n - 1
+            elif outputs == "none":
+                b.logits[i] = False
+            else:
+                b.logits[i] = bool(outputs[i])  # type: ignore[index]
+        b.n_tokens = n
+        self.n_tokens = n
+
+
+# --------------------------------------------------------------------------- ggml helpers for capture
+
+
+def _ggml_base() -> ctypes.CDLL:
+    libdir = Path(ll.__file__).resolve().parent / "lib"
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        p = libdir / name
+        if p.exists():
+            lib = ctypes.CDLL(str(p))
+            lib.ggml_get_name.restype = ctypes.c_char_p
+            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+            lib.ggml_nbytes.restype = ctypes.c_size_t
+            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_tensor_get.restype = None
+            lib.ggml_backend_tensor_get.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+            ]
+            return lib
+    raise RuntimeError(f"libggml-base not found in {libdir}")
+
+
+_ggml_lib: ctypes.CDLL | None = None
+
+
+def ggml() -> ctypes.CDLL:
+    global _ggml_lib
+    if _ggml_lib is None:
+        _ggml_lib = _ggml_base()
+    return _ggml_lib
+
+
+# --------------------------------------------------------------------------- native observer
+
+_observer_lock = threading.Lock()
+_observer_cfunc = None
+NAME_WORDS = 8  # a graph tensor name: GGML_MAX_NAME = 64 bytes = 8 int64 words
+
+
+def native_observer() -> int:
+    """Address of a ``cb_eval`` callback compiled by numba that copies the named tensors
+    without entering Python: llama.cpp asks about every graph node (~900 per step of a
+    30-layer model), and a Python callback costs ~1 µs each plus the GIL.
+
+    ``user_data`` points to an int64 control block (:class:`ObservedBuffers`): its names,
+    then per name the bytes written by the last run (-1: did not fit), the byte offset of its
+    data region and the region's size. Compiled once per process (about a second; not cached
+    on disk because the ggml function addresses are baked into the code)."""
+    global _observer_cfunc
+    with _observer_lock:
+        if _observer_cfunc is None:
+            _observer_cfunc = _compile_observer()
+        return int(_observer_cfunc.address)
+
+
+def _compile_observer():  # -> numba CFunc
+    from numba import carray, cfunc, types
+
+    # Own function objects with integer-typed pointers, so that numba can do address math.
+    lib = ctypes.CDLL(ggml()._name)
+    get_name = lib.ggml_get_name
+    get_name.argtypes, get_name.restype = [ctypes.c_void_p], ctypes.c_size_t
+    nbytes = lib.ggml_nbytes
+    nbytes.argtypes, nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+    tensor_get = lib.ggml_backend_tensor_get
+    tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+    tensor_get.restype = None
+    strncmp = ctypes.CDLL(None).strncmp
+    strncmp.argtypes, strncmp.restype = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
+    words = NAME_WORDS
+
+    @cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr))
+    def observe(tensor, ask, user_data):  # type: ignore[no-untyped-def]
+        head = carray(user_data, (2,), np.int64)
+        n = head[0]
+        ctl = carray(user_data, (head[1],), np.int64)
+        base = np.uint64(ctl.ctypes.data)
+        written_at = 2 + words * n
+        name = np.uint64(get_name(tensor))
+        for i in range(n):
+            if strncmp(name, base + np.uint64((2 + words * i) * 8), np.uint64(words * 8)) == 0:
+                if ask:
+                    return True
+                size = np.int64(nbytes(tensor))
+                if size <= ctl[written_at + 2 * n + i]:
+                    tensor_get(tensor, base + np.uint64(ctl[written_at + n + i]), np.uint64(0), np.uint64(size))
+                    ctl[written_at + i] = size
+                else:
+                    ctl[written_at + i] = -1
+                return True
+        return not ask
+
+    return observe
+
+
+class ObservedBuffers:
+    """The control block and data regions :func:`native_observer` writes into."""
+
+    def __init__(self, names: Sequence[str], region_bytes: int) -> None:
+        n = len(names)
+        self.names = list(names)
+        region_words = -(-region_bytes // 8)
+        self._written_at = 2 + NAME_WORDS * n
+        data_at = self._written_at + 3 * n
+        self.ctl = np.zeros(data_at + n * region_words, dtype=np.int64)
+        self.ctl[0], self.ctl[1] = n, len(self.ctl)
+        raw = self.ctl.view(np.uint8)
+        for i, name in enumerate(names):
+            encoded = name.encode()
+            if len(encoded) >= NAME_WORDS * 8:
+                raise ValueError(f"tensor name too long to observe: {name}")
+            at = (2 + NAME_WORDS * i) * 8
+            raw[at : at + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+            self.ctl[self._written_at + n + i] = (data_at + i * region_words) * 8  # byte offset
+            self.ctl[self._written_at + 2 * n + i] = region_words * 8  # bytes
+        self._raw = raw
+
+    @property
+    def address(self) -> int:
+        return int(self.ctl.ctypes.data)
+
+    def clear(self) -> None:
+        n = len(self.names)
+        self.ctl[self._written_at : self._written_at + n] = 0
+
+    def rows(self, n_rows: int) -> dict[str, np.ndarray]:
+        """Each name's rows of the last run, [n_rows, width] float32 (copies)."""
+        n, out = len(self.names), {}
+        for i, name in enumerate(self.names):
+            size = int(self.ctl[self._written_at + i])
+            if size < 0:
+                raise DecodeError(f"tensor {name} is larger than its observation buffer")
+            if size == 0:
+                continue
+            at = int(self.ctl[self._written_at + n + i])
+            out[name] = self._raw[at : at + size].view(np.float32).reshape(n_rows, -1).copy()
+        return out
+
+
+# --------------------------------------------------------------------------- context
+
+
+GGML_TYPE_F16 = 1
+GGML_TYPE_BF16 = 30
+
+
+def _libc_strlen_address() -> int:
+    libc = ctypes.CDLL(None)
+    return ctypes.cast(libc.strlen, ctypes.c_void_p).value or 0
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx: int = 4096  # tokens per sequence (with per-sequence KV streams, each gets this many)
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 0  # 0: all usable cores
+    flash_attn: bool = True
+    # False: one KV stream per sequence, so work in a side sequence never changes the numbers
+    # of sequence 0 (docs/facts.md §4); True: one shared cache, cheap metadata-only seq_cp.
+    kv_unified: bool = True
+    capture_layer: int | None = None  # capture "l_out-N" (hidden states after layer N)
+    # graph tensors to copy out of every run without stopping the graph, e.g. ("Qcur-12",
+    # "Kcur-12"): the attention query and RoPE'd key rows of layer 12 (TriForce's chunk
+    # scores). Observing splits the graph at those nodes only; each op computes as before.
+    observe: tuple[str, ...] = ()
+    # KV cache type. BF16, not llama.cpp's F16 default: with an F16/F32 cache and >1 thread,
+    # a single-token decode over >= 512 KV cells takes a split-KV flash-attention path whose
+    # reduction order differs from a multi-token batch (max |logit diff| ~1.0, flips greedy
+    # tokens), which would break lossless speculation past ~256 tokens of context. BF16 never
+    # takes that path (docs/facts.md §3) and decodes as fast or faster.
+    kv_type: int = GGML_TYPE_BF16
+    # Threads for 1-token batches (0: n_threads). With an F16 cache, 1 makes single steps
+    # compute like verify batches (no split-KV path, docs/facts.md §3) while prompts and
+    # batches keep every thread and F16's tiled prefill (the "f16" KV setting, loader.py).
+    single_step_threads: int = 0
+
+
+class Context:
+    """One KV cache over a :class:`Model`, with batch runs, logits and KV operations.
+
+    Not thread-safe: one thread runs batches; any thread may call :meth:`request_abort`.
+    """
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams()) -> None:
+        if model.vocab_only:
+            raise ModelError(f"{model.path} was loaded without weights (vocabulary only)")
+        self.model = model
+        self.params = params
+        cp = ll.llama_context_default_params()
+        streams = 1 if params.kv_unified else max(1, params.n_seq_max)
+        cp.n_ctx = params.n_ctx * streams  # llama.cpp divides n_ctx among the streams
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_batch
+        cp.n_seq_max = params.n_seq_max
+        threads = params.n_threads or default_threads()
+        cp.n_threads = self._single_step(threads)
+        cp.n_threads_batch = threads
+        cp.flash_attn_type = 1 if params.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
+        cp.kv_unified = params.kv_unified
+        cp.type_k = params.kv_type
+        cp.type_v = params.kv_type
+        cp.no_perf = True
+        # The abort callback is polled by llama.cpp's compute thread at every graph node. A
+        # Python callback would take the GIL hundreds of times per batch and stall whenever
+        # another Python thread runs (the UI, a drafter), so the callback is libc's strlen
+        # over a 2-byte flag buffer: it returns 1 (abort) once byte 0 is set, 0 otherwise,
+        # and never touches Python. (bool and size_t both come back in the return register.)
+        self._abort_flag = ctypes.create_string_buffer(2)
+        self._abort_cb = ll.ggml_abort_callback(_libc_strlen_address())
+        cp.abort_callback = self._abort_cb
+        cp.abort_callback_data = ctypes.cast(self._abort_flag, ctypes.c_void_p)
+        self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a run
+        # observed tensor name -> its rows of the last run, [n_tokens, width] float32
+        self.observed: dict[str, np.ndarray] = {}
+        self._observe = {name.encode(): name for name in params.observe}
+        self._n_rows = 0  # rows of the batch being run (observed tensors are [n_rows, width])
+        self._capture_name: bytes | None = None
+        self._eval_cb = None
+        self._native: ObservedBuffers | None = None
+        if params.capture_layer is not None:
+            self._capture_name = f"l_out-{params.capture_layer}".encode()
+        if params.capture_layer is None and self._observe:
+            # rows of a batch: at most n_batch, each at most 4 * n_embd floats wide
+            self._native = ObservedBuffers(params.observe, params.n_batch * 16 * model.n_embd)
+            self._eval_cb = ll.ggml_backend_sched_eval_callback(native_observer())
+            cp.cb_eval = self._eval_cb
+            cp.cb_eval_user_data = ctypes.c_void_p(self._native.address)
+        elif params.capture_layer is not None or self._observe:
+            self._eval_cb = ll.ggml_backend_sched_eval_callback(self._eval_trampoline)
+            cp.cb_eval = self._eval_cb
+            cp.cb_eval_user_data = None
+            ggml()  # load early: fail at construction, not mid-decode
+        self._ptr = ll.llama_init_from_model(model.ptr, cp)
+        if not self._ptr:
+            raise ModelError(
+                f"could not create a llama.cpp context for {model.path} with n_ctx={params.n_ctx} "
+                f"({last_llama_error() or 'out of memory?'})"
+            )
+        # reaches the CPU backend's thread pool too
+        ll.llama_set_abort_callback(self._ptr, self._abort_cb, ctypes.cast(self._abort_flag, ctypes.c_void_p))
+        self._mem = ll.llama_get_memory(self._ptr)
+        self.n_ctx: int = ll.llama_n_ctx_seq(self._ptr)  # per sequence
+        # llama.cpp clamps n_batch to the context it was asked for and aborts the process on a
+        # longer batch (GGML_ASSERT in llama_decode), so the real value is what run_batch allows.
+        self.n_batch: int = ll.llama_n_batch(self._ptr)
+        self.n_vocab = model.n_vocab
+        self._batch = Batch(self.n_batch, n_seq_max=max(1, params.n_seq_max))
+
+    # -- lifetime
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            self._batch.close()
+            self._batch = None  # type: ignore[assignment]
+        if getattr(self, "_ptr", None):
+            ll.llama_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- abort
+    def request_abort(self) -> None:
+        """Make the running (or next) batch stop at llama.cpp's next poll; any thread."""
+        self._abort_flag[0] = b"\x01"
+
+    def clear_abort(self) -> None:
+        self._abort_flag[0] = b"\x00"
+
+    def _eval_trampoline(self, tensor: ctypes.c_void_p, ask: bool, _data: ctypes.c_void_p) -> bool:
+        try:
+            lib = ggml()
+            name = lib.ggml_get_name(tensor)
+            if ask:
+                return name == self._capture_name or name in self._observe
+            observed = self._observe.get(name)
+            if observed is not None:
+                # A name can label several nodes (Kcur before and after RoPE): graph order
+                # makes the last one win, which is the tensor the KV cache stores.
+                nbytes = lib.ggml_nbytes(tensor)
+                rows = np.empty(nbytes // 4, dtype=np.float32)
+                lib.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, nbytes)
+                self.observed[observed] = rows.reshape(self._n_rows, -1)
+                return True
+            if name != self._capture_name:
+                return True
+            nbytes = lib.ggml_nbytes(tensor)
+            n_embd = self.model.n_embd
+            out = np.empty(nbytes // 4, dtype=np.float32)
+            lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, nbytes)
+            self.captured = out.reshape(-1, n_embd)
+            return False  # skip the rest of this graph split (the LM head): its logits are unused
+        except Exception:  # never raise through C
+            log.exception("capture callback failed")
+            return True
+
+    # -- running batches (llama_decode)
+    def run_batch(self, batch: Batch) -> None:
+        """Run one batch; raises :class:`DecodeError` on failure, ``InterruptedError`` on abort
+        (llama.cpp has then removed the batch's cells from every sequence it touched)."""
+        if batch.n_tokens > self.n_batch:
+            raise DecodeError(f"a batch of {batch.n_tokens} tokens exceeds this context's n_batch {self.n_batch}")
+        self.captured = None
+        self.observed = {}
+        self._n_rows = batch.n_tokens
+        if self._native is not None:
+            self._native.clear()
+        rc = ll.llama_decode(self._ptr, batch.raw)
+        if self._native is not None and rc in (0, -3):
+            self.observed = self._native.rows(batch.n_tokens)
+        if rc == 2:
+            raise InterruptedError("decode aborted")
+        if rc != 0 and not (rc == -3 and self._capture_name is not None):
+            raise DecodeError(f"llama_decode failed with code {rc} ({last_llama_error() or 'no detail'})")
+        if self._capture_name is not None and self.captured is None:
+            raise DecodeError(f"no tensor named {self._capture_name.decode()} was computed")
+        missing = set(self._observe.values()) - set(self.observed)
+        if missing:
+            raise DecodeError(f"no tensor named {sorted(missing)[0]} was computed")
+
+    def run_tokens(
+        self,
+        tokens: Sequence[int],
+        pos0: int,
+        *,
+        seq_id: int = 0,
+        outputs: Sequence[bool] | str = "last",
+    ) -> None:
+        """Run ``tokens`` at positions ``pos0...`` of one sequence (one batch, <= n_batch)."""
+        n = len(tokens)
+        self._batch.set_tokens(tokens, range(pos0, pos0 + n), seq_id, outputs)
+        self.run_batch(self._batch)
+
+    def logits_row(self, i: int) -> np.ndarray:
+        """Logits of batch row ``i`` (-1: last output) as a float32 view [vocab] (valid until next run)."""
+        ptr = ll.llama_get_logits_ith(self._ptr, i)
+        if not ptr:
+            raise DecodeError(f"no logits for batch row {i} (was it marked as an output?)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """Logits of the last run's ``n_rows`` output rows in batch order: float32 view [n_rows, vocab]."""
+        ptr = ll.llama_get_logits(self._ptr)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    # -- KV operations (positions: p0 inclusive, p1 exclusive, -1 = open end)
+    def check_kv(self, op: KvOp) -> None:
+        """Raise ``ValueError`` for an operation llama.cpp would reject or abort the process on."""
+        n_seq = max(1, self.params.n_seq_max)
+        if not 0 <= op.seq < n_seq or (op.op == "cp" and not 0 <= op.dst < n_seq):
+            raise ValueError(f"sequence id outside 0..{n_seq - 1}: {op}")
+        if op.op == "cp" and self._ranged_cross_stream(op.seq, op.dst, op.p0, op.p1):
+            raise ValueError(
+                f"seq_cp {op.seq}->{op.dst} [{op.p0}, {op.p1}) across KV streams: only whole "
+                "sequences (p0 = p1 = -1) can be copied"
+            )
+
+    def apply_kv(self, op: KvOp) -> None:
+        """Apply a :class:`~potluck.engine.core.kv.KvOp` after :meth:`check_kv`."""
+        self.check_kv(op)
+        if op.op == "rm":
+            self.seq_rm(op.seq, op.p0, op.p1)
+        elif op.op == "cp":
+            self.seq_cp(op.seq, op.dst, op.p0, op.p1)
+        elif op.op == "keep":
+            self.seq_keep(op.seq)
+        else:
+            self.seq_add(op.seq, op.p0, op.p1, op.delta)
+
+    def _ranged_cross_stream(self, src: int, dst: int, p0: int, p1: int) -> bool:
+        return not self.params.kv_unified and src != dst and (p0 > 0 or p1 >= 0)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(ll.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy ``src`` [p0, p1) into ``dst``. Across KV streams (``kv_unified=False``) only
+        whole sequences can be copied and ``dst`` is replaced: llama.cpp aborts the whole
+        process on a ranged copy (GGML_ASSERT in llama_kv_cache::seq_cp), so it is refused."""
+        if self._ranged_cross_stream(src, dst, p0, p1):
+            raise ValueError(
+                f"seq_cp {src}->{dst} [{p0}, {p1}) across KV streams: only whole sequences "
+                "(p0 = p1 = -1) can be copied"
+            )
+        ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        ll.llama_memory_seq_keep(self._mem, seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        ll.llama_memory_seq_add(self._mem, seq_id, p0, p1, delta)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(ll.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self._mem, True)
+
+    def _single_step(self, n_threads: int) -> int:
+        cap = self.params.single_step_threads
+        return min(n_threads, cap) if cap > 0 else n_threads
+
+    def threads(self) -> tuple[int, int]:
+        """(threads for 1-token batches, threads for larger ones)."""
+        return int(ll.llama_n_threads(self._ptr)), int(ll.llama_n_threads_batch(self._ptr))
+
+    def set_threads(self, n_threads: int) -> None:
+        """Threads from the next batch on; 1-token batches stay within ``single_step_threads``."""
+        ll.llama_set_n_threads(self._ptr, self._single_step(n_threads), n_threads)

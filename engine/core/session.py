@@ -1,0 +1,281 @@
+"""A conversation with a model: keeps the KV cache between turns and streams events.
+
+``Session.generate`` renders the conversation with the model's chat template, processes
+only the tokens the KV cache does not hold yet, runs the chosen strategy and yields
+:mod:`.events`, each tagged with the reply's run id. Consumers keep their own counters from
+those events; the session exposes no mutable statistics. No algorithm and no ctypes here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from . import validate as limits
+from .chat import ChatFormat, Message, TextStream
+from .errors import PotluckError
+from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, TokenText
+from .runtime import Model
+from .sampling import GREEDY, Sampler, SamplingParams
+from .strategy import Generation, Strategy
+from .target import Target
+
+log = logging.getLogger(__name__)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """One conversation over one target; not thread-safe except :meth:`cancel`."""
+
+    def __init__(
+        self,
+        model: Model,
+        target: Target,
+        strategy: Strategy,
+        *,
+        system: str | None = None,
+    ) -> None:
+        self.model = model
+        self.target = target
+        self.strategy = strategy
+        bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
+        eos = model.detokenize([model.eos], special=True) if model.eos >= 0 else ""
+        self.format = ChatFormat(model.chat_template, bos_token=bos, eos_token=eos)
+        self._bos_text = bos
+        self.messages: list[Message] = []
+        if system:
+            self.messages.append(Message("system", system))
+        self._cancel = threading.Event()
+        self._reply_ids = itertools.count(1)
+        self.run_id = 0  # the reply running now or last (events carry it)
+        self._prefill_run: int | None = None  # target run of a prompt being processed
+        self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
+        self._covered = ""  # rendered text that self._tokens stand for
+
+    # -- conversation editing
+    @property
+    def system(self) -> str | None:
+        return self.messages[0].content if self.messages and self.messages[0].role == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        if self.system is not None:
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, Message("system", text))
+
+    def load_messages(self, messages: Sequence[Message]) -> None:
+        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
+        self.messages = list(messages)
+
+    def cluster_view(self) -> ClusterView | None:
+        """The chain's stages, layers and traffic in cluster mode (None on one machine)."""
+        return self.target.cluster_view()
+
+    def cancel(self, run_id: int | None = None) -> None:
+        """Stop reply ``run_id`` (None: the running one) after the current step, or mid-batch
+        while its prompt is processed; safe from any thread. A finished reply is left alone."""
+        if run_id is not None and run_id != self.run_id:
+            return
+        self._cancel.set()
+        prefill = self._prefill_run
+        if prefill is not None:
+            self.target.cancel(prefill)
+
+    @property
+    def conversation_tokens(self) -> int:
+        return len(self._tokens)
+
+    # -- generation
+    def generate(
+        self,
+        user: str | None,
+        sampling: SamplingParams = GREEDY,
+        max_tokens: int = 512,
+    ) -> Iterator[Event]:
+        """Add ``user`` (None: answer the conversation as it stands) and stream the reply."""
+        limits.max_tokens(max_tokens)
+        sampling = limits.sampling(sampling)  # any integer seed, mapped onto numpy's range
+        if user is not None:
+            self.messages.append(Message("user", limits.text("the prompt", user)))
+        try:
+            tokens, rendered = self._conversation_tokens()
+            limits.prompt_fits(len(tokens), self.target.n_ctx)
+        except PotluckError:
+            if user is not None:
+                self.messages.pop()
+            raise
+        yield from self._run(tokens, rendered, sampling, max_tokens)
+
+    def regenerate(
+        self, sampling: SamplingParams = GREEDY, max_tokens: int = 512
+    ) -> Iterator[Event]:
+        """Drop the last assistant reply and answer again."""
+        if self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
+        return self.generate(None, sampling, max_tokens)
+
+    def _tokenize(self, text: str, *, at_start: bool) -> list[int]:
+        add_bos = at_start and self.model.add_bos and not (self._bos_text and text.startswith(self._bos_text))
+        toks = self.model.tokenize(text, add_special=False, parse_special=True)
+        return ([self.model.bos] if add_bos else []) + toks
+
+    def _conversation_tokens(self) -> tuple[list[int], str]:
+        rendered = self.format.render(self.messages, add_generation_prompt=True)
+        if self._tokens and rendered.startswith(self._covered):
+            return self._tokens + self._tokenize(rendered[len(self._covered) :], at_start=False), rendered
+        return self._tokenize(rendered, at_start=True), rendered
+
+    def _run(
+        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int
+    ) -> Iterator[Event]:
+        target = self.target
+        self._cancel.clear()
+        run_id = self.run_id = next(self._reply_ids)
+        target.regroup()  # between replies: a cluster may take in workers that joined
+        t_start = time.perf_counter()
+        reused = common_prefix_len(self._tokens[: target.n_past], tokens)
+        reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits
+        target.truncate(reused)
+        # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
+        self._tokens = tokens[:reused]
+        self._covered = ""
+        yield ReplyStarted(run_id, self.strategy.name, len(tokens), len(tokens) - reused, target.n_ctx)
+        yield from target.node_status(run_id)
+        # Esc during a long prompt reaches the running batch through the target's cancel.
+        self._prefill_run = target.new_run()
+        try:
+            if self._cancel.is_set():
+                raise InterruptedError("cancelled before the prompt was processed")
+            first_logits = target.decode(tokens[reused:], run_id=self._prefill_run)[-1].copy()
+        except InterruptedError:
+            target.truncate(reused)
+            self.messages.append(Message("assistant", ""))
+            yield Finished(
+                run_id=run_id, reason="cancelled", text="", tokens=(), prompt_tokens=len(tokens),
+                prefill_tokens=0, ttft_s=0.0, prefill_s=time.perf_counter() - t_start, decode_s=0.0,
+                tokens_per_s=0.0, prefill_tokens_per_s=0.0, strategy=self.strategy.name, n_past=target.n_past,
+            )
+            return
+        except BaseException:
+            target.truncate(reused)
+            raise
+        finally:
+            self._prefill_run = None
+        yield from target.notices(run_id)  # a worker lost and replaced during the prompt
+        self._tokens = list(tokens)
+        self._covered = rendered
+        seeds = np.random.SeedSequence(sampling.seed)
+        g = Generation(
+            run_id=run_id,
+            target=target,
+            sampler=Sampler(sampling, np.random.default_rng(seeds)),
+            seeds=seeds,
+            history=self._tokens,  # shared list: rounds append to it
+            first_logits=first_logits,
+            max_new=max_tokens,
+            is_eog=self.model.is_eog,
+            cancel=self._cancel,
+        )
+        self.strategy.prepare(g)  # e.g. a draft model's own prompt processing (counts as prefill)
+        t_prefill = time.perf_counter()
+
+        out: list[int] = []
+        stream = TextStream()
+        text_parts: list[str] = []
+        reason = "length"
+        drafted = accepted = rounds = 0
+        first_token_at = 0.0
+        try:
+            for rnd in self.strategy.run(g):
+                kept: list[int] = []
+                for tok in rnd.tokens:
+                    if g.n_new >= g.max_new:
+                        break
+                    kept.append(tok)
+                    g.n_new += 1
+                    if self.model.is_eog(tok):
+                        reason = "stop"
+                        break
+                g.history.extend(kept)
+                out.extend(kept)
+                rounds += 1
+                drafted += rnd.drafted
+                accepted += rnd.accepted
+                first_token_at = first_token_at or time.perf_counter()
+                yield from target.notices(run_id)
+                yield RoundStats(
+                    run_id=run_id,
+                    drafted=rnd.drafted,
+                    accepted=rnd.accepted,
+                    emitted=len(kept),
+                    draft_len=rnd.draft_len,
+                    draft_ms=rnd.draft_ms,
+                    verify_ms=rnd.verify_ms,
+                    n_past=target.n_past,
+                    overlap_ms=rnd.overlap_ms,
+                    drafters=rnd.drafters,
+                )
+                visible = [t for t in kept if not self.model.is_eog(t)]
+                delta = stream.feed(self.model.token_bytes(t) for t in visible)
+                if delta or kept:
+                    text_parts.append(delta)
+                    yield TokenText(run_id, delta, tuple(kept))
+                if reason == "stop" or g.n_new >= g.max_new:
+                    g.done = True
+                elif self._cancel.is_set():
+                    reason, g.done = "cancelled", True
+                elif g.remaining <= 0:
+                    reason, g.done = "context_full", True
+                if g.done:
+                    break
+        finally:
+            g.done = True
+            # Whatever happened, the KV cache must hold a prefix of the conversation's tokens.
+            if target.n_past > len(self._tokens):
+                target.truncate(len(self._tokens))
+            tail = stream.flush()
+            if tail:
+                text_parts.append(tail)
+            reply = "".join(text_parts)
+            self.messages.append(Message("assistant", reply))
+            self._covered = rendered + self.model.detokenize(out, special=True)
+        t_end = time.perf_counter()
+        ttft = (first_token_at or t_end) - t_start
+        decode_s = t_end - t_prefill
+        prefill_s = t_prefill - t_start
+        yield from target.notices(run_id)
+        yield from target.node_status(run_id)
+        yield Finished(
+            run_id=run_id,
+            reason=reason,
+            text=reply,
+            tokens=tuple(out),
+            prompt_tokens=len(tokens),
+            prefill_tokens=len(tokens) - reused,
+            ttft_s=ttft,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            tokens_per_s=len(out) / decode_s if decode_s > 0 else 0.0,
+            prefill_tokens_per_s=(len(tokens) - reused) / prefill_s if prefill_s > 0 else 0.0,
+            drafted=drafted,
+            accepted=accepted,
+            rounds=rounds,
+            strategy=self.strategy.name,
+            n_past=target.n_past,
+        )
+
+    def close(self) -> None:
+        self.strategy.close()
+        self.target.close()

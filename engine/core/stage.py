@@ -1,0 +1,108 @@
+"""One layer range of a model with its own KV cache: the unit every target computes with.
+
+A whole model is one stage (first and last). A model split by layers (docs/facts.md §5) is a
+chain of stages: a stage that is not last captures ``l_out-{n_layer-1}``, the residual stream
+after its last layer, and the next stage takes it as embedding input. The same class serves
+:class:`~potluck.engine.core.target.LocalTarget`, the in-process
+:class:`~potluck.engine.lab.split.SplitTarget` and a cluster worker, so what the tests prove at
+the logits level is what a worker runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .errors import PotluckError
+from .jobs import DecodeJob
+from .kv import KvOp
+from .runtime import Batch, Context, ContextParams, Model
+
+
+class Stage:
+    """``first``: takes token ids; ``last``: returns logits (else hidden states)."""
+
+    def __init__(self, model: Model, *, first: bool, last: bool, params: ContextParams) -> None:
+        self.model = model
+        self.first = first
+        self.last = last
+        capture = None if last else model.n_layer - 1
+        self.ctx = Context(model, replace(params, capture_layer=capture))
+        self.n_ctx = self.ctx.n_ctx
+        self.n_batch = params.n_batch
+        self.n_seq_max = max(1, params.n_seq_max)
+        self._batch = Batch(
+            params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max
+        )
+        # tensors named in params.observe, rows of sequence 0 by position [n_ctx, width]
+        # (positions >= the sequence's length hold stale rows): TriForce's keys and queries
+        self.observed: dict[str, np.ndarray] = {}
+
+    def check(self, job: DecodeJob) -> None:
+        """Refuse a job this stage cannot run, before anything reaches llama.cpp."""
+        n = job.n_tokens
+        if not 1 <= n <= self.n_batch:
+            raise PotluckError(f"a batch of {n} tokens does not fit n_batch {self.n_batch}")
+        if job.positions.shape != (n,) or job.seq_ids.shape != (n,) or job.outputs.shape != (n,):
+            raise PotluckError("positions, sequence ids and outputs need one entry per row")
+        if int(job.positions.min()) < 0 or int(job.positions.max()) >= self.n_ctx:
+            raise PotluckError(f"position outside the context (0..{self.n_ctx - 1})")
+        if int(job.seq_ids.min()) < 0 or int(job.seq_ids.max()) >= self.n_seq_max:
+            raise PotluckError(f"sequence id outside 0..{self.n_seq_max - 1}")
+        if not job.outputs.any():
+            raise PotluckError("a batch must request at least one output row")
+        if self.first:
+            if not job.is_tokens or job.inputs.shape != (n,):
+                raise PotluckError("the first stage takes token ids [n]")
+            if int(job.inputs.min()) < 0 or int(job.inputs.max()) >= self.model.n_vocab:
+                raise PotluckError("token id outside the vocabulary")
+        elif job.inputs.ndim != 2 or job.inputs.shape != (n, self.model.n_embd):
+            raise PotluckError(f"this stage takes hidden states [n, {self.model.n_embd}]")
+
+    def compute(self, job: DecodeJob) -> np.ndarray:
+        """Hidden states [n, n_embd] f32 (not last) or logits [n_outputs, vocab] f32 (last),
+        owned by the caller. ``InterruptedError`` if aborted (llama.cpp dropped the cells)."""
+        positions = job.positions.tolist()
+        seq_ids = [[s] for s in job.seq_ids.tolist()]
+        # A capturing stage must mark every row as output, or its last layer keeps only those.
+        flags: list[bool] | str = job.outputs.tolist() if self.last else "all"
+        if self.first:
+            self._batch.set_tokens(job.inputs.tolist(), positions, seq_ids, flags)
+        else:
+            self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
+        self.ctx.run_batch(self._batch)
+        if self.ctx.observed:
+            self._record_observed(job)
+        if not self.last:
+            assert self.ctx.captured is not None
+            return self.ctx.captured  # a fresh array per run
+        return self.ctx.logits(job.n_outputs).copy()
+
+    def _record_observed(self, job: DecodeJob) -> None:
+        canonical = job.seq_ids == 0
+        if not canonical.any():
+            return
+        pos = job.positions[canonical]
+        for name, rows in self.ctx.observed.items():
+            store = self.observed.get(name)
+            if store is None:
+                store = self.observed[name] = np.zeros((self.n_ctx, rows.shape[1]), np.float32)
+            store[pos] = rows[canonical]
+
+    def apply_kv(self, op: KvOp) -> None:
+        try:
+            self.ctx.apply_kv(op)
+        except ValueError as e:
+            raise PotluckError(str(e)) from None
+
+    def clear(self) -> None:
+        self.ctx.clear()
+
+    def pos_max(self) -> list[int]:
+        """Last position held per sequence (-1: empty)."""
+        return [self.ctx.seq_pos_max(s) for s in range(self.n_seq_max)]
+
+    def close(self) -> None:
+        self._batch.close()
+        self.ctx.close()

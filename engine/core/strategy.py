@@ -1,0 +1,117 @@
+"""What every decoding strategy shares: the per-reply state and the strategy interface.
+
+A strategy is a generator: each round it yields a :class:`Round` (the tokens it now knows
+are the target's output and the round's counters). The session appends them to the reply,
+cuts at an end-of-generation token or the length limit, and sets :attr:`Generation.done`;
+the strategy checks it after every ``yield``.
+
+KV invariant every strategy keeps: after each round, the target's sequence 0 holds a
+prefix of ``history`` (all conversation tokens, including the ones just yielded) and at
+most the last token is pending. Speculative tokens that were rejected are trimmed from the
+tail before yielding, so every kept token sits in the KV cell plain decoding would use.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from .errors import PotluckError
+from .events import DrafterStanding
+from .sampling import Sampler
+from .target import Target
+
+if TYPE_CHECKING:
+    from .runtime import Model
+    from .spec import EngineSpec
+
+
+@dataclass(frozen=True)
+class Round:
+    tokens: list[int]  # accepted drafts followed by the one token the target itself chose
+    drafted: int = 0
+    accepted: int = 0
+    draft_len: int = 0  # speculation length chosen for this round
+    draft_ms: float = 0.0  # busy drafting during the round
+    verify_ms: float = 0.0  # busy verifying during the round
+    overlap_ms: float = 0.0  # both at once (strategies that draft while the target verifies)
+    drafters: tuple[DrafterStanding, ...] = ()  # each voting drafter's standing (minions)
+
+
+@dataclass
+class Generation:
+    """One reply being generated: what a strategy reads and the session updates."""
+
+    run_id: int  # the reply's id (events carry it)
+    target: Target
+    sampler: Sampler
+    seeds: np.random.SeedSequence  # the reply's seed; drafters get generators spawned from it
+    history: list[int]  # the whole conversation's tokens, growing as rounds are accepted
+    first_logits: np.ndarray  # [vocab] target logits after the prompt
+    max_new: int
+    is_eog: Callable[[int], bool]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
+    n_new: int = 0
+
+    def drafter_rng(self) -> np.random.Generator:
+        """A generator of a drafter's own: seeded runs repeat whatever thread drafts."""
+        return np.random.default_rng(self.seeds.spawn(1)[0])
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the reply may still take (drafters never propose more than this)."""
+        room = self.target.n_ctx - self.target.n_past - 1
+        return max(0, min(self.max_new - self.n_new, room))
+
+
+class Strategy(ABC):
+    """A decoding method. Subclasses register themselves in :mod:`.registry`."""
+
+    name: ClassVar[str]
+    needs_draft: ClassVar[bool] = False
+    accepts_draft: ClassVar[bool] = False  # takes an optional --draft (needs_draft implies it)
+    description: ClassVar[str] = ""
+    n_sequences: ClassVar[int] = 1  # KV sequences the target must offer (side runs, partitions)
+    # strategy options (EngineSpec.strategy_options, `bench --option`): name -> what it sets
+    options: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        """Create the strategy for ``target_model`` (strategies with a draft load it here)."""
+        return cls()
+
+    @classmethod
+    def observed_tensors(cls, model: Model) -> tuple[str, ...]:
+        """Graph tensors the target's context copies out of every run for this strategy
+        (``ContextParams.observe``; TriForce reads attention keys and queries)."""
+        return ()
+
+    @classmethod
+    def check_options(cls, given: dict[str, object]) -> None:
+        unknown = sorted(set(given) - set(cls.options))
+        if unknown:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise PotluckError(f"strategy {cls.name!r} has no option {unknown[0]!r} (its options: {known})")
+
+    def prepare(self, g: Generation) -> None:
+        """Process the prompt before decoding starts (a draft model's prefill); optional.
+
+        Called by the session after the target's prefill, so the time counts as prompt
+        processing (time to first token), not as decoding, as in llama.cpp's examples.
+        """
+
+    @abstractmethod
+    def run(self, g: Generation) -> Iterator[Round]:
+        """Yield rounds until ``g.done`` is set (or the context is full)."""
+
+    def reset(self) -> None:
+        """Forget per-conversation state (a new conversation, or history edited)."""
+
+    def close(self) -> None:
+        """Release models or contexts this strategy owns."""

@@ -1,0 +1,291 @@
+"""The model a strategy verifies against: runs of decode jobs over KV sequences.
+
+Strategies see the :class:`Target` protocol only, so one strategy runs on a local llama.cpp
+context, on stages chained in this process (:mod:`.split`) or on a pipeline of LAN workers.
+
+- Work is submitted as :class:`~.jobs.DecodeJob`s (``submit`` -> ticket, ``wait`` -> logits)
+  and several may be in flight; ``cancel(run_id)`` skips or aborts a run's jobs. KV
+  operations (:class:`~.kv.KvOp`) are queued in order with the jobs.
+- Sequence 0 is the canonical conversation. ``decode``/``truncate`` are small helpers over
+  the above for it: ``n_past`` tokens sit at positions ``0..n_past-1`` and, because rejected
+  tails are always trimmed from the end, in the KV cells plain decoding would use
+  (docs/facts.md §3).
+- With ``n_seq_max > 1`` and ``kv_unified=False`` each sequence has its own KV stream, so
+  work in a side sequence never changes the canonical sequence's numbers (docs/facts.md §4).
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+import numpy as np
+
+from .errors import ContextFullError, PotluckError
+from .events import ClusterView, Event, NodeStatus
+from .jobs import DecodeJob, RunCancelled, Ticket
+from .kv import KvOp
+from .runner import StageRunner
+from .runtime import ContextParams, Model
+from .stage import Stage
+
+# A k-token batch computes each row exactly like k single-token steps only up to 48 tokens
+# (flash attention, docs/facts.md §3): verification batches must stay at or below this size.
+MAX_EXACT_BATCH = 48
+
+
+class Target(Protocol):
+    n_vocab: int
+    n_ctx: int  # tokens per sequence
+    n_batch: int
+    n_seq_max: int
+    n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
+
+    # -- runs
+    def new_run(self) -> int:
+        """A fresh run id (every job belongs to one run)."""
+        ...
+
+    def submit(self, job: DecodeJob) -> Ticket:
+        """Queue ``job`` behind everything submitted before it; returns at once."""
+        ...
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        """The job's logits [n_outputs, vocab] (owned). Raises :class:`RunCancelled` if its run
+        was cancelled first. Tickets may be redeemed in any order, each once."""
+        ...
+
+    def poll(self, ticket: Ticket) -> bool:
+        """Whether ``wait(ticket)`` would return (or raise) without waiting: lets a strategy
+        keep working while results are on the way (PipeInfer's continuous speculation)."""
+        ...
+
+    def cancel(self, run_id: int, *more: int) -> None:
+        """Skip the runs' queued jobs and abort the running one; any thread. Runs cancelled
+        together are cancelled in one step on every stage (name them in one call)."""
+        ...
+
+    def kv(self, op: KvOp) -> None:
+        """Queue a KV operation, applied after every job submitted before it."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every sequence (a new conversation)."""
+        ...
+
+    # -- the canonical sequence
+    @property
+    def n_past(self) -> int: ...
+
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, run_id: int | None = None) -> np.ndarray:
+        """Append ``tokens`` to sequence 0: logits [n_rows, vocab] for every row or the last one."""
+        ...
+
+    def append(self, tokens: Sequence[int], run_id: int) -> Ticket:
+        """Queue ``tokens`` after sequence 0 without waiting (logits for every row); ``n_past``
+        grows now. For strategies that keep several verify batches in flight: what they do
+        not keep, they cancel and ``truncate``."""
+        ...
+
+    def truncate(self, n_past: int) -> None:
+        """Forget every token of sequence 0 at position >= ``n_past``."""
+        ...
+
+    def set_threads(self, n_threads: int) -> None:
+        """CPU threads for this machine's decodes from the next job on (no-op for workers)."""
+        ...
+
+    def node_status(self, run_id: int) -> list[NodeStatus]:
+        """Health of the machines behind this target (empty on one machine)."""
+        ...
+
+    def notices(self, run_id: int) -> list[Event]:
+        """What happened to those machines since the last call (a node lost, a new plan)."""
+        ...
+
+    def cluster_view(self) -> ClusterView | None:
+        """The stages and their traffic in cluster mode; None on one machine."""
+        ...
+
+    def regroup(self) -> None:
+        """Between replies: take in machines that joined if that makes the target faster."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TargetBase(ABC):
+    """The canonical-sequence helpers, written once over submit / wait / cancel / kv."""
+
+    n_vocab: int
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    n_stages: int = 1
+
+    def __init__(self) -> None:
+        self._n_past = 0
+        self._runs = itertools.count(1)
+
+    def new_run(self) -> int:
+        return next(self._runs)
+
+    # what each target implements (documented on :class:`Target`)
+    @abstractmethod
+    def submit(self, job: DecodeJob) -> Ticket: ...
+
+    @abstractmethod
+    def wait(self, ticket: Ticket) -> np.ndarray: ...
+
+    @abstractmethod
+    def poll(self, ticket: Ticket) -> bool: ...
+
+    @abstractmethod
+    def cancel(self, run_id: int, *more: int) -> None: ...
+
+    @abstractmethod
+    def kv(self, op: KvOp) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, run_id: int | None = None) -> np.ndarray:
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode needs at least one token")
+        if self._n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"the conversation needs {self._n_past + n} tokens but the context holds "
+                f"{self.n_ctx}; start a new conversation or raise --ctx"
+            )
+        run = self.new_run() if run_id is None else run_id
+        outputs = "all" if all_logits else "last"
+        tickets = [
+            self.submit(DecodeJob.tokens(run, tokens[i : i + self.n_batch], self._n_past + i, outputs=outputs))
+            for i in range(0, n, self.n_batch)
+        ]
+        rows: list[np.ndarray] = []
+        try:
+            for t in tickets:
+                rows.append(self.wait(t))
+        except BaseException:
+            # Cancelled or failed mid-prompt: settle the run's other jobs, then drop whatever
+            # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
+            # Best effort: on a target that just broke, the original error is what matters.
+            try:
+                self.cancel(run)
+                for t in tickets[len(rows) + 1 :]:
+                    try:
+                        self.wait(t)
+                    except RunCancelled:
+                        pass
+                self.kv(KvOp.rm(0, self._n_past))
+            except PotluckError:
+                pass
+            raise
+        self._n_past += n
+        if all_logits:
+            return rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return rows[-1][-1:]
+
+    def append(self, tokens: Sequence[int], run_id: int) -> Ticket:
+        n = len(tokens)
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"append takes 1..{self.n_batch} tokens, got {n}")
+        if self._n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"the conversation needs {self._n_past + n} tokens but the context holds "
+                f"{self.n_ctx}; start a new conversation or raise --ctx"
+            )
+        ticket = self.submit(DecodeJob.tokens(run_id, tokens, self._n_past, outputs="all"))
+        self._n_past += n
+        return ticket
+
+    def set_threads(self, n_threads: int) -> None:
+        """Workers and in-process stages keep the threads they were opened with."""
+
+    def truncate(self, n_past: int) -> None:
+        if n_past < self._n_past:
+            self.kv(KvOp.rm(0, n_past))
+            self._n_past = n_past
+
+    def node_status(self, run_id: int) -> list[NodeStatus]:
+        return []
+
+    def notices(self, run_id: int) -> list[Event]:
+        return []
+
+    def cluster_view(self) -> ClusterView | None:
+        return None
+
+    def regroup(self) -> None:
+        """One machine: nothing joins."""
+
+
+class LocalTarget(TargetBase):
+    """A whole model in one llama.cpp context on this machine, computed on its own thread."""
+
+    def __init__(self, model: Model, params: ContextParams | None = None) -> None:
+        super().__init__()
+        params = params or ContextParams()
+        self.model = model
+        self.stage = Stage(model, first=True, last=True, params=params)
+        self.runner = StageRunner(self.stage, name="target")
+        self.n_vocab = model.n_vocab
+        self.n_ctx = self.stage.n_ctx
+        self.n_batch = params.n_batch
+        self.n_seq_max = self.stage.n_seq_max
+        self._pending: dict[int, Future] = {}
+        self._seq = itertools.count(1)
+
+    def submit(self, job: DecodeJob) -> Ticket:
+        self.stage.check(job)
+        seq_no = next(self._seq)
+        self._pending[seq_no] = self.runner.submit(job)
+        return Ticket(job.run_id, seq_no)
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        return self._pending.pop(ticket.seq_no).result()
+
+    def poll(self, ticket: Ticket) -> bool:
+        return self._pending[ticket.seq_no].done()
+
+    def cancel(self, run_id: int, *more: int) -> None:
+        self.runner.cancel(run_id, *more)
+
+    def kv(self, op: KvOp) -> None:
+        self.stage.ctx.check_kv(op)
+        self.runner.submit(op)
+
+    def reset(self) -> None:
+        self.runner.submit(Stage.clear)
+        self._n_past = 0
+
+    def set_threads(self, n_threads: int) -> None:
+        self.runner.submit(lambda stage: stage.ctx.set_threads(n_threads))
+
+    def observed(self, name: str) -> np.ndarray:
+        """Rows of tensor ``name`` (``ContextParams.observe``) of sequence 0 by position,
+        [n_ctx, width], valid below ``n_past`` once the jobs waited for have run."""
+        try:
+            return self.stage.observed[name]
+        except KeyError:
+            raise PotluckError(f"tensor {name!r} was not observed (ContextParams.observe)") from None
+
+    def pos_max(self) -> list[int]:
+        """Last position per sequence (-1: empty), once all work queued so far ran."""
+        return self.runner.submit(Stage.pos_max).result()
+
+    def close(self) -> None:
+        self.runner.close()
+        self.stage.close()

@@ -1,0 +1,169 @@
+"""A small model with the target's vocabulary drafts by running ahead autoregressively.
+
+The draft keeps its own llama.cpp context (never the target's: docs/facts.md §4, other
+sequences' cells in the target context would change its logits). Each draft first brings
+the draft's KV cache up to the conversation: the common prefix stays, the rest is
+re-decoded (usually the target's own token from the last round and, when every draft was
+accepted, the last draft). The draft's exactness does not matter, only its speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ...core.errors import PotluckError
+from ...core.runtime import Context, ContextParams, Model
+from ...core.sampling import draw, probs
+from . import Draft, DraftRequest
+
+
+def vocabulary_digest(model: Model) -> str:
+    """SHA-256 over every token's bytes: two models can share ids only if this matches."""
+    h = hashlib.sha256()
+    for tok in range(model.n_vocab):
+        h.update(model.token_bytes(tok, special=True))
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def check_same_vocabulary(target: Model, draft: Model) -> None:
+    """Refuse a draft whose token ids do not mean what the target's mean."""
+    same = target.vocab_signature() == draft.vocab_signature() and vocabulary_digest(
+        target
+    ) == vocabulary_digest(draft)
+    if not same:
+        raise PotluckError(
+            f"draft model {draft.path.name} ({draft.n_vocab} tokens) does not share the "
+            f"vocabulary of target model {target.path.name} ({target.n_vocab} tokens); "
+            "pick a draft from the same model family"
+        )
+
+
+class DraftModelDrafter:
+    name = "draft-model"
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int = 0,
+        p_min: float = 0.0,
+        owns_model: bool = True,
+    ) -> None:
+        self.model = model
+        self.owns_model = owns_model
+        self.p_min = p_min  # stop drafting once the draft's own top probability falls below
+        self.step_ms = 0.0  # measured cost of one draft step (decayed average)
+        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads))
+        self.tokens: list[int] = []  # what the draft's KV cache holds, in order
+        self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
+        self._rng = np.random.default_rng()  # replaced by begin() with the session's child
+
+    # -- keeping the draft's cache in step with the conversation
+    def _synced_prefix(self, context: Sequence[int]) -> int:
+        """Length of the common prefix of the draft's cache and ``context``.
+
+        The conversation normally only grows, with at most the last round's drafts to undo,
+        so the usual case compares a short tail (O(1) per round, not O(context)); a changed
+        tail falls back to a full scan. An edit deeper than the tail goes unnoticed: drafts
+        get worse, the output never changes (every draft is verified).
+        """
+        n = min(len(self.tokens), len(context))
+        tail = max(0, n - 64)
+        if self.tokens[tail:n] == list(context[tail:n]):
+            return n
+        i = 0
+        while self.tokens[i] == context[i]:
+            i += 1
+        return i
+
+    # -- the drafter contract
+    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
+        """Prefill the prompt now, so that the first round's draft time is drafting only."""
+        self._rng = rng
+        self._sync(context)
+
+    def accept(self, n_accepted: int) -> None:
+        pass  # the next draft() re-syncs to the conversation, accepted tokens included
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Decode what the draft has not seen of ``context``; leaves fresh logits after it."""
+        keep = self._synced_prefix(context)
+        if keep == len(context) and keep == len(self.tokens) and self._logits is not None:
+            return
+        keep = min(keep, len(context) - 1)  # at least one token to get fresh logits
+        self.ctx.seq_rm(0, keep, -1)
+        del self.tokens[keep:]
+        todo = list(context[keep:])
+        n_batch = self.ctx.n_batch  # what llama.cpp really allows (it clamps to the context)
+        for start in range(0, len(todo), n_batch):
+            chunk = todo[start : start + n_batch]
+            t = time.perf_counter()
+            self.ctx.run_tokens(chunk, len(self.tokens))
+            if len(chunk) == 1:
+                self._note_step((time.perf_counter() - t) * 1e3)
+            self.tokens.extend(chunk)
+        self._logits = self.ctx.logits_row(-1)
+
+    def draft(self, req: DraftRequest) -> Draft:
+        k, context, params = req.max_tokens, req.context, req.sampling
+        if k <= 0:
+            return Draft([])
+        self._sync(context)
+        stochastic = not params.greedy
+        penalty = params.repeat_penalty != 1.0
+        recent = list(context[-params.repeat_last_n :]) if penalty else []
+        threshold = max(self.p_min, req.min_accept_p)
+        drafts: list[int] = []
+        qs: list[np.ndarray] = []
+        chance = 1.0  # that every draft so far is accepted, by the draft's own confidence
+        for i in range(k):
+            logits = self._logits
+            assert logits is not None
+            q = probs(logits, params, recent)  # greedy: one-hot argmax (with the penalty)
+            # the draft's confidence stands in for its chance of acceptance: stop drafting
+            # when the next token cannot pay for its share of the verify batch (decided
+            # before drawing, so a drafted token is still an unbiased draw from q)
+            chance *= float(q.max()) if stochastic else self._top_prob(logits)
+            if chance < threshold:
+                break
+            x = draw(q, self._rng) if stochastic else int(np.argmax(q))
+            drafts.append(x)
+            if stochastic:
+                qs.append(q)
+            if penalty:
+                recent.append(x)
+            if i == k - 1:
+                break
+            t = time.perf_counter()
+            self.ctx.run_tokens([x], len(self.tokens))
+            self._note_step((time.perf_counter() - t) * 1e3)
+            self.tokens.append(x)
+            self._logits = self.ctx.logits_row(-1)
+        # the last draft is not in the draft's cache yet: logits are stale until _sync()
+        self._logits = None
+        return Draft(drafts, qs if stochastic else None)
+
+    def _note_step(self, ms: float) -> None:
+        """Decayed average of one single-token draft decode (the marginal drafting cost)."""
+        self.step_ms = ms if self.step_ms == 0.0 else 0.8 * self.step_ms + 0.2 * ms
+
+    @staticmethod
+    def _top_prob(logits: np.ndarray) -> float:
+        z = logits - logits.max()
+        return float(1.0 / np.exp(z, dtype=np.float64).sum())
+
+    def reset(self) -> None:
+        self.ctx.clear()
+        self.tokens = []
+        self._logits = None
+
+    def close(self) -> None:
+        self.ctx.close()
+        if self.owns_model:
+            self.model.close()

@@ -1,0 +1,36 @@
+"""Strategy names -> classes. Only implemented strategies appear here (and so in the CLI/UI)."""
+
+from __future__ import annotations
+
+from ...core.plain import Autoregressive
+from ...core.strategy import Strategy
+from .minions import Minions
+from .pearl import Pearl
+from .pipeinfer import PipeInfer
+from .speculative import DraftModelSpeculative, NgramSpeculative
+from .triforce import TriForce
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    Autoregressive.name: Autoregressive,
+    DraftModelSpeculative.name: DraftModelSpeculative,
+    NgramSpeculative.name: NgramSpeculative,
+    Pearl.name: Pearl,
+    Minions.name: Minions,
+    TriForce.name: TriForce,
+    PipeInfer.name: PipeInfer,
+}
+
+
+def strategy_names() -> list[str]:
+    return list(STRATEGIES)
+
+
+def get_strategy_class(name: str) -> type[Strategy]:
+    from ...core.errors import PotluckError
+
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise PotluckError(
+            f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}"
+        ) from None

@@ -1,0 +1,306 @@
+"""Speculative decoding on one machine: draft, verify in one target batch, keep the prefix.
+
+Two strategies share this loop and differ only in where drafts come from:
+- ``sd``: a small draft model with the target's vocabulary (Leviathan et al. 2023);
+- ``anpd``: multi-level N-gram tables over the conversation itself (Ou et al. 2024).
+
+Each round (compare llama.cpp's examples/speculative-simple):
+1. choose the speculation length ``s`` (Minions' adaptive selector, :mod:`..adaptive`);
+2. draft up to ``s`` tokens after the conversation;
+3. decode the pending token and the drafts in ONE target batch of at most
+   ``MAX_EXACT_BATCH`` tokens, which computes every row exactly like single steps;
+4. accept a prefix of the drafts plus one token of the target's own (:mod:`..verify`);
+5. trim the rejected drafts from the KV tail, so every kept token sits in the cell plain
+   decoding would have put it in: greedy output is token-for-token plain decoding's;
+6. report the round's counters and feed its cost back to the length selector.
+
+The token the target chose last is *pending*: it is part of the conversation but enters
+the KV cache as the first row of the next round's batch (so ``s = 0`` is plain decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...core import validate as limits
+from ...core.errors import PotluckError
+from ...core.sampling import Sampler, probs
+from ...core.strategy import Generation, Round, Strategy
+from ...core.target import MAX_EXACT_BATCH
+from ..adaptive import UNTIL_REPLY_END, DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
+from ..costs import SavedLine, saved_line
+from ..drafters import Draft, Drafter, DraftRequest
+from ..verify import Verdict, verify_chain, verify_greedy
+
+if TYPE_CHECKING:
+    from ...core.runtime import Model
+    from ...core.spec import EngineSpec
+
+
+# A cost line that forbids drafting is re-checked by a short draft every PROBE_EVERY rounds.
+PROBE_EVERY = 64
+PROBE_LEN = 3
+
+
+class Speculative(Strategy):
+    """Draft/verify rounds over any :class:`Drafter` (subclasses pick the drafter)."""
+
+    name = "speculative"
+    description = "draft, verify in one batch, keep the accepted prefix"
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        length: LengthConfig,
+        *,
+        adaptive: bool = True,
+        costs: SavedLine | None = None,
+        gate_backoff: int = DraftGate().backoff,
+    ) -> None:
+        self.drafter = drafter
+        self.length_config = length
+        self.adaptive = adaptive
+        self.length = SpeculationLength(length)
+        # the verify-cost line is the machine's and the model's: kept across conversations
+        self.break_even = DraftBreakEven()
+        self.costs = costs
+        if costs is not None:
+            self.break_even.load(costs.restore())
+        self.gate_backoff = gate_backoff
+        self.gate = DraftGate(backoff=gate_backoff)
+        self._blocked = 0  # rounds in a row the break-even threshold allowed no draft
+
+    def run(self, g: Generation) -> Iterator[Round]:
+        try:
+            yield from self._rounds(g)
+        finally:
+            if self.costs is not None:
+                self.costs.keep(self.break_even.samples())
+
+    def _rounds(self, g: Generation) -> Iterator[Round]:
+        target, sampler = g.target, g.sampler
+        pending: list[int] = []  # last emitted token: in g.history, not yet in the KV cache
+        head_logits = g.first_logits  # target logits after g.history while nothing is pending
+        self.gate.new_reply()
+
+        while True:
+            # 1. how far to speculate: never past the reply's end or the exact batch size;
+            #    and how likely a draft token must be to pay for its share of the batch;
+            #    the gate keeps the whole reply from falling below plain decoding
+            if self.adaptive:
+                fit = self.break_even.line()  # risk of one more row: its verify + draft cost
+                row_ms = fit[1] + self.drafter.step_ms if fit else None
+                s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
+            else:
+                s = self.length_config.s_max
+            k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
+            min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
+            if min_accept_p >= 1.0:
+                # not even a sure draft pays here now: plain step, no draft sync; but now and
+                # then a short probe re-measures what a batch costs (the line may be stale)
+                self._blocked += 1
+                if self._blocked < PROBE_EVERY:
+                    k = 0
+                else:
+                    self._blocked, min_accept_p, k = 0, 0.0, min(k, PROBE_LEN)
+
+            # 2. draft
+            t0 = time.perf_counter()
+            request = DraftRequest(g.history, k, min_accept_p, sampler.params)
+            draft = self.drafter.draft(request) if k > 0 else Draft([])
+            drafts = draft.tokens[:k]
+            t1 = time.perf_counter()
+
+            # 3. one target decode: row i holds the logits after the conversation + drafts[:i]
+            batch = pending + drafts
+            rows = target.decode(batch, all_logits=True) if batch else None
+            after = _rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
+
+            # 4. accept a prefix of the drafts and one token of the target's own
+            verdict = _verify(drafts, draft.q, after, g.history, sampler)
+            # 5. rejected drafts leave the KV cache from the tail
+            target.truncate(len(g.history) + verdict.n_accepted)
+            t2 = time.perf_counter()
+            if drafts:
+                self.drafter.accept(verdict.n_accepted)
+
+            # 6. report, and let the measured cost steer the next speculation length
+            tokens = verdict.tokens(drafts)
+            draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+            self.length.record(len(tokens), draft_ms, verify_ms)
+            self.break_even.record(len(batch), verify_ms)
+            if batch:  # a round with no target decode (the very first, undrafted) says nothing
+                self.gate.record(len(drafts), len(tokens), draft_ms + verify_ms)
+            yield Round(
+                tokens=tokens,
+                drafted=len(drafts),
+                accepted=verdict.n_accepted,
+                draft_len=k,
+                draft_ms=draft_ms,
+                verify_ms=verify_ms,
+            )
+            if g.done or g.remaining <= 0:
+                return
+            pending = [tokens[-1]]
+
+    def prepare(self, g: Generation) -> None:
+        """Let the drafter read the prompt now (a draft model prefills it) so that the
+        first round's draft time is drafting only."""
+        self.drafter.begin(g.history, g.drafter_rng())
+
+    def reset(self) -> None:
+        self.drafter.reset()
+        self.length = SpeculationLength(self.length_config)
+        self.gate = DraftGate(backoff=self.gate_backoff)
+
+    def close(self) -> None:
+        self.drafter.close()
+
+
+def _rows_after_drafts(
+    rows: np.ndarray | None, pending: bool, head_logits: np.ndarray, k: int
+) -> list[np.ndarray]:
+    """Target logits after the conversation plus 0..k drafts (views, no copies)."""
+    if pending:
+        assert rows is not None
+        return [rows[i] for i in range(k + 1)]
+    return [head_logits] + ([rows[i] for i in range(k)] if rows is not None else [])
+
+
+def _verify(
+    drafts: list[int],
+    q: list[np.ndarray] | None,
+    after: list[np.ndarray],
+    history: list[int],
+    sampler: Sampler,
+) -> Verdict:
+    """Greedy or stochastic acceptance; p goes through the same filters plain sampling uses."""
+    params = sampler.params
+
+    def recent(i: int) -> list[int]:
+        """History the repetition penalty sees at draft position i (empty when it is off)."""
+        if params.repeat_penalty == 1.0:
+            return []
+        return history[-params.repeat_last_n :] + drafts[:i]
+
+    if params.greedy:
+        return verify_greedy(drafts, lambda i: sampler.sample(after[i], recent(i)))
+    return verify_chain(
+        drafts,
+        lambda i: probs(after[i], params, recent(i)),
+        q[: len(drafts)] if q is not None else None,
+        sampler.uniform,
+    )
+
+
+def _int_option(spec: EngineSpec, key: str, default: int, lo: int, hi: int) -> int:
+    value = spec.strategy_options.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise PotluckError(f"strategy option {key} must be a whole number in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def _float_option(spec: EngineSpec, key: str, default: float, lo: float, hi: float) -> float:
+    value = spec.strategy_options.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+        raise PotluckError(f"strategy option {key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def _bool_option(spec: EngineSpec, key: str, default: bool) -> bool:
+    value = spec.strategy_options.get(key, default)
+    if not isinstance(value, bool):
+        raise PotluckError(f"strategy option {key} must be true or false, got {value!r}")
+    return value
+
+
+def load_draft_model(target_model: Model, spec: EngineSpec) -> Model:
+    """The draft GGUF, refused unless it shares the target's vocabulary and fits in memory."""
+    from ...core.runtime import Model
+    from ..drafters.draft_model import check_same_vocabulary
+
+    if spec.draft is None:
+        raise PotluckError(
+            f"strategy {spec.strategy!r} needs a draft model: pass --draft PATH "
+            "(a small GGUF with the target's vocabulary)"
+        )
+    draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
+    try:
+        check_same_vocabulary(target_model, draft_model)
+        limits.memory_fits(draft_model, spec.n_ctx)  # its own KV cache, next to the target's
+    except BaseException:
+        draft_model.close()
+        raise
+    return draft_model
+
+
+def saved_costs(target_model: Model, spec: EngineSpec) -> SavedLine:
+    """Where this target's verify-cost line is kept (engine/speculation/costs.py): per KV type too, since
+    F16 and BF16 caches cost differently."""
+    from ...core.runtime import default_threads
+    from ...core.spec import KV_TYPES
+
+    where = "cluster:" + ",".join(spec.cluster.nodes) if spec.cluster else "local"
+    threads = spec.n_threads or default_threads()
+    kv_type, _ = KV_TYPES[limits.kv_cache(spec.kv_cache)]
+    return saved_line(target_model.path, threads, kv_type, where)
+
+
+LENGTH_OPTIONS = {
+    "max_draft": "the most tokens drafted in one round",
+    "initial_draft": "tokens drafted in the first round (the length then adapts)",
+    "adaptive": "adapt the draft length to measured costs (false: always max_draft)",
+}
+
+
+class DraftModelSpeculative(Speculative):
+    name = "sd"
+    needs_draft = True
+    description = "speculative decoding with a small draft model (--draft)"
+    options = {**LENGTH_OPTIONS, "min_draft_p": "stop drafting once the draft's confidence falls below"}
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        from ..drafters.draft_model import DraftModelDrafter
+
+        cls.check_options(spec.strategy_options)
+        s_max = _int_option(spec, "max_draft", 12, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
+        adaptive = _bool_option(spec, "adaptive", True)
+        p_min = spec.strategy_options.get("min_draft_p", 0.0)
+        if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0.0 <= p_min < 1.0:
+            raise PotluckError(f"strategy option min_draft_p must be a number in [0, 1), got {p_min!r}")
+        draft_model = load_draft_model(target_model, spec)
+        try:
+            drafter = DraftModelDrafter(
+                draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=float(p_min)
+            )
+        except BaseException:
+            draft_model.close()
+            raise
+        length = LengthConfig(s_init=s_init, s_max=s_max)
+        # a draft model pays a catch-up prefill to resume: once drafting loses, not this reply
+        return cls(drafter, length, adaptive=adaptive, costs=saved_costs(target_model, spec),
+                   gate_backoff=UNTIL_REPLY_END)
+
+
+class NgramSpeculative(Speculative):
+    name = "anpd"
+    description = "adaptive multi-level N-gram drafts from the conversation (no draft model)"
+    options = {**LENGTH_OPTIONS, "ngram_max": "the longest N-gram the tables hold (ANPD's N)"}
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        from ..drafters.ngram import NgramDrafter
+
+        cls.check_options(spec.strategy_options)
+        n_max = _int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's defaults: N = 5, K = 7
+        s_max = _int_option(spec, "max_draft", 7, 1, MAX_EXACT_BATCH - 1)
+        s_init = _int_option(spec, "initial_draft", s_max, 0, s_max)
+        adaptive = _bool_option(spec, "adaptive", True)
+        length = LengthConfig(s_init=s_init, s_max=s_max)
+        return cls(NgramDrafter(n_max), length, adaptive=adaptive, costs=saved_costs(target_model, spec))
