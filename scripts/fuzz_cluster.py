@@ -341,18 +341,18 @@ def lies(rng: random.Random, msg: wire.Forward, n_embd: int) -> list:
     """Frames a malicious last stage sends for batch ``msg``, then (usually) an honest result:
     hidden states of every row (the head computes the last layer and the output layer)."""
     rows = int(msg.positions.size)
-    honest = wire.to_frames(wire.Result(msg.txn, msg.run_id, False, np.zeros((rows, n_embd), np.float32)))
+    honest = wire.to_frames(wire.Result(msg.txn, msg.group, False, np.zeros((rows, n_embd), np.float32)))
     kind = rng.randrange(9)
     txn = rng.choice([msg.txn, msg.txn, msg.txn + 1, 0, 2**40])
     if kind == 0:
         width = rng.choice([n_embd + 1, n_embd + 1000, n_embd - 1, 1])
         dtype = rng.choice([np.float32, np.float16])
-        lie = wire.to_frames(wire.Result(txn, msg.run_id, False, np.zeros((rows, width), dtype)))
+        lie = wire.to_frames(wire.Result(txn, msg.group, False, np.zeros((rows, width), dtype)))
     elif kind == 1:
-        lie = wire.to_frames(wire.Result(txn, msg.run_id, False, np.zeros((rng.choice([0, rows + 1, 64]), n_embd),
+        lie = wire.to_frames(wire.Result(txn, msg.group, False, np.zeros((rng.choice([0, rows + 1, 64]), n_embd),
                                                                             np.float32)))
     elif kind == 2:
-        lie = wire.to_frames(wire.Result(txn, msg.run_id, rng.random() < 0.5, np.zeros((0, 1), np.float32)))
+        lie = wire.to_frames(wire.Result(txn, msg.group, rng.random() < 0.5, np.zeros((0, 1), np.float32)))
     elif kind == 3:
         lie = wire.to_frames(wire.Error("liar", rng.choice(["failed", "busy", "crashed", "x"]), "no", txn))
     elif kind == 4:
@@ -362,7 +362,7 @@ def lies(rng: random.Random, msg: wire.Forward, n_embd: int) -> list:
     elif kind == 6:
         lie = wire.to_frames(rng.choice(samples()))
     elif kind == 7:  # a result bigger than any legal one (the head caps its message size)
-        lie = [wire.MAGIC, json.dumps({"type": "result", "f": {"txn": txn, "run_id": 0, "skip": False},
+        lie = [wire.MAGIC, json.dumps({"type": "result", "f": {"txn": txn, "group": 0, "skip": False},
                                        "a": [["hidden", "f32", [2 * N_BATCH + 8, n_embd]]]}).encode(),
                b"\0" * ((2 * N_BATCH + 8) * n_embd * 4)]
     else:

@@ -14,7 +14,7 @@ from potluck.discovery.auth import keys_from_token
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
 from potluck.engine.cluster.tail import HeadTail
 from potluck.engine.cluster.transfer import SliceCache
-from potluck.engine.core.jobs import DecodeJob, RunCancelled
+from potluck.engine.core.jobs import DecodeJob, GroupCancelled
 from potluck.engine.core.kv import KvOp
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.stage import Stage
@@ -93,10 +93,10 @@ def test_kv_operations_and_cancels_reach_the_heads_layer_in_order(
             t.decode(prompt)
             t.decode([11, 12, 13])
             t.truncate(len(prompt))  # a KV rm, behind the batch before it
-        run = target.new_run()
+        run = target.new_group()
         target.cancel(run)
         ticket = target.submit(DecodeJob.tokens(run, [5, 6], len(prompt)))
-        with pytest.raises(RunCancelled):
+        with pytest.raises(GroupCancelled):
             target.wait(ticket)
         assert np.array_equal(local.decode([42]), target.decode([42]))
         for t in (local, target):

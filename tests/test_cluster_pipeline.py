@@ -147,10 +147,10 @@ def test_cancel_mid_prefill_keeps_stages_consistent(
         assert len(tokens) > 48
         local.decode(tokens[:5])
         target.decode(tokens[:5])
-        run = target.new_run()
+        run = target.new_group()
         target.cancel(run)
         with pytest.raises(InterruptedError):
-            target.decode(tokens[5:], run_id=run)
+            target.decode(tokens[5:], group=run)
         assert target.n_past == 5
         chunks = -(-(len(tokens) - 5) // 16)
         assert [st.skipped for st in target.status()] == [chunks, chunks]  # none was computed
@@ -204,12 +204,12 @@ def test_two_runs_in_flight_on_two_stages_exact(
         target.decode(prefix)
         target.kv(KvOp.cp(0, 1))
         n = len(prefix)
-        side_ticket = target.submit(DecodeJob.tokens(target.new_run(), side, n, seq_id=1, outputs="all"))
-        main_ticket = target.submit(DecodeJob.tokens(target.new_run(), canonical, n, seq_id=0, outputs="all"))
+        side_ticket = target.submit(DecodeJob.tokens(target.new_group(), side, n, seq_id=1, outputs="all"))
+        main_ticket = target.submit(DecodeJob.tokens(target.new_group(), canonical, n, seq_id=0, outputs="all"))
         assert np.array_equal(target.wait(main_ticket), alone(canonical))  # redeemed out of order
         assert np.array_equal(target.wait(side_ticket), alone(side))
         target.kv(KvOp.rm(1))
-        nxt = DecodeJob.tokens(target.new_run(), canonical[:3], n + len(canonical), outputs="all")
+        nxt = DecodeJob.tokens(target.new_group(), canonical[:3], n + len(canonical), outputs="all")
         assert np.array_equal(target.wait(target.submit(nxt)), alone(canonical[:3], prefix + canonical))
         assert [st.pos_max[1] for st in target.status()] == [-1, -1]
     finally:
@@ -221,18 +221,18 @@ def test_cancel_aborts_a_batch_running_on_a_worker(
 ) -> None:
     """Cancel reaches a batch mid-compute (the worker's control thread sets llama.cpp's abort
     flag): counted as aborted, not finished; the next stage skips it; the stages stay exact."""
-    from potluck.engine.core.jobs import DecodeJob, RunCancelled
+    from potluck.engine.core.jobs import DecodeJob, GroupCancelled
 
     target = pipeline(model_path, workers[:2], slice_cache, split=[0, 15, 30])
     try:
         long = model.tokenize("The quick brown fox jumps over the lazy dog. " * 60)[:500]
-        run = target.new_run()
+        run = target.new_group()
         ticket = target.submit(DecodeJob.tokens(run, long, 0))
         deadline = time.monotonic() + 30
-        while target.status()[0].running_run != run:  # the first stage is computing it now
+        while target.status()[0].running_group != run:  # the first stage is computing it now
             assert time.monotonic() < deadline
         target.cancel(run)
-        with pytest.raises(RunCancelled):
+        with pytest.raises(GroupCancelled):
             target.wait(ticket)
         first, second = target.status()
         assert (first.aborted, first.finished) == (1, 0)

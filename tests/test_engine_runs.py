@@ -16,7 +16,7 @@ import pytest
 
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import merge_layer_ranges, slice_layers
-from potluck.engine.core.jobs import DecodeJob, RunCancelled
+from potluck.engine.core.jobs import DecodeJob, GroupCancelled
 from potluck.engine.core.kv import KvOp
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
@@ -56,7 +56,7 @@ def two_runs_in_flight(make: Callable[[], TargetBase], model: Model) -> None:
         t.decode(prefix)
         t.kv(KvOp.cp(0, 1))  # the side run starts from the conversation, in its own KV stream
         n = len(prefix)
-        side_run, main_run = t.new_run(), t.new_run()
+        side_run, main_run = t.new_group(), t.new_group()
         side_ticket = t.submit(DecodeJob.tokens(side_run, side, n, seq_id=1, outputs="all"))
         main_ticket = t.submit(DecodeJob.tokens(main_run, canonical, n, seq_id=0, outputs="all"))
         # redeemed in the other order than submitted: results are routed, not dropped
@@ -64,7 +64,7 @@ def two_runs_in_flight(make: Callable[[], TargetBase], model: Model) -> None:
         assert np.array_equal(t.wait(side_ticket), ref_side)
         # the canonical sequence goes on exactly as if the side run had never been
         t.kv(KvOp.rm(1))
-        after = DecodeJob.tokens(t.new_run(), canonical[:3], n + len(canonical), outputs="all")
+        after = DecodeJob.tokens(t.new_group(), canonical[:3], n + len(canonical), outputs="all")
         assert np.array_equal(t.wait(t.submit(after)), ref_next)
     finally:
         t.close()
@@ -89,14 +89,14 @@ def test_cancel_reaches_a_running_batch_and_skips_queued_ones(model: Model) -> N
     t = LocalTarget(model, ContextParams(n_ctx=1024, n_threads=THREADS))
     try:
         long = model.tokenize("The quick brown fox jumps over the lazy dog. " * 60)[:500]
-        run = t.new_run()
+        run = t.new_group()
         first = t.submit(DecodeJob.tokens(run, long[:250], 0))
         second = t.submit(DecodeJob.tokens(run, long[250:], 250))
-        while t.runner.running_run != run:
+        while t.runner.running_group != run:
             time.sleep(0.001)
         t.cancel(run)
         for ticket in (first, second):
-            with pytest.raises(RunCancelled):
+            with pytest.raises(GroupCancelled):
                 t.wait(ticket)
         c = t.runner.counters
         assert (c.aborted, c.skipped) == (1, 1)  # stopped mid-compute, the queued one never ran
@@ -117,13 +117,13 @@ def test_runs_cancelled_together_never_start_after_the_abort(model: Model) -> No
     t = LocalTarget(model, ContextParams(n_ctx=1024, n_threads=THREADS))
     try:
         long = model.tokenize("The quick brown fox jumps over the lazy dog. " * 60)[:500]
-        runs = [t.new_run() for _ in range(3)]
+        runs = [t.new_group() for _ in range(3)]
         tickets = [t.submit(DecodeJob.tokens(r, long[i * 160 : (i + 1) * 160], i * 160)) for i, r in enumerate(runs)]
-        while t.runner.running_run != runs[0]:
+        while t.runner.running_group != runs[0]:
             time.sleep(0.001)
         t.cancel(*runs)
         for ticket in tickets:
-            with pytest.raises(RunCancelled):
+            with pytest.raises(GroupCancelled):
                 t.wait(ticket)
         c = t.runner.counters
         assert (c.aborted, c.skipped) == (1, 2)

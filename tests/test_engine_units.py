@@ -94,7 +94,7 @@ def test_abort_stops_prefill_and_cleans_cells(model: Model) -> None:
     long_text = "Describe this. " + "The sky is blue and the grass is green. " * 80
 
     def cancel_once_computing() -> None:
-        while session.target.runner.running_run is None:
+        while session.target.runner.running_group is None:
             time.sleep(0.001)
         session.cancel()
 

@@ -82,7 +82,7 @@ def test_version_mismatch_is_named() -> None:
 @pytest.mark.parametrize(
     "header,buffers,why",
     [
-        ({"type": "forward", "f": {"txn": 1, "run_id": 0, "skip": False},
+        ({"type": "forward", "f": {"txn": 1, "group": 0, "skip": False},
           "a": [["inputs", "i32", [2]], ["positions", "i32", [3]], ["seq_ids", "i32", [3]],
                 ["outputs", "u8", [3]]]},
          [b"\0" * 8, b"\0" * 12, b"\0" * 12, b"\1\0\0"], "token ids"),
@@ -90,16 +90,16 @@ def test_version_mismatch_is_named() -> None:
         ({"type": "ping", "f": {"nonce": 1, "x": 2}, "a": []}, [], "field set"),
         ({"type": "chunk", "f": {"sha256": SHA, "offset": 8, "total": 9}, "a": [["data", "u8", [4]]]},
          [b"abcd"], "outside"),
-        ({"type": "result", "f": {"txn": 1, "run_id": 0, "skip": False}, "a": [["hidden", "f32", [1, 2]]]},
+        ({"type": "result", "f": {"txn": 1, "group": 0, "skip": False}, "a": [["hidden", "f32", [1, 2]]]},
          [np.array([1.0, np.nan], dtype=np.float32).tobytes()], "non-finite"),
-        ({"type": "kv", "f": {"txn": 1, "run_id": 0, "op": "drop", "seq": 0, "dst": -1, "p0": 0,
+        ({"type": "kv", "f": {"txn": 1, "group": 0, "op": "drop", "seq": 0, "dst": -1, "p0": 0,
                               "p1": -1, "delta": 0}, "a": []}, [], "kv op"),
         ({"type": "load", "f": {"sha256": SHA, "layer_lo": 0, "layer_hi": 4, "first": True, "last": True,
                                 "n_ctx": 64, "n_batch": 8, "n_seq_max": 999, "kv_unified": True,
                                 "hidden_dtype": "f32", "next_addr": "", "upstream": "h", "reply_to": "h"},
           "a": []}, [], "n_seq_max"),
-        ({"type": "cancel", "f": {"run_id": 1}, "a": [["more", "i32", [300]]]}, [b"\0" * 1200], "at most"),
-        ({"type": "cancel", "f": {"run_id": 1}, "a": [["more", "f32", [2]]]}, [b"\0" * 8], "i32"),
+        ({"type": "cancel", "f": {"group": 1}, "a": [["more", "i32", [300]]]}, [b"\0" * 1200], "at most"),
+        ({"type": "cancel", "f": {"group": 1}, "a": [["more", "f32", [2]]]}, [b"\0" * 8], "i32"),
     ],
 )
 def test_inconsistent_messages_are_refused(header: dict, buffers: list[bytes], why: str) -> None:
@@ -180,7 +180,7 @@ def test_outputs_must_be_zero_or_one_with_one_set(outputs: list[int]) -> None:
 )
 def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
     """llama.cpp takes KV positions as int32: a wrapped value must never reach it."""
-    base = dict(txn=1, run_id=0, op="add", seq=0, dst=-1, p0=0, p1=-1, delta=0) | fields
+    base = dict(txn=1, group=0, op="add", seq=0, dst=-1, p0=0, p1=-1, delta=0) | fields
     with pytest.raises(wire.WireError, match="int32"):
         wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))])
 
@@ -189,7 +189,7 @@ def test_many_cancelled_runs_go_in_as_few_messages_as_fit() -> None:
     from potluck.engine.cluster.head import cancel_messages
 
     msgs = cancel_messages(list(range(1, 601)))
-    assert [len(m.run_ids) for m in msgs] == [257, 257, 86]
-    assert [r for m in msgs for r in m.run_ids] == list(range(1, 601))
+    assert [len(m.groups) for m in msgs] == [257, 257, 86]
+    assert [r for m in msgs for r in m.groups] == list(range(1, 601))
     for m in msgs:
-        assert wire.parse_frames(wire.to_frames(m)).run_ids == m.run_ids
+        assert wire.parse_frames(wire.to_frames(m)).groups == m.groups

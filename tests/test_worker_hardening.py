@@ -480,7 +480,7 @@ def test_a_malicious_worker_cannot_crash_the_head(
 
     def with_txn(frames: list, txn: int) -> list:
         msg = wire.parse_frames(frames)
-        return wire.to_frames(wire.Result(txn, msg.run_id, msg.skip, msg.hidden))
+        return wire.to_frames(wire.Result(txn, msg.group, msg.skip, msg.hidden))
 
     cases = {
         # llama.cpp reads n_tokens * n_embd floats: a narrower buffer would be read past its end
@@ -489,7 +489,7 @@ def test_a_malicious_worker_cannot_crash_the_head(
         "too many rows": lambda m: [with_txn(hidden(m.positions.size + 50, n_embd), m.txn)],
         "output rows only": lambda m: [with_txn(hidden(1, n_embd), m.txn)],
         "past the message size": lambda m: [  # hidden states of far more rows than n_batch
-            [wire.MAGIC, b'{"type":"result","f":{"txn":1,"run_id":1,"skip":false},"a":[["hidden","f32",[200,'
+            [wire.MAGIC, b'{"type":"result","f":{"txn":1,"group":1,"skip":false},"a":[["hidden","f32",[200,'
              + str(n_embd).encode() + b"]]]}", b"\0" * (200 * n_embd * 4)]
         ],
         "malformed": lambda m: [[wire.MAGIC, b"{not json"]],

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import PotluckError
-from ..core.jobs import DecodeJob, RunCancelled
+from ..core.jobs import DecodeJob, GroupCancelled
 from ..core.kv import KvOp
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class StageProcess:
 
     # -- work
     def submit(self, kind: str, payload: object = None) -> Future:
-        """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset" or "skip" (run id of a placeholder)."""
+        """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset" or "skip" (job group of a placeholder)."""
         fut: Future = Future()
         if self.crashed is not None:
             fut.set_exception(StageCrashed(self.crashed))
@@ -165,9 +165,9 @@ class StageProcess:
                 fut.set_exception(StageCrashed(self.crashed or str(e)))
         return fut
 
-    def cancel(self, run_id: int, *more: int) -> None:
+    def cancel(self, group: int, *more: int) -> None:
         try:
-            self._send(("cancel", (run_id, *more)))
+            self._send(("cancel", (group, *more)))
         except PotluckError:
             pass
 
@@ -226,12 +226,12 @@ class StageProcess:
 def _error(payload: tuple[str, str]) -> BaseException:
     kind, message = payload
     if kind == "cancelled":
-        return RunCancelled(message)
+        return GroupCancelled(message)
     return PotluckError(message)
 
 
 def _encode_error(e: BaseException) -> tuple[str, str]:
-    if isinstance(e, (RunCancelled, InterruptedError)):
+    if isinstance(e, (GroupCancelled, InterruptedError)):
         return ("cancelled", str(e))
     if isinstance(e, PotluckError):
         return ("refused", str(e))
@@ -296,7 +296,7 @@ def _child_main(conn: Connection) -> None:  # pragma: no cover - runs in the chi
                 continue
             n, payload = msg[1], msg[2]
             if kind == "status":
-                c, running = runner.counters, runner.running_run
+                c, running = runner.counters, runner.running_group
                 reply(n, True, StageStatus(c.finished, c.aborted, c.skipped, -1 if running is None else running,
                                            tuple(runner.positions), c.busy_s))
                 continue

@@ -9,7 +9,7 @@ not n_vocab: 2.3 kB instead of 196 kB for SmolLM2), and the head's tail, which h
 model's last layer(s) and the output layer, takes them in transaction order with the KV
 operations and resets, and computes the logits of the rows a batch asks for. Any number of
 batches may be in flight: results are filed by ticket as the tail finishes them and handed
-to whoever waits for that ticket, never dropped. ``cancel(run_id)`` goes to every stage out
+to whoever waits for that ticket, never dropped. ``cancel(group)`` goes to every stage out
 of band, the tail included: queued batches of the run are skipped, a running one is aborted.
 
 The head maps only the tail's slice of the target (the loader opens the target itself
@@ -53,7 +53,7 @@ import zmq
 from ..core.errors import PotluckError
 from ..core.events import ClusterView, Event, NodeStatus, PlanChanged, StageView
 from ..core.gguf_tools import SPLITTABLE_ARCHS
-from ..core.jobs import DecodeJob, RunCancelled, Ticket
+from ..core.jobs import DecodeJob, GroupCancelled, Ticket
 from ..core.kv import KvOp
 from ..core.runner import CANCELLED_KEPT
 from ..core.runtime import ContextParams
@@ -90,9 +90,9 @@ MAX_RECOVERIES_IN_A_ROW = 3
 # one) ends in one clear error instead of retrying forever.
 MAX_REBUILDS = 4
 RECOVERY_DEADLINE_S = 90.0
-# Replayed batches whose results were already delivered run under this run id, which no
-# caller ever gets from new_run(): a cancel sent meanwhile can never skip one of them.
-REPLAY_RUN = 0
+# Replayed batches whose results were already delivered run under this job group, which no
+# caller ever gets from new_group(): a cancel sent meanwhile can never skip one of them.
+REPLAY_GROUP = 0
 
 
 class NodeFailedError(PotluckError):
@@ -117,11 +117,11 @@ def max_result_bytes(n_batch: int, n_embd: int) -> int:
     return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
 
 
-def cancel_messages(run_ids: Sequence[int]) -> list[wire.Cancel]:
-    """``run_ids`` as few Cancel messages as the wire allows (each names up to 257 runs)."""
+def cancel_messages(groups: Sequence[int]) -> list[wire.Cancel]:
+    """``groups`` as few Cancel messages as the wire allows (each names up to 257 job groups)."""
     step = wire.MAX_CANCEL + 1
-    return [wire.Cancel(run_ids[i], np.array(run_ids[i + 1 : i + step], dtype="<i4"))
-            for i in range(0, len(run_ids), step)]
+    return [wire.Cancel(groups[i], np.array(groups[i + 1 : i + step], dtype="<i4"))
+            for i in range(0, len(groups), step)]
 
 
 class NodeLink:
@@ -461,8 +461,8 @@ class PipelineTarget(TargetBase):
         self._rows: dict[int, int] = {}  # ticket of each batch not yet waited for -> logits rows it returns
         self._results: dict[int, np.ndarray] = {}  # by ticket: logits computed, not yet waited for
         self._refused: dict[int, str] = {}  # by ticket: why a stage refused it
-        self._skipped: set[int] = set()  # tickets of batches of cancelled runs: skipped or aborted
-        self._cancelled: dict[int, None] = {}  # run ids cancelled, oldest first (as many as a runner keeps)
+        self._skipped: set[int] = set()  # tickets of batches of cancelled groups: skipped or aborted
+        self._cancelled: dict[int, None] = {}  # job groups cancelled, oldest first (as many as a runner keeps)
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
         self._owner = threading.get_ident()
@@ -476,7 +476,7 @@ class PipelineTarget(TargetBase):
         """Why this pipeline stopped working (None while healthy)."""
         return self._broken
 
-    # -- Target: runs
+    # -- Target: job groups
     def submit(self, job: DecodeJob) -> Ticket:
         self._check_usable()
         if job.n_tokens > self.n_batch:
@@ -488,7 +488,7 @@ class PipelineTarget(TargetBase):
         self.stats.tokens += job.n_tokens
         self.log.batch(ticket, job)
         self._deliver(lambda: self._send_batch(ticket, job))
-        return Ticket(job.run_id, ticket)
+        return Ticket(job.group, ticket)
 
     def wait(self, ticket: Ticket) -> np.ndarray:
         """Poll until the ticket's result arrives, filing any other result that comes first;
@@ -514,7 +514,7 @@ class PipelineTarget(TargetBase):
         rows = self._rows.pop(t)
         if t in self._skipped:
             self._skipped.discard(t)
-            raise RunCancelled(f"run {ticket.run_id} was cancelled")
+            raise GroupCancelled(f"job group {ticket.group} was cancelled")
         if t in self._refused:
             self._results.pop(t, None)
             raise PotluckError(self._refused.pop(t))
@@ -554,18 +554,18 @@ class PipelineTarget(TargetBase):
         """The layers the head computes itself (with the output layer), for the panels."""
         return self.tail.layers
 
-    def cancel(self, run_id: int, *more: int) -> None:
+    def cancel(self, group: int, *more: int) -> None:
         """Tell every stage to skip the runs' queued batches and abort the running one
         (one message: see :class:`wire.Cancel`)."""
-        self.tail.cancel(run_id, *more)  # thread-safe: the head's own stage hears it at once
-        self._cancel_requests.append((run_id, *more))
+        self.tail.cancel(group, *more)  # thread-safe: the head's own stage hears it at once
+        self._cancel_requests.append((group, *more))
         if threading.get_ident() == self._owner:
             self._flush_cancels()
 
-    def kv(self, op: KvOp, run_id: int = 0) -> None:
+    def kv(self, op: KvOp, group: int = 0) -> None:
         self._check_usable()
-        self.log.kv(op, run_id)
-        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op, run_id), op))
+        self.log.kv(op, group)
+        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op, group), op))
 
     def reset(self) -> None:
         """Clear every sequence on every stage (a new conversation)."""
@@ -665,7 +665,7 @@ class PipelineTarget(TargetBase):
         self._notices.append(lambda run_id: PlanChanged(run_id, stages, reason))
 
     def notices(self, run_id: int) -> list[Event]:
-        """What happened to the cluster since the last call (losses, new plans), for ``run_id``."""
+        """What happened to the cluster since the last call (losses, new plans), for ``group``."""
         out = [make(run_id) for make in self._notices]
         self._notices.clear()
         return out
@@ -732,14 +732,14 @@ class PipelineTarget(TargetBase):
 
     def _flush_cancels(self) -> None:
         while self._cancel_requests:
-            run_ids = self._cancel_requests.popleft()
-            for run_id in run_ids:
-                self._cancelled[run_id] = None
+            groups = self._cancel_requests.popleft()
+            for group in groups:
+                self._cancelled[group] = None
             while len(self._cancelled) > CANCELLED_KEPT:
                 del self._cancelled[next(iter(self._cancelled))]
             if self._broken is not None:
                 continue
-            for msg in cancel_messages(run_ids):
+            for msg in cancel_messages(groups):
                 for link in self.links:
                     link.send_nowait(msg)
 
@@ -796,7 +796,7 @@ class PipelineTarget(TargetBase):
                 continue  # a replayed batch whose result was delivered before
             if err is None:
                 self._results[ticket] = fut.result()
-            elif isinstance(err, RunCancelled):  # skipped or aborted here: llama.cpp dropped its cells
+            elif isinstance(err, GroupCancelled):  # skipped or aborted here: llama.cpp dropped its cells
                 self._skipped.add(ticket)
                 self.log.forget(ticket)
             else:
@@ -826,11 +826,11 @@ class PipelineTarget(TargetBase):
             self.tail.arrived(msg.txn, msg.hidden)
             return
         sent_as = self.tail.drop(msg.txn)
-        if self._awaited(ticket) and msg.run_id not in self._cancelled:
+        if self._awaited(ticket) and msg.group not in self._cancelled:
             # a stage refused it (its error may still be on the way) or the worker lies:
-            # never a RunCancelled for a run nobody cancelled
+            # never a GroupCancelled for a group nobody cancelled
             self._refused.setdefault(
-                ticket, f"{self.links[-1].describe()} skipped transaction {msg.txn} of run {msg.run_id}, "
+                ticket, f"{self.links[-1].describe()} skipped transaction {msg.txn} of job group {msg.group}, "
                 "which was never cancelled"
             )
             self.log.forget(ticket)
@@ -838,7 +838,7 @@ class PipelineTarget(TargetBase):
         if self._awaited(ticket):  # cancelled before it computed: it never touched a cache
             self._skipped.add(ticket)
             self.log.forget(ticket)
-        elif sent_as == REPLAY_RUN:  # refused ones were settled by their error already
+        elif sent_as == REPLAY_GROUP:  # refused ones were settled by their error already
             raise NodeFailedError(f"a replayed batch (transaction {msg.txn}) came back skipped")
 
     def _check_links(self) -> None:
@@ -992,23 +992,23 @@ class PipelineTarget(TargetBase):
         self._txn_rows.clear()
         for entry in self.log:
             if isinstance(entry, LoggedKv):
-                op, run_id = entry.op, entry.run_id
-                self._send_op(lambda txn, op=op, run_id=run_id: wire.KvApply.from_op(txn, op, run_id), op)
+                op, group = entry.op, entry.group
+                self._send_op(lambda txn, op=op, group=group: wire.KvApply.from_op(txn, op, group), op)
                 continue
             assert isinstance(entry, LoggedBatch)
             job = entry.job
             if self._awaited(entry.ticket):
-                if job.run_id in self._cancelled:  # the old chain would have skipped it
+                if job.group in self._cancelled:  # the old chain would have skipped it
                     self._skipped.add(entry.ticket)
                     self.log.forget(entry.ticket)
                     continue
             else:
-                job = dataclasses.replace(job, run_id=REPLAY_RUN)
+                job = dataclasses.replace(job, group=REPLAY_GROUP)
             self._send_batch(entry.ticket, job)
             self.stats.replayed_batches += 1
             self.stats.replayed_tokens += job.n_tokens
-        # The new stages skip later batches of cancelled runs as the old ones did; replayed
-        # batches run under REPLAY_RUN, so these cancels cannot touch them.
+        # The new stages skip later batches of cancelled groups as the old ones did; replayed
+        # batches run under REPLAY_GROUP, so these cancels cannot touch them.
         for msg in cancel_messages(tuple(self._cancelled)):
             for link in self.links:
                 link.send_nowait(msg)

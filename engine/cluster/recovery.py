@@ -12,7 +12,7 @@ transactions matter, not which node computes which layers.
 Only the first stage's inputs are logged (token ids), so the log costs 13 bytes a row.
 Two things keep it near the conversation's size:
 
-- a batch whose run was cancelled before it computed (its result came back skipped, or it
+- a batch whose group was cancelled before it computed (its result came back skipped, or it
   was refused) never touched a cache and leaves the log;
 - a KV ``rm`` that removes whole batches at the tail of the log (a regenerated reply, a
   cancelled prompt) removes those batches from the log too. That replays identically:
@@ -46,7 +46,7 @@ class LoggedBatch:
 @dataclass(frozen=True)
 class LoggedKv:
     op: KvOp
-    run_id: int
+    group: int
 
 
 Logged = LoggedBatch | LoggedKv
@@ -76,13 +76,13 @@ class TransactionLog:
     def batch(self, ticket: int, job: DecodeJob) -> None:
         self._entries.append(LoggedBatch(ticket, job))
 
-    def kv(self, op: KvOp, run_id: int) -> None:
+    def kv(self, op: KvOp, group: int) -> None:
         if op.op == "rm":
             if self._empties_cache(op):
                 self._entries.clear()
                 return
             self._drop_removed_tail(op)
-        self._entries.append(LoggedKv(op, run_id))
+        self._entries.append(LoggedKv(op, group))
 
     def forget(self, ticket: int) -> None:
         """The batch never changed a cache (skipped by a cancel, or refused)."""

@@ -101,7 +101,7 @@ class HeadTail:
         if item is None or item.job is None:
             return  # not a batch of this chain: nothing to compute
         job = item.job
-        full = DecodeJob(job.run_id, hidden.astype(np.float32, copy=False), job.positions, job.seq_ids, job.outputs)
+        full = DecodeJob(job.group, hidden.astype(np.float32, copy=False), job.positions, job.seq_ids, job.outputs)
         try:
             self.stage.check(full)
             item.work = full
@@ -111,17 +111,17 @@ class HeadTail:
 
     def drop(self, txn: int) -> int | None:
         """Batch ``txn`` came back skipped (cancelled or refused upstream): nothing to compute.
-        The run id it was sent under (None: not a batch waiting here)."""
+        The job group it was sent under (None: not a batch waiting here)."""
         item = self._batches.pop(txn, None)
         if item is None or item.job is None:
             return None
         item.dropped = True
         self._pump()
-        return item.job.run_id
+        return item.job.group
 
-    def cancel(self, run_id: int, *more: int) -> None:
-        """Skip the runs' queued batches here and abort the running one (any thread)."""
-        self.runner.cancel(run_id, *more)
+    def cancel(self, group: int, *more: int) -> None:
+        """Skip the groups' queued batches here and abort the running one (any thread)."""
+        self.runner.cancel(group, *more)
 
     def finished(self) -> list[tuple[int, Future]]:
         """(ticket, future) of the work done since the last call, in order (ticket 0: KV or reset)."""

@@ -5,7 +5,7 @@ Frame layout (one ZeroMQ multipart message, jupyter_client style)::
     frame 0   b"potluck/1"                      magic + protocol version
     frame 1   header, UTF-8 JSON object:
                 {"type": "forward",              message type (a key of MESSAGES)
-                 "f": {"txn": 7, "run_id": 0, ...},   scalar fields, exactly the class's
+                 "f": {"txn": 7, "group": 0, ...},   scalar fields, exactly the class's
                  "a": [["inputs", "i32", [5]], ...]}  one [name, dtype, shape] per array
     frame 2.. one raw little-endian buffer per entry of "a", in order
 
@@ -17,7 +17,7 @@ every socket runs ZeroMQ CURVE with keys bound to the cluster token (see transpo
 
 Data-path transactions (:class:`Forward`, :class:`KvApply`, :class:`Reset`) carry ``txn``, a
 counter every stage checks so that KV operations and batches apply in the same order on
-every stage; batches carry the ``run_id`` of their run, so several runs can be in flight
+every stage; batches carry their job ``group``, so several groups can be in flight
 and :class:`Cancel` can stop one (skipped batches still travel, empty, to keep order).
 """
 
@@ -33,14 +33,14 @@ import numpy as np
 from ..core.jobs import DecodeJob
 from ..core.kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 6  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+PROTOCOL_VERSION = 7  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
 # 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output);
-# 6: one cancel names several runs
+# 6: one cancel names several job groups; 7: run_id fields renamed group/groups
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
 MAX_ARRAYS = 4
-MAX_CANCEL = 256  # runs one cancel may name
+MAX_CANCEL = 256  # job groups one cancel may name (besides the first)
 MAX_DIM = 1 << 31
 INT32_MAX = (1 << 31) - 1
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # one message; the worker also sets ZMQ_MAXMSGSIZE
@@ -212,8 +212,8 @@ class Release(WireMessage):
 
 @dataclass(frozen=True)
 class Cancel(WireMessage):
-    """Head -> every stage, out of band: skip the data-path work of ``run_id`` and of the
-    runs in ``more``, all at once: a stage that aborts the first must never start the next
+    """Head -> every stage, out of band: skip the data-path work of ``group`` and of the
+    groups in ``more``, all at once: a stage that aborts the first must never start the next
     before it hears of it (the abort freed cells that batch's positions follow).
 
     Skipped decodes still travel down the pipeline (empty) so that order is kept.
@@ -221,16 +221,16 @@ class Cancel(WireMessage):
 
     TYPE = "cancel"
     ARRAYS = ("more",)
-    run_id: int
+    group: int
     more: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="<i4"), repr=False)  # [k] i32
 
     def check(self) -> None:
         if self.more.dtype != DTYPES["i32"] or self.more.ndim != 1 or self.more.shape[0] > MAX_CANCEL:
-            raise WireError(f"cancel: more must be at most {MAX_CANCEL} i32 run ids")
+            raise WireError(f"cancel: more must be at most {MAX_CANCEL} i32 job groups")
 
     @property
-    def run_ids(self) -> tuple[int, ...]:
-        return (self.run_id, *self.more.tolist())
+    def groups(self) -> tuple[int, ...]:
+        return (self.group, *self.more.tolist())
 
 
 @dataclass(frozen=True)
@@ -269,8 +269,8 @@ class StatusReply(WireMessage):
     txn: int
     finished: int  # batches computed to the end
     aborted: int  # batches stopped mid-compute by a cancel
-    skipped: int  # batches of a cancelled run never started
-    running_run: int  # run id of the batch computing now, -1 none
+    skipped: int  # batches of a cancelled group never started
+    running_group: int  # job group of the batch computing now, -1 none
     busy_ms: float  # time spent computing since the stage loaded (stage utilisation)
     pos_max: np.ndarray = field(repr=False)  # [n_seq_max] i32: last position per sequence, -1 empty
 
@@ -296,13 +296,13 @@ class Forward(WireMessage):
     ``inputs``: [n] i32 token ids, or [n, n_embd] f32/f16 hidden states.
     ``positions``, ``seq_ids``: [n] i32. ``outputs``: [n] u8, rows whose logits the head
     computes (every stage still computes every row: later layers need them all). ``skip``: the
-    run was cancelled upstream; nothing is computed, order is kept.
+    group was cancelled upstream; nothing is computed, order is kept.
     """
 
     TYPE = "forward"
     ARRAYS = ("inputs", "positions", "seq_ids", "outputs")
     txn: int
-    run_id: int
+    group: int
     skip: bool
     inputs: np.ndarray = field(repr=False)
     positions: np.ndarray = field(repr=False)
@@ -314,7 +314,7 @@ class Forward(WireMessage):
         """``job`` as transaction ``txn``; ``inputs`` replaces its inputs (a stage's output)."""
         return cls(
             txn=txn,
-            run_id=job.run_id,
+            group=job.group,
             skip=False,
             inputs=job.inputs if inputs is None else inputs,
             positions=job.positions.astype("<i4", copy=False),
@@ -323,21 +323,21 @@ class Forward(WireMessage):
         )
 
     def skipped(self) -> Forward:
-        """The empty message a cancelled run still sends downstream (keeps txn order)."""
+        """The empty message a cancelled group still sends downstream (keeps txn order)."""
         empty = np.zeros(0, dtype="<i4")
-        return Forward(self.txn, self.run_id, True, empty, empty, empty, np.zeros(0, dtype="u1"))
+        return Forward(self.txn, self.group, True, empty, empty, empty, np.zeros(0, dtype="u1"))
 
     def job(self) -> DecodeJob:
         inputs = self.inputs if self.is_tokens else self.inputs.astype(np.float32, copy=False)
-        return DecodeJob(self.run_id, inputs, self.positions, self.seq_ids, self.outputs.astype(bool))
+        return DecodeJob(self.group, inputs, self.positions, self.seq_ids, self.outputs.astype(bool))
 
     @property
     def is_tokens(self) -> bool:
         return self.inputs.dtype == DTYPES["i32"]
 
     def check(self) -> None:
-        if self.txn < 1 or self.run_id < 0:
-            raise WireError("txn must be >= 1 and run_id >= 0")
+        if self.txn < 1 or self.group < 0:
+            raise WireError("txn must be >= 1 and group >= 0")
         n = self.positions.shape[0] if self.positions.ndim == 1 else -1
         for name in ("positions", "seq_ids"):
             a = getattr(self, name)
@@ -372,7 +372,7 @@ class KvApply(WireMessage):
 
     TYPE = "kv"
     txn: int
-    run_id: int
+    group: int
     op: str
     seq: int
     dst: int
@@ -381,15 +381,15 @@ class KvApply(WireMessage):
     delta: int
 
     @classmethod
-    def from_op(cls, txn: int, op: KvOp, run_id: int = 0) -> KvApply:
-        return cls(txn, run_id, op.op, op.seq, op.dst, op.p0, op.p1, op.delta)
+    def from_op(cls, txn: int, op: KvOp, group: int = 0) -> KvApply:
+        return cls(txn, group, op.op, op.seq, op.dst, op.p0, op.p1, op.delta)
 
     def kv_op(self) -> KvOp:
         return KvOp(self.op, self.seq, self.dst, self.p0, self.p1, self.delta)
 
     def check(self) -> None:
-        if self.txn < 1 or self.run_id < 0:
-            raise WireError("txn must be >= 1 and run_id >= 0")
+        if self.txn < 1 or self.group < 0:
+            raise WireError("txn must be >= 1 and group >= 0")
         if self.op not in KV_OPS:
             raise WireError(f"kv op must be one of {KV_OPS}")
         if self.seq < 0 or self.dst < -1 or self.p0 < -1 or self.p1 < -1:
@@ -420,7 +420,7 @@ class Result(WireMessage):
     TYPE = "result"
     ARRAYS = ("hidden",)
     txn: int
-    run_id: int
+    group: int
     skip: bool
     hidden: np.ndarray = field(repr=False)
 

@@ -41,7 +41,7 @@ import zmq
 from ..core import paths
 from ..core.errors import PotluckError
 from ..core.gguf_tools import SPLITTABLE_ARCHS
-from ..core.jobs import RunCancelled
+from ..core.jobs import GroupCancelled
 from ..core.spec import CurveKeys
 from . import wire
 from .child import StageCrashed, StageInfo, StageProcess, StageSpec
@@ -397,7 +397,7 @@ class Worker:
             self.owner, self.owner_name = b"", ""
         elif isinstance(msg, wire.Cancel):
             if self.stage is not None:
-                self.stage.proc.cancel(*msg.run_ids)  # reaches a running batch, not only queued ones
+                self.stage.proc.cancel(*msg.groups)  # reaches a running batch, not only queued ones
         else:
             raise PotluckError(f"a worker does not accept {msg.TYPE!r} messages")
 
@@ -573,7 +573,7 @@ class Worker:
         elif isinstance(msg, wire.KvApply):
             fut = ld.proc.submit("kv", msg.kv_op())
         elif msg.skip:  # cancelled or refused upstream: skipped here too, in its place
-            fut = ld.proc.submit("skip", msg.run_id)
+            fut = ld.proc.submit("skip", msg.group)
         else:
             fut = ld.proc.submit("job", msg.job())  # checked by the stage, in its place in the order
         fut.add_done_callback(lambda f, m=msg: self._finished(ld, m, f))
@@ -633,7 +633,7 @@ class Worker:
         everything else downstream."""
         err = fut.exception()
         if isinstance(msg, wire.Forward):
-            if err is not None and not isinstance(err, RunCancelled):
+            if err is not None and not isinstance(err, GroupCancelled):
                 log.warning("batch of transaction %d refused or failed: %s", msg.txn, err)
                 self.rejected += 1
                 self._send(self.head, wire.Error(self.node, "failed", f"{err}", msg.txn))
@@ -641,7 +641,7 @@ class Worker:
             hidden = out.astype(np.float16) if out is not None and ld.load.hidden_dtype == "f16" else out
             if ld.load.last:
                 rows = hidden if hidden is not None else np.zeros((0, 1), dtype=np.float32)
-                self._send(self.head, wire.Result(msg.txn, msg.run_id, hidden is None, rows))
+                self._send(self.head, wire.Result(msg.txn, msg.group, hidden is None, rows))
                 return
             if hidden is None:
                 self._forward(wire.to_frames(msg.skipped() if not msg.skip else msg))

@@ -3,8 +3,8 @@ redeems its result.
 
 A job names everything llama.cpp needs and nothing else: its inputs (token ids, or hidden
 states for a later pipeline stage), explicit positions, one sequence id per row and the rows
-whose logits come back. Every job belongs to a run (``run_id``): cancelling a run skips its
-queued jobs and aborts the one computing, so speculative work that lost its reason to exist
+whose logits come back. Every job belongs to a job group (``group``; a reply's ``run_id`` is another thing):
+cancelling a group skips its queued jobs and aborts the one computing, so speculative work that lost its reason to exist
 stops costing time (PipeInfer's early cancellation).
 """
 
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-class RunCancelled(InterruptedError):
-    """The job's run was cancelled before or while it computed; its KV cells are gone."""
+class GroupCancelled(InterruptedError):
+    """The job's group was cancelled before or while it computed; its KV cells are gone."""
 
 
 @dataclass(frozen=True)
 class DecodeJob:
-    run_id: int
+    group: int
     inputs: np.ndarray = field(repr=False)  # [n] i32 token ids, or [n, n_embd] f32 hidden states
     positions: np.ndarray = field(repr=False)  # [n] i32
     seq_ids: np.ndarray = field(repr=False)  # [n] i32, one sequence per row
@@ -43,7 +43,7 @@ class DecodeJob:
     @classmethod
     def tokens(
         cls,
-        run_id: int,
+        group: int,
         tokens: Sequence[int] | np.ndarray,
         pos0: int,
         *,
@@ -56,7 +56,7 @@ class DecodeJob:
         if n == 0:
             raise ValueError("a decode job needs at least one token")
         return cls(
-            run_id,
+            group,
             ids,
             np.arange(pos0, pos0 + n, dtype=np.int32),
             np.full(n, seq_id, dtype=np.int32),
@@ -81,7 +81,7 @@ def output_mask(n: int, outputs: str | Sequence[bool]) -> np.ndarray:
 class Ticket:
     """Claim on one submitted job's result (``Target.wait``)."""
 
-    run_id: int
+    group: int
     seq_no: int  # the target's submission counter (the pipeline's transaction number)
 
 

@@ -4,7 +4,7 @@ Jobs and KV operations run strictly in submission order (the order that keeps ev
 KV cache identical to plain decoding's). The submitting thread is free meanwhile: a strategy
 drafts while the target verifies, a worker reads its socket while a batch computes.
 
-Cancelling a run skips its queued jobs and aborts its running one mid-compute through the
+Cancelling a job group skips its queued jobs and aborts its running one mid-compute through the
 context's abort flag (llama.cpp then removes the batch's cells itself). Counters say which
 happened, so tests prove the path ran instead of guessing from timings.
 """
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .jobs import DecodeJob, RunCancelled
+from .jobs import DecodeJob, GroupCancelled
 from .kv import KvOp
 from .stage import Stage
 
 log = logging.getLogger(__name__)
 
-CANCELLED_KEPT = 4096  # run ids remembered as cancelled (runs are short-lived)
+CANCELLED_KEPT = 4096  # job groups remembered as cancelled (groups are short-lived)
 
 # What the queue holds: a batch, a KV operation, or a call on the stage in its place in the
 # order (clearing the cache for a new conversation, reading positions once earlier work ran).
@@ -38,13 +38,13 @@ WorkItem = DecodeJob | KvOp | Callable[[Stage], object]
 class RunnerCounters:
     finished: int = 0  # jobs computed to the end
     aborted: int = 0  # jobs stopped mid-compute by a cancel
-    skipped: int = 0  # jobs of a cancelled run never started
+    skipped: int = 0  # jobs of a cancelled group never started
     kv_ops: int = 0
     busy_s: float = 0.0  # time spent computing jobs (aborted ones included): stage utilisation
 
 
 class StageRunner:
-    """FIFO of jobs and KV operations for one stage, with cancellation by run id."""
+    """FIFO of jobs and KV operations for one stage, with cancellation by job group."""
 
     def __init__(self, stage: Stage, name: str = "stage") -> None:
         self.stage = stage
@@ -53,7 +53,7 @@ class StageRunner:
         self._cond = threading.Condition()
         self._cancelled: set[int] = set()
         self._cancel_order: collections.deque[int] = collections.deque()
-        self._running: int | None = None  # run id of the job computing now
+        self._running: int | None = None  # job group of the job computing now
         # last position per sequence after the latest item, read by other threads (a status
         # request must not read llama.cpp's KV metadata while a batch is writing it)
         self.positions: list[int] = stage.pos_max()
@@ -72,23 +72,23 @@ class StageRunner:
             self._cond.notify()
         return fut
 
-    def cancel(self, run_id: int, *more: int) -> None:
-        """Skip the runs' queued jobs and abort the running one. Several runs are cancelled
-        in one step: after an abort frees a run's cells, the next job must not start unless
+    def cancel(self, group: int, *more: int) -> None:
+        """Skip the groups' queued jobs and abort the running one. Several groups are cancelled
+        in one step: after an abort frees a group's cells, the next job must not start unless
         it is known to be cancelled too (its positions would no longer follow the cache's)."""
-        runs = (run_id, *more)
+        groups = (group, *more)
         with self._cond:
-            for rid in runs:
+            for rid in groups:
                 if rid not in self._cancelled:
                     self._cancelled.add(rid)
                     self._cancel_order.append(rid)
                     if len(self._cancel_order) > CANCELLED_KEPT:
                         self._cancelled.discard(self._cancel_order.popleft())
-            if self._running in runs:
+            if self._running in groups:
                 self.stage.ctx.request_abort()
 
     @property
-    def running_run(self) -> int | None:
+    def running_group(self) -> int | None:
         return self._running
 
     def close(self) -> None:
@@ -113,9 +113,9 @@ class StageRunner:
                     return
                 item, fut = self._queue.popleft()
                 # a job with no rows is a placeholder that only keeps its place in the order
-                skip = isinstance(item, DecodeJob) and (item.run_id in self._cancelled or item.n_tokens == 0)
+                skip = isinstance(item, DecodeJob) and (item.group in self._cancelled or item.n_tokens == 0)
                 if isinstance(item, DecodeJob) and not skip:
-                    self._running = item.run_id
+                    self._running = item.group
                     self.stage.ctx.clear_abort()
             if isinstance(item, DecodeJob):
                 self._run_job(item, fut, skip)
@@ -125,7 +125,7 @@ class StageRunner:
     def _run_job(self, job: DecodeJob, fut: Future, skip: bool) -> None:
         if skip:
             self.counters.skipped += 1
-            fut.set_exception(RunCancelled(f"run {job.run_id} was cancelled"))
+            fut.set_exception(GroupCancelled(f"job group {job.group} was cancelled"))
             return
         outcome: np.ndarray | BaseException
         t0 = time.perf_counter()
@@ -134,7 +134,7 @@ class StageRunner:
             self.counters.finished += 1
         except InterruptedError:
             self.counters.aborted += 1
-            outcome = RunCancelled(f"run {job.run_id} was cancelled mid-compute")
+            outcome = GroupCancelled(f"job group {job.group} was cancelled mid-compute")
         except BaseException as e:  # delivered to whoever waits for it
             outcome = e
         self.counters.busy_s += time.perf_counter() - t0

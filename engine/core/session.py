@@ -60,7 +60,7 @@ class Session:
         self._cancel = threading.Event()
         self._reply_ids = itertools.count(1)
         self.run_id = 0  # the reply running now or last (events carry it)
-        self._prefill_run: int | None = None  # target run of a prompt being processed
+        self._prefill_group: int | None = None  # the target job group of a prompt being processed
         self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
         self._covered = ""  # rendered text that self._tokens stand for
 
@@ -89,7 +89,7 @@ class Session:
         if run_id is not None and run_id != self.run_id:
             return
         self._cancel.set()
-        prefill = self._prefill_run
+        prefill = self._prefill_group
         if prefill is not None:
             self.target.cancel(prefill)
 
@@ -154,11 +154,11 @@ class Session:
         yield ReplyStarted(run_id, self.strategy.name, len(tokens), len(tokens) - reused, target.n_ctx)
         yield from target.node_status(run_id)
         # Esc during a long prompt reaches the running batch through the target's cancel.
-        self._prefill_run = target.new_run()
+        self._prefill_group = target.new_group()
         try:
             if self._cancel.is_set():
                 raise InterruptedError("cancelled before the prompt was processed")
-            first_logits = target.decode(tokens[reused:], run_id=self._prefill_run)[-1].copy()
+            first_logits = target.decode(tokens[reused:], group=self._prefill_group)[-1].copy()
         except InterruptedError:
             target.truncate(reused)
             self.messages.append(Message("assistant", ""))
@@ -172,7 +172,7 @@ class Session:
             target.truncate(reused)
             raise
         finally:
-            self._prefill_run = None
+            self._prefill_group = None
         yield from target.notices(run_id)  # a worker lost and replaced during the prompt
         self._tokens = list(tokens)
         self._covered = rendered

@@ -1,10 +1,10 @@
-"""The model a strategy verifies against: runs of decode jobs over KV sequences.
+"""The model a strategy verifies against: groups of decode jobs over KV sequences.
 
 Strategies see the :class:`Target` protocol only, so one strategy runs on a local llama.cpp
 context, on stages chained in this process (:mod:`.split`) or on a pipeline of LAN workers.
 
 - Work is submitted as :class:`~.jobs.DecodeJob`s (``submit`` -> ticket, ``wait`` -> logits)
-  and several may be in flight; ``cancel(run_id)`` skips or aborts a run's jobs. KV
+  and several may be in flight; ``cancel(group)`` skips or aborts a job group's jobs. KV
   operations (:class:`~.kv.KvOp`) are queued in order with the jobs.
 - Sequence 0 is the canonical conversation. ``decode``/``truncate`` are small helpers over
   the above for it: ``n_past`` tokens sit at positions ``0..n_past-1`` and, because rejected
@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import ContextFullError, PotluckError
 from .events import ClusterView, Event, NodeStatus
-from .jobs import DecodeJob, RunCancelled, Ticket
+from .jobs import DecodeJob, GroupCancelled, Ticket
 from .kv import KvOp
 from .runner import StageRunner
 from .runtime import ContextParams, Model
@@ -44,9 +44,9 @@ class Target(Protocol):
     n_seq_max: int
     n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
 
-    # -- runs
-    def new_run(self) -> int:
-        """A fresh run id (every job belongs to one run)."""
+    # -- job groups
+    def new_group(self) -> int:
+        """A fresh job group id (every job belongs to one group; cancelling one stops its jobs)."""
         ...
 
     def submit(self, job: DecodeJob) -> Ticket:
@@ -54,7 +54,7 @@ class Target(Protocol):
         ...
 
     def wait(self, ticket: Ticket) -> np.ndarray:
-        """The job's logits [n_outputs, vocab] (owned). Raises :class:`RunCancelled` if its run
+        """The job's logits [n_outputs, vocab] (owned). Raises :class:`GroupCancelled` if its group
         was cancelled first. Tickets may be redeemed in any order, each once."""
         ...
 
@@ -63,8 +63,8 @@ class Target(Protocol):
         keep working while results are on the way (PipeInfer's continuous speculation)."""
         ...
 
-    def cancel(self, run_id: int, *more: int) -> None:
-        """Skip the runs' queued jobs and abort the running one; any thread. Runs cancelled
+    def cancel(self, group: int, *more: int) -> None:
+        """Skip the groups' queued jobs and abort the running one; any thread. Groups cancelled
         together are cancelled in one step on every stage (name them in one call)."""
         ...
 
@@ -80,11 +80,11 @@ class Target(Protocol):
     @property
     def n_past(self) -> int: ...
 
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, run_id: int | None = None) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, group: int | None = None) -> np.ndarray:
         """Append ``tokens`` to sequence 0: logits [n_rows, vocab] for every row or the last one."""
         ...
 
-    def append(self, tokens: Sequence[int], run_id: int) -> Ticket:
+    def append(self, tokens: Sequence[int], group: int) -> Ticket:
         """Queue ``tokens`` after sequence 0 without waiting (logits for every row); ``n_past``
         grows now. For strategies that keep several verify batches in flight: what they do
         not keep, they cancel and ``truncate``."""
@@ -128,10 +128,10 @@ class TargetBase(ABC):
 
     def __init__(self) -> None:
         self._n_past = 0
-        self._runs = itertools.count(1)
+        self._groups = itertools.count(1)
 
-    def new_run(self) -> int:
-        return next(self._runs)
+    def new_group(self) -> int:
+        return next(self._groups)
 
     # what each target implements (documented on :class:`Target`)
     @abstractmethod
@@ -144,7 +144,7 @@ class TargetBase(ABC):
     def poll(self, ticket: Ticket) -> bool: ...
 
     @abstractmethod
-    def cancel(self, run_id: int, *more: int) -> None: ...
+    def cancel(self, group: int, *more: int) -> None: ...
 
     @abstractmethod
     def kv(self, op: KvOp) -> None: ...
@@ -159,7 +159,7 @@ class TargetBase(ABC):
     def n_past(self) -> int:
         return self._n_past
 
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, run_id: int | None = None) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, group: int | None = None) -> np.ndarray:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
@@ -168,10 +168,10 @@ class TargetBase(ABC):
                 f"the conversation needs {self._n_past + n} tokens but the context holds "
                 f"{self.n_ctx}; start a new conversation or raise --ctx"
             )
-        run = self.new_run() if run_id is None else run_id
+        group = self.new_group() if group is None else group
         outputs = "all" if all_logits else "last"
         tickets = [
-            self.submit(DecodeJob.tokens(run, tokens[i : i + self.n_batch], self._n_past + i, outputs=outputs))
+            self.submit(DecodeJob.tokens(group, tokens[i : i + self.n_batch], self._n_past + i, outputs=outputs))
             for i in range(0, n, self.n_batch)
         ]
         rows: list[np.ndarray] = []
@@ -179,15 +179,15 @@ class TargetBase(ABC):
             for t in tickets:
                 rows.append(self.wait(t))
         except BaseException:
-            # Cancelled or failed mid-prompt: settle the run's other jobs, then drop whatever
+            # Cancelled or failed mid-prompt: settle the group's other jobs, then drop whatever
             # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
             # Best effort: on a target that just broke, the original error is what matters.
             try:
-                self.cancel(run)
+                self.cancel(group)
                 for t in tickets[len(rows) + 1 :]:
                     try:
                         self.wait(t)
-                    except RunCancelled:
+                    except GroupCancelled:
                         pass
                 self.kv(KvOp.rm(0, self._n_past))
             except PotluckError:
@@ -198,7 +198,7 @@ class TargetBase(ABC):
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1:]
 
-    def append(self, tokens: Sequence[int], run_id: int) -> Ticket:
+    def append(self, tokens: Sequence[int], group: int) -> Ticket:
         n = len(tokens)
         if not 0 < n <= self.n_batch:
             raise ValueError(f"append takes 1..{self.n_batch} tokens, got {n}")
@@ -207,7 +207,7 @@ class TargetBase(ABC):
                 f"the conversation needs {self._n_past + n} tokens but the context holds "
                 f"{self.n_ctx}; start a new conversation or raise --ctx"
             )
-        ticket = self.submit(DecodeJob.tokens(run_id, tokens, self._n_past, outputs="all"))
+        ticket = self.submit(DecodeJob.tokens(group, tokens, self._n_past, outputs="all"))
         self._n_past += n
         return ticket
 
@@ -252,7 +252,7 @@ class LocalTarget(TargetBase):
         self.stage.check(job)
         seq_no = next(self._seq)
         self._pending[seq_no] = self.runner.submit(job)
-        return Ticket(job.run_id, seq_no)
+        return Ticket(job.group, seq_no)
 
     def wait(self, ticket: Ticket) -> np.ndarray:
         return self._pending.pop(ticket.seq_no).result()
@@ -260,8 +260,8 @@ class LocalTarget(TargetBase):
     def poll(self, ticket: Ticket) -> bool:
         return self._pending[ticket.seq_no].done()
 
-    def cancel(self, run_id: int, *more: int) -> None:
-        self.runner.cancel(run_id, *more)
+    def cancel(self, group: int, *more: int) -> None:
+        self.runner.cancel(group, *more)
 
     def kv(self, op: KvOp) -> None:
         self.stage.ctx.check_kv(op)

@@ -46,7 +46,7 @@ class SplitTarget(TargetBase):
         self._forward(0, job, done)
         seq_no = next(self._seq)
         self._pending[seq_no] = done
-        return Ticket(job.run_id, seq_no)
+        return Ticket(job.group, seq_no)
 
     def _forward(self, i: int, job: DecodeJob, done: Future) -> None:
         """Queue ``job`` on stage ``i``; its output becomes stage ``i+1``'s input (in the
@@ -59,7 +59,7 @@ class SplitTarget(TargetBase):
             elif i == len(self.runners) - 1:
                 done.set_result(fut.result())
             else:
-                hidden = DecodeJob(job.run_id, fut.result(), job.positions, job.seq_ids, job.outputs)
+                hidden = DecodeJob(job.group, fut.result(), job.positions, job.seq_ids, job.outputs)
                 self._forward(i + 1, hidden, done)
 
         self.runners[i].submit(job).add_done_callback(next_stage)
@@ -70,9 +70,9 @@ class SplitTarget(TargetBase):
     def poll(self, ticket: Ticket) -> bool:
         return self._pending[ticket.seq_no].done()
 
-    def cancel(self, run_id: int, *more: int) -> None:
+    def cancel(self, group: int, *more: int) -> None:
         for runner in self.runners:
-            runner.cancel(run_id, *more)
+            runner.cancel(group, *more)
 
     def kv(self, op: KvOp) -> None:
         self.stages[0].ctx.check_kv(op)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...core.errors import PotluckError
-from ...core.jobs import InFlight, RunCancelled
+from ...core.jobs import GroupCancelled, InFlight
 from ...core.sampling import SamplingParams, probs
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
@@ -340,7 +340,7 @@ class Pearl(Strategy):
             hold rejected guesses) and trim the KV cache back to ``keep_below`` tokens."""
             for b in batches:
                 if b.pos0 >= keep_below:
-                    target.cancel(b.ticket.run_id)
+                    target.cancel(b.ticket.group)
             while batches:
                 b = batches.popleft()
                 if b.pos0 < keep_below:
@@ -348,7 +348,7 @@ class Pearl(Strategy):
                 else:
                     try:
                         target.wait(b.ticket)
-                    except RunCancelled:
+                    except GroupCancelled:
                         pass
             target.truncate(min(target.n_past, keep_below))
             for k in [k for k in rows if k > keep_below]:
@@ -395,7 +395,7 @@ class Pearl(Strategy):
                     toks += self.ahead.drafted(first_guess, max(0, room))
                     if not toks:
                         break
-                    ticket = target.append(toks, target.new_run())
+                    ticket = target.append(toks, target.new_group())
                     batches.append(_Batch(ticket, start, len(toks), time.perf_counter()))
 
                 # 3. verify position by position, waiting for target rows and draft tokens

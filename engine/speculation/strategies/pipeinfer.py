@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...core.errors import PotluckError
-from ...core.jobs import InFlight, RunCancelled
+from ...core.jobs import GroupCancelled, InFlight
 from ...core.sampling import probs
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import Target
@@ -216,7 +216,7 @@ class PipeInfer(Strategy):
             return [*history[-params.repeat_last_n :], *extra][-params.repeat_last_n :]
 
         def send(tokens: list[int], speculative: bool) -> None:
-            ticket = target.append(tokens, target.new_run())
+            ticket = target.append(tokens, target.new_group())
             runs.append(_Run(ticket, target.n_past - len(tokens), len(tokens), speculative))
             counters.runs += 1
             counters.speculative_runs += speculative
@@ -233,7 +233,7 @@ class PipeInfer(Strategy):
                     try:
                         target.wait(r.ticket)
                         counters.wasted += 1
-                    except RunCancelled:
+                    except GroupCancelled:
                         pass
 
         def drop_after(p: int, keep_nonspec: bool) -> None:
@@ -245,7 +245,7 @@ class PipeInfer(Strategy):
                 runs.remove(r)
                 stale.append(r)
             if doomed and self.cancel:  # in one call: a stage never starts one after aborting another
-                target.cancel(*(r.ticket.run_id for r in doomed))
+                target.cancel(*(r.ticket.group for r in doomed))
                 counters.cancelled += len(doomed)
             target.truncate(min(target.n_past, p))
             for k in [k for k in rows if k > p]:
@@ -363,14 +363,14 @@ class PipeInfer(Strategy):
             # the reply ended: no guess may stay in flight or in the cache past the conversation
             # a run holding a kept token must finish (an accepted guess may still be on its way
             # down the pipeline); runs wholly past the reply's end are cancelled
-            past_end = [r.ticket.run_id for r in runs if r.pos0 >= len(history)]
+            past_end = [r.ticket.group for r in runs if r.pos0 >= len(history)]
             counters.kept_at_end += len(runs) - len(past_end)
             if past_end and self.cancel:
                 target.cancel(*past_end)
             for r in runs:
                 try:
                     target.wait(r.ticket)
-                except RunCancelled:
+                except GroupCancelled:
                     pass
             runs.clear()
             redeem_stale(block=True)

@@ -304,7 +304,7 @@ class TriForce(Strategy):
             guesses = guess.tokens[: max(0, room)]
             batch = unfed + guesses
             t = time.perf_counter()
-            run = target.new_run()
+            run = target.new_group()
             ticket = target.submit(
                 DecodeJob.tokens(run, batch, self._n1, seq_id=RETRIEVAL_SEQ, outputs="all")
             )
