@@ -3,13 +3,14 @@
 After posting: the CLI only parses arguments, :func:`build_app` builds the app from
 explicit arguments (settings, a session factory, the history file), and the tests build
 it the same way with a scripted fake session. The engine runs in worker threads
-(:mod:`.replies`); this module starts them and handles the messages they post.
+(:mod:`.replies`); this module holds the app's state, its layout, loading and the panels,
+and takes its other handlers from three mixins: replies (:mod:`.reply_handlers`), cluster
+mode (:mod:`.cluster_handlers`) and the other keys (:mod:`.actions`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -25,62 +26,35 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Footer, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
-from ...engine import EngineSpec, Message, PlanChanged, PotluckError, checked_spec, get_strategy_class, validate
-from ..config import Settings, save_settings
+from ...engine import EngineSpec, Message, PotluckError
+from ..config import Settings
 from ..store import Conversation, Store, StoredMessage
-from .catalog import ModelInfo, StrategyClass, gather_models, read_model_info
+from .actions import ConversationActions, spec_from_settings
+from .catalog import ModelInfo, StrategyClass, gather_models
 from .cluster import (
     ClusterChoice,
-    ClusterPlanned,
     ClusterState,
     LoadReporter,
-    SliceProgress,
     bytes_per_token,
     stages_of,
     traffic,
 )
-from .export import code_blocks, conversation_markdown, export_path
+from .cluster_handlers import ClusterHandlers
 from .replies import (
     ChatSession,
-    ClusterEvent,
-    ClusterNotice,
     Reply,
-    ReplyFailed,
-    ReplyFinished,
     SessionFactory,
     SessionLoaded,
-    checkpoint_reply,
     load_in_thread,
-    reply_in_thread,
 )
-from .screens import ClusterScreen, ConfirmScreen, LocalChoice, LogScreen, Pick, PickerScreen, TextPromptScreen
+from .reply_handlers import ReplyHandlers
 from .stats import Figures, ReplyProgress, SpeedMeter
 from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPanel, finish_note
 
 log = logging.getLogger(__name__)
 
-NEW_TITLE = "New chat"
 TEXT_PUMP_S = 1 / 20  # how often streamed text is drawn
 ENGINE_GIL_WAIT_S = 0.001  # the longest the engine thread waits for the GIL while the UI draws
-
-
-def spec_from_settings(settings: Settings) -> EngineSpec:
-    """The chat's engine spec, checked by engine.limits (PotluckError: one line to show).
-
-    The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
-    m = settings.model
-    cls = get_strategy_class(m.strategy)  # an unknown name: one line
-    draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
-    return checked_spec(
-        EngineSpec(
-            model=validate.path("[model] path", m.path),
-            strategy=m.strategy,
-            draft=draft,
-            n_ctx=m.n_ctx,
-            n_threads=m.n_threads,
-            system=m.system or None,  # loading refuses one longer than the context
-        )
-    )
 
 
 class LogBuffer(logging.Handler):
@@ -101,7 +75,7 @@ def _b(keys: str, action: str, description: str, show: bool = True, **kw: object
     return Binding(keys, action, description, show=show, id=action, **kw)  # type: ignore[arg-type]
 
 
-class PotluckApp(App[None]):
+class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None]):
     CSS_PATH = str(asset("potluck.tcss"))
     TITLE = "potluck"
     # Binding ids are KeySettings field names, so [keys] in config.toml remaps them.
@@ -287,10 +261,6 @@ class PotluckApp(App[None]):
         out = [Message("system", conv.system)] if conv.system else []
         return out + [Message(m.role, m.content) for m in messages]
 
-    def _create_conversation(self) -> Conversation:
-        assert self.store is not None
-        return self.store.new_conversation(NEW_TITLE, self.settings.model.system)
-
     async def refresh_conversations(self) -> None:
         assert self.store is not None
         await self._main.query_one(ConversationList).show(self.store.conversations(), self.active)
@@ -341,77 +311,6 @@ class PotluckApp(App[None]):
             thread=True, group="loader", exit_on_error=False,
         )
 
-    # ------------------------------------------------------------------ cluster
-    def show_cluster(self) -> None:
-        panels = self._main.query(StatsPanel)
-        if panels:
-            panels.first().show_cluster(self.cluster_state, self.settings.keys.replan)
-
-    def on_cluster_planned(self, event: ClusterPlanned) -> None:
-        for line in event.lines:
-            log.info("%s", line)
-        if self.cluster_state is not None:
-            self.cluster_state = self.cluster_state.planned(event.lines, event.stages, event.head_layers)
-        self.notify("\n".join(event.lines), title="Cluster plan", timeout=10)
-        self.show_cluster()
-        self.update_status()
-
-    def on_slice_progress(self, event: SliceProgress) -> None:
-        if self.cluster_state is not None:
-            self.cluster_state = self.cluster_state.sending(event.what, event.done, event.total)
-        self.show_cluster()
-        self.update_status()
-
-    def on_cluster_event(self, event: ClusterEvent) -> None:
-        if self.cluster_state is None:
-            return
-        e, notes = event.event, event.reply.cluster_notes
-        if isinstance(e, PlanChanged):
-            self.cluster_state = self.cluster_state.with_plan(e)
-            # The new chain was loaded with fresh slices: count bytes per token from here.
-            self._traffic_at_load = traffic(self.session.cluster_view() if self.session else None)
-            notes[:] = [e.reason]  # it names the node and what the head did: the one line to keep
-        else:
-            self.cluster_state = self.cluster_state.with_status(e)
-            if e.state in ("lost", "failed") and not notes:
-                notes.append(f"{e.node} {e.state}" + (f": {e.detail}" if e.detail else ""))
-        if notes and event.reply.view.is_attached:  # the conversation says it, under the reply
-            event.reply.view.set_note(notes[-1])
-        self.show_cluster()
-
-    def action_replan(self) -> None:
-        """Reopen the session over the chosen workers (``auto``: those found now); the next
-        reply replays the conversation into the new chain through the normal prefill."""
-        if self.cluster is None:
-            self.notify("not in cluster mode: F9 picks workers", severity="warning")
-            return
-        if self.reply is not None:
-            self.notify("a reply is still being generated; Esc stops it", severity="warning")
-            return
-        self.notify(f"re-planning over {self.cluster.describe()}…")
-        self.start_loading(self.spec)
-
-    def action_cluster(self) -> None:
-        if self.reply is not None:
-            self.notify("wait for the reply (or Esc) before changing workers", severity="warning")
-            return
-        self.run_worker(self._open_cluster_picker(), group="picker", exclusive=True)
-
-    async def _open_cluster_picker(self) -> None:
-        stages = self.cluster_state.stages if self.cluster_state else ()
-        choice = await self.push_screen_wait(
-            ClusterScreen(self.discovery_interfaces, {r.address for r in stages}, self.cluster)
-        )
-        if choice is None:
-            return
-        if isinstance(choice, LocalChoice):
-            if self.cluster is None:
-                return
-            self.cluster = None
-        else:
-            self.cluster = choice
-        self.start_loading(self.spec)
-
     def on_session_loaded(self, event: SessionLoaded) -> None:
         self.loading = False
         if self.cluster_state is not None:
@@ -435,134 +334,6 @@ class PotluckApp(App[None]):
             self.progress, self.meter = ReplyProgress(n_ctx=event.spec.n_ctx), SpeedMeter()
             self.sample_stats()
         self.show_cluster()
-        self.update_status()
-
-    # ------------------------------------------------------------------ engine: replies
-    def _start_reply(self, reply: Reply, history: list[Message]) -> None:
-        reply.session.load_messages(history)
-        reply.progress = self.progress  # until the engine says the reply started
-        self.reply = reply
-        self._engine_idle.clear()
-        self.update_status()
-        self.run_worker(
-            partial(
-                reply_in_thread, self.post_message, reply, self.settings.sampling, self.clock, self._engine_idle
-            ),
-            thread=True, group="engine", exit_on_error=False,
-        )
-
-    async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
-        await self.send(event.text)
-
-    async def send(self, text: str) -> bool:
-        """Send the input as a user message; on refusal the text stays in the input."""
-        if not text.strip():
-            return False
-        if self.reply is not None:
-            self.notify("a reply is still being generated; Esc stops it", severity="warning")
-            return False
-        if self.session is None:
-            why = "the model is still loading" if self.loading else "no model is loaded"
-            self.notify(f"cannot send: {why}", severity="warning")
-            return False
-        assert self.store is not None and self.active is not None
-        conv = self.store.conversation(self.active)
-        assert conv is not None
-        history = self._history(conv, self.store.messages(conv.id))
-        stored = self.store.add_message(conv.id, "user", text)
-        if conv.title == NEW_TITLE:
-            self.store.rename(conv.id, _title_from(text))
-        self.input.clear()
-        chat = self.chat_log()
-        assert chat is not None
-        user_view = MessageView("user", text, message_id=stored.id)
-        reply_view = MessageView("assistant", streaming=True)
-        await chat.mount_all([user_view, reply_view])
-        chat.scroll_end(animate=False)
-        chat.call_after_refresh(chat.follow)
-        reply = Reply(conv.id, self.session, reply_view, text, user_view, stored.id)
-        self._start_reply(reply, history)
-        await self.refresh_conversations()
-        return True
-
-    async def _pump_reply_text(self) -> None:
-        """Draw what the engine streamed since the last tick (a few times a second, so a
-        fast engine never floods the event loop with one repaint per token)."""
-        reply = self.reply
-        if reply is None:
-            return
-        text = reply.take()
-        if text:
-            reply.got_text = True
-            if reply.view.is_attached:
-                await reply.view.append(text)
-        if self.store is not None:
-            checkpoint_reply(self.store, reply)  # a crash loses at most SAVE_EVERY_S of it
-
-    async def on_reply_finished(self, event: ReplyFinished) -> None:
-        reply, f = event.reply, event.finished
-        await self._pump_reply_text()
-        self.reply, self.progress = None, reply.progress
-        note = finish_note(f.reason, "; ".join(reply.cluster_notes))
-        assert self.store is not None
-        if self.store.conversation(reply.conversation_id) is not None:
-            stored = self.store.add_message(
-                reply.conversation_id,
-                "assistant",
-                f.text,
-                finish_reason=f.reason,
-                strategy=f.strategy,
-                n_tokens=len(f.tokens),
-                tokens_per_s=f.tokens_per_s,
-                acceptance_rate=f.acceptance_rate,
-                replaces=reply.replaces,
-            )
-            reply.view.message_id = stored.id
-        if reply.view.is_attached:
-            await reply.view.finish(f.text, note)
-        self.sample_stats()
-        self.update_status()
-        await self.refresh_conversations()
-
-    def on_cluster_notice(self, event: ClusterNotice) -> None:
-        """A worker was lost mid-reply and the head re-planned: say so, the reply goes on."""
-        log.warning("%s", event.text)
-        self.notify(event.text, title="Cluster", severity="warning", timeout=8)
-
-    async def on_reply_failed(self, event: ReplyFailed) -> None:
-        reply = event.reply
-        await self._pump_reply_text()
-        self.reply, self.progress = None, reply.progress
-        self.report_error(event.error)
-        # In cluster mode the error names the stage that was lost or froze: the panel marks it
-        # and the kept reply says it, so the conversation shows why it stopped.
-        detail = ""
-        if self.cluster_state is not None:
-            self.cluster_state = self.cluster_state.failed(event.error)
-            detail = event.error
-            self.show_cluster()
-        assert self.store is not None
-        if reply.user_text is not None and not reply.got_text:
-            # Nothing was generated: undo the send and give the text back for editing.
-            if reply.user_message_id is not None:
-                self.store.delete_message(reply.user_message_id)
-            for view in (reply.user_view, reply.view):
-                if view is not None and view.is_attached:
-                    await view.remove()
-            if not self.input.text:
-                self.input.text = reply.user_text
-        elif reply.user_text is None and not reply.got_text:
-            if reply.view.is_attached:
-                await reply.view.finish(reply.previous_text, reply.previous_note)
-        else:
-            text = reply.view.content
-            if self.store.conversation(reply.conversation_id) is not None:
-                self.store.add_message(
-                    reply.conversation_id, "assistant", text, finish_reason="error",
-                    replaces=reply.replaces,
-                )
-            if reply.view.is_attached:
-                await reply.view.finish(text, finish_note("error", detail))
         self.update_status()
 
     # ------------------------------------------------------------------ panels
@@ -595,223 +366,6 @@ class PotluckApp(App[None]):
             return self.reply is not None
         return True
 
-    def action_stop(self) -> None:
-        """Esc: the engine stops after its current step; the partial reply is kept."""
-        if self.reply is None:
-            return
-        self.reply.cancel()
-        if self.reply.view.is_attached:
-            self.reply.view.set_note("stopping…")
-
-    async def action_regenerate(self) -> None:
-        if self.reply is not None:
-            self.notify("a reply is still being generated; Esc stops it", severity="warning")
-            return
-        if self.session is None or self.store is None or self.active is None:
-            self.notify("no model is loaded", severity="warning")
-            return
-        conv = self.store.conversation(self.active)
-        messages = self.store.messages(self.active)
-        chat = self.chat_log()
-        views = chat.messages() if chat else []
-        if conv is None or not messages or messages[-1].role != "assistant" or not views:
-            self.notify("there is no reply to regenerate", severity="warning")
-            return
-        view = views[-1]
-        reply = Reply(
-            conv.id, self.session, view, None, replaces=messages[-1].id,
-            previous_text=view.content, previous_note=view._note,
-        )
-        await view.restart()
-        self._start_reply(reply, self._history(conv, messages))
-
-    async def action_new_conversation(self) -> None:
-        assert self.store is not None
-        if self.active is not None and not self.store.messages(self.active):
-            self.input.focus()  # already on an empty conversation
-            return
-        conv = self._create_conversation()
-        await self.open_conversation(conv.id)
-        self.input.focus()
-
-    async def on_conversation_list_opened(self, event: ConversationList.Opened) -> None:
-        if event.conversation_id != self.active:
-            await self.open_conversation(event.conversation_id)
-        self.input.focus()
-
-    async def _step_conversation(self, delta: int) -> None:
-        assert self.store is not None
-        ids = [c.id for c in self.store.conversations()]
-        if self.active in ids and len(ids) > 1:
-            await self.open_conversation(ids[(ids.index(self.active) + delta) % len(ids)])
-
-    async def action_previous_conversation(self) -> None:
-        await self._step_conversation(-1)
-
-    async def action_next_conversation(self) -> None:
-        await self._step_conversation(1)
-
-    def action_rename_conversation(self) -> None:
-        assert self.store is not None and self.active is not None
-        conv = self.store.conversation(self.active)
-        if conv is None:
-            return
-
-        async def done(title: str | None) -> None:
-            if title and title.strip() and self.store is not None:
-                self.store.rename(conv.id, title.strip())
-                await self.refresh_conversations()
-
-        self.push_screen(TextPromptScreen("Rename conversation", conv.title), done)
-
-    def action_delete_conversation(self) -> None:
-        assert self.store is not None and self.active is not None
-        conv = self.store.conversation(self.active)
-        if conv is None:
-            return
-
-        async def done(yes: bool | None) -> None:
-            if yes:
-                await self.delete_conversation(conv.id)
-
-        self.push_screen(ConfirmScreen(f"Delete “{conv.title}” and its messages?"), done)
-
-    async def delete_conversation(self, conversation_id: int) -> None:
-        assert self.store is not None
-        if self.reply is not None and self.reply.conversation_id == conversation_id:
-            self.reply.cancel()
-        self.store.delete(conversation_id)
-        chat = self.chat_log(conversation_id)
-        if chat is not None:
-            await chat.remove()
-        rest = self.store.conversations()
-        await self.open_conversation((rest[0] if rest else self._create_conversation()).id)
-
-    def action_system_prompt(self) -> None:
-        assert self.store is not None and self.active is not None
-        conv = self.store.conversation(self.active)
-        if conv is None:
-            return
-
-        def done(text: str | None) -> None:
-            if text is not None and self.store is not None:
-                self.store.set_system(conv.id, text.strip() or None)
-                self.notify("system prompt saved; it applies from the next message")
-
-        self.push_screen(
-            TextPromptScreen("System prompt", conv.system or "", multiline=True), done
-        )
-
-    def action_picker(self) -> None:
-        if self.reply is not None:
-            self.notify("wait for the reply (or Esc) before switching models", severity="warning")
-            return
-        self.run_worker(self._open_picker(), group="picker", exclusive=True)
-
-    async def _open_picker(self) -> None:
-        models = await self._in_thread(self.model_catalog)
-        spec = self.spec
-        current = next((m for m in models if m.key == (str(spec.model) if spec.model else "")), None)
-        if current is None:
-            current = read_model_info(spec.model)
-            models.insert(0, current)
-        kept = self.settings.model.draft  # offered again even while the strategy ignores it
-        kept_key = str(Path(os.path.expanduser(kept))) if kept else None
-        draft = next((m for m in models if kept_key and m.key == kept_key), None)
-        pick = await self.push_screen_wait(
-            PickerScreen(models, self.strategies, Pick(current, draft, spec.strategy))
-        )
-        if pick is not None:
-            self.apply_pick(pick)
-
-    async def _in_thread(self, fn: Callable[[], list[ModelInfo]]) -> list[ModelInfo]:
-        import asyncio
-
-        return await asyncio.get_running_loop().run_in_executor(None, fn)
-
-    def apply_pick(self, pick: Pick) -> None:
-        """Load the picked combination; remember it in config.toml once it loads."""
-        m = self.settings.model
-        model_path = str(pick.model.path) if pick.model.path else None
-        draft_path = str(pick.draft.path) if pick.draft and pick.draft.path else None
-        self.settings = replace(
-            self.settings,
-            model=replace(m, path=model_path, draft=draft_path, strategy=pick.strategy),
-        )
-        try:
-            spec = spec_from_settings(self.settings)  # the same checks as at start
-        except PotluckError as e:
-            self.report_error(str(e))
-            return
-        if self.settings_path is not None:
-            try:
-                save_settings(self.settings, self.settings_path)
-            except OSError as e:
-                self.report_error(f"could not save the settings: {e}")
-        self.start_loading(spec)
-
-    # ------------------------------------------------------------------ copy / export / log
-    def _last_reply_view(self) -> MessageView | None:
-        chat = self.chat_log()
-        replies = [v for v in chat.messages() if v.role == "assistant"] if chat else []
-        return replies[-1] if replies else None
-
-    def action_copy_reply(self) -> None:
-        view = self._last_reply_view()
-        if view is None or not view.content:
-            self.notify("no reply to copy", severity="warning")
-            return
-        self.copy_text(view.content, "reply")
-
-    def action_copy_code(self) -> None:
-        chat = self.chat_log()
-        for view in reversed(chat.messages() if chat else []):
-            blocks = code_blocks(view.content)
-            if blocks:
-                self.copy_text(blocks[-1], "code block")
-                return
-        self.notify("no code block in this conversation", severity="warning")
-
-    def on_message_view_copy_requested(self, event: MessageView.CopyRequested) -> None:
-        self.copy_text(event.text, event.what)
-
-    def copy_text(self, text: str, what: str) -> None:
-        """OSC 52 to the terminal, and the fallback (system tool or file) off the UI thread."""
-        self.copy_to_clipboard(text)
-
-        def fallback() -> None:
-            try:
-                where = self.copy_fallback(text)
-            except OSError as e:
-                where = f"fallback failed: {e}"
-            self.call_from_thread(
-                self.notify, f"copied {what} ({len(text)} characters) · also in {where}"
-            )
-
-        self.run_worker(fallback, thread=True, group="clipboard", exit_on_error=False)
-
-    def action_export(self) -> Path | None:
-        assert self.store is not None and self.active is not None
-        conv = self.store.conversation(self.active)
-        if conv is None:
-            return None
-        path = export_path(self.export_dir, conv)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(conversation_markdown(conv, self.store.messages(conv.id)), "utf-8")
-        except OSError as e:
-            self.report_error(f"could not export: {e}")
-            return None
-        self.notify(f"exported to {path}")
-        return path
-
-    def action_log(self) -> None:
-        self.push_screen(LogScreen(list(self.log_buffer.lines)))
-
-
-def _title_from(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else NEW_TITLE
-    return line if len(line) <= 40 else line[:39] + "…"
 
 
 def build_app(
