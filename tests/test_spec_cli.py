@@ -105,7 +105,7 @@ def test_bench_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
         ("chat", "anpd"),
         ("chat", "pearl"),
         ("chat", "minions"),
-        ("chat", "peer"),
+        ("chat", "prompt-lookup"),  # asked for by its old name, 'peer'
     ]
     base = rows[0]
     assert base["speedup"] == 1.0 and base["identical_to_ar"] is True
@@ -114,7 +114,7 @@ def test_bench_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["tokens_per_s"] > 0 and r["prompts"] == len(load_prompts("chat"))
         assert "identical_to_ar" in r and "acceptance_rate" in r and "overlap_ms_per_token" in r
     table = format_table([BenchRow(**r) for r in rows])
-    assert "speedup" in table and "peer" in table
+    assert "speedup" in table and "prompt-lookup" in table
 
 
 def test_bench_bad_family(capsys: pytest.CaptureFixture[str]) -> None:

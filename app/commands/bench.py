@@ -19,7 +19,8 @@ from ...engine.lab.benchmark import (
     BASELINE,
     FAMILIES,
     LONG_FAMILY,
-    PEER,
+    OLD_NAMES,
+    PROMPT_LOOKUP,
     BenchConfig,
     BenchRow,
     ngram_scaling,
@@ -33,10 +34,10 @@ from .common import positive_int
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark decoding strategies against plain decoding and a peer",
+        help="benchmark decoding strategies against plain decoding and llama-cpp-python's prompt lookup",
         description="Runs strategies side by side in one process on the same prompts "
         "(greedy) and reports tokens/s, speedup vs plain decoding, acceptance and whether "
-        f"the output is identical to plain decoding. Baselines: {BASELINE} and '{PEER}' "
+        f"the output is identical to plain decoding. Baselines: {BASELINE} and '{PROMPT_LOOKUP}' "
         "(llama-cpp-python's LlamaPromptLookupDecoding).",
     )
     p.add_argument("-m", "--model", type=Path, help="target GGUF (default: the bundled model)")
@@ -50,8 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--strategies",
         default=None,
-        help=f"comma-separated names, '{PEER}' for the peer (default: anpd,minions,pearl,{PEER}, plus sd "
-        "when a draft is given); plain decoding always runs as the baseline",
+        help=f"comma-separated names, '{PROMPT_LOOKUP}' for llama-cpp-python's prompt lookup ('peer' before) "
+        f"(default: anpd,minions,pearl,{PROMPT_LOOKUP}, plus sd when a draft is given); plain decoding "
+        "always runs as the baseline",
     )
     p.add_argument(
         "--families",
@@ -169,11 +171,11 @@ def run(args: argparse.Namespace) -> int:
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     long = LONG_FAMILY in families
     if args.strategies:
-        names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+        names = tuple(OLD_NAMES.get(s.strip(), s.strip()) for s in args.strategies.split(",") if s.strip())
     elif long:
         names = ("triforce", "anpd") + (("sd",) if draft is not None else ())
     else:
-        names = ("anpd", "minions", "pearl", PEER) + (("sd",) if draft is not None else ())
+        names = ("anpd", "minions", "pearl", PROMPT_LOOKUP) + (("sd",) if draft is not None else ())
     if "sd" in names and draft is None:
         raise PotluckError("strategy 'sd' needs a draft model: pass --draft PATH or --target-recipe")
     cfg = BenchConfig(

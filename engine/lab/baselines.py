@@ -20,7 +20,7 @@ KV_TYPE = ContextParams().kv_type
 
 
 @dataclass(frozen=True)
-class PeerRun:
+class BaselineRun:
     tokens: list[int]
     prefill_s: float  # until the first token
     decode_s: float  # from the first token to the last
@@ -44,10 +44,10 @@ def _model_params_patched(use_extra_bufts: bool) -> Iterator[None]:
         low.llama_model_default_params = original
 
 
-class PromptLookupPeer:
+class PromptLookupBaseline:
     """llama-cpp-python's ``LlamaPromptLookupDecoding`` (an N-gram drafter), greedy."""
 
-    name = "peer:prompt-lookup"
+    name = "baseline:prompt-lookup"
 
     def __init__(
         self,
@@ -80,7 +80,7 @@ class PromptLookupPeer:
 
     def generate(
         self, prompt: Sequence[int], max_tokens: int, is_eog: Callable[[int], bool]
-    ) -> PeerRun:
+    ) -> BaselineRun:
         self.llm.reset()
         out: list[int] = []
         t0 = time.perf_counter()
@@ -92,7 +92,7 @@ class PromptLookupPeer:
             if is_eog(int(tok)) or len(out) >= max_tokens:
                 break
         t_end = time.perf_counter()
-        return PeerRun(out, t_first - t0, t_end - t_first)
+        return BaselineRun(out, t_first - t0, t_end - t_first)
 
     def close(self) -> None:
         self.llm.close()

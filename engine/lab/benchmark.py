@@ -4,7 +4,7 @@ Every figure is relative to plain decoding measured in the same run, because abs
 speed on a shared 2-core box drifts by tens of percent within minutes. Runs are
 interleaved (rep -> family -> prompt -> strategy) so that drift hits every strategy alike.
 Speed is decode speed: ``(tokens - 1) / seconds`` after the prompt is processed (the first
-token comes from the prompt's logits), the same measure for our strategies and the peer.
+token comes from the prompt's logits), the same measure for our strategies and the prompt-lookup baseline.
 
 The long-context family (``--families long``: chronicles of about 2K, 4K and 8K tokens,
 summarized and asked about a detail in the middle, ``scripts/make_long_prompts.py``) needs
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 FAMILIES = ("code_editing", "summarization", "chat")
 LONG_FAMILY = "long"  # not in the default families: it needs --ctx 8192 and minutes per prompt
-PEER = "peer"  # llama-cpp-python's LlamaPromptLookupDecoding, see .peers
+PROMPT_LOOKUP = "prompt-lookup"  # the baseline llama-cpp-python's LlamaPromptLookupDecoding, see .baselines
+OLD_NAMES = {"peer": PROMPT_LOOKUP}  # the name it had before "peer" meant a network peer (still accepted)
 BASELINE = "autoregressive"
 DRAFT_USERS = {"sd", "pearl", "minions"}  # strategies that use --draft when one is given
 
@@ -74,7 +75,7 @@ def load_prompts(family: str) -> list[str]:
 
 
 def chat_prompt_tokens(model: Model, user: str) -> list[int]:
-    """The tokens a fresh :class:`Session` would prefill for ``user`` (for the peer)."""
+    """The tokens a fresh :class:`Session` would prefill for ``user`` (for the prompt-lookup baseline)."""
     bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
     eos = model.detokenize([model.eos], special=True) if model.eos >= 0 else ""
     text = ChatFormat(model.chat_template, bos_token=bos, eos_token=eos).render(
@@ -89,7 +90,7 @@ class BenchConfig:
     model: Path | None = None  # target; None: bundled model
     draft: Path | None = None  # for `sd`
     recipe: str | None = None  # layer recipe the target was built with (reported)
-    strategies: tuple[str, ...] = (BASELINE, "anpd", PEER)
+    strategies: tuple[str, ...] = (BASELINE, "anpd", PROMPT_LOOKUP)
     families: tuple[str, ...] = FAMILIES
     max_tokens: int = 128
     reps: int = 3
@@ -178,18 +179,18 @@ class _Acc:
 
 
 class _Runner:
-    """One strategy (or the peer) ready to answer prompts from scratch."""
+    """One strategy (or the prompt-lookup baseline) ready to answer prompts from scratch."""
 
     def __init__(self, name: str, model: Model, cfg: BenchConfig) -> None:
         self.name = name
         self.model = model
         self.cfg = cfg
-        self.peer = None
+        self.lookup = None
         self.strategy: Strategy | None = None
-        if name == PEER:
-            from .baselines import PromptLookupPeer
+        if name == PROMPT_LOOKUP:
+            from .baselines import PromptLookupBaseline
 
-            self.peer = PromptLookupPeer(model.path, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+            self.lookup = PromptLookupBaseline(model.path, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
         else:
             self.spec = EngineSpec(
                 model=model.path,
@@ -204,9 +205,9 @@ class _Runner:
 
     def run(self, prompt: str, rep: int, acc: _Acc) -> list[int]:
         """Answer ``prompt`` greedily; add its counters to ``acc``; return its tokens."""
-        if self.peer is not None:
+        if self.lookup is not None:
             tokens = chat_prompt_tokens(self.model, prompt)
-            res = self.peer.generate(tokens, self.cfg.max_tokens, self.model.is_eog)
+            res = self.lookup.generate(tokens, self.cfg.max_tokens, self.model.is_eog)
             acc.add_run(rep, len(res.tokens) - 1, res.decode_s)
             acc.ttft_s.append(res.prefill_s)
             acc.prefill_tps.append(len(tokens) / res.prefill_s if res.prefill_s > 0 else 0.0)
@@ -249,8 +250,8 @@ class _Runner:
         return list(finished.tokens)
 
     def close(self) -> None:
-        if self.peer is not None:
-            self.peer.close()
+        if self.lookup is not None:
+            self.lookup.close()
         if self.strategy is not None:
             self.strategy.close()
 
@@ -260,7 +261,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     say = progress or (lambda _msg: None)
     strategies = [BASELINE] + [s for s in cfg.strategies if s != BASELINE]
     for name in strategies:
-        if name != PEER:
+        if name != PROMPT_LOOKUP:
             get_strategy_class(name)  # unknown names fail before anything loads
     if cfg.reps <= 0 or cfg.max_tokens <= 1:
         raise PotluckError("--reps must be >= 1 and --max-tokens >= 2")
@@ -323,7 +324,7 @@ def _row(
 ) -> BenchRow:
     acc, base = accs[(name, fam)], accs[(BASELINE, fam)]
     tps, base_tps = acc.tokens_per_s(), base.tokens_per_s()
-    spec = acc.drafted > 0 or name not in (BASELINE, PEER)
+    spec = acc.drafted > 0 or name not in (BASELINE, PROMPT_LOOKUP)
     return BenchRow(
         family=Path(fam).stem if fam.endswith(".txt") else fam,
         strategy=name,
