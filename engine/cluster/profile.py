@@ -13,28 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.memory import free_memory_mb
+
 
 @dataclass(frozen=True)
 class NodeProfile:
     node_id: str
     cores: int
-    free_mb: int
+    free_mb: int  # MemAvailable, or less under a cgroup limit (core/memory.py)
     speed: float  # arbitrary units, proportional to the expected layer throughput
-
-
-def free_memory_mb() -> int:
-    """Memory available to new processes (MemAvailable), in MiB."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def usable_cores() -> int:

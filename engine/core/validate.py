@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ContextFullError, PotluckError
+from .memory import free_memory_bytes
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -205,17 +206,6 @@ def context_fits_model(model: Model, n_ctx: int) -> None:
         )
 
 
-def _meminfo_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def kv_bytes(model: Model, n_cells: int) -> int | None:
     """Upper bound of a BF16 KV cache of ``n_cells`` over every layer (None: unknown layout).
 
@@ -242,7 +232,7 @@ def memory_fits(model: Model, n_ctx: int, n_streams: int = 1) -> None:
     the whole cache when it creates it, so an oversized one gets the process killed (or the
     machine swapping), not an error."""
     kv = kv_bytes(model, n_ctx * max(1, n_streams))
-    free = _meminfo_bytes("MemAvailable")
+    free = free_memory_bytes()  # MemAvailable, or less under a cgroup limit
     # a tenth of the free memory stays for compute buffers, the rest of potluck and the system
     if kv is None or free is None or kv + model.size_bytes() <= 0.9 * free:
         return
