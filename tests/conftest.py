@@ -45,7 +45,7 @@ def flat_cost_line(model: Model, n_threads: int) -> None:
     break-even threshold lets drafts through whatever this machine's load: tests of the
     adaptive path then reach drafting deterministically (the gate still judges real rounds)."""
     from potluck.engine.core.spec import EngineSpec
-    from potluck.engine.speculation.strategies.speculative import saved_costs
+    from potluck.engine.speculation.strategies.kit import saved_costs
 
     saved_costs(model, EngineSpec(n_threads=n_threads)).keep({1: [10.0] * 8, 2: [10.2] * 8, 4: [10.6] * 8})
 

@@ -29,7 +29,7 @@ from potluck.engine.speculation.drafters.lookup import LookupDrafter
 from potluck.engine.speculation.kernels.lookup import lookup_draft, lookup_reference
 from potluck.engine.speculation.strategies.minions import AheadGate, MajorityVote, Minions, MinionsRound
 from potluck.engine.speculation.strategies.registry import get_strategy_class
-from potluck.engine.speculation.strategies.speculative import _verify
+from potluck.engine.speculation.strategies.speculative import verify_rows
 from potluck.engine.speculation.voting import DrafterWeights, WeightConfig, heaviest_path, judge
 
 from .conftest import flat_cost_line
@@ -275,7 +275,7 @@ def first_token_counts(cls: type[MajorityVote], w_sampled: float, w_fixed: float
     for _ in range(TRIALS):
         d = vote.draft(DraftRequest([3], 1, 0.0, params))
         vote._pending = None  # every trial starts from the same context
-        verdict = _verify(d.tokens, d.q, [logits] * (len(d.tokens) + 1), [3], sampler)
+        verdict = verify_rows(d.tokens, d.q, [logits] * (len(d.tokens) + 1), [3], sampler)
         counts[verdict.tokens(d.tokens)[0]] += 1
     vote.close()
     return counts
@@ -349,7 +349,7 @@ def reply_position_counts(cls: type[MajorityVote]) -> tuple[np.ndarray, np.ndarr
             d = vote.draft(DraftRequest(history, 1, 0.0, FILTERED))
             hits += vote.pool_hits
             pos = len(history) - 1
-            verdict = _verify(d.tokens, d.q, list(logits[pos : pos + len(d.tokens) + 1]), history, sampler)
+            verdict = verify_rows(d.tokens, d.q, list(logits[pos : pos + len(d.tokens) + 1]), history, sampler)
             vote.accept(verdict.n_accepted)
             toks = verdict.tokens(d.tokens)
             vote.settle(len(history), toks)

@@ -48,7 +48,8 @@ from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import LengthConfig
 from ..drafters import Draft, Drafter, DraftRequest
 from ..voting import DrafterWeights, WeightConfig, heaviest_path, judge
-from .speculative import LENGTH_OPTIONS, Speculative, _bool_option, _int_option, saved_costs
+from .kit import LENGTH_OPTIONS, bool_option, int_option, load_draft_model, saved_costs
+from .speculative import Speculative
 
 if TYPE_CHECKING:
     from ...core.runtime import Model
@@ -385,24 +386,23 @@ class Minions(Speculative):
         from ..drafters.draft_model import DraftModelDrafter
         from ..drafters.lookup import LookupDrafter
         from ..drafters.ngram import NgramDrafter
-        from .speculative import load_draft_model
 
         cls.check_options(spec.strategy_options)
-        n_max = _int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's N
-        n_short = _int_option(spec, "ngram_short", 3, 2, 16)
+        n_max = int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's N
+        n_short = int_option(spec, "ngram_short", 3, 2, 16)
         if n_short == n_max:
             raise PotluckError(
                 f"strategy options ngram_short and ngram_max are both {n_max}: the second "
                 "N-gram voter would only repeat the first; pick two different values"
             )
         # a draft model: sd's defaults (short first drafts); without: anpd's
-        s_max = _int_option(spec, "max_draft", 12 if spec.draft else 7, 1, MAX_EXACT_BATCH - 1)
-        s_init = _int_option(spec, "initial_draft", min(4, s_max) if spec.draft else s_max, 0, s_max)
-        adaptive = _bool_option(spec, "adaptive", True)
+        s_max = int_option(spec, "max_draft", 12 if spec.draft else 7, 1, MAX_EXACT_BATCH - 1)
+        s_init = int_option(spec, "initial_draft", min(4, s_max) if spec.draft else s_max, 0, s_max)
+        adaptive = bool_option(spec, "adaptive", True)
         # drafting ahead runs the draft model beside the target: by default only where the
         # cores allow both at once (on a shared core llama.cpp's spinning threads stall)
         n_threads = spec.n_threads or default_threads()
-        ahead = _bool_option(spec, "ahead", default_threads() >= 2 * n_threads)
+        ahead = bool_option(spec, "ahead", default_threads() >= 2 * n_threads)
         voters: list[tuple[str, Drafter, float]] = []
         if spec.draft is not None:
             draft_model = load_draft_model(target_model, spec)

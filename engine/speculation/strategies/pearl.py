@@ -256,11 +256,11 @@ class Pearl(Strategy):
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         from ...core.runtime import default_threads
         from ..drafters.ngram import NgramDrafter
-        from .speculative import _bool_option, _int_option, load_draft_model
+        from .kit import bool_option, int_option, load_draft_model
 
         cls.check_options(spec.strategy_options)
-        window = _int_option(spec, "max_draft", 8, 1, MAX_EXACT_BATCH - 1)
-        adaptive = _bool_option(spec, "adaptive", True)
+        window = int_option(spec, "max_draft", 8, 1, MAX_EXACT_BATCH - 1)
+        adaptive = bool_option(spec, "adaptive", True)
         n_threads = spec.n_threads or default_threads()
         if spec.draft is None:  # table lookups cost no cores: the target keeps them all
             return cls(NgramDrafter(), n_threads=n_threads, target_threads=n_threads,

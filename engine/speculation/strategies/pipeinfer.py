@@ -142,19 +142,19 @@ class PipeInfer(Strategy):
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
-        from .speculative import _bool_option, _float_option, _int_option, load_draft_model, saved_costs
+        from .kit import bool_option, float_option, int_option, load_draft_model, saved_costs
 
         cls.check_options(spec.strategy_options)
-        max_micro = _int_option(spec, "max_micro", MAX_MICRO, 1, MAX_MICRO)
-        max_runs = _int_option(spec, "max_runs", 0, 0, 64)
-        cancel = _bool_option(spec, "cancel", True)
-        continuous = _bool_option(spec, "continuous", True)
-        adaptive = _bool_option(spec, "adaptive", True)
+        max_micro = int_option(spec, "max_micro", MAX_MICRO, 1, MAX_MICRO)
+        max_runs = int_option(spec, "max_runs", 0, 0, 64)
+        cancel = bool_option(spec, "cancel", True)
+        continuous = bool_option(spec, "continuous", True)
+        adaptive = bool_option(spec, "adaptive", True)
         cutoff = Cutoff(
-            p_accept=_float_option(spec, "p_accept", Cutoff.p_accept, 0.0, 1.0),
+            p_accept=float_option(spec, "p_accept", Cutoff.p_accept, 0.0, 1.0),
             recovery=None if "recovery" not in spec.strategy_options
-            else _float_option(spec, "recovery", 0.4, 0.0, 1.0),
-            decay=_float_option(spec, "decay", Cutoff.decay, 0.0, 1.0),
+            else float_option(spec, "recovery", 0.4, 0.0, 1.0),
+            decay=float_option(spec, "decay", Cutoff.decay, 0.0, 1.0),
         )
         drafter: Drafter
         if spec.draft is None:

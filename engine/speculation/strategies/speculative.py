@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...core import validate as limits
 from ...core.errors import PotluckError
 from ...core.sampling import Sampler, probs
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import UNTIL_REPLY_END, DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
-from ..costs import SavedLine, saved_line
+from ..costs import SavedLine
 from ..drafters import Draft, Drafter, DraftRequest
 from ..verify import Verdict, verify_chain, verify_greedy
+from .kit import LENGTH_OPTIONS, bool_option, int_option, load_draft_model, saved_costs
 
 if TYPE_CHECKING:
     from ...core.runtime import Model
@@ -118,10 +118,10 @@ class Speculative(Strategy):
             # 3. one target decode: row i holds the logits after the conversation + drafts[:i]
             batch = pending + drafts
             rows = target.decode(batch, all_logits=True) if batch else None
-            after = _rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
+            after = rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
 
             # 4. accept a prefix of the drafts and one token of the target's own
-            verdict = _verify(drafts, draft.q, after, g.history, sampler)
+            verdict = verify_rows(drafts, draft.q, after, g.history, sampler)
             # 5. rejected drafts leave the KV cache from the tail
             target.truncate(len(g.history) + verdict.n_accepted)
             t2 = time.perf_counter()
@@ -161,7 +161,7 @@ class Speculative(Strategy):
         self.drafter.close()
 
 
-def _rows_after_drafts(
+def rows_after_drafts(
     rows: np.ndarray | None, pending: bool, head_logits: np.ndarray, k: int
 ) -> list[np.ndarray]:
     """Target logits after the conversation plus 0..k drafts (views, no copies)."""
@@ -171,7 +171,7 @@ def _rows_after_drafts(
     return [head_logits] + ([rows[i] for i in range(k)] if rows is not None else [])
 
 
-def _verify(
+def verify_rows(
     drafts: list[int],
     q: list[np.ndarray] | None,
     after: list[np.ndarray],
@@ -197,66 +197,6 @@ def _verify(
     )
 
 
-def _int_option(spec: EngineSpec, key: str, default: int, lo: int, hi: int) -> int:
-    value = spec.strategy_options.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise PotluckError(f"strategy option {key} must be a whole number in {lo}..{hi}, got {value!r}")
-    return value
-
-
-def _float_option(spec: EngineSpec, key: str, default: float, lo: float, hi: float) -> float:
-    value = spec.strategy_options.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise PotluckError(f"strategy option {key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
-    return float(value)
-
-
-def _bool_option(spec: EngineSpec, key: str, default: bool) -> bool:
-    value = spec.strategy_options.get(key, default)
-    if not isinstance(value, bool):
-        raise PotluckError(f"strategy option {key} must be true or false, got {value!r}")
-    return value
-
-
-def load_draft_model(target_model: Model, spec: EngineSpec) -> Model:
-    """The draft GGUF, refused unless it shares the target's vocabulary and fits in memory."""
-    from ...core.runtime import Model
-    from ..drafters.draft_model import check_same_vocabulary
-
-    if spec.draft is None:
-        raise PotluckError(
-            f"strategy {spec.strategy!r} needs a draft model: pass --draft PATH "
-            "(a small GGUF with the target's vocabulary)"
-        )
-    draft_model = Model(spec.draft, use_extra_bufts=spec.use_extra_bufts)
-    try:
-        check_same_vocabulary(target_model, draft_model)
-        limits.memory_fits(draft_model, spec.n_ctx)  # its own KV cache, next to the target's
-    except BaseException:
-        draft_model.close()
-        raise
-    return draft_model
-
-
-def saved_costs(target_model: Model, spec: EngineSpec) -> SavedLine:
-    """Where this target's verify-cost line is kept (engine/speculation/costs.py): per KV type too, since
-    F16 and BF16 caches cost differently."""
-    from ...core.runtime import default_threads
-    from ...core.spec import KV_TYPES
-
-    where = "cluster:" + ",".join(spec.cluster.nodes) if spec.cluster else "local"
-    threads = spec.n_threads or default_threads()
-    kv_type, _ = KV_TYPES[limits.kv_cache(spec.kv_cache)]
-    return saved_line(target_model.path, threads, kv_type, where)
-
-
-LENGTH_OPTIONS = {
-    "max_draft": "the most tokens drafted in one round",
-    "initial_draft": "tokens drafted in the first round (the length then adapts)",
-    "adaptive": "adapt the draft length to measured costs (false: always max_draft)",
-}
-
-
 class DraftModelSpeculative(Speculative):
     name = "sd"
     needs_draft = True
@@ -268,9 +208,9 @@ class DraftModelSpeculative(Speculative):
         from ..drafters.draft_model import DraftModelDrafter
 
         cls.check_options(spec.strategy_options)
-        s_max = _int_option(spec, "max_draft", 12, 1, MAX_EXACT_BATCH - 1)
-        s_init = _int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
-        adaptive = _bool_option(spec, "adaptive", True)
+        s_max = int_option(spec, "max_draft", 12, 1, MAX_EXACT_BATCH - 1)
+        s_init = int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
+        adaptive = bool_option(spec, "adaptive", True)
         p_min = spec.strategy_options.get("min_draft_p", 0.0)
         if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0.0 <= p_min < 1.0:
             raise PotluckError(f"strategy option min_draft_p must be a number in [0, 1), got {p_min!r}")
@@ -298,9 +238,9 @@ class NgramSpeculative(Speculative):
         from ..drafters.ngram import NgramDrafter
 
         cls.check_options(spec.strategy_options)
-        n_max = _int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's defaults: N = 5, K = 7
-        s_max = _int_option(spec, "max_draft", 7, 1, MAX_EXACT_BATCH - 1)
-        s_init = _int_option(spec, "initial_draft", s_max, 0, s_max)
-        adaptive = _bool_option(spec, "adaptive", True)
+        n_max = int_option(spec, "ngram_max", 5, 2, 16)  # ANPD's defaults: N = 5, K = 7
+        s_max = int_option(spec, "max_draft", 7, 1, MAX_EXACT_BATCH - 1)
+        s_init = int_option(spec, "initial_draft", s_max, 0, s_max)
+        adaptive = bool_option(spec, "adaptive", True)
         length = LengthConfig(s_init=s_init, s_max=s_max)
         return cls(NgramDrafter(n_max), length, adaptive=adaptive, costs=saved_costs(target_model, spec))

@@ -54,15 +54,8 @@ from ..adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLengt
 from ..drafters import Draft, DraftRequest
 from ..drafters.ngram import NgramDrafter
 from ..kernels.retrieval import chunk_scores, retrieval_ranges, warm_up
-from .speculative import (
-    LENGTH_OPTIONS,
-    NgramSpeculative,
-    _bool_option,
-    _int_option,
-    _rows_after_drafts,
-    _verify,
-    saved_costs,
-)
+from .kit import LENGTH_OPTIONS, bool_option, int_option, saved_costs
+from .speculative import NgramSpeculative, rows_after_drafts, verify_rows
 
 if TYPE_CHECKING:
     from ...core.runtime import Model
@@ -173,20 +166,20 @@ class TriForce(Strategy):
                 "use anpd or sd with --nodes"
             )
         d = RetrievalConfig()
-        n_max = _int_option(spec, "ngram_max", 5, 2, 16)
-        chunk = _int_option(spec, "chunk", d.chunk, 1, 256)
+        n_max = int_option(spec, "ngram_max", 5, 2, 16)
+        chunk = int_option(spec, "chunk", d.chunk, 1, 256)
         config = RetrievalConfig(
-            budget=_int_option(spec, "budget", d.budget, chunk, 1 << 20),
+            budget=int_option(spec, "budget", d.budget, chunk, 1 << 20),
             chunk=chunk,
-            sinks=_int_option(spec, "sinks", d.sinks, 0, 1 << 20),
-            recent=_int_option(spec, "recent", d.recent, 1, 1 << 20),
-            stride=_int_option(spec, "stride", d.stride, 1, 1 << 20),
-            min_context=_int_option(spec, "min_context", d.min_context, 0, 1 << 24),
-            gamma1=_int_option(spec, "gamma1", d.gamma1, 0, MAX_EXACT_BATCH - 1),
+            sinks=int_option(spec, "sinks", d.sinks, 0, 1 << 20),
+            recent=int_option(spec, "recent", d.recent, 1, 1 << 20),
+            stride=int_option(spec, "stride", d.stride, 1, 1 << 20),
+            min_context=int_option(spec, "min_context", d.min_context, 0, 1 << 24),
+            gamma1=int_option(spec, "gamma1", d.gamma1, 0, MAX_EXACT_BATCH - 1),
         )
-        s_max = _int_option(spec, "max_draft", 8, 1, MAX_EXACT_BATCH - 1)
-        s_init = _int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
-        adaptive = _bool_option(spec, "adaptive", True)
+        s_max = int_option(spec, "max_draft", 8, 1, MAX_EXACT_BATCH - 1)
+        s_init = int_option(spec, "initial_draft", min(4, s_max), 0, s_max)
+        adaptive = bool_option(spec, "adaptive", True)
         length = LengthConfig(s_init=s_init, s_max=s_max)
         costs = saved_costs(target_model, spec)
         short_length = LengthConfig(s_init=min(7, s_max), s_max=min(7, s_max))
@@ -252,8 +245,8 @@ class TriForce(Strategy):
             # 2. level 2: the full cache verifies the pending token and the drafts at once
             batch = pending + drafts
             rows = target.decode(batch, all_logits=True) if batch else None
-            after = _rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
-            verdict = _verify(drafts, None, after, g.history, sampler)
+            after = rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
+            verdict = verify_rows(drafts, None, after, g.history, sampler)
             target.truncate(len(g.history) + verdict.n_accepted)
             # 3. the retrieval sequence forgets what the full cache rejected
             self._trim_retrieval(g, len(g.history) + verdict.n_accepted)
