@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ...engine import Model, default_threads, resolve_model, validate
+from ...engine import Model, resolve_model, validate
 from ...engine.lab.perf import history_consistency, measure
 from .common import positive_int
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         extra = {"history_check": asdict(history)} if history else {}
         print(json.dumps({**asdict(report), "batch_cost": report.batch_cost, **extra}))
         return 0
-    print(f"model {report.model}, {args.threads or default_threads()} threads, median of {report.runs} runs")
+    print(f"model {report.model}, {report.threads} threads, median of {report.runs} runs")
     print(f"decode   {report.decode_tokens_per_s:8.1f} tokens/s (single-token steps)")
     print(f"prompt   {report.prefill_tokens_per_s:8.1f} tokens/s ({report.prefill_tokens}-token prompt)")
     print("batch cost (time of a k-token decode / 1-token decode):")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.runtime import ContextParams, Model
+from ..core.runtime import ContextParams, Model, default_threads
 from ..core.target import LocalTarget
 
 PROMPT = (
@@ -76,7 +76,7 @@ def measure(
                 target.truncate(n0)
         return PerfReport(
             model=model.name,
-            threads=n_threads or target.ctx.params.n_threads or 0,
+            threads=n_threads or default_threads(),  # what the context took for 0
             decode_tokens_per_s=statistics.median(decode_rates),
             prefill_tokens_per_s=statistics.median(prefill_rates),
             prefill_tokens=len(long_prompt),
