@@ -737,6 +737,23 @@ class Context:
     def clear(self) -> None:
         ll.llama_memory_clear(self._mem, True)
 
+    def seq_state(self, seq_id: int) -> bytes:
+        """Sequence ``seq_id``'s KV cells and positions as bytes (llama_state_seq_get_data)."""
+        size = ll.llama_state_seq_get_size(self._ptr, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        got = ll.llama_state_seq_get_data(self._ptr, buf, size, seq_id)
+        if got != size:
+            raise DecodeError(f"llama.cpp wrote {got} of {size} bytes of sequence {seq_id}'s state")
+        return bytes(buf)
+
+    def set_seq_state(self, seq_id: int, state: bytes) -> None:
+        """Replace sequence ``seq_id`` with a :meth:`seq_state`; in an otherwise empty cache its
+        cells land where they were computed (0..n-1), so decoding goes on exactly (docs/facts.md §3)."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if ll.llama_state_seq_set_data(self._ptr, buf, len(state), seq_id) != len(state):
+            self.seq_rm(seq_id)
+            raise DecodeError(f"llama.cpp could not restore sequence {seq_id}'s KV state (no room?)")
+
     def _single_step(self, n_threads: int) -> int:
         cap = self.params.single_step_threads
         return min(n_threads, cap) if cap > 0 else n_threads

@@ -20,6 +20,7 @@ from . import validate as limits
 from .chat import ChatFormat, Message, TextStream
 from .errors import PotluckError
 from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, TokenText
+from .prompt_cache import KeptConversation, PromptCache
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
 from .strategy import Generation, Strategy
@@ -46,8 +47,12 @@ class Session:
         strategy: Strategy,
         *,
         system: str | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         self.model = model
+        # Several conversations' KV kept beside the one in the context (an HTTP server's clients);
+        # None: only the conversation in the context is reused.
+        self.prompt_cache = prompt_cache if prompt_cache is not None and target.kv_state() is not None else None
         self.target = target
         self.strategy = strategy
         bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
@@ -110,6 +115,7 @@ class Session:
         if user is not None:
             self.messages.append(Message("user", limits.text("the prompt", user)))
         try:
+            self._continue_closest_kept()
             tokens, rendered = self._conversation_tokens()
             limits.prompt_fits(len(tokens), self.target.n_ctx)
         except PotluckError:
@@ -133,9 +139,40 @@ class Session:
 
     def _conversation_tokens(self) -> tuple[list[int], str]:
         rendered = self.format.render(self.messages, add_generation_prompt=True)
-        if self._tokens and rendered.startswith(self._covered):
+        # (no covered text: the tokens end mid-prompt, after a cancelled prompt, so retokenize)
+        if self._tokens and self._covered and rendered.startswith(self._covered):
             return self._tokens + self._tokenize(rendered[len(self._covered) :], at_start=False), rendered
         return self._tokenize(rendered, at_start=True), rendered
+
+    def _continue_closest_kept(self) -> None:
+        """With a prompt cache: keep the conversation in the context if this one leaves part of it,
+        and bring back a kept one that shares more tokens with this one (see :mod:`.prompt_cache`)."""
+        cache = self.prompt_cache
+        if cache is None:
+            return
+        rendered = self.format.render(self.messages, add_generation_prompt=True)
+        fresh: list[int] = []
+
+        def shared(tokens: Sequence[int], covered: str, n_kv: int) -> int:
+            # the tokens _conversation_tokens would give, had this conversation been in the context
+            if tokens and covered and rendered.startswith(covered):
+                wanted = list(tokens) + self._tokenize(rendered[len(covered) :], at_start=False)
+            else:
+                fresh[:] = fresh or self._tokenize(rendered, at_start=True)
+                wanted = fresh
+            return common_prefix_len(tokens[:n_kv], wanted)
+
+        n_kv = self.target.n_past
+        in_context = shared(self._tokens, self._covered, n_kv)
+        if in_context < n_kv:
+            state = self.target.kv_state()
+            assert state is not None  # the cache is only used on targets that have it
+            cache.keep(KeptConversation(tuple(self._tokens), self._covered, n_kv, state))
+        kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv))
+        if kept is not None and n > in_context:
+            cache.restored(kept)
+            self.target.restore_kv_state(kept.kv, kept.n_kv)
+            self._tokens, self._covered = list(kept.tokens), kept.covered
 
     def _run(
         self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int

@@ -76,6 +76,15 @@ class Target(Protocol):
         """Forget every sequence (a new conversation)."""
         ...
 
+    def kv_state(self) -> bytes | None:
+        """Sequence 0's KV cells as bytes (llama.cpp's sequence state) once the work queued so far
+        ran; None where they are not on this machine (a pipeline keeps them on its workers)."""
+        ...
+
+    def restore_kv_state(self, state: bytes, n_past: int) -> None:
+        """Replace sequence 0 with a state from :meth:`kv_state` that holds ``n_past`` tokens."""
+        ...
+
     # -- the canonical sequence
     @property
     def n_past(self) -> int: ...
@@ -214,6 +223,12 @@ class TargetBase(ABC):
     def set_threads(self, n_threads: int) -> None:
         """Workers and in-process stages keep the threads they were opened with."""
 
+    def kv_state(self) -> bytes | None:
+        return None
+
+    def restore_kv_state(self, state: bytes, n_past: int) -> None:
+        raise PotluckError("this target keeps its KV cache elsewhere: it cannot restore a kept state")
+
     def truncate(self, n_past: int) -> None:
         if n_past < self._n_past:
             self.kv(KvOp.rm(0, n_past))
@@ -273,6 +288,13 @@ class LocalTarget(TargetBase):
 
     def set_threads(self, n_threads: int) -> None:
         self.runner.submit(lambda stage: stage.ctx.set_threads(n_threads))
+
+    def kv_state(self) -> bytes | None:
+        return self.runner.submit(lambda stage: stage.ctx.seq_state(0)).result()
+
+    def restore_kv_state(self, state: bytes, n_past: int) -> None:
+        self.runner.submit(lambda stage: stage.ctx.set_seq_state(0, state)).result()
+        self._n_past = n_past
 
     def observed(self, name: str) -> np.ndarray:
         """Rows of tensor ``name`` (``ContextParams.observe``) of sequence 0 by position,

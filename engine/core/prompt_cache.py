@@ -1,0 +1,127 @@
+"""The KV caches of several recent conversations, kept in memory so that any of them continues
+without processing its history again (an HTTP server's clients resend the whole history every
+turn, and several clients take turns).
+
+A :class:`Session` reuses the KV cache of the conversation it holds; with a :class:`PromptCache`
+it also keeps the conversations it leaves (sequence 0's cells as llama.cpp's sequence state) and,
+for each request, continues whichever kept conversation shares the longest token prefix with it,
+as llama.cpp's server does with its slots. Only that common token prefix is reused: a resent
+assistant message may tokenize differently from the tokens that were generated.
+
+Exactness (docs/facts.md §3): a restored state is sequence 0's cells byte for byte, put back in
+the same cells (0..n-1 of an empty cache), so a conversation continued from the cache computes
+exactly what it would have computed had it never left the context.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .memory import free_memory_bytes
+
+log = logging.getLogger(__name__)
+
+# At most this share of the memory free when the cache is made holds kept conversations.
+FREE_MEMORY_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class KeptConversation:
+    """One conversation the context held: its tokens, the rendered text they stand for, and the
+    KV cells of the first ``n_kv`` of them (the last token of a reply is not in the cache yet)."""
+
+    tokens: tuple[int, ...]
+    covered: str
+    n_kv: int
+    kv: bytes  # llama_state_seq_get_data of sequence 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.kv) + 8 * len(self.tokens) + len(self.covered)
+
+
+@dataclass(frozen=True)
+class PromptCacheStats:
+    """Counters since the cache was made (what the server's /health shows)."""
+
+    conversations: int
+    bytes_used: int
+    max_bytes: int
+    restored: int  # conversations brought back into the context
+    kept: int  # conversations saved on leaving the context
+    evicted: int  # dropped, least recently used first, to stay within max_bytes
+
+
+class PromptCache:
+    """Least-recently-used kept conversations within ``max_bytes`` (and ``max_conversations``).
+
+    The session calls it from its own thread; :meth:`stats` may be read from any thread.
+    """
+
+    def __init__(self, max_bytes: int, max_conversations: int = 16) -> None:
+        if max_bytes < 0 or max_conversations < 1:
+            raise ValueError("a prompt cache needs max_bytes >= 0 and max_conversations >= 1")
+        self.max_bytes = max_bytes
+        self.max_conversations = max_conversations
+        self._kept: OrderedDict[int, KeptConversation] = OrderedDict()  # oldest first
+        self._ids = 0
+        self._lock = threading.Lock()
+        self._restored = self._saved = self._evicted = 0
+
+    @classmethod
+    def within_free_memory(cls, max_bytes: int, max_conversations: int = 16) -> PromptCache:
+        """``max_bytes``, but never more than :data:`FREE_MEMORY_SHARE` of the free memory now."""
+        free = free_memory_bytes()
+        budget = max_bytes if free is None else min(max_bytes, int(free * FREE_MEMORY_SHARE))
+        if budget < max_bytes:
+            log.info("prompt cache capped at %.0f MB (a share of the free memory)", budget / 1e6)
+        return cls(budget, max_conversations)
+
+    def closest(self, shared: Callable[[KeptConversation], int]) -> tuple[KeptConversation | None, int]:
+        """The kept conversation with the most ``shared`` tokens (the newest on a tie) and that count."""
+        with self._lock:
+            kept = list(self._kept.values())
+        best, best_n = None, 0
+        for conv in reversed(kept):
+            n = shared(conv)
+            if n > best_n:
+                best, best_n = conv, n
+        return best, best_n
+
+    def restored(self, conv: KeptConversation) -> None:
+        """``conv`` went back into the context: it becomes the most recently used."""
+        with self._lock:
+            for key, old in self._kept.items():
+                if old is conv:
+                    self._kept.move_to_end(key)
+                    break
+            self._restored += 1
+
+    def keep(self, conv: KeptConversation) -> None:
+        """Keep ``conv``, replacing kept conversations it extends; evict the least recent past the budget."""
+        if conv.n_kv == 0 or conv.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            for key, old in list(self._kept.items()):
+                if old.tokens[: old.n_kv] == conv.tokens[: old.n_kv] and old.n_kv <= conv.n_kv:
+                    del self._kept[key]  # conv holds all of it
+            self._ids += 1
+            self._kept[self._ids] = conv
+            self._saved += 1
+            while len(self._kept) > self.max_conversations or self._used() > self.max_bytes:
+                self._kept.popitem(last=False)
+                self._evicted += 1
+
+    def _used(self) -> int:
+        return sum(c.nbytes for c in self._kept.values())
+
+    def stats(self) -> PromptCacheStats:
+        with self._lock:
+            return PromptCacheStats(
+                conversations=len(self._kept), bytes_used=self._used(), max_bytes=self.max_bytes,
+                restored=self._restored, kept=self._saved, evicted=self._evicted,
+            )
