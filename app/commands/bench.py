@@ -27,7 +27,7 @@ from ...engine.lab.benchmark import (
     run_bench,
 )
 from ...engine.lab.cluster_bench import ClusterBenchConfig, ClusterRow
-from ...engine.lab.fixtures import RECIPES, build_all, build_fixture
+from ...engine.lab.fixtures import RECIPES, SHAPES, build_all, build_fixture, build_shape
 from .common import positive_int
 
 
@@ -85,6 +85,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"build the synthetic targets ({', '.join(RECIPES)}) and exit",
     )
     p.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        help="with --build-fixtures: build only a random-weight llama GGUF in this model shape "
+        "(1b, 3b, 8b; wide: 4 layers x 2048) and print its path on the last line",
+    )
+    p.add_argument("--fixture-seed", type=int, default=0, help="with --shape: the seed of the random weights")
+    p.add_argument(
         "--ngram-scaling",
         action="store_true",
         help="measure the N-gram drafter's cost per token at growing context sizes and exit",
@@ -136,6 +143,11 @@ def _parse_options(items: list[str]) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shape is not None and not args.build_fixtures:
+        raise PotluckError("--shape only applies to --build-fixtures; add --build-fixtures")
+    if args.build_fixtures and args.shape is not None:
+        print(build_shape(args.shape, args.fixture_seed))
+        return 0
     if args.build_fixtures:
         for fx in build_all():
             print(f"{fx.recipe:<12} {fx.n_layer:>4} layers  {fx.path}  ({RECIPES[fx.recipe]})")

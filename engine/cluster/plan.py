@@ -108,9 +108,9 @@ def layer_costs(path: Path) -> LayerCosts:
 
 @functools.lru_cache(maxsize=16)
 def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
-    from ..core.gguf_tools import _reader
+    from ..core.gguf_tools import open_reader
 
-    r = _reader(path)
+    r = open_reader(path)
     arch = str(r.fields["general.architecture"].contents())
 
     def num(key: str, default: int) -> int:
@@ -144,9 +144,9 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     n_vocab = len(tokens.data) if tokens is not None else num("vocab_size", 0)
     swa = None
     if arch == "gemma3":
-        from ..core.gguf_tools import _gemma3_swa_pattern
+        from ..core.gguf_tools import gemma3_swa_pattern
 
-        swa = tuple(_gemma3_swa_pattern(r, arch, range(n_layer)))
+        swa = tuple(gemma3_swa_pattern(r, arch, range(n_layer)))
     return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa)
 
 

