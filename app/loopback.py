@@ -1,5 +1,6 @@
-"""`potluck worker` processes on this machine's loopback: the cluster bench's stages (and
-the tests' workers), real processes that only ever listen on 127.0.0.1."""
+"""`potluck worker` processes on this machine's loopback: the cluster bench's stages, and the
+workers of the tests and of the soak, trial and simulator scripts (one way to start and stop
+them for all). Real processes that only ever listen on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,12 +12,29 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import PotluckError
 
 _LISTEN = re.compile(r"potluck worker (\w+) listening on ([\d.]+):(\d+)")
 START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class LoopbackWorker:
+    """A started worker: its process, the node id it reported, where it listens, its log."""
+
+    proc: subprocess.Popen
+    node_id: str
+    address: str  # "127.0.0.1:port"
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
 
 def spawn_worker(
@@ -28,10 +46,9 @@ def spawn_worker(
     zeroconf: bool = False,
     extra_args: Sequence[str] = (),
     preexec: Callable[[], None] | None = None,
-) -> tuple[subprocess.Popen, str, str, Path]:
+) -> LoopbackWorker:
     """Start one worker with its own home and slice cache under ``folder``; returns once it
-    listens: (process, node id, "127.0.0.1:port", its log file). Zeroconf, if on, is bound
-    to loopback only."""
+    listens. Zeroconf, if on, is bound to loopback only."""
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{name}.log"
     args = [
@@ -53,7 +70,7 @@ def spawn_worker(
             line = proc.stdout.readline()
             m = _LISTEN.search(line.decode(errors="replace"))
             if m:
-                return proc, m.group(1), f"{m.group(2)}:{m.group(3)}", log_path
+                return LoopbackWorker(proc, m.group(1), f"{m.group(2)}:{m.group(3)}", log_path)
         if proc.poll() is not None:
             break
     stop_worker(proc)

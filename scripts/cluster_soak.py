@@ -28,8 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from potluck.app.loopback import LoopbackWorker, spawn_worker, stop_worker
 from potluck.assets import default_model_path
-from potluck.discovery.auth import keys_from_token
+from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished, PlanChanged, TokenText
@@ -38,7 +39,6 @@ from potluck.engine.core.runtime import Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from scripts.procfs import process_tree
-from tests.cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
 N_CTX = 2048
 MAX_NEW = 64
@@ -70,7 +70,8 @@ class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.lock = threading.Lock()
-        self.workers: list[WorkerProc] = [start_worker(tmp, f"w{i}") for i in range(3)]
+        self.token = generate_token()
+        self.workers: list[LoopbackWorker] = [spawn_worker(tmp, f"w{i}", self.token) for i in range(3)]
         self.restarts = 0
 
     def addresses(self) -> list[str]:
@@ -86,7 +87,7 @@ class Cluster:
             time.sleep(rng.uniform(3.0, 8.0))  # frozen long enough to be declared lost
         os.kill(w.proc.pid, signal.SIGKILL)
         stop_worker(w.proc)
-        fresh = start_worker(self.tmp, f"w{i}")  # same cache folder: slices stay
+        fresh = spawn_worker(self.tmp, f"w{i}", self.token)  # same cache folder: slices stay
         with self.lock:
             self.workers[i] = fresh
             self.restarts += 1
@@ -138,8 +139,8 @@ def main() -> int:
 
         threads = [threading.Thread(target=sampler, daemon=True), threading.Thread(target=chaos, daemon=True)]
         try:
-            target = open_pipeline(default_model_path(), cluster.addresses(), keys_from_token(TOKEN), n_ctx=N_CTX,
-                                   split=[0, 10, 20, 30], slice_cache=SliceCache(tmp / "slices"),
+            target = open_pipeline(default_model_path(), cluster.addresses(), keys_from_token(cluster.token),
+                                   n_ctx=N_CTX, split=[0, 10, 20, 30], slice_cache=SliceCache(tmp / "slices"),
                                    candidates=cluster.addresses)
             session = Session(model, target, Autoregressive())
             for t in threads:

@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from potluck.app.loopback import spawn_worker, stop_worker
 from potluck.assets import default_model_path
-from potluck.discovery.auth import keys_from_token
+from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished, PlanChanged
@@ -38,7 +39,6 @@ from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.target import LocalTarget, Target
-from tests.cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
 N_CTX = 1024
 MAX_NEW = 48
@@ -85,14 +85,15 @@ def reference(model: Model, turns: tuple[str, ...], sampling: SamplingParams) ->
 class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.workers = [start_worker(tmp, f"w{i}") for i in range(3)]
+        self.token = generate_token()
+        self.workers = [spawn_worker(tmp, f"w{i}", self.token) for i in range(3)]
 
     def replace(self, i: int) -> None:
         w = self.workers[i]
         if w.alive():
             os.kill(w.proc.pid, signal.SIGCONT)
         stop_worker(w.proc)
-        self.workers[i] = start_worker(self.tmp, f"w{i}")  # same cache: slices stay
+        self.workers[i] = spawn_worker(self.tmp, f"w{i}", self.token)  # same cache: slices stay
 
     def close(self) -> None:
         for w in self.workers:
@@ -101,8 +102,9 @@ class Cluster:
             stop_worker(w.proc)
 
 
-def open_three(model_path: Path, workers: list[WorkerProc], cache: SliceCache) -> PipelineTarget:
-    return open_pipeline(model_path, [w.address for w in workers], keys_from_token(TOKEN), n_ctx=N_CTX,
+def open_three(model_path: Path, cluster: Cluster, cache: SliceCache) -> PipelineTarget:
+    workers = cluster.workers
+    return open_pipeline(model_path, [w.address for w in workers], keys_from_token(cluster.token), n_ctx=N_CTX,
                          split=[0, 10, 20, 30], slice_cache=cache)
 
 
@@ -113,7 +115,7 @@ def run_trial(n: int, rng: random.Random, model: Model, model_path: Path, cluste
     sig_name = rng.choice(["SIGKILL", "SIGSTOP"])
     stage = rng.randrange(3)
     at_s = rng.uniform(0.0, lengths[key])
-    target = open_three(model_path, cluster.workers, cache)
+    target = open_three(model_path, cluster, cache)
     victim = next(w for w in cluster.workers if w.address == target.links[stage].address)
     timer = threading.Timer(at_s, lambda: os.kill(victim.proc.pid, getattr(signal, sig_name)))
     t0 = time.monotonic()
@@ -163,7 +165,7 @@ def main() -> int:
             for c in range(len(CONVERSATIONS)):
                 for s in range(len(SAMPLINGS)):
                     refs[(c, s)] = reference(model, CONVERSATIONS[c], SAMPLINGS[s])
-                    target = open_three(model_path, cluster.workers, cache)
+                    target = open_three(model_path, cluster, cache)
                     t0 = time.monotonic()
                     try:
                         out = converse(model, target, CONVERSATIONS[c], SAMPLINGS[s])[0]

@@ -133,8 +133,8 @@ def main() -> None:
               f"  {'accept':>6} {'no guess':>8}")
         keys = keys_from_token(token)
         for n in (2, 3):
-            addresses = [p[2] for p in procs[:n]]
-            over = calibrate(path, addresses, keys, [p[0].pid for p in procs[:n]], perf, n, args.max_tokens)
+            addresses = [p.address for p in procs[:n]]
+            over = calibrate(path, addresses, keys, [p.proc.pid for p in procs[:n]], perf, n, args.max_tokens)
             cfg = ClusterBenchConfig(families=tuple(args.families.split(",")), reps=args.reps,
                                      max_tokens=args.max_tokens, only=("anpd", "pipeinfer"),
                                      options={"adaptive": False, "max_draft": K})  # the model has no floor
@@ -143,8 +143,8 @@ def main() -> None:
                 by = {r.variant: r for r in rows if r.family == fam}
                 report_family(n, fam, by, perf, over, args.max_tokens)
     finally:
-        for proc, *_ in procs:
-            stop_worker(proc)
+        for p in procs:
+            stop_worker(p.proc)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from textual.pilot import Pilot
+
 from potluck.engine.core.chat import Message
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Event, Finished, ReplyStarted, RoundStats, TokenText
@@ -152,6 +154,17 @@ async def until(cond: Callable[[], object], timeout_s: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or cond}")
         await asyncio.sleep(0.01)
+
+
+async def click(pilot: Pilot, selector: str) -> None:
+    """Click the widget where it is drawn now, and check the click landed on it.
+
+    ``Pilot.click`` reads the widget's region before its own pause, so a layout still pending
+    (rows just added above a button) moves the button away from the pointer and the click
+    lands beside it: the cluster picker's "Use selected" missed that way on a quiet machine.
+    ``Pilot.pause`` applies pending layout first."""
+    await pilot.pause()
+    assert await pilot.click(selector), f"the click missed {selector}"
 
 
 def run_async(fn: Callable[..., object]) -> Callable[..., None]:

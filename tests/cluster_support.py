@@ -6,31 +6,22 @@ Workers run ``potluck worker`` as real processes: 1 thread each, an OS-picked po
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from potluck.app.loopback import spawn_worker, stop_worker
+from potluck.app.loopback import LoopbackWorker, spawn_worker, stop_worker
 
 __all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "stop_worker"]
 
-TOKEN = "potluck-test-token-0123456789abcdef"
+TOKEN = "potluck-i9pos2TbJ4BeDqU0Yj1EkuGn42Nqv7Sp4Ch0LzNjpxo"  # as `potluck token` makes them
 
 
 @dataclass
-class WorkerProc:
-    proc: subprocess.Popen
-    node_id: str
-    address: str
-    log_path: Path
+class WorkerProc(LoopbackWorker):
+    """A loopback worker plus the marks a test leaves on it (``extra["victim"]``...)."""
+
     extra: dict[str, str] = field(default_factory=dict)
-
-    def log(self) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
 
 def start_worker(
@@ -43,10 +34,8 @@ def start_worker(
     extra_args: Sequence[str] = (),
     preexec: Callable[[], None] | None = None,
 ) -> WorkerProc:
-    proc, node_id, address, log_path = spawn_worker(
-        tmp, name, token, threads=threads, zeroconf=zeroconf, extra_args=extra_args, preexec=preexec
-    )
-    return WorkerProc(proc, node_id, address, log_path)
+    w = spawn_worker(tmp, name, token, threads=threads, zeroconf=zeroconf, extra_args=extra_args, preexec=preexec)
+    return WorkerProc(w.proc, w.node_id, w.address, w.log_path)
 
 
 def loopback_workers(tmp: Path, prefix: str, n: int = 3, **kw: object) -> Iterator[list[WorkerProc]]:

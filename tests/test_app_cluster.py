@@ -23,7 +23,7 @@ from potluck.app.tui.cluster import AUTO, ClusterChoice
 from potluck.app.tui.screens import ClusterScreen, PickerScreen
 from potluck.engine.loader import open_session
 
-from .app_fakes import run_async, until
+from .app_fakes import click, run_async, until
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
 LOOPBACK = ("127.0.0.1",)
@@ -151,7 +151,7 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
             assert app.cluster_state is None
             await pilot.press("ctrl+o")  # the model picker's Cluster… button opens it (as F9 does)
             await until(lambda: isinstance(app.screen, PickerScreen), 10, "the model picker")
-            await pilot.click("#cluster")
+            await click(pilot, "#cluster")
             await until(lambda: isinstance(app.screen, ClusterScreen), 10, "the cluster picker")
             screen = app.screen
             assert isinstance(screen, ClusterScreen)
@@ -164,7 +164,7 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
                 assert any(w.node_id[:9] in r and w.address in r for r in rows), rows
             assert sorted(sl.selected) == sorted(w.address for w in workers)  # all offered by default
             sl.deselect(workers[1].address)  # use one worker: the whole model on it
-            await pilot.click("#use")
+            await click(pilot, "#use")
             await until(lambda: app.cluster is not None, 10, "the choice")
             await until(lambda: not app.loading and app.session is not None, 120, "the cluster session")
             assert app.load_error is None

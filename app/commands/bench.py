@@ -265,12 +265,12 @@ def _cluster(args: argparse.Namespace) -> int:
             folder = Path(tempfile.mkdtemp(prefix="potluck-bench-"))
             for i in range(args.cluster):
                 procs.append(spawn_worker(folder, f"w{i}", token))
-            addresses = tuple(p[2] for p in procs)
+            addresses = tuple(p.address for p in procs)
             keys = keys_from_token(token)
         rows = run_cluster_bench(cfg, addresses, keys, progress)
     finally:
-        for proc, *_ in procs:
-            stop_worker(proc)
+        for p in procs:
+            stop_worker(p.proc)
         if procs:
             shutil.rmtree(folder, ignore_errors=True)
     if args.json:
