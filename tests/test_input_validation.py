@@ -97,7 +97,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    """Paths (as argv bytes) of inputs a user may pass as a model or draft."""
+    """Paths (as argv bytes) of inputs a user may pass as a model, draft or token file."""
     d = tmp_path_factory.mktemp("inputs")
     assert MODEL is not None
     (d / "garbage.gguf").write_bytes(b"\x00\xff\xfe\xc3(" * 200)
@@ -109,7 +109,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     with open(odd, "wb") as f:
         f.write(b"GGUF" + b"\x00" * 64)
     (d / "folder.gguf").mkdir()
-    names = ["garbage.gguf", "magic.gguf", "empty.gguf", "truncated.gguf", "folder.gguf", "missing.gguf"]
+    for name, token in (("token", TOKEN), ("weak.token", "potluck-Summer2024!Summer2024!Summer2024!")):
+        (d / name).write_text(token + "\n")
+        (d / name).chmod(0o600)
+    names = ["garbage.gguf", "magic.gguf", "empty.gguf", "truncated.gguf", "folder.gguf", "missing.gguf",
+             "token", "weak.token"]
     out = {name: os.fsencode(d / name) for name in names}
     out["odd"] = odd
     out["model"] = os.fsencode(MODEL)
@@ -118,7 +122,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 # --------------------------------------------------------------------------- the generate property
 
-TOKEN = "potluck-Xq3vB9tLm2Rk7WzYc4Np8Hd5"  # long and varied enough to be a cluster token
+TOKEN = "potluck-Oyr8YDwKr633B7ATZxFNK5mAlugevunMSzaDrX2iDwg"  # as `potluck token` makes them
 INTS_BAD = ["0", "-1", "abc", "", "1.5", "0x10", str(2**70), str(-(2**70)), "1e3", " "]
 FLOATS_BAD = ["-1", "nan", "inf", "-inf", "1e400", "abc", "", "1e-320"]
 
@@ -142,13 +146,14 @@ OPTIONS: dict[str, list[list[str | bytes]]] = {
     "--json": [[]],
     # cluster options come as sets (each alone is refused without --nodes)
     "cluster": [
-        ["--nodes", "127.0.0.1:1", "--token", TOKEN],
-        ["--nodes", "auto", "--token", TOKEN, "--discover-timeout", "0.1"],
-        ["--nodes", "auto", "--token", TOKEN, "--discover-timeout", "nan"],
-        ["--nodes", "127.0.0.1:1", "--token", TOKEN, "--split", "5,1"],
-        ["--nodes", "127.0.0.1:1", "--token", "short"],
+        # --token-file: --token adds its warning line (tests/test_trust_token.py)
+        ["--nodes", "127.0.0.1:1", "--token-file", "@token"],
+        ["--nodes", "auto", "--token-file", "@token", "--discover-timeout", "0.1"],
+        ["--nodes", "auto", "--token-file", "@token", "--discover-timeout", "nan"],
+        ["--nodes", "127.0.0.1:1", "--token-file", "@token", "--split", "5,1"],
+        ["--nodes", "127.0.0.1:1", "--token-file", "@weak.token"],
         ["--nodes", "127.0.0.1:1", "--discover-timeout", "1"],
-        *[["--nodes", v, "--token", TOKEN] for v in ["", "nohost", "h:0", "h:70000", "a b:5733", ":5733"]],
+        *[["--nodes", v, "--token-file", "@token"] for v in ["", "nohost", "h:0", "h:70000", "a b:5733", ":5733"]],
         ["--nodes", "auto"],
         ["--split", "0,12"], ["--token", TOKEN], ["--hidden-f16"], ["--discover-timeout", "1"],
     ],
@@ -257,7 +262,7 @@ def test_any_seed_is_accepted_and_taken_mod_2_64(home: Path) -> None:
         (["--ctx", str(2**32 + 16)], "--ctx"),
         (["--ctx", "abc"], "--ctx"),
         (["--split", "0,4"], "--split only applies to cluster mode"),
-        (["--nodes", "h:70000", "--token", TOKEN], "port 1-65535"),
+        (["--nodes", "h:70000"], "port 1-65535"),
     ],
 )
 def test_refusals_are_one_line(args: list[str], expect: str, home: Path) -> None:

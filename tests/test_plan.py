@@ -95,7 +95,7 @@ def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    keys = keys_from_token("potluck-test-token-0123456789abcdef")
+    keys = keys_from_token("potluck-swlfy4vgAWcjv3TfLEQ10F7hlqkR8k-vQB1JpW88eb0")
     with pytest.raises(PotluckError, match="'qwen2' is not verified for exact layer splitting") as err:
         open_pipeline(path, ["127.0.0.1:9"], keys)
     assert "\n" not in str(err.value)
