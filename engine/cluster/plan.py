@@ -2,10 +2,13 @@
 
 A stage's time is estimated as its weight bytes divided by the node's measured speed score
 (decode is bound by reading weights; docs/facts.md §6 says measure, so the score is
-measured on each worker). A stage's memory is its layers' bytes, the token embeddings on
-the first stage, the output head on the last, its KV cache for ``n_ctx`` tokens and a
-fixed allowance for compute buffers. Dynamic programming over (nodes in order, layers)
-finds the assignment minimizing the bottleneck; nodes may get no layers.
+measured on each worker). A stage's memory (:func:`stage_bytes`, the same figure the worker
+checks before it loads) is its slice's weights, its KV cache for ``n_ctx`` tokens, and
+llama.cpp's compute and output buffers for ``n_batch`` rows, measured (docs/facts.md §15);
+each node's free memory is what its worker reported at join (MemAvailable, or less under a
+cgroup limit: core/memory.py). Dynamic programming over (nodes in order, layers) finds the
+assignment minimizing the bottleneck; nodes may get no layers, and a split that fits
+nowhere is refused before anything is sent.
 
 The head computes the model's last layer(s) and the output layer itself (so the last
 worker returns a hidden state, not a row of logits: head.py), so workers share layers
@@ -25,8 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import PotluckError
+from ..core.validate import N_BATCH
 
-COMPUTE_OVERHEAD_MB = 96
+# llama.cpp's CPU compute buffer for one ubatch of n rows, measured from its own log
+# ("CPU compute buffer size") over SmolLM2-135M and the 1b and wide fixtures, n_ctx 512-4096,
+# n_batch 64 and 512 (docs/facts.md §15): the graph's peak is the output layer's logits,
+# n * 4 * n_vocab bytes, plus 8-16.5 bytes per row and unit of width; 20 bounds them all.
+COMPUTE_BYTES_PER_ROW_VOCAB = 4
+COMPUTE_BYTES_PER_ROW_EMBD = 20
+COMPUTE_MARGIN_BYTES = 16 << 20  # graph inputs (KQ mask, positions) and allocator rounding
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -171,24 +181,40 @@ def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
     return prefix[hi] - prefix[lo]
 
 
-def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int) -> float:
-    b = _range_bytes(costs, lo, hi) + costs.kv_bytes_per_token_layer * n_ctx * (hi - lo)
-    if lo == 0:
-        b += costs.embd_bytes
-    if hi == costs.n_layer:
-        b += costs.head_bytes
-    return b / (1 << 20) + COMPUTE_OVERHEAD_MB
+def stage_runtime_bytes(n_vocab: int, n_embd: int, n_batch: int) -> int:
+    """What a loaded stage allocates beyond weights and KV cache: the compute buffer, the
+    output buffer (a capturing stage marks every row an output, so llama.cpp keeps a logits row
+    for each) and the captured hidden states, all for ``n_batch`` rows."""
+    compute = n_batch * (COMPUTE_BYTES_PER_ROW_VOCAB * n_vocab + COMPUTE_BYTES_PER_ROW_EMBD * n_embd)
+    outputs = n_batch * (4 * n_vocab + 4 * n_embd)
+    return compute + COMPUTE_MARGIN_BYTES + outputs
+
+
+def stage_bytes(costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH) -> int:
+    """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model.
+
+    Every slice holds the token embeddings and the output layer besides its layers (they are
+    needed to load), and llama.cpp repacks the output matrix into its own memory on machines
+    with extra buffer types (Q4_0 here: the whole file, mapped and repacked), so both count
+    for every stage."""
+    weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
+    kv = costs.kv_bytes_per_token_layer * n_ctx * (hi - lo)
+    return weights + kv + stage_runtime_bytes(costs.n_vocab, costs.n_embd, n_batch)
+
+
+def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH) -> float:
+    return stage_bytes(costs, lo, hi, n_ctx, n_batch) / (1 << 20)
 
 
 def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo) -> float:
     return _range_bytes(costs, lo, hi) / max(node.speed, 1e-9)  # the output layer is the head's
 
 
-def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int) -> StageAssignment:
-    return StageAssignment(node, lo, hi, stage_mem_mb(costs, lo, hi, n_ctx), _cost(costs, lo, hi, node))
+def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int, n_batch: int) -> StageAssignment:
+    return StageAssignment(node, lo, hi, stage_mem_mb(costs, lo, hi, n_ctx, n_batch), _cost(costs, lo, hi, node))
 
 
-def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> SplitPlan:
+def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH) -> SplitPlan:
     """The contiguous assignment (nodes in the given order) of the workers' layers
     ``[0, n_layer - head_layers)`` with the smallest bottleneck."""
     if not nodes:
@@ -205,29 +231,32 @@ def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int) -> Spli
             for i in range(j):
                 if best[k - 1][i] == inf or not loadable(costs, i, j):
                     continue
-                if stage_mem_mb(costs, i, j, n_ctx) > node.free_mb:
+                if stage_mem_mb(costs, i, j, n_ctx, n_batch) > node.free_mb:
                     continue
                 v = max(best[k - 1][i], _cost(costs, i, j, node))
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
     if best[len(nodes)][n] == inf:
-        need = stage_mem_mb(costs, 0, n, n_ctx)
-        have = sum(nd.free_mb for nd in nodes)
+        one = min(stage_mem_mb(costs, i, i + 1, n_ctx, n_batch) for i in range(n))
         raise PotluckError(
-            f"the model does not fit: it needs about {need:,.0f} MB in all and the "
-            f"{len(nodes)} worker(s) have {have:,} MB free; add workers or lower --ctx"
+            f"the model does not fit: its {n} worker layers need about "
+            f"{stage_mem_mb(costs, 0, n, n_ctx, n_batch):,.0f} MB on one worker and at least "
+            f"{one:,.0f} MB on each (n_ctx {n_ctx}), and the {len(nodes)} worker(s) have "
+            f"{', '.join(f'{nd.free_mb:,}' for nd in nodes)} MB free; add workers or lower --ctx"
         )
     stages: list[StageAssignment] = []
     j = n
     for k in range(len(nodes), 0, -1):
         i = cut[k][j]
         if i < j:
-            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx))
+            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch))
         j = i
     return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
 
 
-def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int) -> SplitPlan:
+def manual_plan(
+    costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int, n_batch: int = N_BATCH
+) -> SplitPlan:
     """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
 
     The head computes the last layer(s) (:func:`head_layers`), so the last worker stage ends
@@ -256,5 +285,12 @@ def manual_plan(costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[i
             )
     if len(b) - 1 != len(nodes):
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
-    stages = tuple(_assign(costs, nd, lo, hi, n_ctx) for nd, lo, hi in zip(nodes, b, b[1:]))
+    stages = tuple(_assign(costs, nd, lo, hi, n_ctx, n_batch) for nd, lo, hi in zip(nodes, b, b[1:]))
+    for s in stages:
+        if s.mem_mb > s.node.free_mb:
+            raise PotluckError(
+                f"split {b}: layers {s.lo}-{s.hi} need about {s.mem_mb:,.0f} MB (n_ctx {n_ctx}) but "
+                f"{s.node.name} ({s.node.address}) has {s.node.free_mb:,} MB free; move the boundary, "
+                "add workers or lower --ctx"
+            )
     return SplitPlan(stages, costs.n_layer, (end, costs.n_layer))

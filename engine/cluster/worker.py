@@ -45,7 +45,7 @@ from ..core.jobs import GroupCancelled
 from ..core.spec import CurveKeys
 from . import wire
 from .child import StageCrashed, StageInfo, StageProcess, StageSpec
-from .plan import COMPUTE_OVERHEAD_MB, layer_costs
+from .plan import layer_costs, stage_mem_mb
 from .profile import NodeProfile, free_memory_mb
 from .transport import (
     AUTH_FAILED_EVENTS,
@@ -179,14 +179,11 @@ class SliceStore:
 
 
 def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
-    """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the header."""
+    """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the
+    header: the planner's own figure (:func:`.plan.stage_bytes`) over the slice's layers."""
     costs = layer_costs(path)
-    kv = costs.kv_bytes_per_token_layer * load.n_ctx * costs.n_layer
-    # every row is an output of a capturing stage: llama.cpp reserves a logits row for each
-    logits = load.n_batch * costs.n_vocab * 4
-    activations = load.n_batch * max(costs.n_embd, 1) * 4 * 8
-    size = path.stat().st_size
-    return (size + kv + logits + activations) / (1 << 20) + COMPUTE_OVERHEAD_MB, costs.arch
+    cells = load.n_ctx * (1 if load.kv_unified else max(1, load.n_seq_max))  # a KV stream per sequence
+    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch), costs.arch
 
 
 class Worker:

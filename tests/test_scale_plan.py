@@ -1,0 +1,121 @@
+"""The planner fits slices, KV cache and llama.cpp's buffers into each worker's free memory:
+a capped worker gets fewer layers, a split that fits nowhere is one line before anything is
+sent, the compute-buffer figure bounds llama.cpp's own, and a worker in a memory cgroup
+reports what the cgroup still allows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from potluck.discovery.auth import keys_from_token
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.plan import (
+    LayerCosts,
+    NodeInfo,
+    layer_costs,
+    manual_plan,
+    plan_split,
+    stage_bytes,
+    stage_runtime_bytes,
+)
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core import memory
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.runtime import Context, ContextParams, Model
+from potluck.engine.lab.fixtures import build_shape
+
+from .cluster_support import TOKEN, start_worker, stop_worker
+
+MB = 1 << 20
+
+
+def one_b() -> LayerCosts:
+    """The 1b shape's sizes (16 layers of 34 MB, a tied 56 MB embedding, 49,152 tokens)."""
+    return LayerCosts("llama", tuple([34 * MB] * 16), 56 * MB, 56 * MB, 2 * 8 * 64 * 2, 49152, 2048)
+
+
+def test_a_capped_worker_gets_fewer_layers() -> None:
+    c = one_b()
+    even = plan_split(c, [NodeInfo("a", "a:1", 8000, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], n_ctx=4096)
+    assert sorted(s.hi - s.lo for s in even.stages) == [7, 8]
+    cap = int(stage_bytes(c, 0, 4, 4096) / MB) + 1  # room for 4 layers, not 5
+    capped = plan_split(c, [NodeInfo("a", "a:1", cap, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], n_ctx=4096)
+    assert [s.hi - s.lo for s in capped.stages] == [4, 11]
+    assert all(s.mem_mb <= s.node.free_mb for s in capped.stages)
+    # the KV cache counts: a longer context leaves the capped worker fewer layers still
+    longer = plan_split(c, [NodeInfo("a", "a:1", cap, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], n_ctx=65536)
+    assert longer.stages[0].hi - longer.stages[0].lo < 4
+
+
+def test_a_split_that_fits_nowhere_is_one_line() -> None:
+    c = one_b()
+    nodes = [NodeInfo("a", "a:1", 300, 1.0), NodeInfo("b", "b:1", 300, 1.0)]
+    with pytest.raises(PotluckError, match="does not fit") as e:
+        plan_split(c, nodes, n_ctx=4096)
+    assert "\n" not in str(e.value) and "300, 300 MB free" in str(e.value)
+    with pytest.raises(PotluckError, match=r"layers 0-8 need about .* but a \(a:1\) has 500 MB free") as e:
+        manual_plan(c, [NodeInfo("a", "a:1", 500, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], [0, 8, 16], 4096)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("n_batch", [64, 512])
+def test_compute_buffer_figure_bounds_llama_cpp(model: Model, model_path: Path, n_batch: int,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """llama.cpp logs its compute buffer at context creation; the planner's figure holds it."""
+    caplog.set_level(logging.DEBUG, logger="potluck.engine.core.runtime")
+    with Context(model, ContextParams(n_ctx=1024, n_batch=n_batch, capture_layer=model.n_layer - 1, n_threads=1)):
+        pass
+    sizes = [float(m.group(1)) for r in caplog.records
+             if (m := re.search(r"CPU compute buffer size = +([\d.]+) MiB", r.getMessage()))]
+    assert sizes, "llama.cpp no longer logs its compute buffer: re-measure docs/facts.md §15"
+    c = layer_costs(model_path)
+    outputs = n_batch * (4 * c.n_vocab + 4 * c.n_embd)
+    figure = (stage_runtime_bytes(c.n_vocab, c.n_embd, n_batch) - outputs) / MB
+    assert max(sizes) <= figure <= max(sizes) * 1.3 + 16
+
+
+def _v1_memory_dir() -> Path | None:
+    return next((d for version, d in memory.own_cgroup_dirs() if version == 1), None)
+
+
+@pytest.fixture()
+def capped_group() -> Iterator[Path]:
+    """A fresh v1 memory cgroup of 400 MiB under this process's own (root only)."""
+    parent = _v1_memory_dir()
+    if os.geteuid() != 0 or parent is None or not os.access(parent, os.W_OK):
+        pytest.skip("needs root and a writable cgroup v1 memory controller")
+    d = parent / f"potluck-capped-{os.getpid()}"
+    d.mkdir()
+    (d / "memory.limit_in_bytes").write_text(str(400 * MB))
+    yield d
+    for _ in range(100):  # processes leave the group a moment after they exit
+        try:
+            d.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def test_capped_worker_reports_its_cgroup_and_a_split_that_cannot_fit_sends_nothing(
+    capped_group: Path, tmp_path: Path
+) -> None:
+    w = start_worker(tmp_path, "capped", preexec=lambda: (capped_group / "cgroup.procs").write_text(str(os.getpid())))
+    try:
+        wide = build_shape("wide")
+        stats: list[int] = []
+        with pytest.raises(PotluckError, match="does not fit") as e:
+            open_pipeline(wide, [w.address], keys_from_token(TOKEN), n_ctx=4096,
+                          slice_cache=SliceCache(tmp_path / "head-slices"),
+                          on_plan=lambda p: stats.append(1), head_fallback=False)
+        free = [int(x.replace(",", "")) for x in re.findall(r"([\d,]+) MB free", str(e.value))]
+        assert len(free) == 1 and free[0] < 400  # the welcome's figure: the cgroup's, not MemAvailable
+        assert not stats and not list((tmp_path / "capped-cache").glob("*.gguf"))  # nothing planned or sent
+    finally:
+        stop_worker(w.proc)
