@@ -36,6 +36,7 @@ from .core.events import (
 )
 from .core.gguf_tools import describe as describe_gguf
 from .core.plain import Autoregressive
+from .core.prompt_cache import PromptCache, PromptCacheStats
 from .core.runtime import Model, check_gguf_file, default_threads
 from .core.sampling import SamplingParams
 from .core.session import Session
@@ -65,6 +66,8 @@ __all__ = [
     "NodeStatus",
     "PlanChanged",
     "PotluckError",
+    "PromptCache",
+    "PromptCacheStats",
     "ReplyStarted",
     "RoundStats",
     "SamplingParams",

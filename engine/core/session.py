@@ -47,12 +47,11 @@ class Session:
         strategy: Strategy,
         *,
         system: str | None = None,
-        prompt_cache: PromptCache | None = None,
     ) -> None:
         self.model = model
-        # Several conversations' KV kept beside the one in the context (an HTTP server's clients);
+        # Several conversations' KV kept beside the one in the context (use_prompt_cache);
         # None: only the conversation in the context is reused.
-        self.prompt_cache = prompt_cache if prompt_cache is not None and target.kv_state() is not None else None
+        self.prompt_cache: PromptCache | None = None
         self.target = target
         self.strategy = strategy
         bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
@@ -83,6 +82,14 @@ class Session:
     def load_messages(self, messages: Sequence[Message]) -> None:
         """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
         self.messages = list(messages)
+
+    def use_prompt_cache(self, cache: PromptCache) -> bool:
+        """Keep recent conversations' KV in ``cache`` (an HTTP server's clients take turns); False
+        where the target's KV cache is not on this machine (cluster mode: only the last is reused)."""
+        if self.target.kv_state() is None:
+            return False
+        self.prompt_cache = cache
+        return True
 
     def cluster_view(self) -> ClusterView | None:
         """The chain's stages, layers and traffic in cluster mode (None on one machine)."""
@@ -115,7 +122,7 @@ class Session:
         if user is not None:
             self.messages.append(Message("user", limits.text("the prompt", user)))
         try:
-            self._continue_closest_kept()
+            self._continue_closest_kept(self.format.render(self.messages, add_generation_prompt=True))
             tokens, rendered = self._conversation_tokens()
             limits.prompt_fits(len(tokens), self.target.n_ctx)
         except PotluckError:
@@ -123,6 +130,18 @@ class Session:
                 self.messages.pop()
             raise
         yield from self._run(tokens, rendered, sampling, max_tokens)
+
+    def complete(self, prompt: str, sampling: SamplingParams = GREEDY, max_tokens: int = 512) -> Iterator[Event]:
+        """Continue ``prompt`` as raw text, without the chat template (OpenAI's completions API):
+        the session then holds no messages, only the text and its KV cache."""
+        limits.max_tokens(max_tokens)
+        sampling = limits.sampling(sampling)
+        prompt = limits.text("the prompt", prompt)
+        self.messages = []
+        self._continue_closest_kept(prompt)
+        tokens = self._tokens_for(prompt)
+        limits.prompt_fits(len(tokens), self.target.n_ctx)
+        yield from self._run(tokens, prompt, sampling, max_tokens)
 
     def regenerate(
         self, sampling: SamplingParams = GREEDY, max_tokens: int = 512
@@ -139,18 +158,21 @@ class Session:
 
     def _conversation_tokens(self) -> tuple[list[int], str]:
         rendered = self.format.render(self.messages, add_generation_prompt=True)
+        return self._tokens_for(rendered), rendered
+
+    def _tokens_for(self, rendered: str) -> list[int]:
+        """The tokens of ``rendered``, those of the conversation in the context where it goes on from it."""
         # (no covered text: the tokens end mid-prompt, after a cancelled prompt, so retokenize)
         if self._tokens and self._covered and rendered.startswith(self._covered):
-            return self._tokens + self._tokenize(rendered[len(self._covered) :], at_start=False), rendered
-        return self._tokenize(rendered, at_start=True), rendered
+            return self._tokens + self._tokenize(rendered[len(self._covered) :], at_start=False)
+        return self._tokenize(rendered, at_start=True)
 
-    def _continue_closest_kept(self) -> None:
-        """With a prompt cache: keep the conversation in the context if this one leaves part of it,
-        and bring back a kept one that shares more tokens with this one (see :mod:`.prompt_cache`)."""
+    def _continue_closest_kept(self, rendered: str) -> None:
+        """With a prompt cache: keep the conversation in the context if ``rendered`` leaves part of
+        it, and bring back a kept one that shares more tokens with it (see :mod:`.prompt_cache`)."""
         cache = self.prompt_cache
         if cache is None:
             return
-        rendered = self.format.render(self.messages, add_generation_prompt=True)
         fresh: list[int] = []
 
         def shared(tokens: Sequence[int], covered: str, n_kv: int) -> int:
