@@ -16,14 +16,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from zeroconf import InterfaceChoice, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
+from zeroconf import (
+    DNSAddress,
+    DNSService,
+    InterfaceChoice,
+    IPVersion,
+    ServiceBrowser,
+    ServiceInfo,
+    ServiceStateChange,
+    Zeroconf,
+    current_time_millis,
+)
 
 from ..engine.cluster.profile import NodeProfile
 from ..engine.cluster.wire import PROTOCOL_VERSION
+from ..engine.core.errors import PotluckError
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_potluck._tcp.local."
+# Rows kept by a Membership: far more workers than a LAN cluster has, few enough that the
+# head can join them all at once (a socket and a thread each).
+MAX_ROWS = 128
+DNS_TYPE_A, DNS_TYPE_SRV, DNS_CLASS_IN = 1, 33, 1  # RFC 1035, RFC 2782
 
 
 @dataclass(frozen=True)
@@ -95,15 +110,39 @@ class Advertiser:
                 self._zc = None
 
 
-def _node(info: ServiceInfo) -> DiscoveredNode | None:
+def _ipv4(raw: bytes) -> str | None:
+    return socket.inet_ntoa(raw) if len(raw) == 4 else None
+
+
+def claimed_addresses(zc: Zeroconf, name: str, info: ServiceInfo) -> list[str]:
+    """Every host:port that records under ``name`` claim, in the order first seen.
+
+    A record is a claim, not a proof: a clone may announce the same instance name or server
+    name with its own SRV or A records, and the DNS cache then holds both (until one side's
+    cache-flush expires the other's a second later). Each (server, port) x IPv4 address is a
+    candidate; the head proves which are workers by joining them (the CURVE handshake needs the
+    token). IPv4 only, as :class:`Advertiser` announces."""
+    now = current_time_millis()
+    targets = [(info.server, info.port)] if info.server and info.port else []
+    for srv in zc.cache.get_all_by_details(name, DNS_TYPE_SRV, DNS_CLASS_IN):
+        if isinstance(srv, DNSService) and not srv.is_expired(now):
+            targets.append((srv.server, srv.port))
+    out: list[str] = []
+    for server, port in dict.fromkeys(targets):
+        hosts = list(info.parsed_addresses(IPVersion.V4Only)) if server == info.server else []
+        for rec in zc.cache.get_all_by_details(server, DNS_TYPE_A, DNS_CLASS_IN):
+            if isinstance(rec, DNSAddress) and not rec.is_expired(now):
+                hosts.append(_ipv4(rec.address) or "")
+        out += [f"{h}:{port}" for h in hosts if h]
+    return list(dict.fromkeys(out))
+
+
+def _node(info: ServiceInfo, address: str) -> DiscoveredNode | None:
     props = {k.decode(): (v or b"").decode() for k, v in info.properties.items() if isinstance(k, bytes)}
-    addrs = info.parsed_addresses()
-    if not addrs or info.port is None:
-        return None
     try:
         return DiscoveredNode(
             node_id=props.get("id", "?"),
-            address=f"{addrs[0]}:{info.port}",
+            address=address,
             version=props.get("v", "?"),
             protocol=int(props.get("proto", "0")),
             cores=int(props.get("cores", "0")),
@@ -116,12 +155,15 @@ def _node(info: ServiceInfo) -> DiscoveredNode | None:
 
 
 class Membership:
-    """Live set of advertised workers; ``on_change(kind, node)`` with kind "added"/"removed".
+    """Live set of advertised workers, one row per address a record claims;
+    ``on_change(kind, node)`` with kind "added"/"removed".
 
-    Records are unauthenticated (anyone on the LAN can announce one), so a known node keeps
-    its address: a record that reuses its instance name or node id with another address is
-    ignored with a warning unless ``verify(node)`` (e.g. a CURVE join checking the node id
-    the worker itself reports) confirms it. A node leaves only by its own goodbye or expiry.
+    Records are unauthenticated: anyone on the LAN can announce one, with any node id and
+    address. So a record is only a candidate and no record displaces or hides another: a clone
+    of a worker's record at another address is one more row (same node id, other address),
+    and the head's join proves which rows are workers (:func:`find_candidates`). Addresses a
+    record claimed stay until that record is removed (its goodbye or expiry). At most
+    :data:`MAX_ROWS` rows are kept: past that, new ones are ignored with a warning.
     """
 
     def __init__(
@@ -129,13 +171,11 @@ class Membership:
         *,
         interfaces: Sequence[str] | None = None,
         on_change: Callable[[str, DiscoveredNode], None] | None = None,
-        verify: Callable[[DiscoveredNode], bool] | None = None,
     ) -> None:
-        self._verify = verify
-        self.refused_takeovers = 0
+        self.ignored_rows = 0  # rows past MAX_ROWS
         self._zc = _zeroconf(interfaces)
         self._lock = threading.Lock()
-        self._nodes: dict[str, DiscoveredNode] = {}
+        self._rows: dict[tuple[str, str], DiscoveredNode] = {}  # (instance name, host:port) -> row
         self._on_change = on_change
         self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._changed])
 
@@ -144,46 +184,42 @@ class Membership:
     ) -> None:
         if state_change is ServiceStateChange.Removed:
             with self._lock:
-                node = self._nodes.pop(name, None)
-            if node is not None and self._on_change:
-                self._on_change("removed", node)
+                gone = [self._rows.pop(k) for k in [k for k in self._rows if k[0] == name]]
+            if self._on_change:
+                for node in gone:
+                    self._on_change("removed", node)
             return
         threading.Thread(target=self._resolve, args=(service_type, name), daemon=True).start()
 
     def _resolve(self, service_type: str, name: str) -> None:
         info = self._zc.get_service_info(service_type, name, timeout=3000)
-        node = _node(info) if info is not None else None
-        if node is None:
+        if info is None:
             return
-        with self._lock:
-            old = self._nodes.get(name) or next(
-                (n for n in self._nodes.values() if n.node_id == node.node_id), None
-            )
-        takeover = old is not None and old.address != node.address
-        if takeover:
-            if self._verify is None or not self._verify(node):
-                self.refused_takeovers += 1
-                log.warning(
-                    "ignoring a zeroconf record that moves node %s from %s to %s without proof",
-                    old.node_id, old.address, node.address,
-                )
+        for address in claimed_addresses(self._zc, name, info):
+            node = _node(info, address)
+            if node is None:
                 return
-        with self._lock:
-            if takeover:  # proven: the node moved
-                self._nodes = {k: v for k, v in self._nodes.items() if v is not old}
-            elif old is not None and old is not self._nodes.get(name):
-                return  # the same node id under a second name: keep the first
-            known = name in self._nodes
-            self._nodes[name] = node
-        if not known and self._on_change:
-            self._on_change("added", node)
+            with self._lock:
+                known = (name, address) in self._rows
+                full = not known and len(self._rows) >= MAX_ROWS
+                if full:
+                    self.ignored_rows += 1
+                else:
+                    self._rows[(name, address)] = node  # figures (free memory...) update in place
+            if full:
+                log.warning(
+                    "ignoring zeroconf record %s at %s: over %d potluck records on this LAN "
+                    "(someone may be flooding it); pass the workers with --nodes", name, address, MAX_ROWS,
+                )
+            elif not known and self._on_change:
+                self._on_change("added", node)
 
     def nodes(self) -> list[DiscoveredNode]:
         with self._lock:
-            return sorted(self._nodes.values(), key=lambda n: n.address)
+            return sorted(set(self._rows.values()), key=lambda n: (n.address, n.node_id))
 
     def wait_for(self, count: int, timeout_s: float) -> list[DiscoveredNode]:
-        """Nodes seen once ``count`` are known or ``timeout_s`` passed, whichever is first."""
+        """Rows seen once ``count`` are known or ``timeout_s`` passed, whichever is first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and len(self.nodes()) < count:
             time.sleep(0.05)
@@ -195,9 +231,24 @@ class Membership:
 
 
 def browse(timeout_s: float = 2.0, *, interfaces: Sequence[str] | None = None, expect: int = 0) -> list[DiscoveredNode]:
-    """Workers advertised within ``timeout_s`` (returns early once ``expect`` are found)."""
-    m = Membership(interfaces=interfaces)
+    """Rows advertised within ``timeout_s`` (returns early once ``expect`` are found),
+    including rows whose record said goodbye meanwhile: a goodbye is unauthenticated too."""
+    seen: dict[DiscoveredNode, None] = {}
+    m = Membership(interfaces=interfaces, on_change=lambda kind, n: seen.setdefault(n) if kind == "added" else None)
     try:
-        return m.wait_for(expect or 1 << 30, timeout_s)
+        now = m.wait_for(expect or 1 << 30, timeout_s)
     finally:
         m.close()
+    return sorted(set(now) | set(seen), key=lambda n: (n.address, n.node_id))
+
+
+def find_candidates(timeout_s: float = 2.0, *, interfaces: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The addresses of ``--nodes auto``: every address a compatible record claims, once.
+
+    None is trusted: the head joins them all at once under one deadline and keeps those that
+    prove to be workers of this cluster (``skip_failed_joins``), so a clone or a junk record
+    costs nothing but a failed join."""
+    rows = [n for n in browse(timeout_s, interfaces=interfaces) if n.compatible]
+    if not rows:
+        raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
+    return tuple(dict.fromkeys(n.address for n in rows))

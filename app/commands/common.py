@@ -101,12 +101,9 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
 
     keys = cluster_keys(args)
     if nodes_arg == "auto":
-        from ...discovery.lan import browse
+        from ...discovery.lan import find_candidates
 
-        found = [n for n in browse(args.discover_timeout or 2.0) if n.compatible]  # checked above
-        if not found:
-            raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
-        nodes = tuple(n.address for n in found)
+        nodes = find_candidates(args.discover_timeout or 2.0)  # unproven: the joins prove them
     else:
         nodes = validate.nodes(nodes_arg)
     split = None if args.split is None else validate.split(args.split)
@@ -125,8 +122,8 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
 def cluster_keys(args: argparse.Namespace):  # -> CurveKeys
     """The CURVE keys from the token of --token-file, $POTLUCK_TOKEN or the saved file.
 
-    ``--token`` still works for old scripts but is hidden from --help: `ps` shows it to
-    every user of the machine."""
+    ``--token`` still works for old scripts but is hidden from --help and warned about each
+    time: `ps` shows it to every user of the machine."""
     from ...discovery.auth import keys_from_token, resolve_token
 
     return keys_from_token(resolve_token(args.token, getattr(args, "token_file", None)))

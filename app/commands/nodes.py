@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 from ...discovery.lan import DiscoveredNode, Membership
 
@@ -17,8 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _row(n: DiscoveredNode) -> str:
+def _row(n: DiscoveredNode, twins: int = 1) -> str:
     flag = "" if n.compatible else f"  (protocol {n.protocol}: incompatible)"
+    if twins > 1:  # a worker with several addresses, or a clone: joining tells (the token proves it)
+        flag += f"  (id advertised at {twins} addresses)"
     return (
         f"{n.node_id:<14}{n.address:<24}{n.cores:>6}{n.free_mb:>10}{n.speed:>9g}  {n.version}{flag}"
     )
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print("no potluck workers found (start `potluck worker` on a PC of this LAN, or use --nodes)")
         return 1
     print(HEADER)
+    ids = Counter(n.node_id for n in nodes)
     for n in nodes:
-        print(_row(n))
+        print(_row(n, ids[n.node_id]))
     return 0

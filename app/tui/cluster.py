@@ -16,7 +16,7 @@ from pathlib import Path
 
 from textual.message import Message as TMessage
 
-from ...engine import ClusterView, NodeStatus, PlanChanged, PotluckError
+from ...engine import ClusterView, NodeStatus, PlanChanged
 
 AUTO = "auto"
 
@@ -44,17 +44,15 @@ class ClusterChoice:
 
         keys = keys_from_token(resolve_token(self.token, self.token_file))
         if self.nodes == AUTO:
-            from ...discovery.lan import browse
+            from ...discovery.lan import find_candidates
 
-            found = [n for n in browse(self.discover_timeout_s, interfaces=self.interfaces) if n.compatible]
-            if not found:
-                raise PotluckError("no potluck workers found on the LAN; start `potluck worker` or pass --nodes")
-            nodes = tuple(n.address for n in found)
+            nodes = find_candidates(self.discover_timeout_s, interfaces=self.interfaces)
         else:
             nodes = tuple(self.nodes)
         return ClusterSpec(
             nodes=nodes, keys=keys, split=self.split, hidden_dtype=self.hidden_dtype,
             potluck_version=potluck_version(), on_plan=on_plan, progress=progress,
+            skip_failed_joins=self.nodes == AUTO,  # zeroconf records are candidates, proven by joining
         )
 
 

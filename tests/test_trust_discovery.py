@@ -1,0 +1,82 @@
+"""No one without the token can hide a worker from ``--nodes auto`` (issue 20, finding 3).
+
+The attacker (tests/zeroconf_attack.py) announces clones of a real worker's record at dead
+loopback addresses, junk records, and goodbyes for records it does not own. Zeroconf is bound
+to 127.0.0.1 only (docs/facts.md §10). Other loopback records (another test's workers) may be
+seen too: the assertions only ask for what must be there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from potluck.discovery.lan import Advertiser, Membership, browse, find_candidates
+from potluck.engine.cluster.profile import NodeProfile
+from tests.zeroconf_attack import LOOPBACK, Attacker, dead_port
+
+BROWSE_S = 4.0
+
+
+@pytest.fixture()
+def attacker() -> Iterator[Attacker]:
+    a = Attacker()
+    try:
+        yield a
+    finally:
+        a.close()
+
+
+def test_clones_and_junk_are_candidates_beside_the_real_worker(attacker: Attacker) -> None:
+    """Clones of the real record (same node id, dead addresses; one under another instance
+    name announced before the worker's own record, one under the worker's instance name)
+    displace nothing: every claimed address is a candidate, and the join proves which is the
+    worker."""
+    real_id = "victim" + os.urandom(4).hex()
+    clone_port, junk_ports = dead_port(), [dead_port() for _ in range(3)]
+    other_clone_port = dead_port()
+    attacker.clone(real_id, other_clone_port, same_name=False)
+    attacker.junk(junk_ports)
+    real = Advertiser(NodeProfile(real_id, 2, 1000, 1.0), dead_port(), "9.9", interfaces=list(LOOPBACK))
+    watcher = Membership(interfaces=list(LOOPBACK))
+    try:
+        real.start()
+        attacker.clone(real_id, clone_port, same_name=True)
+        real_address = f"127.0.0.1:{real.info.port}"
+        clones = {f"127.0.0.1:{clone_port}", f"127.0.0.1:{other_clone_port}"}
+        candidates = find_candidates(BROWSE_S, interfaces=list(LOOPBACK))
+        assert {real_address, *clones, *(f"127.0.0.1:{p}" for p in junk_ports)} <= set(candidates)
+        rows = {n.address for n in watcher.nodes() if n.node_id == real_id}
+        assert rows == {real_address, *clones}  # one row per claimed address, none displaced
+    finally:
+        watcher.close()
+        real.close()
+
+
+def test_a_goodbye_from_someone_else_does_not_hide_a_worker(attacker: Attacker) -> None:
+    """Goodbyes are unauthenticated too: a browse keeps every row it saw."""
+    real_id = "victim" + os.urandom(4).hex()
+    real = Advertiser(NodeProfile(real_id, 2, 1000, 1.0), dead_port(), "9.9", interfaces=list(LOOPBACK))
+    removed = threading.Event()
+    watcher = Membership(
+        interfaces=list(LOOPBACK),
+        on_change=lambda kind, n: removed.set() if kind == "removed" and n.node_id == real_id else None,
+    )
+    try:
+        real.start()
+        deadline = time.monotonic() + 8.0
+        while real_id not in {n.node_id for n in watcher.nodes()} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        timer = threading.Timer(BROWSE_S / 2, attacker.goodbye, args=(real_id,))
+        timer.start()
+        rows = browse(BROWSE_S, interfaces=list(LOOPBACK))
+        timer.join()
+        assert removed.wait(5.0)  # the goodbye did reach the live listing
+        assert f"127.0.0.1:{real.info.port}" in {n.address for n in rows if n.node_id == real_id}
+    finally:
+        watcher.close()
+        real.close()
