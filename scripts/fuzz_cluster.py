@@ -22,13 +22,8 @@ import argparse
 import json
 import os
 import random
-import re
-import select
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,19 +33,19 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from potluck.app.loopback import spawn_worker, stop_worker  # noqa: E402
 from potluck.discovery.auth import keys_from_token  # noqa: E402
 from potluck.engine.cluster import wire  # noqa: E402
 from potluck.engine.cluster.head import open_pipeline  # noqa: E402
 from potluck.engine.cluster.transfer import SliceCache  # noqa: E402
-from potluck.engine.cluster.transport import client_socket, server_socket, start_authenticator  # noqa: E402
+from potluck.engine.cluster.transport import client_socket  # noqa: E402
 from potluck.engine.core.errors import PotluckError  # noqa: E402
 from potluck.engine.core.jobs import DecodeJob  # noqa: E402
 from potluck.engine.core.kv import KV_OPS  # noqa: E402
 from potluck.engine.core.runtime import ContextParams, Model  # noqa: E402
-from potluck.engine.core.spec import CurveKeys  # noqa: E402
 from potluck.engine.core.target import LocalTarget  # noqa: E402
+from potluck.engine.lab.wire_fuzz import FakeWorker, mutate, samples  # noqa: E402
 from potluck.engine.loader import resolve_model  # noqa: E402
-from tests.test_wire import mutate, samples  # noqa: E402
 
 TOKEN = "potluck-fuzz-Q7vX2mLp9RkT4wZcH8sN3bYd"
 N_CTX = 128
@@ -59,41 +54,6 @@ N_BATCH = 32
 PROMPT = "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n"
 # Well-formed requests that change a worker's state on purpose when its owner sends them.
 OWNER_REQUESTS = {"hello", "release", "offer", "load"}
-_LISTEN = re.compile(r"potluck worker (\w+) listening on ([\d.]+):(\d+)")
-
-
-# --------------------------------------------------------------------------- a real worker
-
-
-def start_worker(tmp: Path) -> tuple[subprocess.Popen, str, Path]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    log = tmp / "worker.log"
-    env = dict(os.environ, POTLUCK_HOME=str(tmp / "home"), POTLUCK_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
-    args = [sys.executable, "-m", "potluck.app.cli", "worker", "--port", "0", "--bind", "127.0.0.1",
-            "--threads", "1", "--no-zeroconf", "--cache-dir", str(tmp / "cache"), "--cache-quota-mb", "512"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=f, env=env)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            m = _LISTEN.search(proc.stdout.readline().decode(errors="replace"))
-            if m:
-                return proc, f"{m.group(2)}:{m.group(3)}", log
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"worker did not start: {log.read_text(errors='replace')[-2000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def replies(sock: zmq.Socket, timeout_ms: int) -> list[wire.WireMessage]:
@@ -163,7 +123,8 @@ def invalid_transaction(rng: random.Random, txn: int, n_vocab: int) -> wire.Wire
 
 def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: Path) -> dict:
     keys = keys_from_token(TOKEN)
-    proc, address, log = start_worker(tmp / "head-fuzz")
+    worker = spawn_worker(tmp / "head-fuzz", "w", TOKEN, extra_args=["--cache-quota-mb", "512"])
+    proc, address = worker.proc, worker.address
     rng = random.Random(seed)
     target = open_pipeline(model_path, [address], keys, n_ctx=N_CTX, n_batch=N_BATCH,
                            slice_cache=SliceCache(tmp / "slices"))
@@ -266,7 +227,7 @@ def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: P
         ctx.term()
         local.close()
         target.close()
-        stop(proc)
+        stop_worker(proc)
 
 
 def target_check(msg: wire.Forward, n_vocab: int) -> None:
@@ -281,60 +242,6 @@ def target_check(msg: wire.Forward, n_vocab: int) -> None:
 
 
 # --------------------------------------------------------------------------- as a malicious worker
-
-
-class LyingWorker:
-    """Honest setup (hello, offer, load); every batch answered by ``answer(forward)`` frames."""
-
-    def __init__(self, keys: CurveKeys, n_vocab: int, n_embd: int, answer) -> None:
-        self.ctx = zmq.Context()
-        self.auth = start_authenticator(self.ctx, keys)
-        self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
-        self.sock.setsockopt(zmq.SNDTIMEO, 2000)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.n_vocab = n_vocab
-        self.n_embd = n_embd
-        self.answer = answer
-        self._stop = False
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop:
-            if not self.sock.poll(20):
-                continue
-            ident, *frames = self.sock.recv_multipart()
-            try:
-                msg = wire.parse_frames(frames)
-            except wire.WireError:
-                continue
-            out: list = []
-            if isinstance(msg, wire.Hello):
-                out = [wire.to_frames(wire.Welcome("liar", "0", 2, 4000, 1.0, "idle", 64 << 20))]
-            elif isinstance(msg, wire.Offer):
-                out = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
-            elif isinstance(msg, wire.Load):
-                n_layer = msg.layer_hi - msg.layer_lo
-                out = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
-            elif isinstance(msg, wire.Forward):
-                out = self.answer(msg)
-            elif isinstance(msg, wire.Ping):
-                out = [wire.to_frames(wire.Pong(msg.nonce))]
-            elif isinstance(msg, wire.Status):
-                out = [wire.to_frames(wire.StatusReply("loaded", "0" * 64, 0, 1, 0, 0, 0, 0, -1, 0.0,
-                                                       np.zeros(1, np.int32)))]
-            for frames_out in out:
-                try:
-                    self.sock.send_multipart([ident, *frames_out])
-                except zmq.ZMQError:
-                    pass
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join()
-        self.sock.close(linger=0)
-        self.auth.stop()
-        self.ctx.term()
 
 
 def lies(rng: random.Random, msg: wire.Forward, n_embd: int) -> list:
@@ -375,7 +282,7 @@ def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp:
     rng = random.Random(seed)
     n_vocab = model.n_vocab
     cache = SliceCache(tmp / "slices")
-    liar = LyingWorker(keys, n_vocab, model.n_embd, lambda m: lies(rng, m, model.n_embd))
+    liar = FakeWorker(keys, n_vocab, lambda m: lies(rng, m, model.n_embd), n_embd=model.n_embd, node_id="liar")
     report = {"cases": 0, "refused": 0, "accepted_honest": 0, "reopened": 0, "wrong_shape_accepted": 0,
               "other_exceptions": 0}
     target = None
@@ -410,7 +317,8 @@ def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp:
             target.close()
         liar.close()
     # the same process then runs a real pipeline exactly
-    proc, address, _ = start_worker(tmp / "after-liar")
+    worker = spawn_worker(tmp / "after-liar", "w", TOKEN, extra_args=["--cache-quota-mb", "512"])
+    proc, address = worker.proc, worker.address
     try:
         real = open_pipeline(model_path, [address], keys, n_ctx=N_CTX, n_batch=N_BATCH, slice_cache=cache)
         local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1))
@@ -422,7 +330,7 @@ def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp:
             local.close()
             real.close()
     finally:
-        stop(proc)
+        stop_worker(proc)
     report["ok"] = report["exact_after"] and not report["other_exceptions"] and not report["wrong_shape_accepted"]
     return report
 

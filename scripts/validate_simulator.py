@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from potluck.app.loopback import spawn_worker, stop_worker
+from potluck.app.loopback import spawn_workers, stop_workers
 from potluck.assets import default_model_path
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
@@ -127,7 +127,7 @@ def main() -> None:
     print(f"one thread: {perf.model_ms:.2f} ms a token; batch cost {dict(perf.batch_cost)}")
     token = secrets.token_urlsafe(32)
     folder = Path(tempfile.mkdtemp(prefix="potluck-validate-"))
-    procs = [spawn_worker(folder, f"w{i}", token) for i in range(3)]
+    procs = spawn_workers(folder, [f"w{i}" for i in range(3)], token)
     try:
         print(f"{'stages':>6} {'family':<13} {'variant':<10} {'measured':>9} {'simulated':>10} {'error':>7}"
               f"  {'accept':>6} {'no guess':>8}")
@@ -143,8 +143,7 @@ def main() -> None:
                 by = {r.variant: r for r in rows if r.family == fam}
                 report_family(n, fam, by, perf, over, args.max_tokens)
     finally:
-        for p in procs:
-            stop_worker(p.proc)
+        stop_workers([p.proc for p in procs])
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from potluck.app.loopback import LoopbackWorker, spawn_worker, stop_worker
+from potluck.app.loopback import LoopbackWorker, spawn_worker, spawn_workers, stop_worker, stop_workers
 
-__all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "stop_worker"]
+__all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "stop_worker", "stop_workers"]
 
 TOKEN = "potluck-i9pos2TbJ4BeDqU0Yj1EkuGn42Nqv7Sp4Ch0LzNjpxo"  # as `potluck token` makes them
 
@@ -38,13 +38,13 @@ def start_worker(
     return WorkerProc(w.proc, w.node_id, w.address, w.log_path)
 
 
-def loopback_workers(tmp: Path, prefix: str, n: int = 3, **kw: object) -> Iterator[list[WorkerProc]]:
-    """``n`` workers for a module fixture (``yield from``): stopped when it ends."""
-    procs: list[WorkerProc] = []
+def loopback_workers(
+    tmp: Path, prefix: str, n: int = 3, *, token: str = TOKEN, zeroconf: bool = False
+) -> Iterator[list[WorkerProc]]:
+    """``n`` workers for a fixture (``yield from``), started together; stopped when it ends."""
+    started = spawn_workers(tmp, [f"{prefix}{i}" for i in range(n)], token, zeroconf=zeroconf)
+    procs = [WorkerProc(w.proc, w.node_id, w.address, w.log_path) for w in started]
     try:
-        for i in range(n):
-            procs.append(start_worker(tmp, f"{prefix}{i}", **kw))  # type: ignore[arg-type]
         yield procs
     finally:
-        for w in procs:
-            stop_worker(w.proc)
+        stop_workers([w.proc for w in procs])

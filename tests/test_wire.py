@@ -9,42 +9,7 @@ import numpy as np
 import pytest
 
 from potluck.engine.cluster import wire
-from potluck.engine.core.jobs import DecodeJob
-
-SHA = "ab" * 32
-
-
-def samples() -> list[wire.WireMessage]:
-    hidden = np.arange(12, dtype=np.float32).reshape(3, 4)
-    return [
-        wire.Hello("head-1", "0.1.0"),
-        wire.Welcome("n1", "0.1.0", 8, 16000, 3.5, "idle", 1 << 28),
-        wire.Offer(SHA, 10),
-        wire.OfferReply(SHA, True),
-        wire.Chunk(SHA, 0, 10, np.arange(4, dtype=np.uint8)),
-        wire.ChunkAck(SHA, 4, False),
-        wire.Load(SHA, 0, 12, True, False, 512, 64, 1, True, "f32", "tcp://h:1", "head-1", "head-1"),
-        wire.Loaded(12, 576, 49152, 512, 12.5),
-        wire.Release(),
-        wire.Cancel(3),
-        wire.Cancel(3, np.array([4, 5], dtype=np.int32)),
-        wire.Ping(1),
-        wire.Pong(1),
-        wire.Status(),
-        wire.StatusReply("loaded", SHA, 0, 12, 5, 9, 1, 2, 4, 12.5, np.array([7, -1], dtype=np.int32)),
-        wire.Error("n1", "refused", "why", 3),
-        wire.Forward.from_job(1, DecodeJob.tokens(0, [1, 2, 3], 0)),
-        wire.Forward.from_job(
-            2, DecodeJob(4, hidden, np.arange(5, 8, dtype=np.int32), np.zeros(3, np.int32), np.ones(3, bool))
-        ),
-        wire.Forward.from_job(
-            3, DecodeJob(0, hidden.astype(np.float16), np.arange(3, dtype=np.int32), np.array([0, 1, 1], np.int32),
-                         np.array([0, 0, 1], bool)),
-        ),
-        wire.KvApply(4, 0, "rm", 0, -1, 10, -1, 0),
-        wire.Reset(5),
-        wire.Result(6, 0, False, np.ones((2, 5), dtype=np.float32)),
-    ]
+from potluck.engine.lab.wire_fuzz import SHA, mutate, samples
 
 
 def same(a: wire.WireMessage, b: wire.WireMessage) -> bool:
@@ -105,42 +70,6 @@ def test_version_mismatch_is_named() -> None:
 def test_inconsistent_messages_are_refused(header: dict, buffers: list[bytes], why: str) -> None:
     with pytest.raises(wire.WireError, match=why):
         wire.parse_frames([wire.MAGIC, json.dumps(header).encode(), *buffers])
-
-
-def mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
-    """One random corruption of a valid message: bytes, frames, header JSON or sizes."""
-    frames = list(frames)
-    kind = rng.randrange(8)
-    i = rng.randrange(len(frames))
-    if kind == 0 and frames[i]:
-        b = bytearray(frames[i])
-        for _ in range(rng.randint(1, 4)):
-            b[rng.randrange(len(b))] = rng.randrange(256)
-        frames[i] = bytes(b)
-    elif kind == 1:
-        frames[i] = frames[i][: rng.randrange(len(frames[i]) + 1)]
-    elif kind == 2:
-        frames.insert(i, rng.randbytes(rng.randrange(64)))
-    elif kind == 3 and len(frames) > 1:
-        del frames[i]
-    elif kind == 4:
-        header = json.loads(frames[1])
-        key = rng.choice(list(header["f"]) or ["x"])
-        header["f"][key] = rng.choice([None, -1, 2**70, "x" * 5000, [], {}, 1.5, True, "", 0])
-        frames[1] = json.dumps(header).encode()
-    elif kind == 5:
-        header = json.loads(frames[1])
-        if header["a"]:
-            spec = rng.choice(header["a"])
-            spec[rng.randrange(3)] = rng.choice([[2**40], [-1], "f64", [1, 2, 3], None, "outputs", [0]])
-        else:
-            header["a"] = [["x", "u8", [1]]]
-        frames[1] = json.dumps(header).encode()
-    elif kind == 6:
-        frames[1] = rng.choice([b"", b"{", b"[]", b"null", b"\xff\xfe", b'{"type":"ping"}', b"1e999"])
-    else:
-        frames = [rng.randbytes(rng.randrange(1, 40)) for _ in range(rng.randint(0, 8))]
-    return frames
 
 
 def test_fuzzed_frames_raise_only_wire_error() -> None:

@@ -29,7 +29,7 @@ from potluck.engine.cluster import wire
 from potluck.engine.cluster.head import NodeFailedError, PipelineTarget, open_pipeline
 from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_layers, loadable, manual_plan, plan_split
 from potluck.engine.cluster.transfer import SliceCache, SliceFile, TransferStats, send_slice
-from potluck.engine.cluster.transport import client_socket, server_socket, start_authenticator
+from potluck.engine.cluster.transport import client_socket
 from potluck.engine.cluster.worker import MAX_UPLOADS, SliceStore
 from potluck.engine.core import paths
 from potluck.engine.core.errors import PotluckError
@@ -38,6 +38,7 @@ from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.spec import CurveKeys
 from potluck.engine.core.target import LocalTarget
+from potluck.engine.lab.wire_fuzz import FakeWorker
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
@@ -336,71 +337,6 @@ def test_slice_store_quota_evicts_least_recently_used(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- a malicious worker
-
-
-class FakeWorker:
-    """A token holder posing as a worker: honest setup, then ``result(forward)`` answers batches."""
-
-    def __init__(
-        self, keys: CurveKeys, n_vocab: int, result, n_embd: int = 576, stale: bool = False, port: int = 0
-    ) -> None:
-        self.ctx = zmq.Context()
-        self.auth = start_authenticator(self.ctx, keys)
-        self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
-        self.sock.setsockopt(zmq.SNDTIMEO, 2000)
-        if port:
-            self.sock.bind(f"tcp://127.0.0.1:{port}")
-            self.port = port
-        else:
-            self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.n_vocab = n_vocab
-        self.n_embd = n_embd
-        self.result = result
-        self.stale = stale  # late messages go out just before the offer's reply
-        self.stop = False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _serve(self) -> None:
-        while not self.stop:
-            if not self.sock.poll(50):
-                continue
-            ident, *frames = self.sock.recv_multipart()
-            try:
-                msg = wire.parse_frames(frames)
-            except wire.WireError:
-                continue
-            replies: list = []
-            if isinstance(msg, wire.Hello):
-                replies = [wire.to_frames(wire.Welcome("fake", "0", 2, 4000, 1.0, "idle", 64 << 20))]
-            elif isinstance(msg, wire.Offer):
-                replies = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
-                if self.stale:  # a result of the old chain, the welcome of a hello that timed out
-                    replies[:0] = [wire.to_frames(wire.Result(7, 3, False, np.zeros((1, self.n_embd), np.float32))),
-                                   wire.to_frames(wire.Welcome("fake", "0", 2, 4000, 1.0, "idle", 64 << 20))]
-            elif isinstance(msg, wire.Load):
-                n_layer = msg.layer_hi - msg.layer_lo
-                replies = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
-            elif isinstance(msg, wire.Forward):
-                replies = self.result(msg)
-            elif isinstance(msg, wire.Ping):
-                replies = [wire.to_frames(wire.Pong(msg.nonce))]
-            for frames_out in replies:
-                try:
-                    self.sock.send_multipart([ident, *frames_out])
-                except zmq.ZMQError:
-                    pass
-
-    def close(self) -> None:
-        self.stop = True
-        self.thread.join()
-        self.sock.close(linger=0)
-        self.auth.stop()
-        self.ctx.term()
 
 
 def test_late_messages_are_not_replies(keys: CurveKeys, caplog: pytest.LogCaptureFixture) -> None:

@@ -236,7 +236,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
     from ...discovery.auth import keys_from_token, resolve_token
     from ...engine.lab.cluster_bench import chosen_variants, run_cluster_bench
-    from ..loopback import spawn_worker, stop_worker
+    from ..loopback import spawn_workers, stop_workers
 
     if args.cluster and args.nodes:
         raise PotluckError("pass either --cluster N (loopback workers) or --nodes (running workers), not both")
@@ -263,14 +263,12 @@ def _cluster(args: argparse.Namespace) -> int:
         else:
             token = secrets.token_urlsafe(32)
             folder = Path(tempfile.mkdtemp(prefix="potluck-bench-"))
-            for i in range(args.cluster):
-                procs.append(spawn_worker(folder, f"w{i}", token))
+            procs = spawn_workers(folder, [f"w{i}" for i in range(args.cluster)], token)
             addresses = tuple(p.address for p in procs)
             keys = keys_from_token(token)
         rows = run_cluster_bench(cfg, addresses, keys, progress)
     finally:
-        for p in procs:
-            stop_worker(p.proc)
+        stop_workers([p.proc for p in procs])
         if procs:
             shutil.rmtree(folder, ignore_errors=True)
     if args.json:
