@@ -140,11 +140,41 @@ class KeySettings:
 
 
 @dataclass(frozen=True)
+class ServerSettings:
+    """`potluck serve`: where it listens and what one request may take. Omitted sampling options
+    of a request take [sampling]'s values (temperature, top_p, max_tokens, ...)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; any non-loopback address needs an API key."""
+    port: int = 8080
+    api_key_file: str | None = None
+    """File (mode 0600) holding the API key clients send as ``Authorization: Bearer KEY``;
+    ``$POTLUCK_API_KEY`` also works. Unset with neither: no key (loopback only)."""
+    max_queue: int = 8
+    """Requests waiting beside the running one; past it a request gets 429 with Retry-After."""
+    max_body_kb: int = 1024
+    """Largest request body."""
+    body_timeout_s: float = 30.0
+    """Longest wait for a request's body."""
+    request_timeout_s: float = 600.0
+    """Longest a request may wait and run before it is cancelled."""
+    prompt_cache_mb: int = 1024
+    """Memory for recent conversations' KV caches (at most a quarter of the free memory)."""
+    cached_conversations: int = 16
+    """Most conversations kept beside the one in the context."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host header names accepted besides localhost and the bind address (DNS-rebinding guard)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins allowed besides loopback ones, e.g. "http://mybox:3000"."""
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     ui: UISettings = field(default_factory=UISettings)
     keys: KeySettings = field(default_factory=KeySettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
 
 
 _SECTIONS: dict[str, type] = {
@@ -152,6 +182,7 @@ _SECTIONS: dict[str, type] = {
     "sampling": SamplingSettings,
     "ui": UISettings,
     "keys": KeySettings,
+    "server": ServerSettings,
 }
 
 

@@ -1,0 +1,143 @@
+"""`potluck serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over one session.
+
+Settings come from config.toml ([model], [sampling] for omitted request options, [server]);
+the options given here override them for this run. Everything that can be checked without the
+model is checked before the port is bound (one line, exit code 2); the model then loads on the
+engine thread while /health answers "loading".
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model, validate
+from ..config import load_settings
+from ..serve.engine_thread import EngineThread
+from ..serve.guard import Guard, read_api_key
+from ..serve.http import ServeState, build_app
+from .common import add_cluster_args, check_cluster_args, with_cluster
+
+log = logging.getLogger("potluck.serve")
+
+# argument dest -> (settings section, field); None-valued arguments keep the setting.
+_OVERRIDES = {
+    "model": ("model", "path"),
+    "draft": ("model", "draft"),
+    "strategy": ("model", "strategy"),
+    "ctx": ("model", "n_ctx"),
+    "threads": ("model", "n_threads"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "api_key_file": ("server", "api_key_file"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health). Defaults come from config.toml ([model], [sampling], [server]).",
+    )
+    p.add_argument("-m", "--model", type=Path, help="target GGUF model (default: [model] path or the bundled one)")
+    p.add_argument("--strategy", help="decoding strategy (default: [model] strategy)")
+    p.add_argument("--draft", type=Path, help="draft GGUF model for strategies that use one")
+    p.add_argument("--ctx", type=int, help="context size in tokens (default: [model] n_ctx)")
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: [model] n_threads)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, help="TCP port (default 8080; 0: any free port)")
+    p.add_argument("--api-key-file", help="file (mode 0600) with the API key clients must send (or $POTLUCK_API_KEY)")
+    add_cluster_args(p)
+    p.set_defaults(**dict.fromkeys(_OVERRIDES))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..tui.actions import spec_from_settings  # the chat's own spec rules: one copy
+
+    settings = load_settings()
+    for dest, (section, name) in _OVERRIDES.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if dest in ("model", "draft"):
+            value = str(validate.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
+        settings = replace(settings, **{section: replace(getattr(settings, section), **{name: value})})
+    server = settings.server
+    settings.sampling.params()  # omitted request options take these: refuse bad ones now
+    if not 0 <= server.port <= 65535:
+        raise PotluckError(f"--port must be 0..65535, got {server.port}")
+    if server.max_queue < 1 or server.max_body_kb < 1 or server.body_timeout_s <= 0 \
+            or server.request_timeout_s <= 0 or server.prompt_cache_mb < 0 or server.cached_conversations < 1:
+        raise PotluckError("config: [server] max_queue, max_body_kb, cached_conversations and the timeouts must be "
+                           "positive, prompt_cache_mb at least 0")
+    guard = Guard(server.host, read_api_key(server.api_key_file), server.allowed_hosts, server.allowed_origins)
+    # No hidden system prompt: a request's messages are the whole conversation.
+    spec = spec_from_settings(replace(settings, model=replace(settings.model, system=None)))
+    model_path = resolve_model(spec.model)
+    for path in (model_path, spec.draft):
+        if path is not None:
+            check_gguf_file(path)
+    check_cluster_args(args)
+    sock = _bind(server.host, server.port)
+
+    cache = PromptCache.within_free_memory(server.prompt_cache_mb * 1_000_000, server.cached_conversations)
+
+    def opener() -> Session:  # on the engine thread: in cluster mode the sockets belong to it
+        session = open_session(with_cluster(spec, args))
+        if not session.use_prompt_cache(cache):
+            log.warning("cluster mode: only the last conversation's KV cache is reused (the KV lives on the workers)")
+        return session
+
+    engine = EngineThread(opener, server.max_queue)
+    state = ServeState(engine, model_path.stem, spec.n_ctx, settings.sampling, server, cache)
+    return _serve(build_app(state, guard), sock, engine, state)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PotluckError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") \
+            from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve(app: object, sock: socket.socket, engine: EngineThread, state: ServeState) -> int:
+    import uvicorn
+
+    logging.getLogger("potluck.serve").setLevel(logging.INFO)  # the per-request lines
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=65536)
+    server = uvicorn.Server(config)
+
+    def stop_if_load_fails() -> None:
+        engine.loaded.wait()
+        if engine.state == "failed":
+            server.should_exit = True
+        else:
+            print("potluck serve: ready", file=sys.stderr, flush=True)
+
+    engine.start()
+    threading.Thread(target=stop_if_load_fails, name="potluck-load-watch", daemon=True).start()
+    shown = f"[{host}]" if ":" in host else host
+    print(f"potluck serve: http://{shown}:{port}/v1 (model {state.model_id}; loading)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+    if engine.state == "failed":
+        raise PotluckError(engine.error)
+    return 0

@@ -1,0 +1,1 @@
+"""`potluck serve`: an OpenAI-compatible HTTP server over one engine session."""

@@ -1,0 +1,395 @@
+"""The HTTP side: Starlette routes in OpenAI's shapes over one :class:`EngineThread`.
+
+Starlette (with uvicorn) parses HTTP; nothing here does. Each request passes the guard (key,
+Host, Origin, body size and time), becomes a checked :class:`GenerationRequest`, waits its turn
+in the engine's FIFO and is answered by a :class:`JobResponse`, which listens for the client
+hanging up the whole time (also while the prompt is processed, when nothing is written) and
+cancels the run at once. Every error is OpenAI's error JSON; one log line per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import asdict
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ...engine import PromptCache
+from ..config import SamplingSettings, ServerSettings
+from .engine_thread import EngineThread, Job, Outcome, QueueFull
+from .guard import Guard
+from .protocol import ApiError, GenerationRequest, parse_request
+
+log = logging.getLogger("potluck.serve")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class ServeState:
+    """What the routes share: the engine thread, the model's description and the settings."""
+
+    def __init__(self, engine: EngineThread, model_id: str, n_ctx: int, sampling: SamplingSettings,
+                 server: ServerSettings, cache: PromptCache | None) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.n_ctx = n_ctx
+        self.sampling = sampling
+        self.server = server
+        self.cache = cache
+        self.created = int(time.time())
+
+
+class JobResponse:
+    """Streams (SSE) or returns (JSON) one job's reply while watching for the client hanging up."""
+
+    def __init__(self, state: ServeState, job: Job) -> None:
+        self.state = state
+        self.job = job
+        self.gone = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job, engine = self.job, self.state.engine
+        watcher = asyncio.create_task(self._watch(receive))
+        try:
+            deadline = time.monotonic() + self.state.server.request_timeout_s
+            if job.request.stream:
+                await self._stream(send, deadline)
+            else:
+                await self._whole(send, deadline)
+        except OSError:  # the connection broke while writing
+            self.gone = True
+        finally:
+            watcher.cancel()
+            if not job.finished.is_set():
+                engine.cancel(job)
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self.state.engine.cancel(self.job)
+                self.job.events.put_nowait(("gone", None))
+                return
+
+    async def _next(self, deadline: float) -> tuple[str, object]:
+        try:
+            return await asyncio.wait_for(self.job.events.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.state.engine.cancel(self.job)
+            return "error", ApiError(504, f"the request ran past request_timeout_s "
+                                          f"({self.state.server.request_timeout_s:g} s) and was cancelled")
+
+    async def _whole(self, send: Send, deadline: float) -> None:
+        parts: list[str] = []
+        while True:
+            kind, item = await self._next(deadline)
+            if kind == "text":
+                parts.append(item)  # type: ignore[arg-type]
+            elif kind == "gone":
+                return
+            elif kind == "error":
+                assert isinstance(item, ApiError)
+                await self._send_json(send, item.status, item.body(), item.headers)
+                return
+            else:
+                assert isinstance(item, Outcome)
+                self._note(item)
+                body = completion_object(self.state, self.job.request, "".join(parts), item)
+                await self._send_json(send, 200, body)
+                return
+
+    async def _send_json(self, send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+                         ) -> None:
+        raw = json.dumps(body, ensure_ascii=False).encode()
+        extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()), *extra]})
+        await send({"type": "http.response.body", "body": raw})
+
+    async def _stream(self, send: Send, deadline: float) -> None:
+        req = self.job.request
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+
+        async def event(data: dict[str, Any] | str) -> None:
+            text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+            await send({"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True})
+
+        if req.kind == "chat":
+            await event(chunk_object(self.state, req, {"role": "assistant", "content": ""}))
+        while True:
+            kind, item = await self._next(deadline)
+            if kind == "gone":
+                return
+            if kind == "text":
+                await event(chunk_object(self.state, req, item))  # type: ignore[arg-type]
+                continue
+            if kind == "error":
+                assert isinstance(item, ApiError)
+                await event(item.body())
+            else:
+                assert isinstance(item, Outcome)
+                self._note(item)
+                await event(chunk_object(self.state, req, None, item))
+                if req.include_usage:
+                    await event(chunk_object(self.state, req, None, item, usage_only=True))
+            await event("[DONE]")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+
+    def _note(self, outcome: Outcome) -> None:
+        self.job.outcome = outcome  # type: ignore[attr-defined]  # read by the log line
+
+
+def usage(o: Outcome) -> dict[str, Any]:
+    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+            "total_tokens": o.prompt_tokens + o.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": o.reused_tokens}}
+
+
+def potluck_figures(o: Outcome) -> dict[str, Any]:
+    """potluck's own figures, in one field that OpenAI clients ignore."""
+    return {"strategy": o.strategy, "drafted": o.drafted, "accepted": o.accepted,
+            "tokens_per_s": round(o.tokens_per_s, 2), "ttft_s": round(o.ttft_s, 4),
+            "reused_tokens": o.reused_tokens}
+
+
+def _finish(o: Outcome) -> str:
+    return "stop" if o.finish_reason == "cancelled" else o.finish_reason
+
+
+def completion_object(state: ServeState, req: GenerationRequest, text: str, o: Outcome) -> dict[str, Any]:
+    if req.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": _finish(o)}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(o)}
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": prefix + req.id, "object": kind, "created": req.created, "model": state.model_id,
+            "choices": [choice], "usage": usage(o), "system_fingerprint": None, "potluck": potluck_figures(o)}
+
+
+def chunk_object(state: ServeState, req: GenerationRequest, text: str | dict[str, Any] | None,
+                 o: Outcome | None = None, *, usage_only: bool = False) -> dict[str, Any]:
+    """A stream chunk: text (or the first delta), the last one (``o``), or the usage chunk."""
+    chat = req.kind == "chat"
+    out: dict[str, Any] = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
+                           "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": req.created, "model": state.model_id, "system_fingerprint": None}
+    if usage_only:
+        assert o is not None
+        out.update(choices=[], usage=usage(o))
+        return out
+    finish = None if o is None else _finish(o)
+    if chat:
+        delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+    if req.include_usage:
+        out["usage"] = None
+    if o is not None:
+        out["potluck"] = potluck_figures(o)
+    return out
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused past ``limit`` bytes (413) or ``timeout_s`` seconds (408)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise ApiError(413, f"the request body is over the {limit // 1024} KiB limit (max_body_kb)")
+
+    async def collect() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the {limit // 1024} KiB limit (max_body_kb)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body took longer than {timeout_s:g} s (body_timeout_s)") from None
+
+
+def parse_json(raw: bytes) -> object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})") from None
+    try:
+        return json.loads(text, parse_constant=lambda c: _refuse_constant(c))
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+                       ) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+
+
+def _refuse_constant(name: str) -> object:
+    raise ApiError(400, f"the request body is not valid JSON ({name} is not a JSON number)")
+
+
+def build_app(state: ServeState, guard: Guard) -> Starlette:
+    """The ASGI app: routes, the guard, OpenAI-shaped errors and the per-request log line."""
+    server = state.server
+
+    async def generation(request: Request, kind: str) -> Response | JobResponse:
+        if state.engine.state != "ready":
+            raise ApiError(503, f"the model is {state.engine.state}" +
+                           (f": {state.engine.error}" if state.engine.error and state.engine.state == "failed" else ""),
+                           headers={"Retry-After": "5"} if state.engine.state == "loading" else None)
+        try:
+            raw = await read_body(request, server.max_body_kb * 1024, server.body_timeout_s)
+        except ClientDisconnect:
+            raise ApiError(400, "the client hung up while sending the body") from None
+        req = parse_request(kind, parse_json(raw), state.sampling)
+        job = Job(req, asyncio.get_running_loop())
+        try:
+            state.engine.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, "the server is busy: every queue place is taken; retry later",
+                           kind="rate_limit_error", headers={"Retry-After": str(e.retry_after_s)}) from None
+        request.scope["potluck.job"] = job
+        return JobResponse(state, job)
+
+    async def chat(request: Request) -> Response | JobResponse:
+        return await generation(request, "chat")
+
+    async def completions(request: Request) -> Response | JobResponse:
+        return await generation(request, "completion")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": state.created, "owned_by": "potluck",
+            "context_length": state.n_ctx}]})
+
+    async def health(request: Request) -> Response:
+        engine = state.engine
+        running, waiting = engine.waiting()
+        body: dict[str, Any] = {
+            "status": engine.state, "model": state.model_id, "context_length": state.n_ctx,
+            "queue": {"running": running, "waiting": waiting, "max": engine.max_queue},
+            "counters": dict(engine.counters),
+            "prompt_cache": asdict(state.cache.stats()) if state.cache is not None else None,
+        }
+        if engine.error:
+            body["error"] = engine.error
+        view = None
+        if engine.session is not None:
+            try:
+                view = engine.session.cluster_view()
+            except Exception:  # a chain being rebuilt: show the rest
+                log.debug("cluster view failed", exc_info=True)
+        if view is not None:
+            body["cluster"] = [{"node": s.node, "layers": list(s.layers), "health": s.health}
+                               for s in view.stages]
+            if engine.notice:
+                body["cluster_notice"] = engine.notice
+        return JSONResponse(body, status_code=200 if engine.state in ("ready", "loading") else 503)
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=None,
+                                       headers=dict(exc.headers or {})))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(ApiError(500, f"internal error ({type(exc).__name__}); see the server's log"))
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+    )
+    app.add_middleware(GuardMiddleware, guard=guard)
+    return LogMiddleware(app)  # type: ignore[return-value]
+
+
+class GuardMiddleware:
+    """Host, Origin and API key, before anything else reads the request."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], guard: Guard) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        error = None
+        if not self.guard.host_allowed(headers.get("host")):
+            error = ApiError(403, "this Host is not allowed (a DNS-rebinding guard); add it to [server] allowed_hosts",
+                             kind="permission_error")
+        elif not self.guard.origin_allowed(headers.get("origin")):
+            error = ApiError(403, "requests from this web origin are not allowed; add it to [server] allowed_origins",
+                             kind="permission_error")
+        elif scope["path"] != "/health" and not self.guard.authorized(headers.get("authorization")):
+            error = ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                             kind="authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+        if error is not None:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class LogMiddleware:
+    """One line per request: method, path, status, tokens, tokens/s, seconds."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        started = time.monotonic()
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            job = scope.get("potluck.job")
+            outcome: Outcome | None = getattr(job, "outcome", None)
+            tokens = f"{outcome.prompt_tokens}+{outcome.completion_tokens} tokens " \
+                     f"{outcome.tokens_per_s:.1f} tok/s" if outcome else "- tokens - tok/s"
+            end = " (client gone)" if job is not None and job.cancelled.is_set() else ""
+            log.info("%s %s %s %s %.2fs%s", scope["method"], scope["path"], status, tokens,
+                     time.monotonic() - started, end)
