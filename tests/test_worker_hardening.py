@@ -33,7 +33,7 @@ from potluck.engine.cluster.transport import client_socket
 from potluck.engine.cluster.worker import MAX_UPLOADS, SliceStore
 from potluck.engine.core import paths
 from potluck.engine.core.errors import PotluckError
-from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.gguf_tools import SliceLayout, slice_layers
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.spec import CurveKeys
@@ -398,7 +398,7 @@ def test_a_wrong_reply_during_a_slice_transfer_is_one_line(tmp_path: Path) -> No
     names any other it is given, offer and chunk alike, instead of failing an assert."""
     data = tmp_path / "s.gguf"
     data.write_bytes(b"x" * 10)
-    sl = SliceFile(data, "ab" * 32, 10, 0, 1)
+    sl = SliceFile(SliceLayout(data, b"", ((0, 0, 10),), 10), "ab" * 32, 10, 0, 1, tmp_path)
     with pytest.raises(PotluckError, match="^the worker answered a slice offer with 'pong'$"):
         send_slice(lambda m: wire.Pong(1), sl, TransferStats())
     replies = iter([wire.OfferReply(sl.sha256, False), wire.Pong(1)])
@@ -547,7 +547,8 @@ def test_gemma_slice_without_sliding_window_layer_crashes_only_the_stage(
     """The slice llama.cpp aborts on (layers 17-18 of Gemma 3 270M: GGML_ASSERT is_swa_any)."""
     path = _gemma()
     bad = slice_layers(path, tmp_path / "g17.gguf", 17, 18)
-    sl = SliceFile(bad, cache.sha256_of(bad), bad.stat().st_size, 17, 18)
+    size = bad.stat().st_size
+    sl = SliceFile(SliceLayout(bad, b"", ((0, 0, size),), size), cache.sha256_of(bad), size, 17, 18, tmp_path)
     ctx = zmq.Context()
     sock = client(ctx, keys, worker.address, b"head-gemma")
     try:

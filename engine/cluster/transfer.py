@@ -1,10 +1,13 @@
-"""Slice distribution: the head cuts the GGUF once (cached by content hash) and streams each
-slice to its worker in chunks, unless the worker already holds that sha256.
+"""Slice distribution: the head streams each slice to its worker in chunks, straight from the
+source GGUF (a header built here, then tensor byte ranges: gguf_tools.SliceLayout), unless
+the worker already holds that sha256. Neither side holds a whole slice in memory, and the
+head never writes a copy of the workers' layers to its disk: only the layers it computes
+itself become a file (llama.cpp maps a file), on first use.
 
-The head's cache lives in :func:`potluck.engine.core.paths.slices_dir`: slices are named by the
-source file's sha256 and the layer range, and an index remembers sha256s so that a second
-run hashes nothing it hashed before (the source is re-hashed only if its size or mtime
-changed). The worker verifies the sha256 of what it received before keeping it.
+The head's index lives in :func:`potluck.engine.core.paths.slices_dir`: it remembers the
+sha256 of each source (by path, size and mtime) and of each slice (by source sha256 and
+layer range), so a second run hashes nothing it hashed before. The worker verifies the
+sha256 of what it received before keeping it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from ..core import paths
 from ..core.errors import PotluckError
-from ..core.gguf_tools import file_sha256, slice_layers
+from ..core.gguf_tools import SliceLayout, file_sha256, layer_layout
 from . import wire
 
 CHUNK_BYTES = 4 << 20
@@ -28,11 +31,23 @@ Progress = Callable[[str, int, int], None]  # (what, bytes done, bytes total)
 
 @dataclass(frozen=True)
 class SliceFile:
-    path: Path
+    """Layers ``[lo, hi)`` of a source GGUF, streamed from it (:attr:`layout`)."""
+
+    layout: SliceLayout
     sha256: str
     size: int
     lo: int
     hi: int
+    folder: Path
+
+    @property
+    def path(self) -> Path:
+        """The slice as a file here, written on first use: only for the layers this machine
+        loads itself (the head's last layer and output layer)."""
+        path = self.folder / f"{self.sha256[:24]}-{self.lo}-{self.hi}.gguf"
+        if not path.is_file() or path.stat().st_size != self.size:
+            self.layout.write_to(path)
+        return path
 
 
 @dataclass
@@ -76,27 +91,30 @@ class SliceCache:
         return sha
 
     def slices(self, src: Path, bounds: list[int]) -> list[SliceFile]:
-        """The slice files for consecutive ranges of ``bounds`` (made when missing)."""
+        """The slices for consecutive ranges of ``bounds`` (hashed once, then remembered)."""
         src = Path(src)
         src_sha = self.sha256_of(src)
         out: list[SliceFile] = []
         for lo, hi in zip(bounds, bounds[1:]):
-            path = self.folder / f"{src_sha[:24]}-{lo}-{hi}.gguf"
-            if not path.exists():
-                slice_layers(src, path, lo, hi)
-            out.append(SliceFile(path, self.sha256_of(path), path.stat().st_size, lo, hi))
+            layout = layer_layout(src, range(lo, hi))
+            key = f"slice|{src_sha}|{lo}-{hi}|{layout.size}"
+            sha = self._index.get(key)
+            if sha is None:
+                sha = layout.sha256()  # reads the source's ranges once, a chunk at a time
+                self._index[key] = sha
+                self._save()
+            out.append(SliceFile(layout, sha, layout.size, lo, hi, self.folder))
         return out
 
 
-def chunks(sl: SliceFile, chunk_bytes: int = CHUNK_BYTES):
-    """Yield :class:`.wire.Chunk` messages covering the slice file."""
+def chunks(sl: SliceFile, chunk_bytes: int = CHUNK_BYTES, start: int = 0):
+    """Yield :class:`.wire.Chunk` messages covering the slice from byte ``start``."""
     import numpy as np
 
-    with open(sl.path, "rb") as f:
-        offset = 0
-        while block := f.read(chunk_bytes):
-            yield wire.Chunk(sl.sha256, offset, sl.size, np.frombuffer(block, dtype="u1"))
-            offset += len(block)
+    offset = start
+    for block in sl.layout.iter_bytes(start, chunk_bytes):
+        yield wire.Chunk(sl.sha256, offset, sl.size, np.frombuffer(block, dtype="u1"))
+        offset += len(block)
 
 
 def send_slice(

@@ -10,9 +10,13 @@ layer; architectures whose per-layer structure we have not verified are refused.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import os
 import re
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -145,15 +149,69 @@ def gemma3_swa_pattern(reader, arch: str, layer_map: Sequence[int]) -> list[bool
     return [((i + 1) % period) != 0 for i in layer_map]
 
 
-def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
-    """Write a GGUF whose layer j is ``src``'s layer ``layer_map[j]`` (slices and merges).
+@dataclass(frozen=True)
+class SliceLayout:
+    """A GGUF made of another one's layers, as bytes to stream rather than a file to write:
+    its header (built here, a few MB at most), then each tensor's bytes read from the
+    source by range, each padded to the alignment exactly as GGUFWriter pads it. So a slice
+    can be hashed, sent or written without a second copy of the model on disk or in memory."""
+
+    src: Path
+    header: bytes  # magic, key/values and tensor infos, padded to the data alignment
+    parts: tuple[tuple[int, int, int], ...]  # (offset in the slice, offset in src, bytes)
+    size: int
+
+    def iter_bytes(self, start: int = 0, chunk_bytes: int = 4 << 20) -> Iterator[bytes]:
+        """The slice's bytes from ``start`` to the end, at most ``chunk_bytes`` at a time."""
+        pos = start
+        with open(self.src, "rb") as f:
+            while pos < self.size:
+                n = min(chunk_bytes, self.size - pos)
+                yield self._read(f, pos, n)
+                pos += n
+
+    def _read(self, f, pos: int, n: int) -> bytes:
+        out = bytearray(n)  # zeros: the padding between tensors
+        end = pos + n
+        if pos < len(self.header):
+            head = self.header[pos:end]
+            out[: len(head)] = head
+        i = bisect.bisect_right(self.parts, (pos, float("inf"), 0)) - 1
+        for at, src_at, size in self.parts[max(i, 0):]:
+            if at >= end:
+                break
+            lo, hi = max(pos, at), min(end, at + size)
+            if lo < hi:
+                out[lo - pos : hi - pos] = os.pread(f.fileno(), hi - lo, src_at + lo - at)
+        return bytes(out)
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for block in self.iter_bytes():
+            h.update(block)
+        return h.hexdigest()
+
+    def write_to(self, dst: Path) -> Path:
+        """Write the slice as a file (via ``dst.part``, renamed once whole)."""
+        dst = Path(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".part")
+        with open(tmp, "wb") as out:
+            for block in self.iter_bytes():
+                out.write(block)
+        tmp.replace(dst)
+        return dst
+
+
+def layer_layout(src: Path, layer_map: Sequence[int]) -> SliceLayout:
+    """The layout of a GGUF whose layer j is ``src``'s layer ``layer_map[j]`` (slices, merges).
 
     Embeddings, final norm and output head are always kept (a slice needs them to load; the
     stages that do not use them skip them at run time).
     """
     import gguf
 
-    src, dst = Path(src), Path(dst)
+    src = Path(src)
     r = open_reader(src)
     arch = str(_field_value(r.fields["general.architecture"]))
     if arch not in SPLITTABLE_ARCHS:
@@ -164,15 +222,6 @@ def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
     n_layer = reader_n_layer(r, arch)
     if not layer_map or min(layer_map) < 0 or max(layer_map) >= n_layer:
         raise PotluckError(f"layer map {list(layer_map)[:8]}... is outside 0..{n_layer - 1}")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), arch=arch, use_temp_file=False)
-    _copy_fields(r, w, arch, len(layer_map), layer_map)
-    if arch == "gemma3":
-        key = f"{arch}.attention.sliding_window_pattern"
-        _drop_kv(w, key)
-        w.add_array(key, gemma3_swa_pattern(r, arch, layer_map))
-
     by_layer: dict[int, list] = {}
     others: list = []
     for t in r.tensors:
@@ -185,16 +234,33 @@ def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
     for j, i in enumerate(layer_map):
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
-    for name, t in ordered:
-        w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
+    with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
+        header_path = Path(tmp) / "header.gguf"
+        w = gguf.GGUFWriter(str(header_path), arch=arch, use_temp_file=False)
+        _copy_fields(r, w, arch, len(layer_map), layer_map)
+        if arch == "gemma3":
+            key = f"{arch}.attention.sliding_window_pattern"
+            _drop_kv(w, key)
+            w.add_array(key, gemma3_swa_pattern(r, arch, layer_map))
+        for name, t in ordered:
+            w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        header = header_path.read_bytes()
+    align = w.data_alignment
+    header += bytes(gguf.GGUFWriter.ggml_pad(len(header), align) - len(header))
+    parts, at = [], len(header)
     for _, t in ordered:
-        w.write_tensor_data(np.asarray(t.data))  # type: ignore[attr-defined]
-    w.close()
-    tmp.replace(dst)
-    return dst
+        parts.append((at, int(t.data_offset), int(t.n_bytes)))  # type: ignore[attr-defined]
+        at += gguf.GGUFWriter.ggml_pad(int(t.n_bytes), align)  # type: ignore[attr-defined]
+    return SliceLayout(src, header, tuple(parts), at)
+
+
+def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
+    """Write :func:`layer_layout` ``(src, layer_map)`` to ``dst``."""
+    return layer_layout(src, layer_map).write_to(dst)
 
 
 def _drop_kv(writer, key: str) -> None:
