@@ -32,7 +32,7 @@ from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.lab.split import SplitTarget
 
 from .cluster_support import TOKEN, start_worker, stop_worker
-from .conftest import PROMPTS
+from .support.prompts import PROMPTS
 
 N_CTX = 1024
 NEW = 64

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real bundled model, loaded once per test run, and an isolated home."""
+"""Shared fixtures: the real bundled model, loaded once per test run, a weak draft made from
+it, loopback workers shared by the cluster test modules, and an isolated home."""
 
 from __future__ import annotations
 
@@ -12,17 +13,9 @@ from potluck.assets import default_model_path
 from potluck.engine.core import paths
 from potluck.engine.core.runtime import Model
 
+from .cluster_support import WorkerProc, loopback_workers
+
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "potluck-test-numba"))
-
-# Prompts across the families the product is benchmarked on (chat, code, summary).
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "Summarize in one sentence: The cat sat on the mat all day, watching birds outside.",
-    "List three colors of the rainbow.",
-    "Explain what a hash table is.",
-]
-
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
@@ -61,6 +54,24 @@ def model_path() -> Path:
 def model(model_path: Path) -> Iterator[Model]:
     with Model(model_path) as m:
         yield m
+
+
+@pytest.fixture(scope="session")
+def weak_draft(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A deliberately weak draft, 20 of the bundled model's 30 layers: it is often wrong, so
+    tests see drafts both accepted and rejected."""
+    from potluck.engine.core.gguf_tools import merge_layer_ranges
+
+    return merge_layer_ranges(model_path, tmp_path_factory.mktemp("weak-draft") / "d.gguf", [(0, 19)])
+
+
+@pytest.fixture(scope="session")
+def loopback_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
+    """Three loopback workers for every cluster test module that only needs workers to compute
+    on. Tests that kill workers, or check what is sent and cached, start their own (with their
+    own cache folders), so no result depends on test order. Zeroconf off: the modules that
+    discover workers must find only their own."""
+    yield from loopback_workers(tmp_path_factory.mktemp("pool"), "pool", 3)
 
 
 @pytest.fixture()

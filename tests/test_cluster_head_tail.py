@@ -4,7 +4,6 @@ every logit still equals one machine's exactly, on 2 and 3 real worker processes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,17 +19,12 @@ from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.stage import Stage
 from potluck.engine.core.target import LocalTarget
 
-from .cluster_support import TOKEN, WorkerProc, loopback_workers
+from .cluster_support import TOKEN, WorkerProc
 
 N_CTX = 512
 PROMPT = "<|im_start|>user\nName three rivers of Europe.<|im_end|>\n<|im_start|>assistant\n"
 STEPS = 10
 MAX_BYTES_PER_TOKEN = 8 * 1024  # the issue's goal; logits were 196,709 bytes a token
-
-
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    yield from loopback_workers(tmp_path_factory.mktemp("tail-workers"), "t")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def greedy_logits(target: LocalTarget | PipelineTarget, prompt: list[int]) -> li
 
 @pytest.mark.parametrize("n_workers", [2, 3])
 def test_last_worker_returns_hidden_states_and_logits_stay_exact(
-    n_workers: int, model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+    n_workers: int, model: Model, model_path: Path, loopback_pool: list[WorkerProc], slice_cache: SliceCache
 ) -> None:
     prompt = model.tokenize(PROMPT)
     local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
@@ -57,7 +51,7 @@ def test_last_worker_returns_hidden_states_and_logits_stay_exact(
     finally:
         local.close()
     split = [0, 15, 30] if n_workers == 2 else None  # the user's split, or the planner's
-    target = open_pipeline(model_path, [w.address for w in workers[:n_workers]], keys_from_token(TOKEN),
+    target = open_pipeline(model_path, [w.address for w in loopback_pool[:n_workers]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, n_threads=1, slice_cache=slice_cache, split=split)
     try:
         # workers share layers 0-28; the head holds layer 29 and the output layer
@@ -80,12 +74,12 @@ def test_last_worker_returns_hidden_states_and_logits_stay_exact(
 
 
 def test_kv_operations_and_cancels_reach_the_heads_layer_in_order(
-    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+    model: Model, model_path: Path, loopback_pool: list[WorkerProc], slice_cache: SliceCache
 ) -> None:
     """A removed tail, a batch of a cancelled run and a reset go through the head's own layer
     in their place: the next logits still equal one machine's."""
     prompt = model.tokenize(PROMPT)
-    target = open_pipeline(model_path, [w.address for w in workers[:2]], keys_from_token(TOKEN),
+    target = open_pipeline(model_path, [w.address for w in loopback_pool[:2]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, n_threads=1, slice_cache=slice_cache, split=[0, 15])
     local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
     try:
@@ -164,13 +158,13 @@ def wait_done(tail: HeadTail, timeout_s: float, count: int = 1) -> list:
 
 
 def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
-    model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+    model_path: Path, loopback_pool: list[WorkerProc], slice_cache: SliceCache
 ) -> None:
     """llama.cpp's OpenMP threads spin between batches: beside a worker on this machine the
     head's layers keep to one thread; with only remote workers they take every core."""
     from potluck.engine.cluster.head import tail_threads
 
-    target = open_pipeline(model_path, [w.address for w in workers[:2]], keys_from_token(TOKEN),
+    target = open_pipeline(model_path, [w.address for w in loopback_pool[:2]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, slice_cache=slice_cache, split=[0, 15])  # no n_threads given
     try:
         assert target.tail.stage.ctx.params.n_threads == 1

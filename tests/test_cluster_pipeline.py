@@ -14,16 +14,18 @@ from potluck.discovery.auth import keys_from_token
 from potluck.discovery.lan import browse
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import merge_layer_ranges
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
-from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.spec import ClusterSpec, EngineSpec
 from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 from .cluster_support import TOKEN, WorkerProc, loopback_workers
+from .support.references import plain_conversation
 
 N_CTX = 1024
 TURNS = ["Hi! Name two fruits.", "Which one is sweeter?"]
@@ -60,13 +62,11 @@ def converse(model: Model, target: Target, strategy_name: str, draft: Path | Non
         strategy.close()
 
 
-def reference(model: Model, strategy_name: str = "autoregressive", draft: Path | None = None) -> list[tuple[int, ...]]:
-    # One thread: on 2 shared cores, llama.cpp's all-core default stalls on busy siblings.
-    target = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
-    try:
-        return converse(model, target, strategy_name, draft)
-    finally:
-        target.close()
+def reference(model: Model) -> list[tuple[int, ...]]:
+    """Plain decoding on one machine (memoized for the run). One thread: on 2 shared cores,
+    llama.cpp's all-core default stalls on busy siblings."""
+    turns = plain_conversation(model, TURNS, MAX_NEW, n_threads=1, n_ctx=N_CTX, system="Be brief.")
+    return [tuple(t) for t in turns]
 
 
 def test_zeroconf_finds_the_worker_processes(workers: list[WorkerProc]) -> None:
@@ -77,8 +77,12 @@ def test_zeroconf_finds_the_worker_processes(workers: list[WorkerProc]) -> None:
 
 
 def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
-    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache, weak_draft: Path
 ) -> None:
+    """Every strategy's own path runs over the pipeline: a drafting one drafts with a draft
+    that is often wrong (sd: the weak 20-layer draft; the others: their N-gram tables),
+    without the floor, so its drafts are both accepted and rejected; triforce refuses a
+    cluster in one line."""
     plans, progress = [], []
     first = pipeline(model_path, workers[:2], slice_cache, on_plan=plans.append,
                      progress=lambda what, done, total: progress.append((what, done, total)))
@@ -88,9 +92,19 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
         assert plans[0].head == (29, 30)  # the head computes the last layer and the output layer
         assert first.transfer.files_sent == 2 and first.transfer.bytes_sent > 50_000_000
         assert progress[-1][1] == progress[-1][2]
-        for name in STRATEGIES:
-            draft = model_path if STRATEGIES[name].needs_draft else None
-            assert converse(model, first, name, draft) == reference(model, name, draft), name
+        for name, cls in STRATEGIES.items():
+            if name == "triforce":  # it reads the target's attention keys: one machine only
+                cluster = ClusterSpec(tuple(w.address for w in workers[:2]), keys_from_token(TOKEN))
+                with pytest.raises(PotluckError, match="runs on one machine"):
+                    cls.build(model, EngineSpec(strategy=name, cluster=cluster))
+                continue
+            draft = weak_draft if cls.needs_draft else None  # the others draft from N-gram tables
+            options = {"adaptive": False} if name != "autoregressive" else {}
+            fins = _converse_finished(model, first, name, draft, TURNS, MAX_NEW, options)
+            assert [f.tokens for f in fins] == reference(model), name
+            if name != "autoregressive":
+                drafted, accepted = sum(f.drafted for f in fins), sum(f.accepted for f in fins)
+                assert drafted > accepted > 0, (name, drafted, accepted)
             first.reset()
     finally:
         first.close()
@@ -302,7 +316,6 @@ def test_head_does_not_map_the_targets_weights(
 ) -> None:
     """Cluster mode opens the target vocab-only on the head: no byte of the GGUF is resident
     in the head (a model too big for the head still works)."""
-    from potluck.engine.core.spec import ClusterSpec
     from potluck.engine.loader import open_session
 
     keys = keys_from_token(TOKEN)

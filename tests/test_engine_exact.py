@@ -21,7 +21,7 @@ from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.split import SplitTarget
 from potluck.engine.loader import open_session
 
-from .conftest import PROMPTS
+from .support.prompts import PROMPTS
 
 MAX_TOKENS = 48
 

@@ -33,20 +33,12 @@ from potluck.engine.speculation.strategies.speculative import verify_rows
 from potluck.engine.speculation.voting import DrafterWeights, WeightConfig, heaviest_path, judge
 
 from .conftest import flat_cost_line
+from .support.prompts import LONG_PROMPTS, TURNS
+from .support.references import plain_conversation, plain_reply
 
 THREADS = 2  # the setting; BF16 KV keeps batches and single steps identical
-PROMPTS = [
-    "Rewrite this Python code with snake_case names and return the whole code:\n\n"
-    "def computeTotal(itemList, taxRate):\n    runningSum = 0\n    for singleItem in itemList:\n"
-    "        runningSum += singleItem.unitPrice * singleItem.itemCount\n"
-    "    return runningSum * (1 + taxRate)\n",
-    "Summarize in detail: The city council met on Tuesday to discuss the new public transport "
-    "plan. It proposes three bus lines, a bike-sharing program and longer opening hours for the "
-    "central station. Members disagreed about the cost; a business association supported it.",
-    "Explain in detail how a hash table works, with examples, collisions, resizing and complexity.",
-]
+PROMPTS = LONG_PROMPTS[1:]  # a code edit, a summary, an explanation
 MAX_TOKENS = 128
-TURNS = ["Name a fruit and describe it.", "Now list three more, each with a recipe.", "Thanks!"]
 TURN_TOKENS = 48
 
 
@@ -423,15 +415,9 @@ def reply(
 
 @pytest.fixture(scope="module")
 def reference(model: Model) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for prompt in PROMPTS:
-        s = make_session(model, Autoregressive())
-        out[prompt] = reply(s, prompt, MAX_TOKENS)[0]
-        s.close()
-    s = make_session(model, Autoregressive())
-    for i, turn in enumerate(TURNS):
-        out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
-    s.close()
+    out = {prompt: plain_reply(model, prompt, MAX_TOKENS, n_threads=THREADS) for prompt in PROMPTS}
+    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS, n_threads=THREADS)):
+        out[f"turn{i}"] = tokens
     return out
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from potluck.engine.core.events import Finished
-from potluck.engine.core.plain import Autoregressive
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -27,15 +26,13 @@ from potluck.engine.speculation.drafters import ContextView
 from potluck.engine.speculation.strategies import pearl
 from potluck.engine.speculation.strategies.pearl import Pearl, split_threads
 
+from .support.prompts import LONG_PROMPTS, RAW_PROMPTS, TURNS
+from .support.references import plain_conversation, plain_reply
 from .test_spec_strategies import (
     ALPHA,
-    LONG_PROMPTS,
-    RAW_PROMPTS,
     TRIALS,
-    TURNS,
     broken_residual,
     chi2_pvalue,
-    draft_path,  # noqa: F401  (module fixture: the weak 20-layer draft)
     first_tokens,
     reply,
 )
@@ -56,23 +53,17 @@ def session(model: Model, strategy: Strategy) -> Session:
 
 @pytest.fixture(scope="module")
 def plain(model: Model) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for prompt in LONG_PROMPTS[:3]:
-        s = session(model, Autoregressive())
-        out[prompt] = reply(s, prompt, MAX_TOKENS)[0]
-        s.close()
-    s = session(model, Autoregressive())
-    for i, turn in enumerate(TURNS):
-        out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
-    s.close()
+    out = {prompt: plain_reply(model, prompt, MAX_TOKENS, n_threads=THREADS) for prompt in LONG_PROMPTS[:3]}
+    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS, n_threads=THREADS)):
+        out[f"turn{i}"] = tokens
     return out
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_pearl_equals_plain_decoding(
-    model: Model, draft_path: Path, plain: dict[str, list[int]], adaptive: bool  # noqa: F811
+    model: Model, weak_draft: Path, plain: dict[str, list[int]], adaptive: bool  # noqa: F811
 ) -> None:
-    strategy = build(model, draft_path, adaptive=adaptive)
+    strategy = build(model, weak_draft, adaptive=adaptive)
     drafted = accepted = plain_rounds = 0
     overlap = 0.0
     for prompt in LONG_PROMPTS[:3]:
@@ -95,9 +86,9 @@ def test_greedy_pearl_equals_plain_decoding(
 
 
 def test_multi_turn_pearl_equals_plain_decoding(
-    model: Model, draft_path: Path, plain: dict[str, list[int]]  # noqa: F811
+    model: Model, weak_draft: Path, plain: dict[str, list[int]]  # noqa: F811
 ) -> None:
-    strategy = build(model, draft_path, adaptive=False)
+    strategy = build(model, weak_draft, adaptive=False)
     s = session(model, strategy)
     for i, turn in enumerate(TURNS):
         assert reply(s, turn, TURN_TOKENS)[0] == plain[f"turn{i}"], f"turn {i}"
@@ -116,11 +107,11 @@ def test_pearl_with_ngram_drafts_equals_plain_decoding(model: Model, plain: dict
     assert sum(r.accepted for r in rounds) > 0
 
 
-def test_seeded_pearl_repeats_whatever_the_timing(model: Model, draft_path: Path) -> None:  # noqa: F811
+def test_seeded_pearl_repeats_whatever_the_timing(model: Model, weak_draft: Path) -> None:  # noqa: F811
     params = SamplingParams(temperature=0.9, seed=1234)
     outs = []
     for _ in range(2):
-        strategy = build(model, draft_path, adaptive=False)
+        strategy = build(model, weak_draft, adaptive=False)
         s = session(model, strategy)
         done = [ev for ev in s.generate(LONG_PROMPTS[0], params, 48) if isinstance(ev, Finished)]
         outs.append(list(done[0].tokens))
@@ -129,9 +120,9 @@ def test_seeded_pearl_repeats_whatever_the_timing(model: Model, draft_path: Path
 
 
 def test_sampled_pearl_token_follows_target_distribution(
-    model: Model, draft_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    model: Model, weak_draft: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
-    strategy = build(model, draft_path, adaptive=False)
+    strategy = build(model, weak_draft, adaptive=False)
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
     assert chi2_pvalue(tokens, p) > ALPHA
     # the same with a verifier that resamples from p after a rejection must fail
@@ -141,10 +132,10 @@ def test_sampled_pearl_token_follows_target_distribution(
     strategy.close()
 
 
-def test_pearl_refuses_one_thread_with_a_draft_model(model: Model, draft_path: Path) -> None:  # noqa: F811
+def test_pearl_refuses_one_thread_with_a_draft_model(model: Model, weak_draft: Path) -> None:  # noqa: F811
     from potluck.engine.core.errors import PotluckError
 
-    spec = EngineSpec(strategy="pearl", draft=draft_path, n_ctx=512, n_threads=1)
+    spec = EngineSpec(strategy="pearl", draft=weak_draft, n_ctx=512, n_threads=1)
     with pytest.raises(PotluckError, match="at least 2 threads"):
         Pearl.build(model, spec)
 
@@ -172,11 +163,11 @@ def test_context_view_reads_like_the_list() -> None:
 
 
 def test_reply_cut_mid_flight_leaves_no_guess_behind(
-    model: Model, draft_path: Path, plain: dict[str, list[int]]  # noqa: F811
+    model: Model, weak_draft: Path, plain: dict[str, list[int]]  # noqa: F811
 ) -> None:
     """A reply ends at max_tokens while batches are in flight: they are settled and the
     cache holds exactly the conversation, so the next turn continues it exactly."""
-    strategy = build(model, draft_path, adaptive=False)
+    strategy = build(model, weak_draft, adaptive=False)
     s = session(model, strategy)
     target = s.target
     assert isinstance(target, LocalTarget)

@@ -21,7 +21,7 @@ from potluck.discovery.auth import keys_from_token
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
-from potluck.engine.core.gguf_tools import merge_layer_ranges, slice_layers
+from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.plain import Autoregressive
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import Sampler, SamplingParams, probs
@@ -34,8 +34,9 @@ from potluck.engine.speculation import verify
 from potluck.engine.speculation.strategies import pipeinfer
 from potluck.engine.speculation.strategies.pipeinfer import PipeInfer
 
-from .cluster_support import TOKEN, WorkerProc, loopback_workers
-from .test_spec_strategies import ALPHA, LONG_PROMPTS, TURNS, broken_residual, chi2_pvalue
+from .cluster_support import TOKEN, WorkerProc
+from .support.prompts import LONG_PROMPTS, TURNS
+from .test_spec_strategies import ALPHA, broken_residual, chi2_pvalue
 
 N_CTX = 2048
 MAX_TOKENS = 64
@@ -63,12 +64,6 @@ def stage_models(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     for models in out.values():
         for m in models:
             m.close()
-
-
-@pytest.fixture(scope="module")
-def weak_draft(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """20 of the 30 layers: a draft that is often wrong, so guesses get rejected."""
-    return merge_layer_ranges(model_path, tmp_path_factory.mktemp("pi-draft") / "d.gguf", [(0, 19)])
 
 
 CASES = [(p, MAX_TOKENS, True) for p in LONG_PROMPTS[:2]] + [(t, TURN_TOKENS, i == 0) for i, t in enumerate(TURNS[:2])]
@@ -255,17 +250,12 @@ def test_sampled_pipeinfer_token_follows_target_distribution(
 # --------------------------------------------------------------------------- worker processes
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    yield from loopback_workers(tmp_path_factory.mktemp("pi-workers"), "pi")
-
-
 @pytest.mark.parametrize("n_workers", [2, 3])
 def test_pipeinfer_over_loopback_workers_equals_one_machine(
-    model: Model, model_path: Path, workers: list[WorkerProc], plain: list[list[int]], n_workers: int,
+    model: Model, model_path: Path, loopback_pool: list[WorkerProc], plain: list[list[int]], n_workers: int,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    target = open_pipeline(model_path, [w.address for w in workers[:n_workers]], keys_from_token(TOKEN),
+    target = open_pipeline(model_path, [w.address for w in loopback_pool[:n_workers]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, slice_cache=SliceCache(tmp_path_factory.mktemp("pi-cache")))
     status = []
     got, c = replies(model, target, build(model), lambda: status.extend(target.status()))
@@ -276,7 +266,7 @@ def test_pipeinfer_over_loopback_workers_equals_one_machine(
 
 
 def test_cluster_bench_reports_overlap_and_bytes(
-    model_path: Path, workers: list[WorkerProc], tmp_path: Path
+    model_path: Path, loopback_pool: list[WorkerProc], tmp_path: Path
 ) -> None:
     """The cluster bench's rows (not its timings): every variant's output equals one
     machine's, stages report busy time, the last worker sends hidden states, not logits."""
@@ -287,7 +277,8 @@ def test_cluster_bench_reports_overlap_and_bytes(
     # adaptive off: the floor may (rightly) stop guessing on a busy machine; the rows are under test
     cfg = ClusterBenchConfig(model=model_path, families=(str(prompts),), reps=1, max_tokens=24, only=("pipeinfer",),
                              options={"adaptive": False})
-    rows = {r.variant: r for r in run_cluster_bench(cfg, [w.address for w in workers[:2]], keys_from_token(TOKEN))}
+    addresses = [w.address for w in loopback_pool[:2]]
+    rows = {r.variant: r for r in run_cluster_bench(cfg, addresses, keys_from_token(TOKEN))}
     assert set(rows) == {ONE_MACHINE, SYNC, "pipeinfer"}  # the baselines always run
     assert all(r.identical_to_one_machine for r in rows.values())
     for name in (SYNC, "pipeinfer"):

@@ -12,8 +12,6 @@ import pytest
 from scipy.stats import chisquare
 
 from potluck.engine.core.events import Finished, RoundStats
-from potluck.engine.core.gguf_tools import merge_layer_ranges
-from potluck.engine.core.plain import Autoregressive
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import Sampler, SamplingParams, probs
 from potluck.engine.core.session import Session
@@ -25,31 +23,14 @@ from potluck.engine.speculation.strategies.registry import get_strategy_class
 from potluck.engine.speculation.verify import verify_chain
 
 from .conftest import flat_cost_line
+from .support.prompts import LONG_PROMPTS, RAW_PROMPTS, TURNS
+from .support.references import plain_conversation, plain_reply
 
-# Four prompts: prose, a code edit, a summary, an explanation; two run to the 256-token limit.
-LONG_PROMPTS = [
-    "Write a long, detailed story about a robot who learns to cook. Use many paragraphs.",
-    "Rewrite this Python code with snake_case names and return the whole code:\n\n"
-    "def computeTotal(itemList, taxRate):\n    runningSum = 0\n    for singleItem in itemList:\n"
-    "        runningSum += singleItem.unitPrice * singleItem.itemCount\n"
-    "    return runningSum * (1 + taxRate)\n",
-    "Summarize in detail: The city council met on Tuesday to discuss the new public transport "
-    "plan. It proposes three bus lines, a bike-sharing program and longer opening hours for the "
-    "central station. Members disagreed about the cost; a business association supported it.",
-    "Explain in detail how a hash table works, with examples, collisions, resizing and complexity.",
-]
 MAX_TOKENS = 256
 # One thread: this box has 2 cores shared with other jobs, and two spinning threads on a
 # busy box run 4x slower. Exactness holds for any thread count as long as it is the same.
 THREADS = 1
 TURN_TOKENS = 64
-TURNS = ["Name a fruit and describe it.", "Now list three more, each with a recipe.", "Thanks!"]
-
-
-@pytest.fixture(scope="module")
-def draft_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A deliberately weak draft (20 of the 30 layers): many rejections to get right."""
-    return merge_layer_ranges(model_path, tmp_path_factory.mktemp("draft") / "d.gguf", [(0, 19)])
 
 
 def build(name: str, model: Model, draft: Path | None = None, **options: object) -> Strategy:
@@ -76,24 +57,18 @@ def reply(session: Session, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[
 @pytest.fixture(scope="module")
 def reference(model: Model) -> dict[str, list[int]]:
     """Plain decoding's greedy replies: each prompt alone, then one multi-turn conversation."""
-    out: dict[str, list[int]] = {}
-    for prompt in LONG_PROMPTS:
-        s = make_session(model, Autoregressive())
-        out[prompt] = reply(s, prompt)[0]
-        s.close()
-    s = make_session(model, Autoregressive())
-    for i, turn in enumerate(TURNS):
-        out[f"turn{i}"] = reply(s, turn, TURN_TOKENS)[0]
-    s.close()
+    out = {prompt: plain_reply(model, prompt, MAX_TOKENS, n_threads=THREADS) for prompt in LONG_PROMPTS}
+    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS, n_threads=THREADS)):
+        out[f"turn{i}"] = tokens
     assert sum(len(v) >= MAX_TOKENS for v in out.values()) >= 2
     return out
 
 
-def spec_sessions(model: Model, draft_path: Path) -> Iterator[tuple[str, Strategy]]:
+def spec_sessions(model: Model, weak_draft: Path) -> Iterator[tuple[str, Strategy]]:
     # Fixed lengths: the adaptive path stops drafting whenever drafting loses on this box
     # (the floor), and this test must exercise rejected drafts whatever the machine's load.
     yield "anpd", build("anpd", model, adaptive=False)
-    yield "sd", build("sd", model, draft_path, adaptive=False, max_draft=4)
+    yield "sd", build("sd", model, weak_draft, adaptive=False, max_draft=4)
 
 
 def test_adaptive_anpd_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
@@ -139,9 +114,9 @@ def test_a_cost_line_that_forbids_drafting_is_probed_again(
 
 
 def test_greedy_equals_plain_decoding(
-    model: Model, draft_path: Path, reference: dict[str, list[int]]
+    model: Model, weak_draft: Path, reference: dict[str, list[int]]
 ) -> None:
-    for name, strategy in spec_sessions(model, draft_path):
+    for name, strategy in spec_sessions(model, weak_draft):
         drafted = accepted = 0
         for prompt in LONG_PROMPTS:
             session = make_session(model, strategy)
@@ -156,9 +131,9 @@ def test_greedy_equals_plain_decoding(
 
 
 def test_multi_turn_greedy_equals_plain_decoding(
-    model: Model, draft_path: Path, reference: dict[str, list[int]]
+    model: Model, weak_draft: Path, reference: dict[str, list[int]]
 ) -> None:
-    for name, strategy in spec_sessions(model, draft_path):
+    for name, strategy in spec_sessions(model, weak_draft):
         session = make_session(model, strategy)
         for i, turn in enumerate(TURNS):
             assert reply(session, turn, TURN_TOKENS)[0] == reference[f"turn{i}"], f"{name} turn {i}"
@@ -180,13 +155,6 @@ def test_long_fixed_drafts_stay_exact(model: Model, reference: dict[str, list[in
 # --------------------------------------------------------------------------- sampling
 
 SAMPLED = SamplingParams(temperature=0.8)
-# Positions where a wrong residual step shows: the N-gram drafter proposes " apples", which
-# the target gives p = 0.49 at T = 0.8 (a broken verifier: 0.74); the weak draft model puts
-# q = 0.99 on " and", which the target gives p = 0.22 (broken: 0.39).
-RAW_PROMPTS = {
-    "anpd": "My favourite fruits: apples, pears, plums. Her favourite fruits:",
-    "sd": "Colors: red, green,",
-}
 TRIALS = 200
 ALPHA = 1e-3  # one significance level: the exact verifier passes it, the broken one must not
 
@@ -240,9 +208,9 @@ def broken_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["anpd", "sd"])
 def test_sampled_token_follows_target_distribution(
-    name: str, model: Model, draft_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, model: Model, weak_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    strategy = build(name, model, draft_path, max_draft=2, adaptive=False)
+    strategy = build(name, model, weak_draft, max_draft=2, adaptive=False)
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
     assert chi2_pvalue(tokens, p) > ALPHA
     # The same run with a verifier that resamples from p after a rejection must fail.

@@ -1,0 +1,1 @@
+"""Code the tests share: fakes, fixtures helpers and test-only targets."""
