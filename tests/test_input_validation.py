@@ -30,6 +30,7 @@ from potluck.engine.core import validate as limits
 from potluck.engine.core.errors import ContextFullError, DecodeError, PotluckError
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.spec import EngineSpec
+from potluck.engine.loader import checked_spec
 
 POTLUCK = [sys.executable, "-m", "potluck.app.cli"]
 EXAMPLES = int(os.environ.get("POTLUCK_FUZZ_EXAMPLES", "20"))
@@ -343,7 +344,7 @@ def test_limits_values() -> None:
     with pytest.raises(PotluckError, match="not valid UTF-8"):
         limits.text("the prompt", "caf\udce9")
     assert issubclass(DecodeError, PotluckError)
-    spec = limits.spec(EngineSpec(model=Path("~/m.gguf"), n_ctx=300))
+    spec = checked_spec(EngineSpec(model=Path("~/m.gguf"), n_ctx=300))
     assert spec.n_ctx == 512 and spec.model == Path.home() / "m.gguf"
 
 
