@@ -1,0 +1,236 @@
+"""A model bigger than either worker: a random-weight shape (default 8b, about 4.2 GB) split over
+2 loopback workers, each in a memory cgroup capped below the model's size, the head vocab-only.
+
+    sudo .venv/bin/python -m scripts.scale_demo --shape 8b --cap 0.6 --tokens 32
+    sudo .venv/bin/python -m scripts.scale_demo --shape 1b --relay wifi   # workers behind link_relay
+
+One run reports: greedy tokens against one uncapped process; the first load (slices streamed)
+and the second (cached); TTFT and tokens/s of the synchronous pipeline and of pipeinfer; peak
+RSS of the head, of each worker and of its llama.cpp child (VmHWM, file pages included, as
+/usr/bin/time reports it); bytes per token from the last worker to the head. The head and the
+reference run in their own processes so that each peak is its own. Needs root for the cgroups
+(cgroup v1 memory controller, as on this machine). The vocabulary is the bundled model's
+49,152 tokens: a real Llama 3's output layer (128,256 tokens) is 2.6x larger, so the head's
+memory here is smaller than it would be with a real 8B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from potluck.app.loopback import spawn_worker, stop_worker
+from potluck.discovery.auth import generate_token, keys_from_token
+from potluck.engine.core import memory
+from potluck.engine.lab.fixtures import build_shape
+
+from .procfs import process_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the process's peak resident set, file pages included (what /usr/bin/time reports)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class PeakWatch:
+    """Samples the worker process trees while heads run: a stage's llama.cpp child exits with
+    its head, taking its VmHWM with it, so each pid's peak is read while it lives."""
+
+    def __init__(self, roots: list[int]) -> None:
+        self.roots = roots
+        self.peaks: dict[int, dict[int, float]] = {r: {} for r in roots}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            for root in self.roots:
+                for pid in process_tree(root):
+                    try:
+                        self.peaks[root][pid] = max(self.peaks[root].get(pid, 0.0), peak_rss_mb(pid))
+                    except OSError:
+                        pass
+
+    def stop(self) -> dict[int, dict[int, float]]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
+
+
+def capped_group(limit_bytes: int, name: str) -> Path:
+    parent = next((d for v, d in memory.own_cgroup_dirs() if v == 1), None)
+    if parent is None or os.geteuid() != 0:
+        raise SystemExit("needs root and the cgroup v1 memory controller (see the docstring)")
+    d = parent / f"potluck-demo-{name}-{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    (d / "memory.limit_in_bytes").write_text(str(limit_bytes))
+    return d
+
+
+def reference_tokens(path: Path, n: int, n_ctx: int) -> list[int]:
+    """Greedy tokens of one uncapped process holding the whole model (2 threads)."""
+    from potluck.engine.core.plain import Autoregressive
+    from potluck.engine.core.runtime import ContextParams, Model
+    from potluck.engine.core.sampling import SamplingParams
+    from potluck.engine.core.session import Session
+    from potluck.engine.core.target import LocalTarget
+
+    with Model(path) as m:
+        t = LocalTarget(m, ContextParams(n_ctx=n_ctx, n_threads=2))
+        try:
+            *_, fin = Session(m, t, Autoregressive()).generate(PROMPT, SamplingParams(), n)
+            return list(fin.tokens)
+        finally:
+            t.close()
+
+
+def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, strategies: list[str]) -> dict:
+    """One head: open the pipeline (timed), then each strategy's greedy reply."""
+    from potluck.engine.cluster.head import open_pipeline
+    from potluck.engine.core.events import Finished
+    from potluck.engine.core.runtime import Model
+    from potluck.engine.core.sampling import SamplingParams
+    from potluck.engine.core.session import Session
+    from potluck.engine.core.spec import ClusterSpec, EngineSpec
+    from potluck.engine.speculation.strategies.registry import get_strategy_class
+
+    keys = keys_from_token(token)
+    out: dict[str, object] = {}
+    with Model(path, vocab_only=True) as model:
+        t0 = time.perf_counter()
+        target = open_pipeline(path, addresses, keys, n_ctx=n_ctx, split=None)
+        out["load_s"] = time.perf_counter() - t0
+        out["sent_mb"] = target.transfer.bytes_sent / 1e6
+        out["transfer_mb_per_s"] = target.transfer.mb_per_s
+        out["plan"] = target.plan.describe()
+        try:
+            for name in strategies:
+                spec = EngineSpec(model=path, strategy=name, n_ctx=n_ctx, n_threads=1,
+                                  cluster=ClusterSpec(tuple(addresses), keys))
+                strategy = get_strategy_class(name).build(model, spec)
+                target.reset()
+                bytes0, fed0 = target.links[-1].bytes_in, target.stats.tokens
+                try:
+                    session = Session(model, target, strategy)
+                    *_, fin = session.generate(PROMPT, SamplingParams(), n)
+                finally:
+                    strategy.close()
+                assert isinstance(fin, Finished)
+                fed = target.stats.tokens - fed0
+                out[name] = {"tokens": list(fin.tokens), "ttft_s": fin.ttft_s,
+                             "tokens_per_s": (len(fin.tokens) - 1) / fin.decode_s if fin.decode_s else 0.0,
+                             "last_hop_bytes_per_token": (target.links[-1].bytes_in - bytes0) / max(fed, 1)}
+        finally:
+            target.close()
+    out["head_peak_rss_mb"] = peak_rss_mb(os.getpid())
+    return out
+
+
+def _child(args: list[str]) -> dict:
+    """Run this script's ``--as`` mode in a fresh process; its last line is JSON."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.scale_demo", *args], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{args[:2]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="8b")
+    p.add_argument("--cap", type=float, default=0.6, help="each worker's memory limit, as a share of the model file")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--relay", choices=["ethernet", "wifi"], help="put each worker behind scripts/link_relay.py")
+    p.add_argument("--as", dest="mode", choices=["reference", "head"], help=argparse.SUPPRESS)
+    p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--addresses", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mode == "reference":
+        print(json.dumps({"tokens": reference_tokens(args.model, args.tokens, args.ctx),
+                          "peak_rss_mb": peak_rss_mb(os.getpid())}))
+        return
+    if args.mode == "head":
+        print(json.dumps(head_run(args.model, args.addresses.split(","), os.environ["POTLUCK_TOKEN"],
+                                  args.tokens, args.ctx, ["autoregressive", "pipeinfer"])))
+        return
+
+    path = build_shape(args.shape)
+    size = path.stat().st_size
+    print(f"model {path.name}: {size / 1e9:.2f} GB; workers capped at {args.cap:.0%} = {args.cap * size / 1e9:.2f} GB")
+    common = ["--model", str(path), "--tokens", str(args.tokens), "--ctx", str(args.ctx)]
+    ref = _child(["--as", "reference", *common])
+    print(f"one uncapped process: peak RSS {ref['peak_rss_mb']:,.0f} MB")
+    token = generate_token()
+    folder = Path(tempfile.mkdtemp(prefix="potluck-demo-"))
+    groups = [capped_group(int(args.cap * size), f"w{i}") for i in range(2)]
+    workers, relays = [], []
+    try:
+        for i, g in enumerate(groups):
+            workers.append(spawn_worker(folder, f"w{i}", token, threads=1,
+                                        preexec=lambda g=g: (g / "cgroup.procs").write_text(str(os.getpid()))))
+        addresses = [w.address for w in workers]
+        if args.relay:
+            for i, w in enumerate(workers):
+                r = subprocess.Popen([sys.executable, "-m", "scripts.link_relay", "--listen", "127.0.0.1:0",
+                                      "--to", w.address, "--profile", args.relay], cwd=ROOT, stdout=subprocess.PIPE,
+                                     text=True)
+                relays.append(r)
+                addresses[i] = r.stdout.readline().split()[1]  # "relay HOST:PORT -> ..."
+        env = dict(os.environ, POTLUCK_TOKEN=token)
+        watch = PeakWatch([w.proc.pid for w in workers])
+        runs = []
+        for label in ("first run", "second run (cached)"):
+            proc = subprocess.run([sys.executable, "-m", "scripts.scale_demo", "--as", "head", *common,
+                                   "--addresses", ",".join(addresses)], cwd=ROOT, capture_output=True, text=True,
+                                  env=env, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"head failed:\n{proc.stderr[-3000:]}")
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs.append(run)
+            if label == "first run":
+                print("\n".join(run["plan"]))
+            print(f"{label}: load {run['load_s']:.1f} s, sent {run['sent_mb']:,.0f} MB "
+                  f"({run['transfer_mb_per_s']:,.0f} MB/s), head peak RSS {run['head_peak_rss_mb']:,.0f} MB")
+            for name in ("autoregressive", "pipeinfer"):
+                r = run[name]
+                same = r["tokens"][: len(ref["tokens"])] == ref["tokens"][: len(r["tokens"])]
+                print(f"  {name:<15} identical {same}, TTFT {r['ttft_s']:.2f} s, {r['tokens_per_s']:.2f} tok/s, "
+                      f"{r['last_hop_bytes_per_token']:,.0f} B/token from the last worker")
+        peaks = watch.stop()
+        for i, w in enumerate(workers):
+            own = peaks[w.proc.pid].pop(w.proc.pid, 0.0)
+            print(f"worker {i}: peak RSS {own:,.0f} MB, its llama.cpp stage processes "
+                  f"{', '.join(f'{mb:,.0f}' for mb in peaks[w.proc.pid].values())} MB (VmHWM, file pages included); "
+                  f"cgroup peak {int((groups[i] / 'memory.max_usage_in_bytes').read_text()) / 1e6:,.0f} MB "
+                  "(page cache included)")
+    finally:
+        for r in relays:
+            r.terminate()
+        for w in workers:
+            stop_worker(w.proc)
+        time.sleep(0.5)
+        for g in groups:
+            try:
+                g.rmdir()
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    main()
