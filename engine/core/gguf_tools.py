@@ -11,6 +11,7 @@ layer; architectures whose per-layer structure we have not verified are refused.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import os
 import re
@@ -212,7 +213,8 @@ def layer_layout(src: Path, layer_map: Sequence[int]) -> SliceLayout:
     import gguf
 
     src = Path(src)
-    r = open_reader(src)
+    st = src.stat()
+    r = _reader_of_version(src.resolve(), st.st_size, st.st_mtime_ns)
     arch = str(_field_value(r.fields["general.architecture"]))
     if arch not in SPLITTABLE_ARCHS:
         raise PotluckError(
@@ -256,6 +258,13 @@ def layer_layout(src: Path, layer_map: Sequence[int]) -> SliceLayout:
         parts.append((at, int(t.data_offset), int(t.n_bytes)))  # type: ignore[attr-defined]
         at += gguf.GGUFWriter.ggml_pad(int(t.n_bytes), align)  # type: ignore[attr-defined]
     return SliceLayout(src, header, tuple(parts), at)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader_of_version(path: Path, size: int, mtime_ns: int):  # -> gguf.GGUFReader
+    """One parsed header per file version: a head lays out every stage's slice and its own
+    from the same model (parsing a 49k-token vocabulary takes a second or more)."""
+    return open_reader(path)
 
 
 def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
