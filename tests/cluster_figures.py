@@ -29,10 +29,10 @@ from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.target import LocalTarget, Target
-from potluck.engine.lab.split import SplitTarget
 
 from .cluster_support import TOKEN, start_worker, stop_worker
 from .support.prompts import PROMPTS
+from .support.split_target import SplitTarget
 
 N_CTX = 1024
 NEW = 64

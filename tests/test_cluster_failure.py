@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.cluster.head import NodeFailedError, open_pipeline
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.link import NodeFailedError
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import TokenText
 from potluck.engine.core.plain import Autoregressive

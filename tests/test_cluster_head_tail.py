@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.pipeline_target import PipelineTarget
 from potluck.engine.cluster.tail import HeadTail
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.jobs import DecodeJob, GroupCancelled
@@ -162,7 +163,7 @@ def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
 ) -> None:
     """llama.cpp's OpenMP threads spin between batches: beside a worker on this machine the
     head's layers keep to one thread; with only remote workers they take every core."""
-    from potluck.engine.cluster.head import tail_threads
+    from potluck.engine.cluster.chain import tail_threads
 
     target = open_pipeline(model_path, [w.address for w in loopback_pool[:2]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, slice_cache=slice_cache, split=[0, 15])  # no n_threads given

@@ -12,7 +12,8 @@ import pytest
 
 from potluck.discovery.auth import keys_from_token
 from potluck.discovery.lan import browse
-from potluck.engine.cluster.head import PipelineTarget, open_pipeline
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.pipeline_target import PipelineTarget
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.cluster import head
-from potluck.engine.cluster.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.cluster import rebuild
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.link import NodeFailedError
+from potluck.engine.cluster.pipeline_target import PipelineTarget
 from potluck.engine.cluster.recovery import LoggedBatch, LoggedKv, TransactionLog
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Event, Finished, NodeStatus, PlanChanged, TokenText
@@ -202,7 +204,7 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
     the second reply runs on the user's 3-stage split again, and both replies equal one
     machine's. (Speed scores measured on a busy 2-core machine are noise, so any plan that
     uses the returning worker counts as better here.)"""
-    monkeypatch.setattr(head, "REGROUP_GAIN", float("inf"))
+    monkeypatch.setattr(rebuild, "REGROUP_GAIN", float("inf"))
     expected = reference(model, SamplingParams())
     target = open_pipeline(
         model_path, [w.address for w in workers], keys_from_token(TOKEN), n_ctx=N_CTX, split=[0, 10, 20, 30],

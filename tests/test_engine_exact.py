@@ -18,10 +18,10 @@ from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.target import LocalTarget
-from potluck.engine.lab.split import SplitTarget
 from potluck.engine.loader import open_session
 
 from .support.prompts import PROMPTS
+from .support.split_target import SplitTarget
 
 MAX_TOKENS = 48
 

@@ -23,9 +23,10 @@ from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.target import LocalTarget, Target, TargetBase
-from potluck.engine.lab.split import SplitTarget
 from potluck.engine.speculation.drafters import Draft, Drafter, DraftRequest
 from potluck.engine.speculation.strategies.registry import get_strategy_class
+
+from .support.split_target import SplitTarget
 
 THREADS = 2  # more than one thread: BF16 KV keeps batches exact at any count (docs/facts.md §3)
 PROMPT = "<|im_start|>user\nName three rivers of Europe.<|im_end|>\n<|im_start|>assistant\n"

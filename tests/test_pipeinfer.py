@@ -29,13 +29,13 @@ from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Generation, Strategy
 from potluck.engine.core.target import LocalTarget, Target
-from potluck.engine.lab.split import SplitTarget
 from potluck.engine.speculation import verify
 from potluck.engine.speculation.strategies import pipeinfer
 from potluck.engine.speculation.strategies.pipeinfer import PipeInfer
 
 from .cluster_support import TOKEN, WorkerProc
 from .support.prompts import LONG_PROMPTS, TURNS
+from .support.split_target import SplitTarget
 from .test_spec_strategies import ALPHA, broken_residual, chi2_pvalue
 
 N_CTX = 2048

@@ -115,9 +115,8 @@ def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
 
 
 def test_many_cancelled_runs_go_in_as_few_messages_as_fit() -> None:
-    from potluck.engine.cluster.head import cancel_messages
 
-    msgs = cancel_messages(list(range(1, 601)))
+    msgs = wire.cancel_messages(list(range(1, 601)))
     assert [len(m.groups) for m in msgs] == [257, 257, 86]
     assert [r for m in msgs for r in m.groups] == list(range(1, 601))
     for m in msgs:

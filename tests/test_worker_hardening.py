@@ -26,11 +26,13 @@ import zmq
 
 from potluck.discovery.auth import keys_from_token, read_token_file, save_token
 from potluck.engine.cluster import wire
-from potluck.engine.cluster.head import NodeFailedError, PipelineTarget, open_pipeline
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.link import NodeFailedError
+from potluck.engine.cluster.pipeline_target import PipelineTarget
 from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_layers, loadable, manual_plan, plan_split
+from potluck.engine.cluster.slice_store import MAX_UPLOADS, SliceStore
 from potluck.engine.cluster.transfer import SliceCache, SliceFile, TransferStats, send_slice
 from potluck.engine.cluster.transport import client_socket
-from potluck.engine.cluster.worker import MAX_UPLOADS, SliceStore
 from potluck.engine.core import paths
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.gguf_tools import SliceLayout, slice_layers
@@ -344,14 +346,14 @@ def test_late_messages_are_not_replies(keys: CurveKeys, caplog: pytest.LogCaptur
     broken chain, then the welcome of a frozen worker's timed-out hello, arrived where the
     head awaited the answer to a slice offer, and recovery died. Only a request's own kind
     of reply answers it."""
-    from potluck.engine.cluster.head import NodeLink
+    from potluck.engine.cluster.link import NodeLink
 
     fake = FakeWorker(keys, 49152, lambda m: [], stale=True)
     zctx = zmq.Context()
     link = NodeLink(zctx, keys, fake.address, b"head-test")
     try:
         link.join("head-test", "0")
-        with caplog.at_level("DEBUG", logger="potluck.engine.cluster.head"):
+        with caplog.at_level("DEBUG", logger="potluck.engine.cluster.link"):
             assert isinstance(link.request(wire.Offer("ab" * 32, 10)), wire.OfferReply)
         dropped = [r.message for r in caplog.records if "dropped a late" in r.message]
         assert len(dropped) == 2 and "late result" in dropped[0] and "late welcome" in dropped[1]
@@ -365,7 +367,7 @@ def test_a_join_waits_for_a_slow_handshake_up_to_its_own_timeout(keys: CurveKeys
     """Found by CI: the head's own worker, started on a busy machine, had not finished the
     CURVE handshake when the hello's send gave up (3 s), twice, and recovery failed. A join
     now waits for the handshake up to the deadline its caller chose."""
-    from potluck.engine.cluster.head import SEND_TIMEOUT_MS, NodeLink
+    from potluck.engine.cluster.link import SEND_TIMEOUT_MS, NodeLink
 
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))

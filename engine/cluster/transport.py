@@ -101,8 +101,6 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> zmq.auth.thread.Th
     return auth
 
 
-# Monitor events that mean "this peer is gone" (for a DEALER with one peer).
-LOST_EVENTS = {zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED}
 AUTH_FAILED_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -231,6 +232,13 @@ class Cancel(WireMessage):
     @property
     def groups(self) -> tuple[int, ...]:
         return (self.group, *self.more.tolist())
+
+
+def cancel_messages(groups: Sequence[int]) -> list[Cancel]:
+    """``groups`` as few Cancel messages as the wire allows (each names up to 257 job groups)."""
+    step = MAX_CANCEL + 1
+    return [Cancel(groups[i], np.array(groups[i + 1 : i + step], dtype="<i4"))
+            for i in range(0, len(groups), step)]
 
 
 @dataclass(frozen=True)

@@ -25,20 +25,16 @@ received slices live under a quota and are re-hashed before each load.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
-import shutil
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import zmq
 
-from ..core import paths
 from ..core.errors import PotluckError
 from ..core.gguf_tools import SPLITTABLE_ARCHS
 from ..core.jobs import GroupCancelled
@@ -47,6 +43,7 @@ from . import wire
 from .child import StageCrashed, StageInfo, StageProcess, StageSpec
 from .plan import layer_costs, stage_mem_mb
 from .profile import NodeProfile, free_memory_mb
+from .slice_store import SliceStore, SliceUploads
 from .transport import (
     AUTH_FAILED_EVENTS,
     client_socket,
@@ -61,8 +58,6 @@ log = logging.getLogger(__name__)
 FORWARD_TIMEOUT_MS = 5000
 LOAD_TIMEOUT_S = 300.0
 DEFAULT_CACHE_QUOTA_MB = 20 * 1024
-DISK_MARGIN_BYTES = 256 << 20  # never fill the disk to the last byte
-MAX_UPLOADS = 2  # slices being received at once; a newer offer drops the oldest
 PROBE_INTERVAL_S = 1.0
 
 
@@ -80,102 +75,6 @@ class LoadedStage:
 
     def close(self) -> None:
         self.proc.close()
-
-
-@dataclass
-class _Upload:
-    total: int
-    received: int
-    part: Path
-    fd: int
-    hasher: hashlib._Hash
-
-    def discard(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-        self.part.unlink(missing_ok=True)
-
-
-class SliceStore:
-    """The worker's slices by sha256 under a byte quota, least recently used evicted first.
-
-    ``.part`` files left by an earlier run are removed at start; a finished upload is
-    fsynced before it is renamed into place; files are private to the user (0600 in a 0700
-    folder). Nothing is trusted because it is here: the stage process re-hashes a slice
-    before loading it (child.py).
-    """
-
-    def __init__(self, folder: Path, quota_bytes: int) -> None:
-        self.folder = paths.private_dir(Path(folder))
-        self.quota = quota_bytes
-        for stale in self.folder.glob("*.part"):
-            stale.unlink(missing_ok=True)
-            log.info("removed a partial upload left behind: %s", stale.name)
-
-    def path(self, sha: str) -> Path:
-        return self.folder / f"{sha}.gguf"
-
-    def has(self, sha: str) -> bool:
-        return self.path(sha).is_file()
-
-    def touch(self, sha: str) -> None:
-        try:
-            os.utime(self.path(sha))
-        except OSError:
-            pass
-
-    def used(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob("*.gguf"))
-
-    def make_room(self, size: int, reserved: int, keep: set[str]) -> None:
-        """Evict least recently used slices (never ``keep``) until ``size`` more bytes fit
-        the quota and the disk; refuse if they cannot."""
-        if size + reserved > self.quota:
-            raise PotluckError(
-                f"a slice of {size >> 20} MB does not fit this worker's slice cache quota of "
-                f"{self.quota >> 20} MB (start it with a larger --cache-quota-mb)"
-            )
-        files = sorted(self.folder.glob("*.gguf"), key=lambda p: p.stat().st_mtime)
-        used = sum(p.stat().st_size for p in files)
-        for victim in files:
-            free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
-            if used + reserved + size <= self.quota and size <= free:
-                return
-            if victim.stem in keep:
-                continue
-            used -= victim.stat().st_size
-            victim.unlink(missing_ok=True)
-            log.info("evicted slice %s from the cache (quota %d MB)", victim.stem[:12], self.quota >> 20)
-        free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
-        if used + reserved + size > self.quota or size > free:
-            raise PotluckError(
-                f"a slice of {size >> 20} MB does not fit: {max(free, 0) >> 20} MB free on disk, "
-                f"{used >> 20} of {self.quota >> 20} MB of the cache quota in use"
-            )
-
-    def begin(self, sha: str) -> tuple[Path, int]:
-        part = self.folder / f"{sha}.part"
-        part.unlink(missing_ok=True)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        return part, fd
-
-    def commit(self, up: _Upload, sha: str) -> None:
-        """fsync the finished upload, rename it into place, fsync the folder."""
-        os.fsync(up.fd)
-        os.close(up.fd)
-        up.part.replace(self.path(sha))
-        try:
-            dfd = os.open(self.folder, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dfd)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
 
 
 def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
@@ -244,7 +143,7 @@ class Worker:
         self._crashed: queue.SimpleQueue[tuple[StageProcess, str]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self.uploads: dict[str, _Upload] = {}
+        self.uploads = SliceUploads(self.store)
         self._spare: StageProcess | None = StageProcess()  # warm: imports llama.cpp meanwhile
         self.rejected = 0  # messages refused (tests and logs)
         self.dropped_replies = 0  # replies to peers that do not read theirs
@@ -300,7 +199,7 @@ class Worker:
 
     def close(self) -> None:
         self._release()
-        self._drop_uploads()
+        self.uploads.drop()
         if self._spare is not None:
             self._spare.close()
             self._spare = None
@@ -383,14 +282,15 @@ class Worker:
             who = f"head {self.owner_name}" if self.owner else "no head (send hello first)"
             raise NotOwnerError(f"{msg.TYPE!r} refused: this worker is serving {who}")
         if isinstance(msg, wire.Offer):
-            self._send(ident, wire.OfferReply(msg.sha256, self._offer(msg)))
+            keep = {self.stage.load.sha256} if self.stage is not None else set()
+            self._send(ident, wire.OfferReply(msg.sha256, self.uploads.offer(msg, keep)))
         elif isinstance(msg, wire.Chunk):
-            self._send(ident, self._chunk(msg))
+            self._send(ident, self.uploads.chunk(msg))
         elif isinstance(msg, wire.Load):
             self._send(ident, self._load(msg))
         elif isinstance(msg, wire.Release):
             self._release()
-            self._drop_uploads()
+            self.uploads.drop()
             self.owner, self.owner_name = b"", ""
         elif isinstance(msg, wire.Cancel):
             if self.stage is not None:
@@ -408,7 +308,7 @@ class Worker:
             log.info("head %s went away without releasing; a new head takes over", self.owner_name)
         self._release()
         if ident != self.owner:
-            self._drop_uploads()
+            self.uploads.drop()
         self.owner, self.owner_name = ident, msg.head_id
         log.info("head %s joined", msg.head_id)
         p = self.profile
@@ -420,49 +320,6 @@ class Worker:
     # -- slice cache
     def cached_path(self, sha: str) -> Path:
         return self.store.path(sha)
-
-    def _drop_uploads(self) -> None:
-        for up in self.uploads.values():
-            up.discard()
-        self.uploads.clear()
-
-    def _offer(self, msg: wire.Offer) -> bool:
-        if self.store.has(msg.sha256):
-            self.store.touch(msg.sha256)
-            return True
-        old = self.uploads.pop(msg.sha256, None)
-        if old is not None:
-            old.discard()
-        while len(self.uploads) >= MAX_UPLOADS:  # a newer offer wins over the oldest one
-            self.uploads.pop(next(iter(self.uploads))).discard()
-        reserved = sum(u.total - u.received for u in self.uploads.values())
-        keep = {self.stage.load.sha256} if self.stage is not None else set()
-        self.store.make_room(msg.size, reserved, keep)
-        part, fd = self.store.begin(msg.sha256)
-        self.uploads[msg.sha256] = _Upload(msg.size, 0, part, fd, hashlib.sha256())
-        return False
-
-    def _chunk(self, msg: wire.Chunk) -> wire.ChunkAck:
-        up = self.uploads.get(msg.sha256)
-        if up is None:
-            raise PotluckError("chunk for a file that was not offered")
-        if msg.total != up.total or msg.offset != up.received:
-            raise PotluckError(f"chunk at {msg.offset} but {up.received} bytes received so far")
-        data = msg.data.tobytes()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(up.fd, view):]
-        up.hasher.update(data)
-        up.received += len(data)
-        done = up.received == up.total
-        if done:
-            del self.uploads[msg.sha256]
-            if up.hasher.hexdigest() != msg.sha256:
-                up.discard()
-                raise PotluckError("received slice does not match its sha256; discarded")
-            self.store.commit(up, msg.sha256)
-            log.info("received slice %s (%d bytes)", msg.sha256[:12], up.total)
-        return wire.ChunkAck(msg.sha256, up.received, done)
 
     # -- stage
     def _check_load(self, path: Path, msg: wire.Load) -> None:

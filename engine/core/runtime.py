@@ -1,9 +1,9 @@
-"""The only module that imports ``llama_cpp``: typed, closeable wrappers over its C API.
+"""With :mod:`.batch`, the only module that imports ``llama_cpp``: typed, closeable wrappers over its C API.
 
 Objects here do what they are told and never decide anything: :class:`Model` (weights and
 vocabulary), :class:`Context` (a KV cache plus batch runs, logits, KV operations, an abort
-flag and capture of one named intermediate tensor) and :class:`Batch` (token ids or
-embeddings with explicit positions, sequence ids and output flags).
+flag and capture of one named intermediate tensor) and, in :mod:`.batch`, :class:`~.batch.Batch` (token ids
+or embeddings with explicit positions, sequence ids and output flags).
 
 Facts this module relies on (docs/facts.md):
 - CPUs with AMX crash inside ``llama_decode`` when llama.cpp uses its AMX "extra buffer
@@ -33,8 +33,10 @@ from pathlib import Path
 import llama_cpp as ll
 import numpy as np
 
+from .batch import Batch
 from .errors import DecodeError, ModelError
 from .kv import KvOp
+from .observe import ObservedBuffers, ggml, native_observer
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +200,6 @@ class Model:
     def size_bytes(self) -> int:
         return int(ll.llama_model_size(self.ptr))
 
-    def n_params(self) -> int:
-        return int(ll.llama_model_n_params(self.ptr))
-
     # -- vocabulary
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))
@@ -237,236 +236,6 @@ class Model:
     def vocab_signature(self) -> tuple[int, int, int]:
         """Cheap fingerprint used to refuse a draft whose vocabulary differs from the target's."""
         return (self.n_vocab, self.bos, self.eos)
-
-
-# --------------------------------------------------------------------------- batch
-
-
-class Batch:
-    """A ``llama_batch`` of token ids (``n_embd == 0``) or of embeddings (hidden states)."""
-
-    def __init__(self, capacity: int, *, n_embd: int = 0, n_seq_max: int = 1) -> None:
-        self.capacity = capacity
-        self.n_embd = n_embd
-        self.n_seq_max = n_seq_max
-        self._b = ll.llama_batch_init(capacity, n_embd, n_seq_max)
-        self.n_tokens = 0
-
-    def close(self) -> None:
-        if getattr(self, "_b", None) is not None:
-            ll.llama_batch_free(self._b)
-            self._b = None
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    @property
-    def raw(self) -> ll.llama_batch:
-        return self._b
-
-    def set_tokens(
-        self,
-        tokens: Sequence[int],
-        positions: Sequence[int],
-        seq_ids: Sequence[Sequence[int]] | int = 0,
-        outputs: Sequence[bool] | str = "last",
-    ) -> None:
-        n = len(tokens)
-        if n > self.capacity or self.n_embd:
-            raise ValueError(f"batch holds {self.capacity} token ids, got {n}")
-        b = self._b
-        for i in range(n):
-            b.token[i] = tokens[i]
-        self._fill_common(n, positions, seq_ids, outputs)
-
-    def set_embeddings(
-        self,
-        embd: np.ndarray,  # [n_tokens, n_embd] float32
-        positions: Sequence[int],
-        seq_ids: Sequence[Sequence[int]] | int = 0,
-        outputs: Sequence[bool] | str = "last",
-    ) -> None:
-        embd = np.ascontiguousarray(embd, dtype=np.float32)
-        n = embd.shape[0]
-        if not self.n_embd or embd.shape[1] != self.n_embd or n > self.capacity:
-            raise ValueError(f"embeddings of shape {embd.shape} do not fit this batch")
-        ctypes.memmove(self._b.embd, embd.ctypes.data, embd.nbytes)
-        self._fill_common(n, positions, seq_ids, outputs)
-
-    def _fill_common(
-        self,
-        n: int,
-        positions: Sequence[int],
-        seq_ids: Sequence[Sequence[int]] | int,
-        outputs: Sequence[bool] | str,
-    ) -> None:
-        b = self._b
-        for i in range(n):
-            b.pos[i] = positions[i]
-            ids = (seq_ids,) if isinstance(seq_ids, int) else seq_ids[i]
-            b.n_seq_id[i] = len(ids)
-            for j, s in enumerate(ids):
-                b.seq_id[i][j] = s
-            if outputs == "all":
-                b.logits[i] = True
-            elif outputs == "last":
-                b.logits[i] = i == n - 1
-            elif outputs == "none":
-                b.logits[i] = False
-            else:
-                b.logits[i] = bool(outputs[i])  # type: ignore[index]
-        b.n_tokens = n
-        self.n_tokens = n
-
-
-# --------------------------------------------------------------------------- ggml helpers for capture
-
-
-def _ggml_base() -> ctypes.CDLL:
-    libdir = Path(ll.__file__).resolve().parent / "lib"
-    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
-        p = libdir / name
-        if p.exists():
-            lib = ctypes.CDLL(str(p))
-            lib.ggml_get_name.restype = ctypes.c_char_p
-            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-            lib.ggml_nbytes.restype = ctypes.c_size_t
-            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-            lib.ggml_backend_tensor_get.restype = None
-            lib.ggml_backend_tensor_get.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_size_t,
-            ]
-            return lib
-    raise RuntimeError(f"libggml-base not found in {libdir}")
-
-
-_ggml_lib: ctypes.CDLL | None = None
-
-
-def ggml() -> ctypes.CDLL:
-    global _ggml_lib
-    if _ggml_lib is None:
-        _ggml_lib = _ggml_base()
-    return _ggml_lib
-
-
-# --------------------------------------------------------------------------- native observer
-
-_observer_lock = threading.Lock()
-_observer_cfunc = None
-NAME_WORDS = 8  # a graph tensor name: GGML_MAX_NAME = 64 bytes = 8 int64 words
-
-
-def native_observer() -> int:
-    """Address of a ``cb_eval`` callback compiled by numba that copies the named tensors
-    without entering Python: llama.cpp asks about every graph node (~900 per step of a
-    30-layer model), and a Python callback costs ~1 µs each plus the GIL.
-
-    ``user_data`` points to an int64 control block (:class:`ObservedBuffers`): its names,
-    then per name the bytes written by the last run (-1: did not fit), the byte offset of its
-    data region and the region's size. Compiled once per process (about a second; not cached
-    on disk because the ggml function addresses are baked into the code)."""
-    global _observer_cfunc
-    with _observer_lock:
-        if _observer_cfunc is None:
-            _observer_cfunc = _compile_observer()
-        return int(_observer_cfunc.address)
-
-
-def _compile_observer():  # -> numba CFunc
-    from numba import carray, cfunc, types
-
-    # Own function objects with integer-typed pointers, so that numba can do address math.
-    lib = ctypes.CDLL(ggml()._name)
-    get_name = lib.ggml_get_name
-    get_name.argtypes, get_name.restype = [ctypes.c_void_p], ctypes.c_size_t
-    nbytes = lib.ggml_nbytes
-    nbytes.argtypes, nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
-    tensor_get = lib.ggml_backend_tensor_get
-    tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
-    tensor_get.restype = None
-    strncmp = ctypes.CDLL(None).strncmp
-    strncmp.argtypes, strncmp.restype = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
-    words = NAME_WORDS
-
-    @cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr))
-    def observe(tensor, ask, user_data):  # type: ignore[no-untyped-def]
-        head = carray(user_data, (2,), np.int64)
-        n = head[0]
-        ctl = carray(user_data, (head[1],), np.int64)
-        base = np.uint64(ctl.ctypes.data)
-        written_at = 2 + words * n
-        name = np.uint64(get_name(tensor))
-        for i in range(n):
-            if strncmp(name, base + np.uint64((2 + words * i) * 8), np.uint64(words * 8)) == 0:
-                if ask:
-                    return True
-                size = np.int64(nbytes(tensor))
-                if size <= ctl[written_at + 2 * n + i]:
-                    tensor_get(tensor, base + np.uint64(ctl[written_at + n + i]), np.uint64(0), np.uint64(size))
-                    ctl[written_at + i] = size
-                else:
-                    ctl[written_at + i] = -1
-                return True
-        return not ask
-
-    return observe
-
-
-class ObservedBuffers:
-    """The control block and data regions :func:`native_observer` writes into."""
-
-    def __init__(self, names: Sequence[str], region_bytes: int) -> None:
-        n = len(names)
-        self.names = list(names)
-        region_words = -(-region_bytes // 8)
-        self._written_at = 2 + NAME_WORDS * n
-        data_at = self._written_at + 3 * n
-        self.ctl = np.zeros(data_at + n * region_words, dtype=np.int64)
-        self.ctl[0], self.ctl[1] = n, len(self.ctl)
-        raw = self.ctl.view(np.uint8)
-        for i, name in enumerate(names):
-            encoded = name.encode()
-            if len(encoded) >= NAME_WORDS * 8:
-                raise ValueError(f"tensor name too long to observe: {name}")
-            at = (2 + NAME_WORDS * i) * 8
-            raw[at : at + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
-            self.ctl[self._written_at + n + i] = (data_at + i * region_words) * 8  # byte offset
-            self.ctl[self._written_at + 2 * n + i] = region_words * 8  # bytes
-        self._raw = raw
-
-    @property
-    def address(self) -> int:
-        return int(self.ctl.ctypes.data)
-
-    def clear(self) -> None:
-        n = len(self.names)
-        self.ctl[self._written_at : self._written_at + n] = 0
-
-    def rows(self, n_rows: int) -> dict[str, np.ndarray]:
-        """Each name's rows of the last run, [n_rows, width] float32 (copies)."""
-        n, out = len(self.names), {}
-        for i, name in enumerate(self.names):
-            size = int(self.ctl[self._written_at + i])
-            if size < 0:
-                raise DecodeError(f"tensor {name} is larger than its observation buffer")
-            if size == 0:
-                continue
-            at = int(self.ctl[self._written_at + n + i])
-            out[name] = self._raw[at : at + size].view(np.float32).reshape(n_rows, -1).copy()
-        return out
 
 
 # --------------------------------------------------------------------------- context

@@ -4,7 +4,7 @@ A whole model is one stage (first and last). A model split by layers (docs/facts
 chain of stages: a stage that is not last captures ``l_out-{n_layer-1}``, the residual stream
 after its last layer, and the next stage takes it as embedding input. The same class serves
 :class:`~potluck.engine.core.target.LocalTarget`, the in-process
-:class:`~potluck.engine.lab.split.SplitTarget` and a cluster worker, so what the tests prove at
+the tests' in-process ``SplitTarget`` and a cluster worker, so what the tests prove at
 the logits level is what a worker runs.
 """
 
@@ -14,10 +14,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from .batch import Batch
 from .errors import PotluckError
 from .jobs import DecodeJob
 from .kv import KvOp
-from .runtime import Batch, Context, ContextParams, Model
+from .runtime import Context, ContextParams, Model
 
 
 class Stage:

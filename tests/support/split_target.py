@@ -1,10 +1,10 @@
-"""A model split by layer ranges, run as a pipeline of stages inside this process.
+"""A model split by layer ranges, run as a pipeline of stages inside this process (tests only).
 
-Each stage (a GGUF slice from :func:`.gguf_tools.slice_layers`) has its own context, KV cache
-and :class:`~.runner.StageRunner` thread, so consecutive jobs overlap across stages exactly
-as they do across the machines of a cluster. The stages are the same :class:`~.stage.Stage`
-a cluster worker runs; this target is how the tests check a split at the logits level and
-how benchmarks measure a split without a network.
+Each stage (a GGUF slice from :func:`potluck.engine.core.gguf_tools.slice_layers`) has its own context, KV cache
+and :class:`~potluck.engine.core.runner.StageRunner` thread, so consecutive jobs overlap across stages exactly
+as they do across the machines of a cluster. The stages are the same :class:`~potluck.engine.core.stage.Stage`
+a cluster worker runs; this target is how the tests check a split at the logits level without a
+network.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..core.jobs import DecodeJob, Ticket
-from ..core.kv import KvOp
-from ..core.runner import StageRunner, WorkItem
-from ..core.runtime import ContextParams, Model
-from ..core.stage import Stage
-from ..core.target import TargetBase
+from potluck.engine.core.jobs import DecodeJob, Ticket
+from potluck.engine.core.kv import KvOp
+from potluck.engine.core.runner import StageRunner, WorkItem
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.stage import Stage
+from potluck.engine.core.target import TargetBase
 
 
 class SplitTarget(TargetBase):
-    """A :class:`~.target.Target` whose stages pass hidden states from one thread to the next."""
+    """A :class:`~potluck.engine.core.target.Target` whose stages pass hidden states from one thread to the next."""
 
     def __init__(self, models: Sequence[Model], params: ContextParams | None = None) -> None:
         super().__init__()

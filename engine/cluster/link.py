@@ -1,0 +1,234 @@
+"""The head's connection to one worker: :class:`NodeLink` (a CURVE DEALER and its monitor),
+and the errors that name a node.
+
+A link knows when its worker is lost: the monitor reports a closed socket (the worker died),
+missed heartbeats (it froze, 2.5 s) or a refused handshake (another token). Requests wait
+only for their own kind of reply; anything else that arrives meanwhile is late and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from ..core.errors import PotluckError
+from ..core.spec import CurveKeys
+from . import wire
+from .plan import NodeInfo
+from .transport import AUTH_FAILED_EVENTS, client_socket, endpoint, read_event
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 30.0
+SEND_TIMEOUT_MS = 3000
+# A survivor may be blocked up to the worker's forward timeout (5 s) per batch it still tries
+# to pass to the lost node before it reads our hello.
+REJOIN_TIMEOUT_S = 15.0
+
+
+class NodeFailedError(PotluckError):
+    """A worker died, froze, went away or refused work; the message names it."""
+
+
+class NodeLostError(NodeFailedError):
+    """A worker stopped answering (died, froze, unreachable): the head may re-plan without it."""
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
+
+
+class NodeBusyError(NodeFailedError):
+    """The worker serves another head (it refused our hello with code ``busy``)."""
+
+
+def max_result_bytes(n_batch: int, n_embd: int) -> int:
+    """The largest message a worker may send this head: f32 hidden states of every row of
+    the largest batch at the head's own width, plus headers (ZMQ_MAXMSGSIZE)."""
+    return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
+
+
+class NodeLink:
+    """One CURVE DEALER connection from the head to one worker, with its monitor."""
+
+    def __init__(
+        self, zctx: zmq.Context, keys: CurveKeys, address: str, head_id: bytes, max_msg_bytes: int = -1
+    ) -> None:
+        self.address = address
+        self.node_id = ""
+        self.layers: tuple[int, int] | None = None
+        self.welcome: wire.Welcome | None = None
+        self.handshaken = False
+        self.auth_failed = False
+        self.sock = client_socket(zctx, keys, head_id)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # a bigger one drops the connection
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        self.sock.connect(endpoint(address))
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    def describe(self) -> str:
+        who = f"node {self.node_id} at {self.address}" if self.node_id else f"node at {self.address}"
+        return f"{who} (layers {self.layers[0]}-{self.layers[1]})" if self.layers else who
+
+    def drain_events(self) -> str | None:
+        """Apply pending monitor events; the reason this link is lost, if it is."""
+        lost = None
+        while True:
+            try:
+                event, _ = read_event(self.monitor) if self.monitor.poll(0) else (None, "")
+            except zmq.ZMQError:
+                return lost
+            if event is None:
+                return lost
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshaken = True
+            elif event in AUTH_FAILED_EVENTS:
+                self.auth_failed = True
+            elif self.handshaken and event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                lost = "disconnected (the worker stopped, crashed or froze)"
+
+    def lost(self, why: str) -> NodeLostError:
+        return NodeLostError(f"{self.describe()} {why}", self.address)
+
+    def send(self, msg: wire.WireMessage) -> None:
+        frames = wire.to_frames(msg)
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            self.drain_events()
+            if not self.handshaken:  # IMMEDIATE: nothing queues before the CURVE handshake
+                raise NodeLostError(self._silence_reason(SEND_TIMEOUT_MS / 1000), self.address) from None
+            raise self.lost("is unreachable (send timed out)") from None
+        self.bytes_out += wire.frames_nbytes(frames)
+
+    def send_nowait(self, msg: wire.WireMessage) -> bool:
+        """Best-effort send (cancels): never waits on a stage that stopped reading; a lost
+        stage is named by the data path, not here."""
+        try:
+            frames = wire.to_frames(msg)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False
+        self.bytes_out += wire.frames_nbytes(frames)
+        return True
+
+    def read(self) -> wire.WireMessage:
+        """The next message, refusals (``wire.Error``) included; a malformed one names the node."""
+        frames = self.sock.recv_multipart(copy=False)
+        self.bytes_in += sum(len(f.buffer) for f in frames)
+        try:
+            return wire.parse_frames(frames)
+        except wire.WireError as e:
+            raise NodeFailedError(f"{self.describe()} sent a malformed message: {e}") from None
+
+    def recv(self) -> wire.WireMessage:
+        """The next reply to a request; a refusal becomes :class:`NodeFailedError`."""
+        msg = self.read()
+        if isinstance(msg, wire.Error):
+            cls = NodeBusyError if msg.code == "busy" else NodeFailedError
+            raise cls(f"{self.describe()} refused: {msg.message}")
+        return msg
+
+    def request(self, msg: wire.WireMessage, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.WireMessage:
+        """Send ``msg`` and wait for this worker's reply, watching the connection meanwhile.
+        Messages that are not that reply are late and dropped: a probe, a result of a chain
+        being rebuilt, the welcome of a hello that timed out (a worker that was frozen)."""
+        want = wire.REPLY_TO[type(msg)]
+        self.send(msg)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                reply = self.recv()  # a refusal raises
+                if isinstance(reply, want):
+                    return reply
+                log.debug("%s: dropped a late %s while waiting for a %s", self.describe(), reply.TYPE, want.TYPE)
+                continue
+            lost = self.drain_events()
+            if lost:
+                raise self.lost(lost)
+        raise NodeLostError(self._silence_reason(timeout_s), self.address)
+
+    def _silence_reason(self, timeout_s: float) -> str:
+        self.drain_events()
+        if self.auth_failed or not self.handshaken:
+            return (
+                f"{self.describe()} did not accept us within {timeout_s:g} s: not a potluck worker, "
+                "not running, or started with a different cluster token"
+            )
+        return f"{self.describe()} did not answer within {timeout_s:g} s"
+
+    def await_handshake(self, deadline: float) -> bool:
+        """Wait until CURVE completes (or is refused): with IMMEDIATE, a send before that
+        would wait only ``SEND_TIMEOUT_MS``, whatever the caller's deadline."""
+        while not (self.handshaken or self.auth_failed):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return False
+            self.monitor.poll(min(left_ms, 100))
+            self.drain_events()
+        return self.handshaken
+
+    def join(self, head_id: str, version: str, timeout_s: float = JOIN_TIMEOUT_S) -> wire.Welcome:
+        deadline = time.monotonic() + timeout_s
+        if not self.await_handshake(deadline):
+            raise NodeLostError(self._silence_reason(timeout_s), self.address)
+        while True:  # a worker whose last head just vanished is busy until it notices (< 3 s)
+            try:
+                reply = self.request(wire.Hello(head_id, version), max(0.5, deadline - time.monotonic()))
+                break
+            except NodeBusyError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+        return self._welcomed(reply)
+
+    def rejoin(self, head_id: str, version: str) -> None:
+        """Ask a worker of a broken chain to drop its stage and welcome us again (recovery): a
+        hello from the head that owns the stage releases it. Sent without waiting:
+        :meth:`await_welcome` then skips what the old chain still sends."""
+        self.send(wire.Hello(head_id, version))
+
+    def await_welcome(self, deadline: float) -> wire.Welcome:
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = self.read()
+                if isinstance(msg, wire.Welcome):
+                    return self._welcomed(msg)
+                if isinstance(msg, wire.Error) and not msg.txn:
+                    raise self.lost(f"refused to rejoin: {msg.message}")
+                continue  # results and refusals of the old chain's transactions
+            lost = self.drain_events()
+            if lost:
+                raise self.lost(lost)
+        raise NodeLostError(f"{self.describe()} did not answer a hello within {REJOIN_TIMEOUT_S:g} s", self.address)
+
+    def _welcomed(self, reply: wire.WireMessage) -> wire.Welcome:
+        if isinstance(reply, wire.Error):
+            raise NodeFailedError(f"{self.describe()} refused: {reply.message}")
+        if not isinstance(reply, wire.Welcome):
+            raise NodeFailedError(f"{self.describe()} answered hello with {reply.TYPE}")
+        self.welcome, self.node_id = reply, reply.node_id
+        return reply
+
+    def info(self) -> NodeInfo:
+        assert self.welcome is not None
+        return NodeInfo(self.node_id, self.address, self.welcome.free_mb, self.welcome.speed)
+
+    def close(self, release: bool) -> None:
+        if release and self.handshaken:
+            try:
+                self.sock.send_multipart(wire.to_frames(wire.Release()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=100 if release else 0)
+

@@ -1,0 +1,175 @@
+"""The worker's slice cache: files by sha256 under a byte quota (:class:`SliceStore`) and the
+uploads being received into it (:class:`SliceUploads`).
+
+An upload is offered (``offer``: size and sha256), then sent in order (``chunk``), hashed as
+it arrives and committed only when the hash matches. At most :data:`MAX_UPLOADS` are open
+at once; a newer offer drops the oldest, so an offer flood holds no more disk than that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core import paths
+from ..core.errors import PotluckError
+from . import wire
+
+log = logging.getLogger(__name__)
+
+DISK_MARGIN_BYTES = 256 << 20  # never fill the disk to the last byte
+MAX_UPLOADS = 2  # slices being received at once; a newer offer drops the oldest
+
+
+@dataclass
+class Upload:
+    total: int
+    received: int
+    part: Path
+    fd: int
+    hasher: hashlib._Hash
+
+    def discard(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.part.unlink(missing_ok=True)
+
+
+class SliceStore:
+    """The worker's slices by sha256 under a byte quota, least recently used evicted first.
+
+    ``.part`` files left by an earlier run are removed at start; a finished upload is
+    fsynced before it is renamed into place; files are private to the user (0600 in a 0700
+    folder). Nothing is trusted because it is here: the stage process re-hashes a slice
+    before loading it (child.py).
+    """
+
+    def __init__(self, folder: Path, quota_bytes: int) -> None:
+        self.folder = paths.private_dir(Path(folder))
+        self.quota = quota_bytes
+        for stale in self.folder.glob("*.part"):
+            stale.unlink(missing_ok=True)
+            log.info("removed a partial upload left behind: %s", stale.name)
+
+    def path(self, sha: str) -> Path:
+        return self.folder / f"{sha}.gguf"
+
+    def has(self, sha: str) -> bool:
+        return self.path(sha).is_file()
+
+    def touch(self, sha: str) -> None:
+        try:
+            os.utime(self.path(sha))
+        except OSError:
+            pass
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*.gguf"))
+
+    def make_room(self, size: int, reserved: int, keep: set[str]) -> None:
+        """Evict least recently used slices (never ``keep``) until ``size`` more bytes fit
+        the quota and the disk; refuse if they cannot."""
+        if size + reserved > self.quota:
+            raise PotluckError(
+                f"a slice of {size >> 20} MB does not fit this worker's slice cache quota of "
+                f"{self.quota >> 20} MB (start it with a larger --cache-quota-mb)"
+            )
+        files = sorted(self.folder.glob("*.gguf"), key=lambda p: p.stat().st_mtime)
+        used = sum(p.stat().st_size for p in files)
+        for victim in files:
+            free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
+            if used + reserved + size <= self.quota and size <= free:
+                return
+            if victim.stem in keep:
+                continue
+            used -= victim.stat().st_size
+            victim.unlink(missing_ok=True)
+            log.info("evicted slice %s from the cache (quota %d MB)", victim.stem[:12], self.quota >> 20)
+        free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
+        if used + reserved + size > self.quota or size > free:
+            raise PotluckError(
+                f"a slice of {size >> 20} MB does not fit: {max(free, 0) >> 20} MB free on disk, "
+                f"{used >> 20} of {self.quota >> 20} MB of the cache quota in use"
+            )
+
+    def begin(self, sha: str) -> tuple[Path, int]:
+        part = self.folder / f"{sha}.part"
+        part.unlink(missing_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return part, fd
+
+    def commit(self, up: Upload, sha: str) -> None:
+        """fsync the finished upload, rename it into place, fsync the folder."""
+        os.fsync(up.fd)
+        os.close(up.fd)
+        up.part.replace(self.path(sha))
+        try:
+            dfd = os.open(self.folder, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
+
+class SliceUploads:
+    """The uploads in progress into one :class:`SliceStore`, oldest first."""
+
+    def __init__(self, store: SliceStore) -> None:
+        self.store = store
+        self.open: dict[str, Upload] = {}
+
+    def drop(self) -> None:
+        """Discard every upload in progress (a new head, a release)."""
+        for up in self.open.values():
+            up.discard()
+        self.open.clear()
+
+    def offer(self, msg: wire.Offer, keep: set[str]) -> bool:
+        """Whether the slice is here already; if not, make room (never evicting ``keep``)
+        and open its upload."""
+        if self.store.has(msg.sha256):
+            self.store.touch(msg.sha256)
+            return True
+        old = self.open.pop(msg.sha256, None)
+        if old is not None:
+            old.discard()
+        while len(self.open) >= MAX_UPLOADS:  # a newer offer wins over the oldest one
+            self.open.pop(next(iter(self.open))).discard()
+        reserved = sum(u.total - u.received for u in self.open.values())
+        self.store.make_room(msg.size, reserved, keep)
+        part, fd = self.store.begin(msg.sha256)
+        self.open[msg.sha256] = Upload(msg.size, 0, part, fd, hashlib.sha256())
+        return False
+
+    def chunk(self, msg: wire.Chunk) -> wire.ChunkAck:
+        """Write the next part of an offered slice; commit it once whole and verified."""
+        up = self.open.get(msg.sha256)
+        if up is None:
+            raise PotluckError("chunk for a file that was not offered")
+        if msg.total != up.total or msg.offset != up.received:
+            raise PotluckError(f"chunk at {msg.offset} but {up.received} bytes received so far")
+        data = msg.data.tobytes()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(up.fd, view):]
+        up.hasher.update(data)
+        up.received += len(data)
+        done = up.received == up.total
+        if done:
+            del self.open[msg.sha256]
+            if up.hasher.hexdigest() != msg.sha256:
+                up.discard()
+                raise PotluckError("received slice does not match its sha256; discarded")
+            self.store.commit(up, msg.sha256)
+            log.info("received slice %s (%d bytes)", msg.sha256[:12], up.total)
+        return wire.ChunkAck(msg.sha256, up.received, done)

@@ -1,0 +1,163 @@
+"""Reading tensors out of a running llama.cpp graph: ggml's own accessors (:func:`ggml`) and a
+numba-compiled ``cb_eval`` callback (:func:`native_observer`) that copies named tensors into
+:class:`ObservedBuffers` without entering Python (docs/facts.md §13).
+
+Used by :class:`~.runtime.Context` to capture a stage's hidden states and to observe
+attention rows (TriForce); nothing here decides what to observe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DecodeError
+
+# --------------------------------------------------------------------------- ggml helpers for capture
+
+
+def _ggml_base() -> ctypes.CDLL:
+    # llama_cpp's own folder, found without importing it (runtime.py is its one importer)
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llama_cpp is not installed")
+    libdir = Path(next(iter(spec.submodule_search_locations))).resolve() / "lib"
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        p = libdir / name
+        if p.exists():
+            lib = ctypes.CDLL(str(p))
+            lib.ggml_get_name.restype = ctypes.c_char_p
+            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+            lib.ggml_nbytes.restype = ctypes.c_size_t
+            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_tensor_get.restype = None
+            lib.ggml_backend_tensor_get.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+            ]
+            return lib
+    raise RuntimeError(f"libggml-base not found in {libdir}")
+
+
+_ggml_lib: ctypes.CDLL | None = None
+
+
+def ggml() -> ctypes.CDLL:
+    global _ggml_lib
+    if _ggml_lib is None:
+        _ggml_lib = _ggml_base()
+    return _ggml_lib
+
+
+# --------------------------------------------------------------------------- native observer
+
+_observer_lock = threading.Lock()
+_observer_cfunc = None
+NAME_WORDS = 8  # a graph tensor name: GGML_MAX_NAME = 64 bytes = 8 int64 words
+
+
+def native_observer() -> int:
+    """Address of a ``cb_eval`` callback compiled by numba that copies the named tensors
+    without entering Python: llama.cpp asks about every graph node (~900 per step of a
+    30-layer model), and a Python callback costs ~1 µs each plus the GIL.
+
+    ``user_data`` points to an int64 control block (:class:`ObservedBuffers`): its names,
+    then per name the bytes written by the last run (-1: did not fit), the byte offset of its
+    data region and the region's size. Compiled once per process (about a second; not cached
+    on disk because the ggml function addresses are baked into the code)."""
+    global _observer_cfunc
+    with _observer_lock:
+        if _observer_cfunc is None:
+            _observer_cfunc = _compile_observer()
+        return int(_observer_cfunc.address)
+
+
+def _compile_observer():  # -> numba CFunc
+    from numba import carray, cfunc, types
+
+    # Own function objects with integer-typed pointers, so that numba can do address math.
+    lib = ctypes.CDLL(ggml()._name)
+    get_name = lib.ggml_get_name
+    get_name.argtypes, get_name.restype = [ctypes.c_void_p], ctypes.c_size_t
+    nbytes = lib.ggml_nbytes
+    nbytes.argtypes, nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+    tensor_get = lib.ggml_backend_tensor_get
+    tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+    tensor_get.restype = None
+    strncmp = ctypes.CDLL(None).strncmp
+    strncmp.argtypes, strncmp.restype = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
+    words = NAME_WORDS
+
+    @cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr))
+    def observe(tensor, ask, user_data):  # type: ignore[no-untyped-def]
+        head = carray(user_data, (2,), np.int64)
+        n = head[0]
+        ctl = carray(user_data, (head[1],), np.int64)
+        base = np.uint64(ctl.ctypes.data)
+        written_at = 2 + words * n
+        name = np.uint64(get_name(tensor))
+        for i in range(n):
+            if strncmp(name, base + np.uint64((2 + words * i) * 8), np.uint64(words * 8)) == 0:
+                if ask:
+                    return True
+                size = np.int64(nbytes(tensor))
+                if size <= ctl[written_at + 2 * n + i]:
+                    tensor_get(tensor, base + np.uint64(ctl[written_at + n + i]), np.uint64(0), np.uint64(size))
+                    ctl[written_at + i] = size
+                else:
+                    ctl[written_at + i] = -1
+                return True
+        return not ask
+
+    return observe
+
+
+class ObservedBuffers:
+    """The control block and data regions :func:`native_observer` writes into."""
+
+    def __init__(self, names: Sequence[str], region_bytes: int) -> None:
+        n = len(names)
+        self.names = list(names)
+        region_words = -(-region_bytes // 8)
+        self._written_at = 2 + NAME_WORDS * n
+        data_at = self._written_at + 3 * n
+        self.ctl = np.zeros(data_at + n * region_words, dtype=np.int64)
+        self.ctl[0], self.ctl[1] = n, len(self.ctl)
+        raw = self.ctl.view(np.uint8)
+        for i, name in enumerate(names):
+            encoded = name.encode()
+            if len(encoded) >= NAME_WORDS * 8:
+                raise ValueError(f"tensor name too long to observe: {name}")
+            at = (2 + NAME_WORDS * i) * 8
+            raw[at : at + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+            self.ctl[self._written_at + n + i] = (data_at + i * region_words) * 8  # byte offset
+            self.ctl[self._written_at + 2 * n + i] = region_words * 8  # bytes
+        self._raw = raw
+
+    @property
+    def address(self) -> int:
+        return int(self.ctl.ctypes.data)
+
+    def clear(self) -> None:
+        n = len(self.names)
+        self.ctl[self._written_at : self._written_at + n] = 0
+
+    def rows(self, n_rows: int) -> dict[str, np.ndarray]:
+        """Each name's rows of the last run, [n_rows, width] float32 (copies)."""
+        n, out = len(self.names), {}
+        for i, name in enumerate(self.names):
+            size = int(self.ctl[self._written_at + i])
+            if size < 0:
+                raise DecodeError(f"tensor {name} is larger than its observation buffer")
+            if size == 0:
+                continue
+            at = int(self.ctl[self._written_at + n + i])
+            out[name] = self._raw[at : at + size].view(np.float32).reshape(n_rows, -1).copy()
+        return out
