@@ -292,16 +292,21 @@ def test_idle_connection_flood_does_not_keep_heads_out(
 
 
 def test_offer_flood_and_partial_uploads(tmp_path: Path, keys: CurveKeys) -> None:
-    """2,000 offers claiming half the free disk are refused, uploads are capped, a stale .part
-    file goes at start, and a slice whose bytes do not match its sha256 is discarded."""
+    """2,000 offers claiming half the free disk are refused, uploads are capped, .part files
+    kept for resuming beyond the cap go at start (the oldest), and a slice whose bytes do not
+    match its sha256 is discarded."""
     cache_dir = tmp_path / "flood-cache"
     cache_dir.mkdir()
-    (cache_dir / ("cd" * 32 + ".part")).write_bytes(b"left behind")
+    for i in range(MAX_UPLOADS + 1):
+        part = cache_dir / (f"{i:02x}" * 32 + ".part")
+        part.write_bytes(b"left behind")
+        os.utime(part, (1000 + i, 1000 + i))
     w = start_worker(tmp_path, "offers", extra_args=["--cache-quota-mb", "64", "--cache-dir", str(cache_dir)])
     ctx = zmq.Context()
     sock = client(ctx, keys, w.address, b"head-offers")
     try:
-        assert not list(cache_dir.glob("*.part"))
+        assert len(list(cache_dir.glob("*.part"))) == MAX_UPLOADS
+        assert not (cache_dir / ("00" * 32 + ".part")).exists()
         assert isinstance(call(sock, wire.Hello("head-offers", "0")), wire.Welcome)
         half = os.statvfs(cache_dir).f_bavail * os.statvfs(cache_dir).f_frsize // 2
         refused = 0
@@ -313,7 +318,7 @@ def test_offer_flood_and_partial_uploads(tmp_path: Path, keys: CurveKeys) -> Non
         assert len(list(cache_dir.glob("*.part"))) <= MAX_UPLOADS
         # bytes that do not match the offered sha256
         sha = "ee" * 32
-        assert call(sock, wire.Offer(sha, 8)) == wire.OfferReply(sha, False)
+        assert call(sock, wire.Offer(sha, 8)) == wire.OfferReply(sha, False, 0)
         reply = call(sock, wire.Chunk(sha, 0, 8, np.arange(8, dtype=np.uint8)))
         assert isinstance(reply, wire.Error) and "sha256" in reply.message
         assert not (cache_dir / f"{sha}.gguf").exists() and not (cache_dir / f"{sha}.part").exists()
@@ -403,7 +408,7 @@ def test_a_wrong_reply_during_a_slice_transfer_is_one_line(tmp_path: Path) -> No
     sl = SliceFile(SliceLayout(data, b"", ((0, 0, 10),), 10), "ab" * 32, 10, 0, 1, tmp_path)
     with pytest.raises(PotluckError, match="^the worker answered a slice offer with 'pong'$"):
         send_slice(lambda m: wire.Pong(1), sl, TransferStats())
-    replies = iter([wire.OfferReply(sl.sha256, False), wire.Pong(1)])
+    replies = iter([wire.OfferReply(sl.sha256, False, 0), wire.Pong(1)])
     with pytest.raises(PotluckError, match="^the worker answered a slice chunk with 'pong'$"):
         send_slice(lambda m: next(replies), sl, TransferStats())
 

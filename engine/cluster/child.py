@@ -2,8 +2,9 @@
 
 llama.cpp ends the whole process on a failed ``GGML_ASSERT`` (a slice it cannot load,
 docs/facts.md §5) and its GGUF loader has a history of memory-corruption bugs. The worker
-therefore never maps a model itself: :class:`StageProcess` spawns a child that re-hashes the
-cached slice, loads it as one :class:`~potluck.engine.core.stage.Stage` and runs its
+therefore never maps a model itself: :class:`StageProcess` spawns a child that loads the
+cached slice (proven intact by the worker: slice_store.py) as one
+:class:`~potluck.engine.core.stage.Stage` and runs its
 :class:`~potluck.engine.core.runner.StageRunner`. The worker's socket thread talks to it over a
 pipe; a reader thread turns replies into the futures the worker already waits on. When the
 child dies (SIGABRT, SIGSEGV, killed), every pending future fails with
@@ -15,7 +16,6 @@ batch keeps the transaction order like any other.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import multiprocessing
@@ -37,7 +37,6 @@ from ..core.kv import KvOp
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
-HASH_BLOCK = 4 << 20
 
 
 class StageCrashed(PotluckError):
@@ -241,14 +240,6 @@ def _encode_error(e: BaseException) -> tuple[str, str]:
 # --------------------------------------------------------------------------- the child
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _child_main(conn: Connection) -> None:  # pragma: no cover - runs in the child process
     """Load the stage, then serve work items until ``close`` or the worker goes away."""
     logging.basicConfig(level=logging.WARNING, format="potluck stage: %(message)s")
@@ -313,10 +304,7 @@ def _open(spec: StageSpec):  # pragma: no cover - child
     from ..core.runtime import ContextParams, Model
     from ..core.stage import Stage
 
-    path = Path(spec.path)
-    if file_sha256(path) != spec.sha256:
-        raise PotluckError(f"cached slice {spec.sha256[:12]} does not match its sha256 (corrupted on disk)")
-    model = Model(path)
+    model = Model(Path(spec.path))  # proven intact by the worker just before (slice_store.has)
     try:
         params = ContextParams(n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max,
                                n_threads=spec.n_threads, kv_unified=spec.kv_unified)

@@ -2,8 +2,12 @@
 uploads being received into it (:class:`SliceUploads`).
 
 An upload is offered (``offer``: size and sha256), then sent in order (``chunk``), hashed as
-it arrives and committed only when the hash matches. At most :data:`MAX_UPLOADS` are open
-at once; a newer offer drops the oldest, so an offer flood holds no more disk than that.
+it arrives and committed only when the hash matches; then it is sealed (slice_seal.py), so a
+later load proves its bytes with one ``stat`` instead of a full re-hash. An upload cut off
+(the head went away, a new head joined) keeps its ``.part`` file: the next offer of that
+sha256 re-hashes what is there and the head resumes from its end. At most
+:data:`MAX_UPLOADS` are open or kept at once; a newer offer drops the oldest, so an offer
+flood holds no more disk than that.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from ..core import paths
 from ..core.errors import PotluckError
 from . import wire
+from .slice_seal import SliceCorrupted, check_slice, hash_into, seal, unseal
 
 log = logging.getLogger(__name__)
 
@@ -33,35 +38,60 @@ class Upload:
     fd: int
     hasher: hashlib._Hash
 
-    def discard(self) -> None:
+    def close(self) -> None:
+        """Stop receiving; keep what arrived (if anything did) for a later offer to resume."""
         try:
             os.close(self.fd)
         except OSError:
             pass
+        if self.received == 0:
+            self.part.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.close()
         self.part.unlink(missing_ok=True)
 
 
 class SliceStore:
     """The worker's slices by sha256 under a byte quota, least recently used evicted first.
 
-    ``.part`` files left by an earlier run are removed at start; a finished upload is
-    fsynced before it is renamed into place; files are private to the user (0600 in a 0700
-    folder). Nothing is trusted because it is here: the stage process re-hashes a slice
-    before loading it (child.py).
+    ``.part`` files left by an earlier run are kept for resuming (beyond :data:`MAX_UPLOADS`,
+    the oldest go); a finished upload is fsynced before it is renamed into place and sealed;
+    files are private to the user (0600 in a 0700 folder). Nothing is trusted because it is
+    here: :meth:`has` proves a slice by its seal, or re-hashes it, before every use.
     """
 
     def __init__(self, folder: Path, quota_bytes: int) -> None:
         self.folder = paths.private_dir(Path(folder))
         self.quota = quota_bytes
-        for stale in self.folder.glob("*.part"):
-            stale.unlink(missing_ok=True)
-            log.info("removed a partial upload left behind: %s", stale.name)
+        self.trim_parts(MAX_UPLOADS)
 
     def path(self, sha: str) -> Path:
         return self.folder / f"{sha}.gguf"
 
+    def trim_parts(self, keep: int, spare: str = "") -> None:
+        """Keep the ``keep`` newest partial uploads (and ``spare``'s), remove the rest."""
+        parts = sorted(self.folder.glob("*.part"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in [p for p in parts if p.stem != spare][keep:]:
+            stale.unlink(missing_ok=True)
+            log.info("removed a partial upload: %s", stale.name)
+
     def has(self, sha: str) -> bool:
-        return self.path(sha).is_file()
+        """Whether the slice is here and proven intact (its seal, else a full re-hash); a
+        slice whose bytes no longer match is removed, so the head sends it again."""
+        path = self.path(sha)
+        if not path.is_file():
+            return False
+        try:
+            check_slice(path, sha)
+        except SliceCorrupted as e:
+            log.warning("%s; removed, it will be received again", e)
+            path.unlink(missing_ok=True)
+            return False
+        except OSError as e:
+            log.warning("slice %s cannot be read (%s)", sha[:12], e)
+            return False
+        return True
 
     def touch(self, sha: str) -> None:
         try:
@@ -90,6 +120,7 @@ class SliceStore:
                 continue
             used -= victim.stat().st_size
             victim.unlink(missing_ok=True)
+            unseal(victim)
             log.info("evicted slice %s from the cache (quota %d MB)", victim.stem[:12], self.quota >> 20)
         free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
         if used + reserved + size > self.quota or size > free:
@@ -98,17 +129,26 @@ class SliceStore:
                 f"{used >> 20} of {self.quota >> 20} MB of the cache quota in use"
             )
 
-    def begin(self, sha: str) -> tuple[Path, int]:
+    def begin(self, sha: str, size: int) -> Upload:
+        """Open the upload of ``sha``, continuing a ``.part`` kept from an earlier attempt
+        (its bytes re-hashed from disk: a hash state cannot be saved)."""
         part = self.folder / f"{sha}.part"
-        part.unlink(missing_ok=True)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        return part, fd
+        hasher = hashlib.sha256()
+        received = 0
+        if part.is_file() and 0 < part.stat().st_size < size:
+            received = hash_into(hasher, part)
+            log.info("resuming slice %s at %d of %d bytes", sha[:12], received, size)
+        else:
+            part.unlink(missing_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return Upload(size, received, part, fd, hasher)
 
     def commit(self, up: Upload, sha: str) -> None:
         """fsync the finished upload, rename it into place, fsync the folder."""
         os.fsync(up.fd)
         os.close(up.fd)
         up.part.replace(self.path(sha))
+        seal(self.path(sha), sha)  # verified just now: later loads check the seal, not the bytes
         try:
             dfd = os.open(self.folder, os.O_RDONLY)
         except OSError:
@@ -129,27 +169,28 @@ class SliceUploads:
         self.open: dict[str, Upload] = {}
 
     def drop(self) -> None:
-        """Discard every upload in progress (a new head, a release)."""
+        """Stop every upload in progress (a new head, a release), keeping what arrived."""
         for up in self.open.values():
-            up.discard()
+            up.close()
         self.open.clear()
 
-    def offer(self, msg: wire.Offer, keep: set[str]) -> bool:
+    def offer(self, msg: wire.Offer, keep: set[str]) -> wire.OfferReply:
         """Whether the slice is here already; if not, make room (never evicting ``keep``)
-        and open its upload."""
+        and open its upload, saying how many of its bytes are here from an earlier attempt."""
         if self.store.has(msg.sha256):
             self.store.touch(msg.sha256)
-            return True
+            return wire.OfferReply(msg.sha256, True, 0)
         old = self.open.pop(msg.sha256, None)
         if old is not None:
-            old.discard()
+            old.close()
         while len(self.open) >= MAX_UPLOADS:  # a newer offer wins over the oldest one
             self.open.pop(next(iter(self.open))).discard()
+        self.store.trim_parts(MAX_UPLOADS - 1, spare=msg.sha256)
         reserved = sum(u.total - u.received for u in self.open.values())
         self.store.make_room(msg.size, reserved, keep)
-        part, fd = self.store.begin(msg.sha256)
-        self.open[msg.sha256] = Upload(msg.size, 0, part, fd, hashlib.sha256())
-        return False
+        up = self.store.begin(msg.sha256, msg.size)
+        self.open[msg.sha256] = up
+        return wire.OfferReply(msg.sha256, False, up.received)
 
     def chunk(self, msg: wire.Chunk) -> wire.ChunkAck:
         """Write the next part of an offered slice; commit it once whole and verified."""

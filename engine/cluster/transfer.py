@@ -26,7 +26,7 @@ from . import wire
 CHUNK_BYTES = 4 << 20
 INDEX_NAME = "index.json"
 
-Progress = Callable[[str, int, int], None]  # (what, bytes done, bytes total)
+Progress = Callable[[str, int, int], None]  # (what, and at what rate; bytes done, bytes total)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class TransferStats:
     seconds: float = 0.0
     files_sent: int = 0
     files_cached: int = 0
+    resumed_bytes: int = 0  # bytes an earlier, interrupted transfer had delivered already
 
     @property
     def mb_per_s(self) -> float:
@@ -124,7 +125,8 @@ def send_slice(
     progress: Progress | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> None:
-    """Offer the slice; stream it if the worker lacks it. ``request`` sends and awaits the reply."""
+    """Offer the slice; stream it if the worker lacks it, from where an earlier transfer of
+    it stopped (the worker keeps what it received). ``request`` sends and awaits the reply."""
     reply = request(wire.Offer(sl.sha256, sl.size))
     if not isinstance(reply, wire.OfferReply):
         raise PotluckError(f"the worker answered a slice offer with {reply.TYPE!r}")
@@ -134,15 +136,21 @@ def send_slice(
         if progress:
             progress(what + " (cached)", sl.size, sl.size)
         return
+    if not 0 <= reply.received < sl.size:
+        raise PotluckError(f"the worker holds {reply.received} bytes of a {sl.size}-byte slice")
+    stats.resumed_bytes += reply.received
     t0 = time.perf_counter()
-    done = 0
-    for chunk in chunks(sl, chunk_bytes):
+    done = reply.received
+    if progress and done:
+        progress(what, done, sl.size)
+    for chunk in chunks(sl, chunk_bytes, done):
         ack = request(chunk)
         if not isinstance(ack, wire.ChunkAck):
             raise PotluckError(f"the worker answered a slice chunk with {ack.TYPE!r}")
         done = ack.received
         stats.bytes_sent += chunk.data.size
-        if progress:
-            progress(what, done, sl.size)
+        if progress:  # the rate rides in the label while bytes move; the last call names the slice
+            rate = (done - reply.received) / max(time.perf_counter() - t0, 1e-9) / 1e6
+            progress(what if done == sl.size else f"{what}, {rate:,.0f} MB/s", done, sl.size)
     stats.seconds += time.perf_counter() - t0
     stats.files_sent += 1

@@ -34,9 +34,10 @@ import numpy as np
 from ..core.jobs import DecodeJob
 from ..core.kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 7  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+PROTOCOL_VERSION = 8  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
 # 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output);
-# 6: one cancel names several job groups; 7: run_id fields renamed group/groups
+# 6: one cancel names several job groups; 7: run_id fields renamed group/groups; 8: an offer's reply
+# says how much of a cut-off transfer the worker kept (the head resumes there)
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
@@ -121,9 +122,18 @@ class Offer(WireMessage):
 
 @dataclass(frozen=True)
 class OfferReply(WireMessage):
+    """Worker -> head: the file is here (``have``), or send it from byte ``received`` (what an
+    interrupted transfer of it delivered already)."""
+
     TYPE = "offer_reply"
     sha256: str
     have: bool
+    received: int
+
+    def check(self) -> None:
+        _check_sha(self.sha256)
+        if self.received < 0:
+            raise WireError("offer_reply received must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -283,7 +283,7 @@ class Worker:
             raise NotOwnerError(f"{msg.TYPE!r} refused: this worker is serving {who}")
         if isinstance(msg, wire.Offer):
             keep = {self.stage.load.sha256} if self.stage is not None else set()
-            self._send(ident, wire.OfferReply(msg.sha256, self.uploads.offer(msg, keep)))
+            self._send(ident, self.uploads.offer(msg, keep))
         elif isinstance(msg, wire.Chunk):
             self._send(ident, self.uploads.chunk(msg))
         elif isinstance(msg, wire.Load):
@@ -342,7 +342,7 @@ class Worker:
 
     def _load(self, msg: wire.Load) -> wire.Loaded:
         path = self.cached_path(msg.sha256)
-        if not path.exists():
+        if not self.store.has(msg.sha256):  # here and intact: its seal (one stat), else a re-hash
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
         self._release()
         self._check_load(path, msg)

@@ -31,7 +31,7 @@ def samples() -> list[wire.WireMessage]:
         wire.Hello("head-1", "0.1.0"),
         wire.Welcome("n1", "0.1.0", 8, 16000, 3.5, "idle", 1 << 28),
         wire.Offer(SHA, 10),
-        wire.OfferReply(SHA, True),
+        wire.OfferReply(SHA, True, 0),
         wire.Chunk(SHA, 0, 10, np.arange(4, dtype=np.uint8)),
         wire.ChunkAck(SHA, 4, False),
         wire.Load(SHA, 0, 12, True, False, 512, 64, 1, True, "f32", "tcp://h:1", "head-1", "head-1"),
@@ -140,7 +140,7 @@ class FakeWorker:
             if isinstance(msg, wire.Hello):
                 replies = [wire.to_frames(wire.Welcome(self.node_id, "0", 2, 4000, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Offer):
-                replies = [wire.to_frames(wire.OfferReply(msg.sha256, True))]
+                replies = [wire.to_frames(wire.OfferReply(msg.sha256, True, 0))]
                 if self.stale:  # a result of the old chain, the welcome of a hello that timed out
                     replies[:0] = [wire.to_frames(wire.Result(7, 3, False, np.zeros((1, self.n_embd), np.float32))),
                                    wire.to_frames(wire.Welcome(self.node_id, "0", 2, 4000, 1.0, "idle", 64 << 20))]

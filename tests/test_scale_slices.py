@@ -1,0 +1,136 @@
+"""Gigabyte slices: a cut transfer resumes where it stopped, a second run sends nothing, and a
+cached slice corrupted in place (size and mtime kept) is caught by its seal and sent again."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.discovery.auth import keys_from_token
+from potluck.engine.cluster import slice_seal
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.pipeline_target import PipelineTarget
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.target import LocalTarget
+from potluck.engine.lab.fixtures import build_shape
+
+from .cluster_support import TOKEN, WorkerProc, loopback_workers
+
+N_CTX = 256
+PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def corrupt_in_place(path: Path, offset: int) -> None:
+    """Flip one byte, then put the size and mtime back as they were."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_seal_catches_a_byte_changed_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "s.gguf"
+    path.write_bytes(os.urandom(1 << 20))
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    slice_seal.seal(path, sha)
+    assert slice_seal.sealed(path, sha) and not slice_seal.check_slice(path, sha)  # one stat, no hash
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))  # touched, same bytes
+    assert not slice_seal.sealed(path, sha)
+    assert slice_seal.check_slice(path, sha) and slice_seal.sealed(path, sha)  # re-hashed, resealed
+    corrupt_in_place(path, 12345)
+    assert not slice_seal.sealed(path, sha)
+    with pytest.raises(slice_seal.SliceCorrupted, match="does not match its sha256"):
+        slice_seal.check_slice(path, sha)
+
+
+@pytest.fixture(scope="module")
+def wide() -> Path:
+    return build_shape("wide")
+
+
+@pytest.fixture(scope="module")
+def reference(wide: Path) -> np.ndarray:
+    with Model(wide) as m:
+        target = LocalTarget(m, ContextParams(n_ctx=N_CTX, n_threads=1))
+        try:
+            return target.decode(m.tokenize(PROMPT))
+        finally:
+            target.close()
+
+
+@pytest.fixture()
+def worker(tmp_path: Path) -> Iterator[WorkerProc]:
+    yield from (ws[0] for ws in loopback_workers(tmp_path, "slices", n=1))
+
+
+class Cut(Exception):
+    """Stands for the head going away mid-transfer (Ctrl-C, a dropped link)."""
+
+
+def _open(wide: Path, w: WorkerProc, cache: SliceCache, progress=None) -> PipelineTarget:  # noqa: ANN001
+    return open_pipeline(wide, [w.address], keys_from_token(TOKEN), n_ctx=N_CTX, split=[0, 3],
+                         slice_cache=cache, progress=progress, recover=False)
+
+
+def _exact(target: PipelineTarget, wide: Path, reference: np.ndarray) -> None:
+    with Model(wide, vocab_only=True) as m:
+        assert np.array_equal(target.decode(m.tokenize(PROMPT)), reference)
+
+
+def test_a_cut_transfer_resumes_where_it_stopped(
+    wide: Path, worker: WorkerProc, reference: np.ndarray, tmp_path: Path
+) -> None:
+    cache = SliceCache(tmp_path / "head")
+    (sl,) = cache.slices(wide, [0, 3])
+    seen: list[int] = []
+
+    def cut_halfway(what: str, done: int, total: int) -> None:
+        seen.append(done)
+        if done >= total // 2:
+            raise Cut
+
+    with pytest.raises(Cut):
+        _open(wide, worker, cache, cut_halfway)
+    stopped = seen[-1]
+    assert 0 < stopped < sl.size
+    again: list[int] = []
+    target = _open(wide, worker, cache, lambda what, done, total: again.append(done))
+    try:
+        assert again[0] > stopped - (8 << 20)  # resumed from what the worker kept, not from 0
+        assert target.transfer.bytes_sent == sl.size - target.transfer.resumed_bytes
+        assert target.transfer.resumed_bytes >= stopped - (8 << 20) and target.transfer.files_sent == 1
+        _exact(target, wide, reference)
+    finally:
+        target.close()
+
+
+def test_second_run_sends_nothing_and_a_corrupted_slice_is_sent_again(
+    wide: Path, worker: WorkerProc, reference: np.ndarray, tmp_path: Path
+) -> None:
+    cache = SliceCache(tmp_path / "head")
+    (sl,) = cache.slices(wide, [0, 3])
+    first = _open(wide, worker, cache)
+    first.close()
+    assert first.transfer.files_sent == 1
+    second = _open(wide, worker, cache)
+    second.close()
+    assert second.transfer.bytes_sent == 0 and second.transfer.files_cached == 1
+    cached = worker.log_path.parent / "slices0-cache" / f"{sl.sha256}.gguf"
+    corrupt_in_place(cached, sl.size // 2)
+    third = _open(wide, worker, cache)
+    try:
+        assert third.transfer.files_sent == 1 and third.transfer.bytes_sent == sl.size  # caught and re-sent
+        _exact(third, wide, reference)
+    finally:
+        third.close()
+    assert "does not match its sha256" in worker.log()
