@@ -12,7 +12,7 @@ from pathlib import Path
 
 from potluck.app.loopback import LoopbackWorker, spawn_worker, spawn_workers, stop_worker, stop_workers
 
-__all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "stop_worker", "stop_workers"]
+__all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "start_workers", "stop_worker", "stop_workers"]
 
 TOKEN = "potluck-i9pos2TbJ4BeDqU0Yj1EkuGn42Nqv7Sp4Ch0LzNjpxo"  # as `potluck token` makes them
 
@@ -38,12 +38,17 @@ def start_worker(
     return WorkerProc(w.proc, w.node_id, w.address, w.log_path)
 
 
+def start_workers(tmp: Path, names: Sequence[str], *, token: str = TOKEN, zeroconf: bool = False) -> list[WorkerProc]:
+    """One worker per name, started together (each takes seconds to start)."""
+    return [WorkerProc(w.proc, w.node_id, w.address, w.log_path)
+            for w in spawn_workers(tmp, names, token, zeroconf=zeroconf)]
+
+
 def loopback_workers(
     tmp: Path, prefix: str, n: int = 3, *, token: str = TOKEN, zeroconf: bool = False
 ) -> Iterator[list[WorkerProc]]:
     """``n`` workers for a fixture (``yield from``), started together; stopped when it ends."""
-    started = spawn_workers(tmp, [f"{prefix}{i}" for i in range(n)], token, zeroconf=zeroconf)
-    procs = [WorkerProc(w.proc, w.node_id, w.address, w.log_path) for w in started]
+    procs = start_workers(tmp, [f"{prefix}{i}" for i in range(n)], token=token, zeroconf=zeroconf)
     try:
         yield procs
     finally:
