@@ -210,7 +210,8 @@ class Session:
         # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
         self._tokens = tokens[:reused]
         self._covered = ""
-        yield ReplyStarted(run_id, self.strategy.name, len(tokens), len(tokens) - reused, target.n_ctx)
+        shown = self.strategy.pick_for_reply(len(tokens))  # the strategy name the events carry
+        yield ReplyStarted(run_id, shown, len(tokens), len(tokens) - reused, target.n_ctx)
         yield from target.node_status(run_id)
         # Esc during a long prompt reaches the running batch through the target's cancel.
         self._prefill_group = target.new_group()
@@ -224,7 +225,7 @@ class Session:
             yield Finished(
                 run_id=run_id, reason="cancelled", text="", tokens=(), prompt_tokens=len(tokens),
                 prefill_tokens=0, ttft_s=0.0, prefill_s=time.perf_counter() - t_start, decode_s=0.0,
-                tokens_per_s=0.0, prefill_tokens_per_s=0.0, strategy=self.strategy.name, n_past=target.n_past,
+                tokens_per_s=0.0, prefill_tokens_per_s=0.0, strategy=shown, n_past=target.n_past,
             )
             return
         except BaseException:
@@ -331,7 +332,7 @@ class Session:
             drafted=drafted,
             accepted=accepted,
             rounds=rounds,
-            strategy=self.strategy.name,
+            strategy=shown,
             n_past=target.n_past,
         )
 

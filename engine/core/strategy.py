@@ -99,6 +99,11 @@ class Strategy(ABC):
             known = ", ".join(sorted(cls.options)) or "none"
             raise PotluckError(f"strategy {cls.name!r} has no option {unknown[0]!r} (its options: {known})")
 
+    def pick_for_reply(self, n_tokens: int) -> str:
+        """Settle how the next reply runs, for a conversation of ``n_tokens`` tokens, and return
+        the name its events carry (``auto`` picks a strategy here and names it)."""
+        return self.name
+
     def prepare(self, g: Generation) -> None:
         """Process the prompt before decoding starts (a draft model's prefill); optional.
 

@@ -1,0 +1,80 @@
+"""``auto``: the chat's default, a lossless strategy picked per reply by what it can use.
+
+The pick, made before each reply's prompt is processed (:meth:`Auto.pick_for_reply`):
+
+- a draft model is loaded and the conversation is shorter than :data:`LONG_DOCUMENT_TOKENS`:
+  ``sd`` (the draft model drafts; each model gets every core in turn, which on a
+  compute-bound CPU beats PEARL's split of the cores);
+- otherwise ``anpd``: N-gram drafts from the conversation itself. On a long document they
+  are what pays: the reply copies names and phrases from it, and on a CPU each verified row
+  costs nearly a full step's attention deep in a context (docs/facts.md §13), so only
+  near-certain drafts win. A draft model would also have to prefill the whole document
+  first, delaying the first token.
+
+TriForce is left out on a CPU: on an unseen 4,450-token document it decoded at 0.80-0.97x
+plain and its retrieval cache delayed the first token (issue 22). Both picks run under the
+same floor (:class:`~..adaptive.DraftGate`): a reply stays within a few percent of plain
+decoding when drafts are bad, and output is plain decoding's (greedy) or its distribution
+(sampled), as for every strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ...core.strategy import Generation, Round, Strategy
+from .kit import LENGTH_OPTIONS
+from .speculative import DraftModelSpeculative, NgramSpeculative
+
+if TYPE_CHECKING:
+    from ...core.runtime import Model
+    from ...core.spec import EngineSpec
+
+# A conversation this long (tokens) is a long document: N-gram drafts, whatever is loaded.
+LONG_DOCUMENT_TOKENS = 2048
+
+
+class Auto(Strategy):
+    name = "auto"
+    accepts_draft = True  # with --draft: sd on short conversations
+    description = "picks per reply: sd with a draft model on a chat, anpd otherwise (N-grams)"
+    options = LENGTH_OPTIONS
+
+    def __init__(self, ngram: Strategy, draft: Strategy | None) -> None:
+        self.ngram = ngram
+        self.draft = draft
+        self.current: Strategy = draft or ngram
+
+    @classmethod
+    def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
+        cls.check_options(spec.strategy_options)  # the length options, passed to both picks
+        ngram = NgramSpeculative.build(target_model, spec)
+        draft = DraftModelSpeculative.build(target_model, spec) if spec.draft is not None else None
+        return cls(ngram, draft)
+
+    def choose(self, n_tokens: int) -> Strategy:
+        """The strategy for a reply to a conversation of ``n_tokens`` tokens."""
+        if self.draft is not None and n_tokens < LONG_DOCUMENT_TOKENS:
+            return self.draft
+        return self.ngram
+
+    def pick_for_reply(self, n_tokens: int) -> str:
+        self.current = self.choose(n_tokens)
+        return f"{self.name}: {self.current.name}"
+
+    def prepare(self, g: Generation) -> None:
+        self.current.prepare(g)
+
+    def run(self, g: Generation) -> Iterator[Round]:
+        return self.current.run(g)
+
+    def reset(self) -> None:
+        self.ngram.reset()
+        if self.draft is not None:
+            self.draft.reset()
+
+    def close(self) -> None:
+        self.ngram.close()
+        if self.draft is not None:
+            self.draft.close()
