@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...core.plain import Autoregressive
 from ...core.strategy import Strategy
+from .auto import Auto
 from .minions import Minions
 from .pearl import Pearl
 from .pipeinfer import PipeInfer
@@ -18,6 +19,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     Minions.name: Minions,
     TriForce.name: TriForce,
     PipeInfer.name: PipeInfer,
+    Auto.name: Auto,
 }
 
 
