@@ -49,8 +49,9 @@ class ModelSettings:
     """Target GGUF file; unset means the bundled SmolLM2-135M."""
     draft: str | None = None
     """Draft GGUF for strategies that need one; it must share the target's vocabulary."""
-    strategy: str = "autoregressive"
-    """Decoding strategy name (``potluck generate --help`` lists them)."""
+    strategy: str = "auto"
+    """Decoding strategy name (``potluck generate --help`` lists them); ``auto`` speculates with
+    what is loaded (sd with a draft on a chat, N-grams otherwise), lossless like every strategy."""
     n_ctx: int = 4096
     """Context window in tokens."""
     n_threads: int = 0
@@ -63,14 +64,15 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How tokens are drawn; temperature 0 is greedy (exactly reproducible)."""
+    """How tokens are drawn; temperature 0 is greedy (exactly reproducible). The defaults are
+    llama.cpp's: greedy decoding of small models loops (scripts/loop_count.py counts it)."""
 
-    temperature: float = 0.0
-    top_k: int = 0
+    temperature: float = 0.8
+    top_k: int = 40
     """Keep the k likeliest tokens; 0 turns the filter off."""
-    top_p: float = 1.0
+    top_p: float = 0.95
     """Nucleus mass; 1 turns the filter off."""
-    min_p: float = 0.0
+    min_p: float = 0.05
     repeat_penalty: float = 1.0
     seed: int | None = None
     """RNG seed; unset draws a fresh one per reply."""

@@ -1,0 +1,85 @@
+"""``auto`` picks by what is loaded and how long the conversation is (anpd on a short chat,
+sd with a draft model, anpd on a long document), names its pick in the events the panel
+shows, and the picked path runs (drafted > 0) with plain decoding's greedy output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.core.events import Finished, ReplyStarted
+from potluck.engine.core.runtime import Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.loader import open_session
+from potluck.engine.speculation.strategies import auto
+
+from .support.prompts import LONG_PROMPTS, PROMPTS
+from .support.references import plain_conversation
+
+N_CTX, THREADS, N_NEW = 2048, 2, 32
+PINNED = {"adaptive": False}  # draft every round whatever this machine's load: drafted > 0 is certain
+
+
+def auto_session(model_path: Path, draft: Path | None) -> Session:
+    return open_session(EngineSpec(model=model_path, strategy="auto", draft=draft, n_ctx=N_CTX,
+                                   n_threads=THREADS, strategy_options=PINNED))
+
+
+def reply(session: Session, prompt: str) -> tuple[str, Finished]:
+    events = list(session.generate(prompt, SamplingParams(), N_NEW))
+    started, fin = events[0], events[-1]
+    assert isinstance(started, ReplyStarted) and isinstance(fin, Finished)
+    assert started.strategy == fin.strategy  # the panel shows the pick from the start
+    return fin.strategy, fin
+
+
+def test_short_chat_without_a_draft_uses_ngrams(model: Model, model_path: Path) -> None:
+    prompt = LONG_PROMPTS[1]  # a code edit: the reply copies the prompt, so N-grams draft
+    session = auto_session(model_path, None)
+    try:
+        shown, fin = reply(session, prompt)
+    finally:
+        session.close()
+    assert shown == "auto: anpd"
+    assert fin.drafted > 0
+    assert list(fin.tokens) == plain_conversation(model, [prompt], N_NEW, n_threads=THREADS, n_ctx=N_CTX)[0]
+
+
+def test_a_draft_model_drafts_a_chat_then_ngrams_take_a_long_document(
+    model: Model, model_path: Path, weak_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One conversation: a short first turn goes to sd; pasting a document makes it long, and
+    the next reply goes to anpd (the threshold is lowered so the document stays cheap)."""
+    monkeypatch.setattr(auto, "LONG_DOCUMENT_TOKENS", 120)
+    turns = [PROMPTS[0], LONG_PROMPTS[2]]
+    session = auto_session(model_path, weak_draft)
+    try:
+        picks = [reply(session, t) for t in turns]
+    finally:
+        session.close()
+    assert picks[0][1].prompt_tokens < 120 <= picks[1][1].prompt_tokens
+    assert [shown for shown, _ in picks] == ["auto: sd", "auto: anpd"]
+    assert all(fin.drafted > 0 for _, fin in picks)
+    want = plain_conversation(model, turns, N_NEW, n_threads=THREADS, n_ctx=N_CTX)
+    assert [list(fin.tokens) for _, fin in picks] == want
+
+
+def test_a_long_document_goes_to_ngrams_even_with_a_draft(model: Model, model_path: Path, weak_draft: Path) -> None:
+    strategy = auto.Auto.build(model, EngineSpec(model=model_path, strategy="auto", draft=weak_draft,
+                                                 n_ctx=N_CTX, n_threads=THREADS))
+    try:
+        assert strategy.pick_for_reply(auto.LONG_DOCUMENT_TOKENS - 1) == "auto: sd"
+        assert strategy.pick_for_reply(auto.LONG_DOCUMENT_TOKENS) == "auto: anpd"
+        assert strategy.pick_for_reply(4450) == "auto: anpd"
+    finally:
+        strategy.close()
+
+
+def test_auto_takes_only_the_length_options(model_path: Path) -> None:
+    from potluck.engine.core.errors import PotluckError
+
+    with pytest.raises(PotluckError, match="has no option 'ngram_max'"):
+        open_session(EngineSpec(model=model_path, strategy="auto", strategy_options={"ngram_max": 4}))
