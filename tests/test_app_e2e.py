@@ -38,7 +38,7 @@ async def test_real_model_replies_and_the_reply_is_stored(model_path: Path, tmp_
         reply = chat.messages()[-1]
         assert reply.role == "assistant" and reply.content.strip()
         panel_text = app.query_one("#stats").text()  # type: ignore[attr-defined]
-        assert "autoregressive" in panel_text and "generated" in panel_text
+        assert "auto: anpd" in panel_text and "generated" in panel_text  # the default strategy's pick
 
     store = Store.open(history)
     convs = store.conversations()

@@ -1,0 +1,431 @@
+"""`potluck serve` against the official `openai` client: one real server (the bundled model) on
+a loopback port the OS picks, shared by the module; answers checked token for token against
+the engine's own sessions (the same as `potluck generate --temp 0` and the chat app's turns)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from potluck.app.serve.launch import RunningServer, start_server, stop_server
+from potluck.app.serve.protocol import CHAT_KEYS
+from potluck.engine import EngineSpec, Finished, Message, SamplingParams, Session, open_session
+
+KEY = "test-key-" + "k" * 24
+MAX_QUEUE = 3
+SYSTEM = "You are terse."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("serve-home")
+    key_file = home / "api-key"
+    key_file.write_text(KEY)
+    key_file.chmod(0o600)
+    (home / "config").mkdir()
+    (home / "config" / "config.toml").write_text(
+        f'[server]\napi_key_file = "{key_file}"\nmax_queue = {MAX_QUEUE}\nmax_body_kb = 256\n'
+        'allowed_origins = ["http://notebook.example:8888"]\n'
+    )
+    running = start_server(home)
+    try:
+        yield running
+    finally:
+        stop_server(running.proc)
+    assert "Traceback" not in running.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Callable[[], Session]]:
+    """Fresh engine sessions as `potluck generate` opens them (the server's spec: no system prompt)."""
+    opened: list[Session] = []
+
+    def fresh() -> Session:
+        if opened:
+            opened.pop().close()
+        opened.append(open_session(EngineSpec()))
+        return opened[-1]
+
+    yield fresh
+    for s in opened:
+        s.close()
+
+
+def finished(events: Iterator[object]) -> Finished:
+    return [e for e in events if isinstance(e, Finished)][-1]
+
+
+def counters(server: RunningServer) -> dict[str, int]:
+    return server.health()["counters"]  # type: ignore[return-value]
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def raw_request(server: RunningServer, body: bytes, *, path: str = "/v1/chat/completions",
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, object], dict[str, str]]:
+    url = urlsplit(server.base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+    try:
+        conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {KEY}",
+                                                       "Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read()), dict(r.getheaders())
+    finally:
+        conn.close()
+
+
+def open_stream(server: RunningServer, body: dict[str, object]) -> tuple[http.client.HTTPConnection,
+                                                                         http.client.HTTPResponse]:
+    url = urlsplit(server.base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def hang_up(conn: http.client.HTTPConnection) -> None:
+    assert conn.sock is not None
+    conn.sock.shutdown(2)
+    conn.close()
+
+
+# -- answers
+
+
+def test_one_turn_equals_generate_and_usage(client: openai.OpenAI, reference: Callable[[], Session]) -> None:
+    r = client.chat.completions.create(
+        model="any", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why is the sky blue?"}],
+        temperature=0, max_tokens=24)
+    s = reference()
+    s.set_system(SYSTEM)
+    want = finished(s.generate("Why is the sky blue?", SamplingParams(), 24))
+    choice = r.choices[0]
+    assert choice.message.content == want.text and choice.message.role == "assistant"
+    assert choice.finish_reason == ("length" if want.reason == "length" else "stop")
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.usage.prompt_tokens == want.prompt_tokens
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    extra = r.model_extra["potluck"]
+    assert extra["strategy"] == "auto: anpd" and extra["drafted"] >= 0 and extra["tokens_per_s"] > 0
+
+
+def test_equals_the_generate_command(client: openai.OpenAI) -> None:
+    """The real CLI, once: the same text for the same message and system prompt."""
+    cli = subprocess.run([sys.executable, "-m", "potluck.app.cli", "generate", "--temp", "0", "--max-tokens", "20",
+                          "-s", SYSTEM, "--json", "Name three colours."], capture_output=True, text=True,
+                         timeout=300, check=True)
+    r = client.chat.completions.create(
+        model="any", messages=[{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": [{"type": "text", "text": "Name three "},
+                                                            {"type": "text", "text": "colours."}]}],
+        max_completion_tokens=20)  # temperature omitted: config.toml's default, 0
+    assert r.choices[0].message.content == json.loads(cli.stdout)["text"]
+
+
+def test_streaming_and_include_usage(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Tell me about cats."}]
+    whole = client.chat.completions.create(model="any", messages=messages, max_tokens=16)
+    chunks = list(client.chat.completions.create(model="any", messages=messages, max_tokens=16, stream=True))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+    with_usage = list(client.chat.completions.create(model="any", messages=messages, max_tokens=16, stream=True,
+                                                     stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None and c.choices for c in with_usage[:-1])
+    assert with_usage[-2].choices[0].finish_reason is not None
+
+
+def test_stop_strings_are_cut_and_not_included(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    full = client.chat.completions.create(model="any", messages=messages, max_tokens=40).choices[0].message.content
+    words = full.split()
+    assert len(words) > 4
+    stop = words[3]
+    cut = full[: full.index(stop)]
+    r = client.chat.completions.create(model="any", messages=messages, max_tokens=40, stop=[stop, "zzzz"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="any", messages=messages, max_tokens=40, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+
+
+def test_seeded_sampled_request_repeats(client: openai.OpenAI, reference: Callable[[], Session]) -> None:
+    ask = {"model": "any", "messages": [{"role": "user", "content": "Write a short poem."}], "max_tokens": 24,
+           "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    a = client.chat.completions.create(**ask).choices[0].message.content
+    b = client.chat.completions.create(**ask).choices[0].message.content
+    want = finished(reference().generate("Write a short poem.", SamplingParams(temperature=0.9, top_p=0.95, seed=1234),
+                                         24))
+    assert a == b == want.text
+
+
+def test_four_clients_at_once_each_exact(client: openai.OpenAI, reference: Callable[[], Session]) -> None:
+    prompts = ["What is a cat?", "Say hello.", "What is 2+2?", "Name a planet."]
+    got: dict[str, str] = {}
+
+    def ask(p: str) -> None:
+        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}], max_tokens=16)
+        got[p] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for p in prompts:
+        assert got[p] == finished(reference().generate(p, SamplingParams(), 16)).text
+
+
+def test_completions_endpoint_takes_raw_text(server: RunningServer, client: openai.OpenAI,
+                                             reference: Callable[[], Session]) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(model="any", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == finished(reference().complete(prompt, SamplingParams(), 12)).text
+    streamed = client.completions.create(model="any", prompt=prompt, max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_models_and_health(server: RunningServer, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].owned_by == "potluck" and models[0].model_extra["context_length"] == 4096
+    health = server.health()
+    assert health["status"] == "ready" and health["queue"]["max"] == MAX_QUEUE
+
+
+# -- conversations
+
+
+def test_turn_two_reuses_the_prefix_with_the_chat_sessions_text(client: openai.OpenAI,
+                                                                reference: Callable[[], Session]) -> None:
+    turns = ["Hi! Who are you?", "What can you do?", "Thanks, bye."]
+    chat = reference()  # the chat app's way: one session, turn by turn
+    want = [finished(chat.generate(t, SamplingParams(), 20)).text for t in turns]
+    history: list[dict[str, str]] = []
+    previous_prompt = 0
+    for i, turn in enumerate(turns):
+        history.append({"role": "user", "content": turn})
+        r = client.chat.completions.create(model="any", messages=history, max_tokens=20)
+        assert r.choices[0].message.content == want[i]
+        reused = r.model_extra["potluck"]["reused_tokens"]
+        assert r.usage.prompt_tokens_details.cached_tokens == reused
+        if i:  # the previous turn's prompt and reply come from the cache
+            assert reused >= previous_prompt
+        previous_prompt = r.usage.prompt_tokens
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+
+
+def test_interleaved_conversations_each_reuse_their_prefix(server: RunningServer, client: openai.OpenAI,
+                                                          reference: Callable[[], Session]) -> None:
+    convs = {"a": ["Name a fruit.", "Another one?"], "b": ["Name a river.", "How long is it?"]}
+    want = {}
+    for name, turns in convs.items():
+        s = reference()
+        want[name] = [finished(s.generate(t, SamplingParams(), 16)).text for t in turns]
+    restored = server.health()["prompt_cache"]["restored"]
+    history: dict[str, list[dict[str, str]]] = {"a": [], "b": []}
+    first_prompt = {}
+    for i in range(2):
+        for name in "ab":
+            history[name].append({"role": "user", "content": convs[name][i]})
+            r = client.chat.completions.create(model="any", messages=history[name], max_tokens=16)
+            assert r.choices[0].message.content == want[name][i]
+            if i == 0:
+                first_prompt[name] = r.usage.prompt_tokens
+            else:  # the whole first turn, prompt and reply, comes from the cache
+                assert r.model_extra["potluck"]["reused_tokens"] >= first_prompt[name]
+            history[name].append({"role": "assistant", "content": r.choices[0].message.content})
+    assert server.health()["prompt_cache"]["restored"] >= restored + 2
+
+
+def test_a_cache_miss_equals_a_fresh_session_given_that_history(client: openai.OpenAI,
+                                                                reference: Callable[[], Session]) -> None:
+    history = [Message("user", "What is the tallest mountain?"), Message("assistant", "Mount Everest, I believe."),
+               Message("user", "How tall is it?")]
+    s = reference()
+    s.load_messages(history)
+    want = finished(s.generate(None, SamplingParams(), 16)).text
+    r = client.chat.completions.create(
+        model="any", messages=[{"role": m.role, "content": m.content} for m in history], max_tokens=16)
+    assert r.choices[0].message.content == want
+
+
+# -- hang-ups and the queue
+
+
+def test_hang_up_mid_stream_cancels_and_the_next_request_runs(server: RunningServer, client: openai.OpenAI) -> None:
+    before = counters(server)
+    conn, r = open_stream(server, {"messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+                                   "max_tokens": 2000})
+    lines = 0
+    while lines < 4:  # a few chunks have arrived: the reply is decoding
+        lines += r.fp.readline().startswith(b"data:")
+    hang_up(conn)
+    wait_for(lambda: counters(server)["cancelled_running"] == before["cancelled_running"] + 1)
+    after = counters(server)
+    assert after["completion_tokens"] - before["completion_tokens"] < 2000
+    assert server.health()["queue"] == {"running": False, "waiting": 0, "max": MAX_QUEUE}
+    r2 = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r2.choices[0].message.content
+
+
+def test_hang_up_during_a_long_prompt_is_noticed_before_decoding(server: RunningServer) -> None:
+    before = counters(server)
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(700))  # ~2000 tokens, never cached
+    conn, _ = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}], "max_tokens": 50})
+    wait_for(lambda: server.health()["queue"]["running"])
+    hang_up(conn)
+    wait_for(lambda: counters(server)["cancelled_running"] == before["cancelled_running"] + 1)
+    after = counters(server)
+    # no token decoded: the prompt's batches were aborted, not run to the end first
+    assert after["cancelled_before_decoding"] == before["cancelled_before_decoding"] + 1
+    assert after["completion_tokens"] == before["completion_tokens"]
+
+
+def test_past_the_queue_a_request_gets_429_with_retry_after(server: RunningServer, client: openai.OpenAI) -> None:
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(700))  # a long prompt keeps the engine busy
+    conn, r = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}],
+                                   "max_tokens": 2000})
+    r.fp.readline()
+    wait_for(lambda: server.health()["queue"]["running"])
+    results: list[str] = []
+    waiting = [threading.Thread(target=lambda: results.append(client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices[0].finish_reason))
+        for _ in range(MAX_QUEUE)]
+    for t in waiting:
+        t.start()
+    wait_for(lambda: server.health()["queue"]["waiting"] == MAX_QUEUE)
+    status, body, headers = raw_request(server, json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode())
+    assert status == 429 and int(headers["Retry-After"]) >= 1 and body["error"]["type"] == "rate_limit_error"
+    hang_up(conn)
+    for t in waiting:
+        t.join(600)
+    assert len(results) == MAX_QUEUE
+
+
+# -- bad input
+
+
+def test_refused_options_are_named(client: openai.OpenAI) -> None:
+    base = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for extra, name in [({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                        ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}},
+                                                           "response_format"),
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**base, **extra)
+        assert e.value.status_code == 400 and e.value.body["param"] == name and name in e.value.body["message"]
+    # options that change nothing are accepted
+    r = client.chat.completions.create(**base, n=1, presence_penalty=0, frequency_penalty=0.0, user="u",
+                                       extra_body={"top_k": 40, "min_p": 0.0, "repeat_penalty": 1.0})
+    assert r.choices[0].message.content is not None
+
+
+_valid = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+_anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                     max_size=3), max_leaves=8)
+_bad_fields = st.one_of(
+    st.tuples(st.just("messages"), st.none() | st.integers() | st.text() | st.just([]) | st.lists(
+        st.integers() | st.fixed_dictionaries({"role": st.text(max_size=6).filter(
+            lambda r: r not in ("system", "user", "assistant", "developer"))}), min_size=1, max_size=2)),
+    st.tuples(st.just("temperature"), st.text() | st.booleans() | st.floats(min_value=2.001)
+              | st.floats(max_value=-0.001) | st.integers(min_value=3)),
+    st.tuples(st.just("max_tokens"), st.integers(max_value=0) | st.floats() | st.text() | st.booleans()),
+    st.tuples(st.just("top_p"), st.floats(min_value=1.001) | st.floats(max_value=0.0) | st.text()),
+    st.tuples(st.just("n"), st.integers(min_value=2)),
+    st.tuples(st.just("seed"), st.text() | st.floats() | st.lists(st.integers(), max_size=2)),
+    st.tuples(st.just("stop"), st.integers() | st.just("") | st.lists(st.integers(), min_size=1, max_size=2)
+              | st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=18)),
+    st.tuples(st.just("stream"), st.integers() | st.text()),
+    st.tuples(st.text(min_size=1, max_size=12).filter(lambda k: k not in CHAT_KEYS), _anything),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.lists(_bad_fields, min_size=1, max_size=3), drop_messages=st.booleans())
+def test_bad_json_bodies_get_4xx_json_errors(server: RunningServer, fields: list[tuple[str, object]],
+                                            drop_messages: bool) -> None:
+    body = dict(_valid)
+    if drop_messages:
+        del body["messages"]
+    body.update(dict(fields))
+    status, reply, _ = raw_request(server, json.dumps(body).encode())
+    assert 400 <= status < 500, (body, reply)
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["message"]
+
+
+def test_raw_bad_bodies_get_4xx_and_the_server_lives(server: RunningServer) -> None:
+    good = json.dumps(_valid).encode()
+    for body, status in [(b"\xff\xfe{}", 400), (good[:-5], 400), (b"", 400), (b"[1, 2]", 400),
+                         (b'{"messages": NaN}', 400), (b"[" * 100_000, 400), (b"x" * (300 * 1024), 413)]:
+        got, reply, _ = raw_request(server, body)
+        assert got == status, (body[:40], reply)
+        assert reply["error"]["message"]
+    assert raw_request(server, b"{}", path="/v1/nothing")[0] == 404
+    assert server.health()["status"] == "ready" and server.proc.poll() is None
+
+
+# -- the guard
+
+
+def test_requests_without_the_key_are_refused(server: RunningServer) -> None:
+    no_key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key-" + "x" * 20, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        no_key.models.list()
+    status, body, _ = raw_request(server, json.dumps(_valid).encode(), headers={"Authorization": ""})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+def test_host_and_origin_are_checked(server: RunningServer) -> None:
+    body = json.dumps(_valid).encode()
+    assert raw_request(server, body, headers={"Host": "attacker.example"})[0] == 403  # DNS rebinding
+    assert raw_request(server, body, headers={"Origin": "http://attacker.example"})[0] == 403
+    assert raw_request(server, body, headers={"Origin": "http://notebook.example:8888"})[0] == 200  # configured
+    assert raw_request(server, body, headers={"Origin": "http://localhost:3000"})[0] == 200
+
+
+def test_a_non_loopback_bind_needs_a_key(tmp_path: Path) -> None:
+    env = {**os.environ, "POTLUCK_HOME": str(tmp_path)}
+    env.pop("POTLUCK_API_KEY", None)
+    r = subprocess.run([sys.executable, "-m", "potluck.app.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "API key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    loose = tmp_path / "key"
+    loose.write_text(KEY)
+    loose.chmod(0o644)
+    r = subprocess.run([sys.executable, "-m", "potluck.app.cli", "serve", "--api-key-file", str(loose)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "chmod 600" in r.stderr
