@@ -23,6 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for old scripts, undocumented
     p.add_argument("--cache-dir", type=Path, help="where received slices are kept (by sha256)")
+    p.add_argument(
+        "--models", type=Path, metavar="DIR",
+        help="GGUF files this machine holds: a head splitting one of them (same sha256) sends nothing, "
+        "the slice is cut here (each file is hashed once)",
+    )
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads, at most the cores (default 0: all)")
     p.add_argument(
         "--max-message-mb", type=int, default=256, help="largest message accepted (default 256 MB)"
@@ -52,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     threads = validate.threads(args.threads, "--threads") or default_threads()
     profile = measure_profile(threads)
     cache = args.cache_dir or (paths.cache_dir() / "worker")
+    if args.models is not None and not args.models.is_dir():
+        raise PotluckError(f"--models {args.models}: not a folder; give the folder holding your GGUF files")
     worker = Worker(
         keys,
         profile,
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         max_msg_bytes=args.max_message_mb << 20,
         cache_quota_bytes=args.cache_quota_mb << 20,
         potluck_version=potluck_version(),
+        models_dir=args.models,
     )
     advertiser = None
     if not args.no_zeroconf:

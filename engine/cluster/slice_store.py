@@ -23,6 +23,7 @@ from ..core import paths
 from ..core.errors import PotluckError
 from . import wire
 from .slice_seal import SliceCorrupted, check_slice, hash_into, seal, unseal
+from .transfer import LocalModels
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,33 @@ class SliceStore:
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         return Upload(size, received, part, fd, hasher)
 
+    def cut_locally(self, models: LocalModels, msg: wire.Offer, keep: set[str]) -> bool:
+        """Write the offered slice from a model this worker holds (``--models``), hashed as it
+        is written and kept only if it matches the offer's sha256 (a head whose slicing
+        differs from ours sends it as usual)."""
+        layout = models.layout(msg.source_sha256, msg.layer_lo, msg.layer_hi) if msg.source_sha256 else None
+        if layout is None or layout.size != msg.size:
+            return False
+        self.make_room(msg.size, 0, keep)
+        part = self.folder / f"{msg.sha256}.local"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        up = Upload(msg.size, 0, part, fd, hashlib.sha256())
+        for block in layout.iter_bytes():
+            view = memoryview(block)
+            while view:
+                view = view[os.write(fd, view):]
+            up.hasher.update(block)
+            up.received += len(block)
+        if up.hasher.hexdigest() != msg.sha256:
+            log.warning("slice %s cut from the local %s differs from the head's; receiving it",
+                        msg.sha256[:12], layout.src.name)
+            up.discard()
+            return False
+        self.commit(up, msg.sha256)
+        log.info("cut slice %s (layers %d-%d) from the local %s: nothing to receive", msg.sha256[:12],
+                 msg.layer_lo, msg.layer_hi, layout.src.name)
+        return True
+
     def commit(self, up: Upload, sha: str) -> None:
         """fsync the finished upload, rename it into place, fsync the folder."""
         os.fsync(up.fd)
@@ -164,8 +192,9 @@ class SliceStore:
 class SliceUploads:
     """The uploads in progress into one :class:`SliceStore`, oldest first."""
 
-    def __init__(self, store: SliceStore) -> None:
+    def __init__(self, store: SliceStore, models: LocalModels | None = None) -> None:
         self.store = store
+        self.models = models  # models this worker holds whole (--models): slices are cut here
         self.open: dict[str, Upload] = {}
 
     def drop(self) -> None:
@@ -179,6 +208,8 @@ class SliceUploads:
         and open its upload, saying how many of its bytes are here from an earlier attempt."""
         if self.store.has(msg.sha256):
             self.store.touch(msg.sha256)
+            return wire.OfferReply(msg.sha256, True, 0)
+        if self.models is not None and self.store.cut_locally(self.models, msg, keep):
             return wire.OfferReply(msg.sha256, True, 0)
         old = self.open.pop(msg.sha256, None)
         if old is not None:

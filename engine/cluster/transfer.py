@@ -39,6 +39,7 @@ class SliceFile:
     lo: int
     hi: int
     folder: Path
+    source_sha256: str = ""  # the whole model's: a worker holding it cuts the slice itself
 
     @property
     def path(self) -> Path:
@@ -104,8 +105,24 @@ class SliceCache:
                 sha = layout.sha256()  # reads the source's ranges once, a chunk at a time
                 self._index[key] = sha
                 self._save()
-            out.append(SliceFile(layout, sha, layout.size, lo, hi, self.folder))
+            out.append(SliceFile(layout, sha, layout.size, lo, hi, self.folder, src_sha))
         return out
+
+
+class LocalModels:
+    """The GGUF files a worker already holds (``potluck worker --models DIR``), by sha256:
+    hashed once (the index remembers each file by path, size and mtime), so a head's offer
+    naming one of them is answered by cutting the slice here instead of receiving it."""
+
+    def __init__(self, folder: Path, index_dir: Path) -> None:
+        hashes = SliceCache(index_dir)
+        self.folder = Path(folder)
+        self.by_sha = {hashes.sha256_of(p): p for p in sorted(self.folder.glob("*.gguf")) if p.is_file()}
+
+    def layout(self, source_sha256: str, lo: int, hi: int) -> SliceLayout | None:
+        """The slice of layers ``[lo, hi)`` of the model ``source_sha256``, if it is here."""
+        src = self.by_sha.get(source_sha256)
+        return layer_layout(src, range(lo, hi)) if src is not None else None
 
 
 def chunks(sl: SliceFile, chunk_bytes: int = CHUNK_BYTES, start: int = 0):
@@ -127,7 +144,7 @@ def send_slice(
 ) -> None:
     """Offer the slice; stream it if the worker lacks it, from where an earlier transfer of
     it stopped (the worker keeps what it received). ``request`` sends and awaits the reply."""
-    reply = request(wire.Offer(sl.sha256, sl.size))
+    reply = request(wire.Offer(sl.sha256, sl.size, sl.source_sha256, sl.lo, sl.hi))
     if not isinstance(reply, wire.OfferReply):
         raise PotluckError(f"the worker answered a slice offer with {reply.TYPE!r}")
     what = f"layers {sl.lo}-{sl.hi}"

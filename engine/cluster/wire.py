@@ -34,10 +34,11 @@ import numpy as np
 from ..core.jobs import DecodeJob
 from ..core.kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 8  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+PROTOCOL_VERSION = 9  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
 # 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output);
 # 6: one cancel names several job groups; 7: run_id fields renamed group/groups; 8: an offer's reply
-# says how much of a cut-off transfer the worker kept (the head resumes there)
+# says how much of a cut-off transfer the worker kept (the head resumes there); 9: an offer names
+# the model and layers of its slice (a worker holding the model cuts it: --models)
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
@@ -108,16 +109,25 @@ class Welcome(WireMessage):
 
 @dataclass(frozen=True)
 class Offer(WireMessage):
-    """Head -> worker: "do you have this file?" (by sha256)."""
+    """Head -> worker: "do you have this file?" (by sha256). It is layers ``[layer_lo,
+    layer_hi)`` of the model ``source_sha256``: a worker holding that model (``--models``)
+    cuts the slice itself."""
 
     TYPE = "offer"
     sha256: str
     size: int
+    source_sha256: str
+    layer_lo: int
+    layer_hi: int
 
     def check(self) -> None:
         _check_sha(self.sha256)
+        if self.source_sha256:  # empty: the head does not say (a file that is not a slice)
+            _check_sha(self.source_sha256)
         if self.size <= 0:
             raise WireError("offer size must be positive")
+        if not 0 <= self.layer_lo < self.layer_hi <= INT32_MAX:
+            raise WireError("offer layers must be 0 <= lo < hi")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from .child import StageCrashed, StageInfo, StageProcess, StageSpec
 from .plan import layer_costs, stage_mem_mb
 from .profile import NodeProfile, free_memory_mb
 from .slice_store import SliceStore, SliceUploads
+from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
     client_socket,
@@ -107,6 +108,7 @@ class Worker:
         max_msg_bytes: int = wire.DEFAULT_MAX_BYTES,
         cache_quota_bytes: int = DEFAULT_CACHE_QUOTA_MB << 20,
         potluck_version: str = "0",
+        models_dir: Path | None = None,
     ) -> None:
         self.keys = keys
         self.profile = profile
@@ -143,7 +145,9 @@ class Worker:
         self._crashed: queue.SimpleQueue[tuple[StageProcess, str]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self.uploads = SliceUploads(self.store)
+        # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
+        models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
+        self.uploads = SliceUploads(self.store, models)
         self._spare: StageProcess | None = StageProcess()  # warm: imports llama.cpp meanwhile
         self.rejected = 0  # messages refused (tests and logs)
         self.dropped_replies = 0  # replies to peers that do not read theirs

@@ -30,7 +30,7 @@ def samples() -> list[wire.WireMessage]:
     return [
         wire.Hello("head-1", "0.1.0"),
         wire.Welcome("n1", "0.1.0", 8, 16000, 3.5, "idle", 1 << 28),
-        wire.Offer(SHA, 10),
+        wire.Offer(SHA, 10, "", 0, 1),
         wire.OfferReply(SHA, True, 0),
         wire.Chunk(SHA, 0, 10, np.arange(4, dtype=np.uint8)),
         wire.ChunkAck(SHA, 4, False),
