@@ -21,17 +21,17 @@ from potluck.engine.core.runtime import Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, start_workers, stop_workers
 
 
 @pytest.fixture()
 def two_workers(tmp_path: Path) -> Iterator[list[WorkerProc]]:
-    procs = [start_worker(tmp_path, f"w{i}") for i in range(2)]
+    procs = start_workers(tmp_path, ["w0", "w1"])
     yield procs
     for w in procs:
         if w.alive():
             os.kill(w.proc.pid, signal.SIGCONT)
-        stop_worker(w.proc)
+    stop_workers([w.proc for w in procs])
 
 
 @pytest.fixture(scope="module")
