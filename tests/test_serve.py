@@ -86,14 +86,14 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 120.0) -> None:
 
 
 def raw_request(server: RunningServer, body: bytes, *, path: str = "/v1/chat/completions",
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, object], dict[str, str]]:
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, object], http.client.HTTPMessage]:
     url = urlsplit(server.base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
     try:
         conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {KEY}",
                                                        "Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
-        return r.status, json.loads(r.read()), dict(r.getheaders())
+        return r.status, json.loads(r.read()), r.headers
     finally:
         conn.close()
 
@@ -120,8 +120,8 @@ def hang_up(conn: http.client.HTTPConnection) -> None:
 
 def test_one_turn_equals_generate_and_usage(client: openai.OpenAI, reference: Callable[[], Session]) -> None:
     r = client.chat.completions.create(
-        model="any", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why is the sky blue?"}],
-        temperature=0, max_tokens=24)
+        model="any", temperature=0, max_tokens=24,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why is the sky blue?"}])
     s = reference()
     s.set_system(SYSTEM)
     want = finished(s.generate("Why is the sky blue?", SamplingParams(), 24))
@@ -302,7 +302,7 @@ def test_hang_up_mid_stream_cancels_and_the_next_request_runs(server: RunningSer
 
 def test_hang_up_during_a_long_prompt_is_noticed_before_decoding(server: RunningServer) -> None:
     before = counters(server)
-    words = " ".join(uuid.uuid4().hex[:6] for _ in range(700))  # ~2000 tokens, never cached
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(350))  # ~2100 tokens, never cached
     conn, _ = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}], "max_tokens": 50})
     wait_for(lambda: server.health()["queue"]["running"])
     hang_up(conn)
@@ -314,7 +314,7 @@ def test_hang_up_during_a_long_prompt_is_noticed_before_decoding(server: Running
 
 
 def test_past_the_queue_a_request_gets_429_with_retry_after(server: RunningServer, client: openai.OpenAI) -> None:
-    words = " ".join(uuid.uuid4().hex[:6] for _ in range(700))  # a long prompt keeps the engine busy
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(350))  # ~2100 tokens: the engine is busy a while
     conn, r = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}],
                                    "max_tokens": 2000})
     r.fp.readline()

@@ -120,7 +120,12 @@ def _serve(app: object, sock: socket.socket, engine: EngineThread, state: ServeS
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=65536)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            engine.drain()  # open requests end now (503 or cancelled), within the graceful timeout
+            await super().shutdown(sockets)
+
+    server = Server(config)
 
     def stop_if_load_fails() -> None:
         engine.loaded.wait()

@@ -101,8 +101,8 @@ class EngineThread:
         self.error = ""  # why it failed, or the last engine failure (shown by /health)
         self.notice = ""  # the last cluster notice (a worker lost and replaced)
         self.counters = dict.fromkeys(
-            ("requests", "completed", "cancelled_waiting", "cancelled_running", "refused_busy",
-             "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
+            ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
+             "refused_busy", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
         self._opener = opener
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
@@ -144,7 +144,8 @@ class EngineThread:
         with self._cond:
             return self._running is not None, len(self._queue)
 
-    def stop(self) -> None:
+    def drain(self) -> None:
+        """Shutting down: refuse the waiting jobs and cancel the running one; returns at once."""
         with self._cond:
             self._stop = True
             for job in self._queue:
@@ -154,6 +155,9 @@ class EngineThread:
             running = self._running
         if running is not None:
             self.cancel(running)
+
+    def stop(self) -> None:
+        self.drain()
         self._thread.join(timeout=30)
 
     # -- the engine thread
@@ -246,9 +250,10 @@ class EngineThread:
         elif f.reason == "cancelled":
             reason = "cancelled"
             self.counters["cancelled_running"] += 1
+            self.counters["cancelled_before_decoding"] += not f.tokens  # e.g. mid-prompt: no token decoded
         else:
             reason = "stop" if f.reason == "stop" else "length"  # length or context_full
-        reused = f.prompt_tokens - f.prefill_tokens if f.prefill_tokens or reason != "cancelled" else 0
+        reused = f.prompt_tokens - f.prefill_tokens if f.prefill_tokens or f.tokens else 0
         c = self.counters
         c["completed"] += reason != "cancelled"
         c["prompt_tokens"] += f.prompt_tokens
