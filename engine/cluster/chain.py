@@ -17,7 +17,7 @@ from ..core.errors import PotluckError
 from ..core.spec import CurveKeys
 from . import wire
 from .link import REQUEST_TIMEOUT_S, NodeFailedError, NodeLink
-from .plan import SplitPlan, layer_costs, manual_plan, plan_split
+from .plan import SplitPlan, kv_cells, layer_costs, manual_plan, plan_split
 from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
 from .transport import endpoint
 
@@ -44,7 +44,10 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
     """The layer plan over joined ``links`` (fixed boundaries, or by free memory and speed)."""
     costs = layer_costs(setup.model_path)
     nodes = [lk.info() for lk in links]
-    return manual_plan(costs, nodes, split, setup.n_ctx) if split else plan_split(costs, nodes, setup.n_ctx)
+    cells = kv_cells(setup.n_ctx, setup.n_seq_max, setup.kv_unified)  # as the worker checks its load
+    if split:
+        return manual_plan(costs, nodes, split, cells, setup.n_batch)
+    return plan_split(costs, nodes, cells, setup.n_batch)
 
 
 def replan(setup: PipelineSetup, links: Sequence[NodeLink]) -> SplitPlan:

@@ -181,6 +181,11 @@ def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
     return prefix[hi] - prefix[lo]
 
 
+def kv_cells(n_ctx: int, n_seq_max: int, kv_unified: bool) -> int:
+    """KV cells a stage allocates: ``n_ctx`` per stream, a stream per sequence unless unified."""
+    return n_ctx * (1 if kv_unified else max(1, n_seq_max))
+
+
 def stage_runtime_bytes(n_vocab: int, n_embd: int, n_batch: int) -> int:
     """What a loaded stage allocates beyond weights and KV cache: the compute buffer, the
     output buffer (a capturing stage marks every row an output, so llama.cpp keeps a logits row

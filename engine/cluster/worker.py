@@ -41,7 +41,7 @@ from ..core.jobs import GroupCancelled
 from ..core.spec import CurveKeys
 from . import wire
 from .child import StageCrashed, StageInfo, StageProcess, StageSpec
-from .plan import layer_costs, stage_mem_mb
+from .plan import kv_cells, layer_costs, stage_mem_mb
 from .profile import NodeProfile, free_memory_mb
 from .slice_store import SliceStore, SliceUploads
 from .transfer import LocalModels
@@ -82,7 +82,7 @@ def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
     """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the
     header: the planner's own figure (:func:`.plan.stage_bytes`) over the slice's layers."""
     costs = layer_costs(path)
-    cells = load.n_ctx * (1 if load.kv_unified else max(1, load.n_seq_max))  # a KV stream per sequence
+    cells = kv_cells(load.n_ctx, load.n_seq_max, load.kv_unified)
     return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch), costs.arch
 
 
