@@ -99,7 +99,8 @@ def reference_tokens(path: Path, n: int, n_ctx: int) -> list[int]:
             t.close()
 
 
-def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, strategies: list[str]) -> dict:
+def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, n_batch: int,
+             strategies: list[str]) -> dict:
     """One head: open the pipeline (timed), then each strategy's greedy reply."""
     from potluck.engine.cluster.head import open_pipeline
     from potluck.engine.core.events import Finished
@@ -113,7 +114,7 @@ def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, s
     out: dict[str, object] = {}
     with Model(path, vocab_only=True) as model:
         t0 = time.perf_counter()
-        target = open_pipeline(path, addresses, keys, n_ctx=n_ctx, split=None)
+        target = open_pipeline(path, addresses, keys, n_ctx=n_ctx, n_batch=n_batch, split=None)
         out["load_s"] = time.perf_counter() - t0
         out["sent_mb"] = target.transfer.bytes_sent / 1e6
         out["transfer_mb_per_s"] = target.transfer.mb_per_s
@@ -156,6 +157,7 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=0.6, help="each worker's memory limit, as a share of the model file")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--batch", type=int, default=128, help="n_batch: prompt chunk, and the rows llama.cpp's buffers hold")
     p.add_argument("--relay", choices=["ethernet", "wifi"], help="put each worker behind scripts/link_relay.py")
     p.add_argument("--as", dest="mode", choices=["reference", "head"], help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -167,13 +169,13 @@ def main() -> None:
         return
     if args.mode == "head":
         print(json.dumps(head_run(args.model, args.addresses.split(","), os.environ["POTLUCK_TOKEN"],
-                                  args.tokens, args.ctx, ["autoregressive", "pipeinfer"])))
+                                  args.tokens, args.ctx, args.batch, ["autoregressive", "pipeinfer"])))
         return
 
     path = build_shape(args.shape)
     size = path.stat().st_size
     print(f"model {path.name}: {size / 1e9:.2f} GB; workers capped at {args.cap:.0%} = {args.cap * size / 1e9:.2f} GB")
-    common = ["--model", str(path), "--tokens", str(args.tokens), "--ctx", str(args.ctx)]
+    common = ["--model", str(path), "--tokens", str(args.tokens), "--ctx", str(args.ctx), "--batch", str(args.batch)]
     ref = _child(["--as", "reference", *common])
     print(f"one uncapped process: peak RSS {ref['peak_rss_mb']:,.0f} MB")
     token = generate_token()
