@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=0.6, help="each worker's memory limit, as a share of the model file")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--batch", type=int, default=128, help="n_batch: prompt chunk, and the rows llama.cpp's buffers hold")
+    p.add_argument("--batch", type=int, default=128, help="n_batch: prompt chunk; the rows llama.cpp's buffers hold")
     p.add_argument("--relay", choices=["ethernet", "wifi"], help="put each worker behind scripts/link_relay.py")
     p.add_argument("--as", dest="mode", choices=["reference", "head"], help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
