@@ -273,13 +273,16 @@ async def test_copy_reply_and_code_block(tmp_path: Path) -> None:
 async def test_failed_send_restores_the_prompt_and_logs_the_error(tmp_path: Path) -> None:
     factory = FakeFactory(lambda spec: ScriptedSession([], fail="the prompt is 5000 tokens"))
     app = make_app(tmp_path, factory)
+    shown: list[str] = []  # every notification, kept (the app's own expire after 8 s: a slow box)
+    notify = app.notify
+    app.notify = lambda message, *a, **kw: (shown.append(message), notify(message, *a, **kw))[1]  # type: ignore
     async with app.run_test(size=SIZE) as pilot:
         await ready(app)
         await send(app, pilot, "a very long prompt")
         await until(lambda: app.reply is None and app.input.text == "a very long prompt")
         assert views(app) == []
         assert app.store.messages(app.active) == []  # type: ignore[union-attr, arg-type]
-        assert any("5000 tokens" in n.message for n in app._notifications)
+        assert any("5000 tokens" in message for message in shown)
         await pilot.press("ctrl+l")
         assert any("5000 tokens" in line for line in app.log_buffer.lines)
         await pilot.press("escape")
