@@ -17,6 +17,7 @@ import pytest
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.plan import (
+    HEADROOM_MB,
     LayerCosts,
     NodeInfo,
     layer_costs,
@@ -45,7 +46,7 @@ def test_a_capped_worker_gets_fewer_layers() -> None:
     c = one_b()
     even = plan_split(c, [NodeInfo("a", "a:1", 8000, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], n_ctx=4096)
     assert sorted(s.hi - s.lo for s in even.stages) == [7, 8]
-    cap = int(stage_bytes(c, 0, 4, 4096) / MB) + 1  # room for 4 layers, not 5
+    cap = int(stage_bytes(c, 0, 4, 4096) / MB) + 1 + HEADROOM_MB  # room for 4 layers, not 5
     capped = plan_split(c, [NodeInfo("a", "a:1", cap, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], n_ctx=4096)
     assert [s.hi - s.lo for s in capped.stages] == [4, 11]
     assert all(s.mem_mb <= s.node.free_mb for s in capped.stages)

@@ -37,6 +37,15 @@ from ..core.validate import N_BATCH
 COMPUTE_BYTES_PER_ROW_VOCAB = 4
 COMPUTE_BYTES_PER_ROW_EMBD = 20
 COMPUTE_MARGIN_BYTES = 16 << 20  # graph inputs (KQ mask, positions) and allocator rounding
+# A worker's free figure is read when it joins; receiving its slice then costs it some memory
+# (socket and hashing buffers): measured 20+ MB on an 8b stage of 2.2 GB, whose load was then
+# refused by 20 MB. Plans keep this much of each worker's figure free.
+HEADROOM_MB = 64
+
+
+def usable_mb(node: NodeInfo) -> float:
+    """What the plan may fill on ``node``: its reported free memory less :data:`HEADROOM_MB`."""
+    return node.free_mb - HEADROOM_MB
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -236,7 +245,7 @@ def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch
             for i in range(j):
                 if best[k - 1][i] == inf or not loadable(costs, i, j):
                     continue
-                if stage_mem_mb(costs, i, j, n_ctx, n_batch) > node.free_mb:
+                if stage_mem_mb(costs, i, j, n_ctx, n_batch) > usable_mb(node):
                     continue
                 v = max(best[k - 1][i], _cost(costs, i, j, node))
                 if v < best[k][j]:
@@ -292,7 +301,7 @@ def manual_plan(
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
     stages = tuple(_assign(costs, nd, lo, hi, n_ctx, n_batch) for nd, lo, hi in zip(nodes, b, b[1:]))
     for s in stages:
-        if s.mem_mb > s.node.free_mb:
+        if s.mem_mb > usable_mb(s.node):
             raise PotluckError(
                 f"split {b}: layers {s.lo}-{s.hi} need about {s.mem_mb:,.0f} MB (n_ctx {n_ctx}) but "
                 f"{s.node.name} ({s.node.address}) has {s.node.free_mb:,} MB free; move the boundary, "
