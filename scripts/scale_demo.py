@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -232,6 +233,7 @@ def main() -> None:
                 g.rmdir()
             except OSError:
                 pass
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
