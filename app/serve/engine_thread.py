@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...engine import Finished, PlanChanged, PotluckError, ReplyStarted, Session, TokenText
+from ...engine import Finished, NodeStatus, PlanChanged, PotluckError, ReplyStarted, Session, TokenText
 from .protocol import ApiError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class EngineThread:
         self.state = "loading"  # loading | ready | failed | stopped
         self.error = ""  # why it failed, or the last engine failure (shown by /health)
         self.notice = ""  # the last cluster notice (a worker lost and replaced)
+        self.nodes: dict[str, NodeStatus] = {}  # cluster mode: each stage's health at the last report
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
              "refused_busy", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
@@ -118,10 +119,10 @@ class EngineThread:
     # -- called from the event loop
     def submit(self, job: Job) -> None:
         with self._cond:
-            if len(self._queue) >= self.max_queue:
+            in_line = len(self._queue) + (self._running is not None)  # an idle engine takes the first at once
+            if in_line > self.max_queue:
                 self.counters["refused_busy"] += 1
-                waiting = len(self._queue) + (self._running is not None)
-                raise QueueFull(max(1, round(self._mean_s * waiting)))
+                raise QueueFull(max(1, round(self._mean_s * in_line)))
             self.counters["requests"] += 1
             self._queue.append(job)
             self._cond.notify()
@@ -220,6 +221,8 @@ class EngineThread:
                         job.put("text", text)
                     if stopped:
                         session.cancel(event.run_id)
+                elif isinstance(event, NodeStatus):
+                    self.nodes[event.node] = event
                 elif isinstance(event, PlanChanged):
                     self.notice = event.reason
                     log.warning("%s", event.reason)

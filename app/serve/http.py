@@ -23,7 +23,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...engine import PromptCache
 from ..config import SamplingSettings, ServerSettings
 from .engine_thread import EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
@@ -45,13 +44,12 @@ class ServeState:
     """What the routes share: the engine thread, the model's description and the settings."""
 
     def __init__(self, engine: EngineThread, model_id: str, n_ctx: int, sampling: SamplingSettings,
-                 server: ServerSettings, cache: PromptCache | None) -> None:
+                 server: ServerSettings) -> None:
         self.engine = engine
         self.model_id = model_id
         self.n_ctx = n_ctx
         self.sampling = sampling
         self.server = server
-        self.cache = cache
         self.created = int(time.time())
 
 
@@ -292,8 +290,9 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             "status": engine.state, "model": state.model_id, "context_length": state.n_ctx,
             "queue": {"running": running, "waiting": waiting, "max": engine.max_queue},
             "counters": dict(engine.counters),
-            "prompt_cache": asdict(state.cache.stats()) if state.cache is not None else None,
         }
+        cache = engine.session.prompt_cache if engine.session is not None else None
+        body["prompt_cache"] = asdict(cache.stats()) if cache is not None else None  # None: cluster mode
         if engine.error:
             body["error"] = engine.error
         view = None
@@ -303,8 +302,15 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             except Exception:  # a chain being rebuilt: show the rest
                 log.debug("cluster view failed", exc_info=True)
         if view is not None:
-            body["cluster"] = [{"node": s.node, "layers": list(s.layers), "health": s.health}
-                               for s in view.stages]
+            nodes = engine.nodes
+            body["cluster"] = {
+                "stages": [{"node": s.node, "address": s.address, "layers": list(s.layers),
+                            "state": nodes[s.node].state if s.node in nodes else "ok",
+                            "detail": nodes[s.node].detail if s.node in nodes else ""} for s in view.stages],
+                "head_layers": list(view.head_layers),
+                "lost": [{"node": n.node, "state": n.state, "detail": n.detail} for n in nodes.values()
+                         if n.state != "ok" and n.node not in {s.node for s in view.stages}],
+            }
             if engine.notice:
                 body["cluster_notice"] = engine.notice
         return JSONResponse(body, status_code=200 if engine.state in ("ready", "loading") else 503)

@@ -1,0 +1,55 @@
+"""`potluck serve --nodes` over loopback workers: the split model answers exactly what one
+machine answers, and /health shows the chain's stages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from potluck.app.serve.launch import RunningServer, start_server, stop_server
+from potluck.engine import EngineSpec, Finished, SamplingParams, open_session
+
+from .cluster_support import TOKEN, WorkerProc
+
+
+@pytest.fixture(scope="module")
+def cluster_server(loopback_pool: list[WorkerProc], tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("serve-cluster-home")
+    token_file = home / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    (home / "config").mkdir()
+    (home / "config" / "config.toml").write_text("[sampling]\ntemperature = 0.0\n")  # greedy unless asked
+    nodes = ",".join(w.address for w in loopback_pool[:2])
+    running = start_server(home, ["--nodes", nodes, "--token-file", str(token_file), "--split", "0,15,30"],
+                           timeout_s=300)
+    try:
+        yield running
+    finally:
+        stop_server(running.proc)
+    assert "Traceback" not in running.log()
+
+
+def test_a_split_model_answers_exactly_like_one_machine(cluster_server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=f"{cluster_server.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    turns = ["Hi! Who are you?", "What can you do?"]
+    local = open_session(EngineSpec())
+    try:
+        want = [[e for e in local.generate(t, SamplingParams(), 16) if isinstance(e, Finished)][-1].text for t in turns]
+    finally:
+        local.close()
+    history: list[dict[str, str]] = []
+    for turn, expected in zip(turns, want):
+        history.append({"role": "user", "content": turn})
+        r = client.chat.completions.create(model="any", messages=history, max_tokens=16)
+        assert r.choices[0].message.content == expected
+        history.append({"role": "assistant", "content": expected})
+    # the session's own conversation is reused on the workers too (turn 2 continues turn 1)
+    assert r.model_extra["potluck"]["reused_tokens"] > 0
+    health = cluster_server.health()
+    assert health["prompt_cache"] is None  # the KV lives on the workers: only the conversation there is reused
+    stages = health["cluster"]["stages"]
+    assert [s["layers"] for s in stages] == [[0, 15], [15, 29]] and all(s["state"] == "ok" for s in stages)
