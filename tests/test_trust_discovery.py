@@ -1,6 +1,6 @@
 """No one without the token can hide a worker from ``--nodes auto`` (issue 20, finding 3).
 
-The attacker (tests/zeroconf_attack.py) announces clones of a real worker's record at dead
+The attacker (scripts/nodes_auto_under_attack.py) announces clones of a real worker's record at dead
 loopback addresses, junk records, and goodbyes for records it does not own. Zeroconf is bound
 to 127.0.0.1 only (docs/facts.md §10). Other loopback records (another test's workers) may be
 seen too: the assertions only ask for what must be there.
@@ -8,18 +8,24 @@ seen too: the assertions only ask for what must be there.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from potluck.app.loopback import spawn_worker, stop_worker
+from potluck.discovery.auth import generate_token
 from potluck.discovery.lan import Advertiser, Membership, browse, find_candidates
 from potluck.engine.cluster.profile import NodeProfile
-from tests.zeroconf_attack import LOOPBACK, Attacker, dead_port
+from potluck.engine.cluster.transfer import SliceCache
+from scripts.nodes_auto_under_attack import LOOPBACK, Attacker, dead_port, nodes_auto_under_attack
 
 BROWSE_S = 4.0
+JOIN_S = 4.0
 
 
 @pytest.fixture()
@@ -80,3 +86,33 @@ def test_a_goodbye_from_someone_else_does_not_hide_a_worker(attacker: Attacker) 
     finally:
         watcher.close()
         real.close()
+
+
+def test_nodes_auto_joins_the_real_worker_past_a_clone_and_junk(
+    model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The real thing: a loopback worker, a clone of its record and 10 junk records at dead
+    loopback ports, through find_candidates and open_pipeline as ``--nodes auto`` runs them."""
+    token = generate_token()  # other loopback workers (another test's) hold other tokens
+    real = spawn_worker(tmp_path, "real", token, zeroconf=True)
+    cache = SliceCache(tmp_path / "slices")
+    try:
+        # 5 of the junk take the connection and stay silent: they are waited for until the one
+        # deadline, all at once (they held 5 connections together; one after another: never 2).
+        run = nodes_auto_under_attack(model_path, real, token, cache, junk=10, silent=5, join_timeout_s=JOIN_S)
+        assert run.joined == [run.real_id]
+        assert run.silent_peak == 5, run
+        assert run.join_s < JOIN_S + 20, run  # one deadline (generous for a busy machine); in turn: 6 x 4 s
+        # All dead (nobody listens): once the worker is in, the join stops waiting for the clone
+        # and the junk rather than at their deadline (a minute here).
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="potluck.engine.cluster"):
+            run = nodes_auto_under_attack(model_path, real, token, cache, junk=10, silent=0, join_timeout_s=60.0)
+        assert run.joined == [run.real_id]
+        skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped 127.0.0.1:")]
+        left_early = [m for m in skipped if "no worker of this cluster there" in m]
+        assert len(left_early) >= 11, skipped  # the clone and the junk (other loopback records may add more)
+        assert not any("within 60 s" in m for m in skipped), skipped
+        assert any("did not prove to be workers" in r.getMessage() for r in caplog.records)
+    finally:
+        stop_worker(real.proc)

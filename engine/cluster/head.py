@@ -50,6 +50,7 @@ from ..core.gguf_tools import SPLITTABLE_ARCHS
 from ..core.runtime import ContextParams
 from ..core.spec import CurveKeys
 from .chain import PipelineSetup, load_chain, plan_over, tail_threads
+from .join import join_links
 from .link import JOIN_TIMEOUT_S, NodeFailedError, NodeLink, max_result_bytes
 from .pipeline_target import STALL_TIMEOUT_S, PipelineTarget
 from .plan import SplitPlan, layer_costs
@@ -90,8 +91,10 @@ def open_pipeline(
     per address in order; the last stage ends where the head's layers begin, so an end of
     ``n_layer`` means that too (:func:`.plan.manual_plan`). None plans by free memory and speed.
     ``on_plan`` sees the plan before anything loads.
-    ``skip_failed_joins`` (``--nodes auto``): a node that does not join is skipped with a
-    warning instead of failing the pipeline (anyone can advertise a zeroconf record).
+    ``skip_failed_joins`` (``--nodes auto``): the addresses are candidates (anyone can advertise
+    a zeroconf record): those that do not prove to be workers are skipped with a warning
+    instead of failing the pipeline, and one link is kept per node. Every address is joined at
+    once under one deadline, ``join_timeout_s`` (:func:`.join.join_links`).
     ``recover``: re-plan over the other workers when one is lost (else the target just fails);
     ``head_fallback``: when what is left cannot hold the model, the head loads layers itself.
     ``candidates``: the workers that may join between replies (default: ``addresses``, so a
@@ -116,17 +119,18 @@ def open_pipeline(
     links = [NodeLink(zctx, keys, addr, head_id.encode(), max_msg) for addr in addresses]
     tail: HeadTail | None = None
     try:
-        for link in list(links):
-            try:
-                link.join(head_id, potluck_version, join_timeout_s)
-            except NodeFailedError as e:
-                if not skip_failed_joins:
-                    raise
-                log.warning("skipping %s: %s", link.address, e)
-                link.close(release=False)
-                links.remove(link)
+        joins = join_links(links, head_id, potluck_version, join_timeout_s, all_needed=not skip_failed_joins)
+        links = joins.joined  # join_links closed the others
+        if joins.first_error is not None and not skip_failed_joins:
+            raise joins.first_error
+        if joins.failed:
+            for address, why in joins.failed.items():
+                log.info("skipped %s: %s", address, why)
+            log.warning("skipped %d of %d advertised address(es) that did not prove to be workers of this "
+                        "cluster (-v names them)", len(joins.failed), len(joins.failed) + len(links))
         if not links:
-            raise PotluckError("none of the discovered workers could be joined; see the warnings above")
+            raise PotluckError("none of the discovered workers could be joined (a different cluster token, "
+                               "or not running); run with -v to see each address")
         ids = [lk.node_id for lk in links]
         if len(set(ids)) != len(ids):
             raise PotluckError("the same worker is listed twice in --nodes")

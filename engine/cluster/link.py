@@ -61,13 +61,15 @@ class NodeLink:
         self.node_id = ""
         self.layers: tuple[int, int] | None = None
         self.welcome: wire.Welcome | None = None
+        self.connected = False  # a TCP connection is up (a dead address never has one; a worker of
+        # another cluster drops it at the handshake, and ZeroMQ then retries every 0.1 s)
         self.handshaken = False
         self.auth_failed = False
         self.sock = client_socket(zctx, keys, head_id)
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # a bigger one drops the connection
         self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         )
@@ -89,6 +91,9 @@ class NodeLink:
                 return lost
             if event is None:
                 return lost
+            self.connected = event == zmq.EVENT_CONNECTED or (
+                self.connected and event not in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED)
+            )
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken = True
             elif event in AUTH_FAILED_EVENTS:

@@ -20,6 +20,7 @@ from ..core.errors import PotluckError
 from ..core.events import Event, NodeStatus, PlanChanged
 from . import wire
 from .chain import HeadWorker, PipelineSetup, load_chain, replan
+from .join import join_links
 from .link import REJOIN_TIMEOUT_S, NodeFailedError, NodeLink, NodeLostError, max_result_bytes
 from .plan import SplitPlan
 from .recovery import LoggedBatch, LoggedKv, TransactionLog
@@ -82,19 +83,18 @@ class ChainRebuild:
         known = {lk.address for lk in self.links} | {self.head_worker.address if self.head_worker else ""}
         ids = {lk.node_id for lk in self.links}
         now = time.monotonic()
-        new: list[NodeLink] = []
-        for address in self.candidates():
-            if address in known or self._retry_at.get(address, 0.0) > now:
-                continue
-            link = NodeLink(self._zctx, setup.keys, address, setup.head_id.encode(),
+        tried = [
+            NodeLink(self._zctx, setup.keys, address, setup.head_id.encode(),
                             max_result_bytes(self.n_batch, self.tail.n_embd))
-            try:
-                link.join(setup.head_id, setup.potluck_version, REGROUP_JOIN_TIMEOUT_S)
-            except PotluckError as e:
-                log.info("%s stays out of the plan: %s", address, e)
-                link.close(release=False)
-                self._retry_at[address] = now + REGROUP_RETRY_S
-                continue
+            for address in self.candidates()
+            if address not in known and self._retry_at.get(address, 0.0) <= now
+        ]
+        joins = join_links(tried, setup.head_id, setup.potluck_version, REGROUP_JOIN_TIMEOUT_S, all_needed=False)
+        for address, why in joins.failed.items():
+            log.info("%s stays out of the plan: %s", address, why)
+            self._retry_at[address] = now + REGROUP_RETRY_S
+        new: list[NodeLink] = []
+        for link in joins.joined:
             if link.node_id in ids:
                 link.close(release=False)
                 continue
