@@ -21,9 +21,8 @@ from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Strategy
 from potluck.engine.core.target import LocalTarget
-from potluck.engine.speculation import verify
+from potluck.engine.speculation import inflight, verify
 from potluck.engine.speculation.drafters import ContextView
-from potluck.engine.speculation.strategies import pearl
 from potluck.engine.speculation.strategies.pearl import Pearl, split_threads
 
 from .support.prompts import LONG_PROMPTS, RAW_PROMPTS, TURNS
@@ -126,7 +125,7 @@ def test_sampled_pearl_token_follows_target_distribution(
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
     assert chi2_pvalue(tokens, p) > ALPHA
     # the same with a verifier that resamples from p after a rejection must fail
-    monkeypatch.setattr(pearl, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
+    monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
     assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()

@@ -10,15 +10,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from potluck.engine.speculation.verify import (
-    TokenTree,
-    chain_first_token_dist,
-    residual,
-    tree_first_token_dist,
-    verify_chain,
-    verify_greedy,
-    verify_tree,
-)
+from potluck.engine.speculation.verify import TokenTree, residual, verify_chain, verify_greedy
+
+from .support.trees import chain_first_token_dist, tree_first_token_dist, verify_tree
 
 VOCAB = 7
 

@@ -77,11 +77,16 @@ def probs(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = (
     return p
 
 
-def draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw: one uniform per token, so the RNG stream is easy to reason about."""
-    u = rng.random()
+def inverse_cdf(p: np.ndarray, u: float) -> int:
+    """The token where the cumulative probability first passes ``u`` in [0, 1): the one rule
+    every draw uses (plain sampling here, recovered and bonus tokens in the verifier)."""
     idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
     return min(idx, p.shape[0] - 1)
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw: one uniform per token, so the RNG stream is easy to reason about."""
+    return inverse_cdf(p, rng.random())
 
 
 class Sampler:

@@ -14,8 +14,12 @@ Chen et al. 2023; SpecInfer, Miao et al. 2024, for token trees):
   probability ``p(x)``, otherwise draw from ``p`` with ``x`` zeroed and renormalized;
 - greedy decoding is the special case where ``p`` is one-hot: accept while the draft equals
   the target's argmax (no randomness, so it needs no distributions at all);
-- several candidate children of one tree node are tried in turn; each rejection replaces
-  ``p`` by ``norm(max(0, p - q_child))`` (SpecInfer's multi-step speculative sampling).
+- every verifier walks the chain with one loop, :func:`verify_lazily`, which fetches each
+  row and guess only when it reaches it (rows that arrive batch by batch stop it undecided).
+
+:class:`TokenTree` merges several drafters' chains for Minions' vote (:mod:`.voting`), which
+picks one chain to verify; SpecInfer's multi-step sampling down a whole tree is not used by
+any strategy (the tests check it with these rules: tests/support/trees.py).
 
 ``p`` and ``q`` must come from the same temperature / top-k / top-p filters
 (:func:`potluck.engine.core.sampling.probs`). Shapes: ``p_rows`` is ``[k + 1, vocab]`` (row i is
@@ -27,8 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+from ..core.sampling import inverse_cdf
 
 # --------------------------------------------------------------------------- building blocks
 
@@ -61,12 +68,6 @@ def residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
     return r / total
 
 
-def draw(p: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw with one uniform ``u`` in [0, 1) (same rule as ``Sampler.draw``)."""
-    idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
-    return min(idx, p.shape[0] - 1)
-
-
 # --------------------------------------------------------------------------- single chain
 
 
@@ -82,17 +83,76 @@ class Verdict:
         return [*drafts[: self.n_accepted], self.token]
 
 
+Guess = tuple[int, np.ndarray | None]  # a drafted token and the q row it was drawn from (None: q = delta)
+Row = TypeVar("Row")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one pass of the accept loop decided, as far as the rows reached."""
+
+    tokens: list[int]  # kept guesses, then the target's own token when one was decided
+    n_accepted: int  # guesses kept: a prefix of ``tokens``
+    judged: int  # guesses judged: the kept ones and the rejected one, if any
+
+    @property
+    def own(self) -> bool:
+        """The last token is the target's own (a guess was rejected, or none was left):
+        guesses after it are void."""
+        return len(self.tokens) > self.n_accepted
+
+
+def verify_lazily(
+    guess_at: Callable[[int], Guess | None],
+    row_at: Callable[[int], Row | None],
+    keep: Callable[[Row, int, np.ndarray | None, list[int]], int | None],
+    own_token: Callable[[Row, list[int]], int],
+) -> Decision:
+    """The accept loop: position by position, each fetched only when reached.
+
+    At position ``i`` (after ``i`` kept guesses): ``row_at(i)`` is the target's row there
+    (None: not computed yet, so the pass stops undecided); ``guess_at(i)`` the guess for it
+    (None: no guess, the target's own token ``own_token(row, kept)`` ends the pass);
+    ``keep(row, x, q, kept)`` judges guess ``x``: None keeps it, else it returns the token
+    the target emits instead, which ends the pass. Every verifier is this loop: whole chains
+    (:func:`verify_greedy`, :func:`verify_chain`) and rows that arrive one batch at a time
+    (pearl, pipeinfer: :class:`~.inflight.RowJudge`).
+    """
+    kept: list[int] = []
+    judged = 0
+    while True:
+        row = row_at(len(kept))
+        if row is None:
+            return Decision(kept, len(kept), judged)
+        guess = guess_at(len(kept))
+        if guess is None:
+            return Decision([*kept, own_token(row, kept)], len(kept), judged)
+        x, q = guess
+        judged += 1
+        fix = keep(row, x, q, kept)
+        if fix is not None:
+            return Decision([*kept, fix], len(kept), judged)
+        kept.append(x)
+
+
 def verify_greedy(drafts: Sequence[int], target_tokens: Callable[[int], int]) -> Verdict:
     """Greedy acceptance: keep drafts while each equals the target's choice at its position.
 
     ``target_tokens(i)`` returns the target's greedy token after ``i`` drafts; it is called
     lazily so that the caller only computes the rows it needs.
     """
-    for i, x in enumerate(drafts):
+
+    def keep(i: int, x: int, q: np.ndarray | None, kept: list[int]) -> int | None:
         t = target_tokens(i)
-        if t != x:
-            return Verdict(i, t)
-    return Verdict(len(drafts), target_tokens(len(drafts)))
+        return None if t == x else t
+
+    d = verify_lazily(
+        lambda i: (drafts[i], None) if i < len(drafts) else None,
+        lambda i: i,
+        keep,
+        lambda i, kept: target_tokens(i),
+    )
+    return Verdict(d.n_accepted, d.tokens[-1])
 
 
 def verify_chain(
@@ -109,11 +169,13 @@ def verify_chain(
     deterministic drafts. ``uniform()`` draws from the sampler's seeded RNG.
     ``residual_fn`` exists so tests can show that a wrong residual is detected.
     """
-    for i, x in enumerate(drafts):
-        recovered = judge(p_rows(i), None if q_rows is None else q_rows[i], x, uniform, residual_fn)
-        if recovered is not None:
-            return Verdict(i, recovered)
-    return Verdict(len(drafts), draw(p_rows(len(drafts)), uniform()))
+    d = verify_lazily(
+        lambda i: (drafts[i], None if q_rows is None else q_rows[i]) if i < len(drafts) else None,
+        p_rows,
+        lambda p, x, q, kept: judge(p, q, x, uniform, residual_fn),
+        lambda p, kept: inverse_cdf(p, uniform()),
+    )
+    return Verdict(d.n_accepted, d.tokens[-1])
 
 
 def judge(
@@ -125,12 +187,12 @@ def judge(
 ) -> int | None:
     """One draft position of a chain: None if ``x`` is kept, else the recovered token.
 
-    Strategies that verify a chain position by position as rows arrive (pearl) call this;
-    :func:`verify_chain` is the same rule over a whole chain.
+    :func:`verify_chain` applies it position by position; so do the strategies that verify
+    as rows arrive (pearl, pipeinfer), through :func:`verify_lazily`.
     """
     if uniform() < accept_prob(p, q, x):
         return None
-    return draw(residual_fn(p, q, x), uniform())
+    return inverse_cdf(residual_fn(p, q, x), uniform())
 
 
 # --------------------------------------------------------------------------- token trees
@@ -167,92 +229,3 @@ class TokenTree:
                     parent.append(node)
                 node = index[key]
         return cls(tuple(tokens), tuple(parent), (None,) * len(tokens))
-
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    path: tuple[int, ...]  # accepted nodes, root excluded, in order
-    token: int  # recovered or bonus token after the last accepted node
-
-
-def verify_tree(
-    tree: TokenTree,
-    p_at: Callable[[int], np.ndarray],
-    uniform: Callable[[], float],
-) -> TreeVerdict:
-    """SpecInfer's multi-step speculative sampling down a token tree.
-
-    ``p_at(node)`` is the target's distribution after the path ending at ``node``. At each
-    node the children are tried in turn: accept child ``c`` with ``min(1, p(c)/q_c(c))``;
-    on rejection ``p <- norm(max(0, p - q_c))`` and the next child is tried. If no child is
-    accepted the recovered token is drawn from the final ``p``; at a leaf it is the bonus.
-    """
-    node, path = 0, []
-    while True:
-        p = p_at(node)
-        for child in tree.children(node):
-            x, q = tree.tokens[child], tree.q[child]
-            if uniform() < accept_prob(p, q, x):
-                path.append(child)
-                node = child
-                break
-            p = residual(p, q, x)
-        else:
-            return TreeVerdict(tuple(path), draw(p, uniform()))
-
-
-def tree_first_token_dist(tree: TokenTree, p: np.ndarray) -> np.ndarray:
-    """Exact distribution of the first emitted token of :func:`verify_tree` (test oracle).
-
-    Walks the children of the root with the same :func:`accept_prob` and :func:`residual`
-    the verifier uses; for any tree it must equal ``p`` (the target's distribution).
-    """
-    out = np.zeros_like(p, dtype=np.float64)
-    reach = 1.0  # probability that every earlier child was rejected
-    cur = np.asarray(p, dtype=np.float64)
-    for child in tree.children(0):
-        x, q = tree.tokens[child], tree.q[child]
-        if q is None:
-            a = accept_prob(cur, None, x)
-            out[x] += reach * a
-        else:  # x ~ q: expectation over the drafted token
-            a_vec = np.minimum(1.0, np.divide(cur, q, out=np.zeros_like(cur), where=q > 0))
-            out += reach * q * a_vec
-            a = float((q * a_vec).sum())
-        if a >= 1.0:
-            return out
-        cur = residual(cur, q, x) if q is None else _expected_residual(cur, q)
-        reach *= 1.0 - a
-    return out + reach * cur
-
-
-def _expected_residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    r = np.maximum(p - q, 0.0)
-    s = r.sum()
-    return r / s if s > 0 else p
-
-
-def chain_first_token_dist(
-    p: np.ndarray,
-    q: np.ndarray | None,
-    draft: int | None = None,
-    residual_fn: Callable[[np.ndarray, np.ndarray | None, int], np.ndarray] = residual,
-) -> np.ndarray:
-    """Exact distribution of the first emitted token of :func:`verify_chain` (test oracle).
-
-    ``q`` given: the draft is ``x ~ q`` and we take the expectation over ``x``;
-    ``q = None``: the deterministic draft ``draft``.
-    """
-    p = np.asarray(p, dtype=np.float64)
-    if q is None:
-        assert draft is not None
-        a = accept_prob(p, None, draft)
-        out = (1.0 - a) * residual_fn(p, None, draft)
-        out[draft] += a
-        return out
-    out = np.zeros_like(p)
-    for x in np.flatnonzero(q > 0):
-        a = accept_prob(p, q, int(x))
-        out[x] += q[x] * a
-        out += q[x] * (1.0 - a) * residual_fn(p, q, int(x))
-    return out

@@ -30,21 +30,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...core.errors import PotluckError
-from ...core.jobs import GroupCancelled, InFlight
-from ...core.sampling import SamplingParams, probs
+from ...core.sampling import SamplingParams
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import UNTIL_REPLY_END, DraftGate
 from ..drafters import ContextView, Drafter, DraftRequest
-from ..verify import judge
+from ..inflight import InFlightBook, RowJudge
 
 if TYPE_CHECKING:
     from ...core.runtime import Model
@@ -206,11 +203,6 @@ class DraftAhead:
         self._rng.bit_generator.state = np.random.PCG64(key).state
 
 
-@dataclass
-class _Batch(InFlight):
-    queued_at: float
-
-
 def split_threads(n_threads: int, target_ms: float, draft_ms: float) -> tuple[int, int]:
     """(target, draft) threads: cores shared in proportion to the measured cost per token
     (PEARL runs both models at once, so the slower one should get more cores)."""
@@ -312,47 +304,30 @@ class Pearl(Strategy):
         target, sampler = g.target, g.sampler
         params = sampler.params
         history = g.history  # grows by what each round yields (the session appends)
-        rows: dict[int, np.ndarray] = {len(history): g.first_logits}  # pos -> logits for it
-        batches: deque[_Batch] = deque()
+        book = InFlightBook(target, len(history), g.first_logits)
+        judge = RowJudge(sampler, history)
         parallel = False
         last = prev_done = time.perf_counter()
 
-        def recent(extra: Sequence[int]) -> list[int]:
-            if params.repeat_penalty == 1.0:
-                return []
-            return [*history[-params.repeat_last_n :], *extra][-params.repeat_last_n :]
-
-        def collect(b: _Batch) -> tuple[float, float]:
-            """Wait for a batch and file its rows; returns when it computed (it starts once
-            queued and the batch before it is done; it ends about when the wait returns)."""
+        def collect() -> tuple[float, float]:
+            """Wait for the oldest batch and file its rows; returns when it computed (it starts
+            once queued and the batch before it is done; it ends about when the wait returns)."""
             nonlocal prev_done
-            out = target.wait(b.ticket)
+            b = book.redeem_oldest()
             t_done = time.perf_counter()
             start, prev_done = max(b.queued_at, prev_done), t_done
             per_row = (t_done - start) * 1e3 / b.n
             self._target_ms = per_row if self._target_ms == 0 else 0.8 * self._target_ms + 0.2 * per_row
-            for i in range(b.n):
-                rows[b.pos0 + 1 + i] = out[i]
             return start, t_done
 
         def settle(keep_below: int) -> None:
             """Finish the batches that hold tokens below ``keep_below``, cancel the rest (they
             hold rejected guesses) and trim the KV cache back to ``keep_below`` tokens."""
-            for b in batches:
-                if b.pos0 >= keep_below:
-                    target.cancel(b.ticket.group)
-            while batches:
-                b = batches.popleft()
-                if b.pos0 < keep_below:
-                    collect(b)
-                else:
-                    try:
-                        target.wait(b.ticket)
-                    except GroupCancelled:
-                        pass
-            target.truncate(min(target.n_past, keep_below))
-            for k in [k for k in rows if k > keep_below]:
-                del rows[k]
+            book.cancel_from(keep_below)
+            while book.runs:
+                collect()
+            book.trim(keep_below)
+            book.redeem_stale(block=True)
 
         try:
             while True:
@@ -371,23 +346,23 @@ class Pearl(Strategy):
                         target.set_threads(self.n_threads)
                 if not parallel:
                     t0 = time.perf_counter()
-                    if p not in rows:  # accepted tokens the cache lacks (at least the last one)
+                    if p not in book.rows:  # accepted tokens the cache lacks (at least the last one)
                         target.truncate(min(target.n_past, p - 1))
-                        rows = {p: target.decode(history[target.n_past : p])[-1]}
-                    token = sampler.sample(rows[p], recent(()))
+                        book.rows = {p: target.decode(history[target.n_past : p])[-1]}
+                    token = judge.own_token(book.rows[p], ())
                     ms = (time.perf_counter() - t0) * 1e3
                     self.gate.record(0, 1, ms)
                     last = time.perf_counter()
                     yield Round(tokens=[token], verify_ms=ms)
                     if g.done or g.remaining <= 0:
                         return
-                    rows = {}
+                    book.rows = {}
                     continue
 
                 # 2. keep the target busy: up to two verify batches in flight, with at most
                 #    `window` unverified guesses computed past position p
                 self.ahead.set_lookahead(window + 1)
-                while len(batches) < 2:
+                while len(book.runs) < 2:
                     start = target.n_past
                     toks = history[start:p]  # accepted but not in the cache (the target's own token)
                     first_guess = max(start, p)
@@ -395,44 +370,25 @@ class Pearl(Strategy):
                     toks += self.ahead.drafted(first_guess, max(0, room))
                     if not toks:
                         break
-                    ticket = target.append(toks, target.new_group())
-                    batches.append(_Batch(ticket, start, len(toks), time.perf_counter()))
+                    book.send(toks)
 
                 # 3. verify position by position, waiting for target rows and draft tokens
-                emitted: list[int] = []
-                n_accepted = judged = 0
-                redirected = False
                 verify_busy: list[tuple[float, float]] = []
-                while True:
-                    pos = p + len(emitted)
-                    if pos not in rows:
-                        if emitted or not batches:
-                            break  # report what is decided (or queue more work first)
-                        verify_busy.append(collect(batches.popleft()))
-                        continue
-                    if pos >= p + window + 1:
-                        break  # the draft waits for this round to end before guessing further
-                    guess = self.ahead.token_at(pos)
-                    row = rows[pos]
-                    if guess is None:  # the draft has no guess here: the target's own token
-                        emitted.append(sampler.sample(row, recent(emitted)))
-                        redirected = True
-                        break
-                    x, q = guess
-                    judged += 1
-                    if params.greedy:
-                        t = sampler.sample(row, recent(emitted))
-                        accepted = t == x
-                    else:
-                        recovered = judge(probs(row, params, recent(emitted)), q, x, sampler.uniform)
-                        accepted, t = recovered is None, recovered if recovered is not None else x
-                    if accepted:
-                        emitted.append(x)
-                        n_accepted += 1
-                        continue
-                    emitted.append(t)
-                    redirected = True
-                    break
+
+                def row_at(
+                    i: int, p: int = p, window: int = window, busy: list[tuple[float, float]] = verify_busy
+                ) -> np.ndarray | None:
+                    """The row deciding position p + i: waits for a batch only while nothing is
+                    decided (then reports what is, or queues more work first); none past the
+                    window (the draft waits for this round to end before guessing further)."""
+                    while p + i not in book.rows:
+                        if i or not book.runs:
+                            return None
+                        busy.append(collect())
+                    return book.rows[p + i] if i < window + 1 else None
+
+                decision = judge.decide(lambda i, p=p: self.ahead.token_at(p + i), row_at)
+                emitted = decision.tokens
                 if not emitted:
                     continue
 
@@ -442,12 +398,12 @@ class Pearl(Strategy):
                 draft_ms = _busy_ms(drafting, last, now)
                 verify_ms = _busy_ms(verify_busy, last, now)
                 overlap_ms = _overlap_ms(drafting, verify_busy, last, now)
-                self.gate.record(max(judged, 1), len(emitted), (now - last) * 1e3)
+                self.gate.record(max(decision.judged, 1), len(emitted), (now - last) * 1e3)
                 last = now
                 yield Round(
                     tokens=emitted,
-                    drafted=judged,
-                    accepted=n_accepted,
+                    drafted=decision.judged,
+                    accepted=decision.n_accepted,
                     draft_len=window,
                     draft_ms=draft_ms,
                     verify_ms=verify_ms,
@@ -456,15 +412,14 @@ class Pearl(Strategy):
                 if g.done or g.remaining <= 0:
                     return
                 # the conversation now ends with `emitted`: move the draft and the caches after it
-                if redirected:
+                if decision.own:
                     own = len(history) - 1  # position of the target's own token
                     self.ahead.accept(len(emitted) - 1)
                     self.ahead.redirect(emitted[-1])
                     settle(own)  # every batch in flight was built on the rejected guess
                 else:
                     self.ahead.accept(len(emitted))
-                for k in [k for k in rows if k < len(history)]:
-                    del rows[k]
+                book.forget_before(len(history))
         finally:
             # the reply ended (or the session stopped asking for rounds): no guess may stay
             # in flight or in the cache past the conversation
