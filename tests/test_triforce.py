@@ -44,7 +44,7 @@ def _replies(strategy: str, turns: tuple[str, ...], options: dict[str, object] |
 
 @pytest.fixture(scope="module")
 def plain_long() -> list[tuple[int, ...]]:
-    return _replies("autoregressive", LONG_TURNS)[0]
+    return _replies("plain", LONG_TURNS)[0]
 
 
 def test_long_multi_turn_equals_plain(plain_long: list[tuple[int, ...]]) -> None:
@@ -72,7 +72,7 @@ def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) ->
             line = DraftBreakEven()
             line.load({1: [10.0] * 12, 2: [10.5] * 12})
             strategy.break_even = line  # type: ignore[attr-defined]
-            strategy._step_ms = max(strategy._step_ms, 20.0)  # type: ignore[attr-defined]
+            strategy.retrieval.step_ms = max(strategy.retrieval.step_ms, 20.0)  # type: ignore[attr-defined]
 
     got, strategy = _replies("triforce", LONG_TURNS, before_turn=cheap_rows)
     assert got == plain_long
@@ -82,7 +82,7 @@ def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) ->
 
 
 def test_short_conversation_runs_as_anpd() -> None:
-    want = _replies("autoregressive", SHORT_TURNS)[0]
+    want = _replies("plain", SHORT_TURNS)[0]
     got, strategy = _replies("triforce", SHORT_TURNS)
     assert got == want
     c = strategy.counters  # type: ignore[attr-defined]

@@ -1,8 +1,11 @@
 """Speculative decoding on one machine: draft, verify in one target batch, keep the prefix.
 
-Two strategies share this loop and differ only in where drafts come from:
+Strategies share this loop and differ only in where drafts come from:
 - ``sd``: a small draft model with the target's vocabulary (Leviathan et al. 2023);
-- ``anpd``: multi-level N-gram tables over the conversation itself (Ou et al. 2024).
+- ``anpd``: multi-level N-gram tables over the conversation itself (Ou et al. 2024);
+- ``minions``: several drafters voting (:mod:`.minions`);
+- ``triforce``: the target over a retrieval cache, picked each round by :meth:`Speculative.plan`
+  (:mod:`.triforce`).
 
 Each round (compare llama.cpp's examples/speculative-simple):
 1. choose the speculation length ``s`` (Minions' adaptive selector, :mod:`..adaptive`);
@@ -27,13 +30,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...core.errors import PotluckError
-from ...core.sampling import Sampler, probs
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import UNTIL_REPLY_END, DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
 from ..costs import SavedLine
 from ..drafters import Draft, Drafter, DraftRequest
-from ..verify import Verdict, verify_chain, verify_greedy
+from ..inflight import RowJudge
 from .kit import LENGTH_OPTIONS, bool_option, int_option, load_draft_model, saved_costs
 
 if TYPE_CHECKING:
@@ -85,48 +87,32 @@ class Speculative(Strategy):
         target, sampler = g.target, g.sampler
         pending: list[int] = []  # last emitted token: in g.history, not yet in the KV cache
         head_logits = g.first_logits  # target logits after g.history while nothing is pending
+        judge = RowJudge(sampler, g.history)
         self.gate.new_reply()
 
         while True:
-            # 1. how far to speculate: never past the reply's end or the exact batch size;
-            #    and how likely a draft token must be to pay for its share of the batch;
-            #    the gate keeps the whole reply from falling below plain decoding
-            if self.adaptive:
-                fit = self.break_even.line()  # risk of one more row: its verify + draft cost
-                row_ms = fit[1] + self.drafter.step_ms if fit else None
-                s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
-            else:
-                s = self.length_config.s_max
-            k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
-            min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
-            if min_accept_p >= 1.0:
-                # not even a sure draft pays here now: plain step, no draft sync; but now and
-                # then a short probe re-measures what a batch costs (the line may be stale)
-                self._blocked += 1
-                if self._blocked < PROBE_EVERY:
-                    k = 0
-                else:
-                    self._blocked, min_accept_p, k = 0, 0.0, min(k, PROBE_LEN)
+            # 1. how far to speculate, how likely a draft token must be, and who drafts
+            k, min_accept_p, drafter = self.plan(g, pending)
 
             # 2. draft
             t0 = time.perf_counter()
             request = DraftRequest(g.history, k, min_accept_p, sampler.params)
-            draft = self.drafter.draft(request) if k > 0 else Draft([])
+            draft = drafter.draft(request) if k > 0 else Draft([])
             drafts = draft.tokens[:k]
             t1 = time.perf_counter()
 
             # 3. one target decode: row i holds the logits after the conversation + drafts[:i]
             batch = pending + drafts
             rows = target.decode(batch, all_logits=True) if batch else None
-            after = rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
+            after = _rows_after_drafts(rows, bool(pending), head_logits, len(drafts))
 
             # 4. accept a prefix of the drafts and one token of the target's own
-            verdict = verify_rows(drafts, draft.q, after, g.history, sampler)
+            verdict = judge.chain(drafts, draft.q, after)
             # 5. rejected drafts leave the KV cache from the tail
             target.truncate(len(g.history) + verdict.n_accepted)
             t2 = time.perf_counter()
             if drafts:
-                self.drafter.accept(verdict.n_accepted)
+                self.learn(drafter, len(drafts), verdict.n_accepted)
 
             # 6. report, and let the measured cost steer the next speculation length
             tokens = verdict.tokens(drafts)
@@ -147,6 +133,34 @@ class Speculative(Strategy):
                 return
             pending = [tokens[-1]]
 
+    def plan(self, g: Generation, pending: list[int]) -> tuple[int, float, Drafter]:
+        """This round's draft length, the chance each draft token must have to pay for its
+        share of the batch, and the drafter (TriForce picks one of its levels here).
+
+        Never past the reply's end or the exact batch size; the gate keeps the whole reply
+        from falling below plain decoding."""
+        if self.adaptive:
+            fit = self.break_even.line()  # risk of one more row: its verify + draft cost
+            row_ms = fit[1] + self.drafter.step_ms if fit else None
+            s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
+        else:
+            s = self.length_config.s_max
+        k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
+        min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
+        if min_accept_p >= 1.0:
+            # not even a sure draft pays here now: plain step, no draft sync; but now and
+            # then a short probe re-measures what a batch costs (the line may be stale)
+            self._blocked += 1
+            if self._blocked < PROBE_EVERY:
+                k = 0
+            else:
+                self._blocked, min_accept_p, k = 0, 0.0, min(k, PROBE_LEN)
+        return k, min_accept_p, self.drafter
+
+    def learn(self, drafter: Drafter, drafted: int, accepted: int) -> None:
+        """The round's drafter hears how many of its ``drafted`` tokens the target kept."""
+        drafter.accept(accepted)
+
     def prepare(self, g: Generation) -> None:
         """Let the drafter read the prompt now (a draft model prefills it) so that the
         first round's draft time is drafting only."""
@@ -161,7 +175,7 @@ class Speculative(Strategy):
         self.drafter.close()
 
 
-def rows_after_drafts(
+def _rows_after_drafts(
     rows: np.ndarray | None, pending: bool, head_logits: np.ndarray, k: int
 ) -> list[np.ndarray]:
     """Target logits after the conversation plus 0..k drafts (views, no copies)."""
@@ -169,32 +183,6 @@ def rows_after_drafts(
         assert rows is not None
         return [rows[i] for i in range(k + 1)]
     return [head_logits] + ([rows[i] for i in range(k)] if rows is not None else [])
-
-
-def verify_rows(
-    drafts: list[int],
-    q: list[np.ndarray] | None,
-    after: list[np.ndarray],
-    history: list[int],
-    sampler: Sampler,
-) -> Verdict:
-    """Greedy or stochastic acceptance; p goes through the same filters plain sampling uses."""
-    params = sampler.params
-
-    def recent(i: int) -> list[int]:
-        """History the repetition penalty sees at draft position i (empty when it is off)."""
-        if params.repeat_penalty == 1.0:
-            return []
-        return history[-params.repeat_last_n :] + drafts[:i]
-
-    if params.greedy:
-        return verify_greedy(drafts, lambda i: sampler.sample(after[i], recent(i)))
-    return verify_chain(
-        drafts,
-        lambda i: probs(after[i], params, recent(i)),
-        q[: len(drafts)] if q is not None else None,
-        sampler.uniform,
-    )
 
 
 class DraftModelSpeculative(Speculative):
