@@ -43,7 +43,8 @@ from potluck.engine.core.spec import CurveKeys, EngineSpec
 from potluck.engine.lab.benchmark import load_prompts
 from potluck.engine.lab.cluster_bench import SYNC, ClusterBenchConfig, ClusterRow, run_cluster_bench
 from potluck.engine.lab.perf import measure
-from potluck.engine.lab.simulate import PerfTiming, SimConfig, fit_latency, simulate
+from potluck.engine.lab.sim_config import PerfTiming, SimConfig
+from potluck.engine.lab.simulate import fit_latency, simulate
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 from scripts.procfs import process_tree
 
@@ -87,7 +88,7 @@ def measure_overheads(
     model: Model, pipeline: PipelineTarget, pids: list[int], stage_ms: float, tokens: int
 ) -> Overheads:
     """Decode one reply synchronously; read CPU and counters at its first and last token."""
-    strategy = get_strategy_class("autoregressive").build(model, EngineSpec(strategy="autoregressive", n_ctx=2048))
+    strategy = get_strategy_class("plain").build(model, EngineSpec(strategy="plain", n_ctx=2048))
     session = Session(model, pipeline, strategy)
     marks = []
 

@@ -22,15 +22,14 @@ from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import Sampler, SamplingParams, probs
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Generation, Strategy
 from potluck.engine.core.target import LocalTarget, Target
-from potluck.engine.speculation import verify
-from potluck.engine.speculation.strategies import pipeinfer
+from potluck.engine.speculation import inflight, verify
 from potluck.engine.speculation.strategies.pipeinfer import PipeInfer
 
 from .cluster_support import TOKEN, WorkerProc
@@ -98,7 +97,7 @@ def replies(
 
 @pytest.fixture(scope="module")
 def plain(model: Model) -> list[list[int]]:
-    return replies(model, LocalTarget(model, PARAMS), Autoregressive())[0]
+    return replies(model, LocalTarget(model, PARAMS), Plain())[0]
 
 
 def split(models: list[Model]) -> SplitTarget:
@@ -137,7 +136,7 @@ def test_replies_that_end_while_kept_tokens_are_in_flight(model: Model, stage_mo
         finally:
             session.close()
 
-    want, _ = talk(LocalTarget(model, PARAMS), Autoregressive())
+    want, _ = talk(LocalTarget(model, PARAMS), Plain())
     got, kept = talk(split(stage_models[2]), build(model))
     assert got == want
     assert kept > 0
@@ -241,7 +240,7 @@ def test_sampled_pipeinfer_token_follows_target_distribution(
     tokens, p = second_tokens(model, stage_models[2], strategy, text)
     assert chi2_pvalue(tokens, p) > ALPHA
     # the same with a verifier that resamples from p after a rejection must fail
-    monkeypatch.setattr(pipeinfer, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
+    monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
     tokens, p = second_tokens(model, stage_models[2], strategy, text)
     assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()

@@ -13,7 +13,8 @@ import pytest
 
 from potluck.app.cli import main
 from potluck.engine.core.errors import PotluckError
-from potluck.engine.lab.simulate import SimConfig, batch_cost_fn, simulate, trends
+from potluck.engine.lab.sim_config import SimConfig, batch_cost_fn
+from potluck.engine.lab.simulate import simulate, trends
 
 FOUR = SimConfig(stage_ms=(3.0,) * 4, tokens=150, seeds=2)
 
@@ -243,7 +244,7 @@ def test_text_plot_puts_equal_points_side_by_side() -> None:
 
 
 def test_perf_report_sets_the_stages() -> None:
-    from potluck.engine.lab.simulate import PerfTiming
+    from potluck.engine.lab.sim_config import PerfTiming
 
     timing = PerfTiming.from_report({"decode_tokens_per_s": 50.0, "batch_cost": {"1": 1.0, "4": 2.5}})
     cfg = timing.config(4)
@@ -366,3 +367,27 @@ def test_message_cpu_runs_beside_the_message() -> None:
     tight = fit_latency(replace(TWO, cores=1, run_ms=1.0, msg_ms=0.5), 40.0)
     assert tight.latency_ms < spare.latency_ms
     assert run(tight, "iterative")["iterative"]["tok_s"] == pytest.approx(40.0, rel=1e-4)
+
+
+def test_the_head_loop_decides_with_the_strategys_own_speculation() -> None:
+    """The model's 'code' reading is pipeinfer's Speculation itself: the same sends, room,
+    bar and decline bookkeeping as the strategy, step by step over one trace of rounds."""
+    from potluck.engine.lab.sim_head import READINGS
+    from potluck.engine.speculation.strategies.pipeinfer import Cutoff, Speculation
+
+    assert issubclass(READINGS["code"], Speculation)
+    args = (Cutoff(), 4, 3, True, 2)
+    strategy, model = Speculation(*args), READINGS["code"](*args)
+    # (runs in flight, speculative ones, guesses in flight, remaining, result waiting, accepted, own)
+    trace = [(1, 0, 0, 50, False, 0, True), (2, 1, 4, 49, False, 3, False), (3, 2, 8, 40, True, 0, True),
+             (1, 1, 2, 3, False, 2, False), (0, 0, 0, 1, False, 0, True)]
+    for n_runs, n_spec, n_guesses, remaining, waiting, accepted, own in trace:
+        strategy.decided(accepted, own)
+        model.settled(accepted, own, whole=False)
+        assert model.may_send(n_runs, n_spec) == strategy.may_send(n_runs, n_spec)
+        assert model.room(remaining, n_guesses) == strategy.room(remaining, n_guesses)
+        assert model.bar(n_spec) == strategy.bar(n_spec)
+        strategy.declined(waiting)
+        model.declined(waiting)
+        assert model.declines == strategy.declines
+    assert strategy.declines > 0 and strategy.room(1, 0) == 0 and not strategy.may_send(3, 0)

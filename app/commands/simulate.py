@@ -18,17 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ...engine import PotluckError
-from ...engine.lab.simulate import (
-    CUTOFF_RULES,
-    STRATEGIES,
-    PerfTiming,
-    SimConfig,
-    TrendSetting,
-    check_batch_cost,
-    fit_latency,
-    simulate,
-    trends,
-)
+from ...engine.lab.sim_config import CUTOFF_RULES, STRATEGIES, PerfTiming, SimConfig, check_batch_cost
+from ...engine.lab.simulate import TrendSetting, fit_latency, simulate, trends
 
 DEFAULT_MODEL_MS = 12.0  # SmolLM2-135M, one token on 2 threads (docs/facts.md §6)
 MARKERS = {"iterative": "i", "speculative": "s", "pipelined": "p", "pipeinfer": "P",

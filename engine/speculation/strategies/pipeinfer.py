@@ -41,21 +41,18 @@ speculation (:class:`~.speculative.Speculative`) with the same drafter.
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ...core.errors import PotluckError
-from ...core.jobs import GroupCancelled, InFlight
-from ...core.sampling import probs
+from ...core.jobs import GroupCancelled
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import Target
 from ..adaptive import UNTIL_REPLY_END, DraftGate, LengthConfig
 from ..drafters import ContextView, Drafter, DraftRequest
-from ..verify import judge
+from ..inflight import InFlightBook, RowJudge
+from ..verify import Guess
 from .speculative import Speculative
 
 if TYPE_CHECKING:
@@ -83,8 +80,43 @@ class Cutoff:
 
 
 @dataclass
-class _Run(InFlight):
-    speculative: bool  # guesses (cancelled when one before them is rejected), or the target's own token
+class Speculation:
+    """Continuous speculation's decisions (§IV-B), one object per reply: whether another run
+    may be sent, how many guesses it may hold, the confidence it needs, and the declines
+    behind the cutoff's decay. The simulator's head loop (engine/lab/sim_head.py) decides
+    with this same object, so the model follows the strategy by construction."""
+
+    cutoff: Cutoff
+    max_micro: int  # most guesses in one micro-batch
+    cap: int  # runs in flight at once
+    continuous: bool  # several speculative runs in flight (else at most one)
+    n_stages: int
+    declines: int = 0  # speculation stopped with no result waiting, since a run was accepted whole
+
+    def may_send(self, n_runs: int, n_speculative: int) -> bool:
+        """Whether another run may go down the pipeline now."""
+        return n_runs < self.cap and (self.continuous or n_speculative == 0)
+
+    def room(self, remaining: int, n_guesses: int) -> int:
+        """Guesses the next micro-batch may hold: never past the reply's end (``remaining``
+        tokens it may still take, ``n_guesses`` already in flight)."""
+        return min(self.max_micro, remaining - 1 - n_guesses)
+
+    def bar(self, n_speculative: int) -> float:
+        """The chance that all of a micro-batch's guesses hold which it needs (above 1:
+        send none); ``n_speculative``: speculative runs in flight, each built on the ones
+        before."""
+        return self.cutoff.value(n_speculative, self.declines, self.n_stages)
+
+    def declined(self, result_waiting: bool) -> None:
+        """The drafter had nothing confident enough: idle with nothing sent, lower the bar."""
+        if not result_waiting:
+            self.declines += 1
+
+    def decided(self, n_accepted: int, own: bool) -> None:
+        """A round decided tokens: a speculative run accepted whole resets the decay."""
+        if n_accepted and not own:
+            self.declines = 0
 
 
 @dataclass
@@ -201,112 +233,60 @@ class PipeInfer(Strategy):
         speculated = False  # a speculative run was in flight during this round
         first = True
         cap = self.in_flight_cap(target)
-        runs: deque[_Run] = deque()  # in flight, in the order sent (a pipeline returns them so)
-        stale: list[_Run] = []  # cancelled or wasted runs whose tickets are still to redeem
-        rows: dict[int, np.ndarray] = {len(history): g.first_logits}  # position -> logits for it
-        guesses: list[int] = []  # drafted tokens for positions len(history).., all sent
-        guess_q: list[np.ndarray | None] = []
-        declines = 0
+        book = InFlightBook(target, len(history), g.first_logits)  # runs: a pipeline returns them in order
+        judge = RowJudge(sampler, history)
+        guesses: list[Guess] = []  # (token, q row) drafted for positions len(history).., all sent
+        spec = Speculation(self.cutoff, self.max_micro, cap, self.continuous, target.n_stages)
         last = time.perf_counter()
         draft_ms = wait_ms = 0.0
 
-        def recent(extra: Sequence[int]) -> list[int]:
-            if params.repeat_penalty == 1.0:
-                return []
-            return [*history[-params.repeat_last_n :], *extra][-params.repeat_last_n :]
-
         def send(tokens: list[int], speculative: bool) -> None:
-            ticket = target.append(tokens, target.new_group())
-            runs.append(_Run(ticket, target.n_past - len(tokens), len(tokens), speculative))
+            book.send(tokens, speculative)
             counters.runs += 1
             counters.speculative_runs += speculative
-            counters.max_in_flight = max(counters.max_in_flight, len(runs))
+            counters.max_in_flight = max(counters.max_in_flight, len(book.runs))
 
-        def file(r: _Run, out: np.ndarray) -> None:
-            for i in range(r.n):
-                rows[r.pos0 + 1 + i] = out[i]
-
-        def redeem_stale(block: bool) -> None:
-            for r in list(stale):
-                if block or target.poll(r.ticket):
-                    stale.remove(r)
-                    try:
-                        target.wait(r.ticket)
-                        counters.wasted += 1
-                    except GroupCancelled:
-                        pass
-
-        def drop_after(p: int, keep_nonspec: bool) -> None:
+        def drop_after(p: int) -> None:
             """Runs holding positions >= ``p`` were built on a rejected guess: cancel them
             (or let them run, without cancellation) and trim the cache back to ``p``."""
-            doomed = [r for r in runs if r.pos0 + r.n > p and (r.speculative or not keep_nonspec)]
-            for r in doomed:
-                assert r.pos0 >= p, "a run straddles the rejected position"
-                runs.remove(r)
-                stale.append(r)
-            if doomed and self.cancel:  # in one call: a stage never starts one after aborting another
-                target.cancel(*(r.ticket.group for r in doomed))
-                counters.cancelled += len(doomed)
-            target.truncate(min(target.n_past, p))
-            for k in [k for k in rows if k > p]:
-                del rows[k]
+            dropped = book.cancel_from(p, cancel=self.cancel)
+            if self.cancel:
+                counters.cancelled += dropped
+            book.trim(p)
 
         try:
             while True:
                 p = len(history)  # the position decided next
                 # 1. file every result that is here (never waiting)
-                while runs and target.poll(runs[0].ticket):
-                    r = runs.popleft()
-                    file(r, target.wait(r.ticket))
-                if stale:
-                    redeem_stale(block=False)
+                while book.ready():
+                    book.redeem_oldest()
+                if book.stale:
+                    book.redeem_stale(block=False)
 
                 # 2. decide what the rows allow: accepted guesses, then the target's own token
-                emitted: list[int] = []
-                judged = n_accepted = 0
-                own = False  # the last emitted token is the target's own (not sent yet)
-                while p + len(emitted) in rows:
-                    row = rows[p + len(emitted)]
-                    j = len(emitted)
-                    if j >= len(guesses):
-                        emitted.append(sampler.sample(row, recent(emitted)))
-                        own = True
-                        break
-                    x = guesses[j]
-                    judged += 1
-                    if params.greedy:
-                        t = sampler.sample(row, recent(emitted))
-                        kept = t == x
-                    else:
-                        fix = judge(probs(row, params, recent(emitted)), guess_q[j], x, sampler.uniform)
-                        kept, t = fix is None, x if fix is None else fix
-                    if kept:
-                        emitted.append(x)
-                        n_accepted += 1
-                        continue
-                    emitted.append(t)
-                    own = True
-                    break
-
+                decision = judge.decide(
+                    lambda i, guesses=guesses: guesses[i] if i < len(guesses) else None,
+                    lambda i, p=p: book.rows.get(p + i),
+                )
+                emitted = decision.tokens
                 if emitted:
-                    if own:
+                    if decision.own:
                         # every run in flight holds guesses at or after the own token's position
-                        drop_after(p + len(emitted) - 1, keep_nonspec=True)
-                        guesses, guess_q = [], []
+                        drop_after(p + len(emitted) - 1)
+                        guesses = []
                     else:
-                        del guesses[: len(emitted)], guess_q[: len(emitted)]
-                    if n_accepted and not own:
-                        declines = 0  # a speculative run was accepted whole
+                        del guesses[: len(emitted)]
+                    spec.decided(decision.n_accepted, decision.own)
                     now = time.perf_counter()
                     # the floor: a round with guesses in flight against synchronous rounds
                     if not first:  # the first token came from prompt processing: no round to time
-                        gate.record(max(judged, 1) if speculated else 0, len(emitted), (now - last) * 1e3)
+                        gate.record(max(decision.judged, 1) if speculated else 0, len(emitted), (now - last) * 1e3)
                     first = False
-                    speculated = any(r.speculative for r in runs)
+                    speculated = any(r.speculative for r in book.runs)
                     yield Round(
                         tokens=emitted,
-                        drafted=judged,
-                        accepted=n_accepted,
+                        drafted=decision.judged,
+                        accepted=decision.n_accepted,
                         draft_len=self.max_micro,
                         draft_ms=draft_ms,
                         verify_ms=wait_ms,
@@ -315,8 +295,7 @@ class PipeInfer(Strategy):
                     last, draft_ms, wait_ms = now, 0.0, 0.0
                     if g.done or g.remaining <= 0:
                         return
-                    for k in [k for k in rows if k < len(history)]:
-                        del rows[k]
+                    book.forget_before(len(history))
                     p = len(history)
 
                 # 3. the target's own token goes down alone: a run that is never cancelled
@@ -325,55 +304,54 @@ class PipeInfer(Strategy):
 
                 # 4. continuous speculation while runs may be added
                 t0 = time.perf_counter()
-                while len(runs) < cap and (self.continuous or not any(r.speculative for r in runs)):
-                    if runs and target.poll(runs[0].ticket):
+                while spec.may_send(len(book.runs), n_speculative := sum(r.speculative for r in book.runs)):
+                    if book.ready():
                         break  # logits are waiting: sampling them comes first (the paper's probe)
-                    room = min(self.max_micro, g.remaining - 1 - len(guesses))
+                    room = spec.room(g.remaining, len(guesses))
                     if self.adaptive:  # the gate's risk budget caps the guesses in flight
                         # a wasted guess costs about one stage's share of a plain step
                         row_ms = gate.plain_ms / target.n_stages if gate.plain_ms else None
                         room = min(room, gate.draft_cap(MAX_MICRO * cap, row_ms) - len(guesses))
                     if room <= 0:
                         break
-                    want = self.cutoff.value(sum(r.speculative for r in runs), declines, target.n_stages)
+                    want = spec.bar(n_speculative)
                     if want > 1.0:
                         break
-                    context = ContextView(history, p, tuple(guesses))
+                    context = ContextView(history, p, tuple(x for x, _ in guesses))
                     draft = self.drafter.draft(DraftRequest(context, room, want, params))
                     if not draft.tokens:
-                        if not (runs and target.poll(runs[0].ticket)):
-                            declines += 1  # idle with nothing sent: lower the bar (decay)
+                        spec.declined(book.ready())
                         break
                     tokens = draft.tokens[:room]
-                    guesses += tokens
-                    guess_q += list(draft.q[: len(tokens)]) if draft.q is not None else [None] * len(tokens)
+                    qs = draft.q[: len(tokens)] if draft.q is not None else [None] * len(tokens)
+                    guesses += zip(tokens, qs)
                     send(tokens, speculative=True)
                     speculated = True
                 draft_ms += (time.perf_counter() - t0) * 1e3
 
                 # 5. nothing more to send: wait for the oldest run
-                if runs and not target.poll(runs[0].ticket):
+                if book.runs and not book.ready():
                     t0 = time.perf_counter()
-                    r = runs.popleft()
-                    file(r, target.wait(r.ticket))
+                    book.redeem_oldest()
                     wait_ms += (time.perf_counter() - t0) * 1e3
-                elif not runs and p not in rows:
+                elif not book.runs and p not in book.rows:
                     raise PotluckError("pipeinfer: no run in flight and no logits to decide from")
         finally:
             # the reply ended: no guess may stay in flight or in the cache past the conversation
             # a run holding a kept token must finish (an accepted guess may still be on its way
             # down the pipeline); runs wholly past the reply's end are cancelled
-            past_end = [r.ticket.group for r in runs if r.pos0 >= len(history)]
-            counters.kept_at_end += len(runs) - len(past_end)
+            past_end = [r.ticket.group for r in book.runs if r.pos0 >= len(history)]
+            counters.kept_at_end += len(book.runs) - len(past_end)
             if past_end and self.cancel:
                 target.cancel(*past_end)
-            for r in runs:
+            for r in book.runs:
                 try:
                     target.wait(r.ticket)
                 except GroupCancelled:
                     pass
-            runs.clear()
-            redeem_stale(block=True)
+            book.runs.clear()
+            book.redeem_stale(block=True)
+            counters.wasted += book.wasted
             target.truncate(min(target.n_past, len(history)))
 
     def reset(self) -> None:
