@@ -35,7 +35,7 @@ from .core.events import (
     TokenText,
 )
 from .core.gguf_tools import describe as describe_gguf
-from .core.plain import Autoregressive
+from .core.plain import Plain
 from .core.prompt_cache import PromptCache, PromptCacheStats
 from .core.runtime import Model, check_gguf_file, default_threads
 from .core.sampling import SamplingParams
@@ -44,7 +44,7 @@ from .core.spec import ClusterSpec, CurveKeys, EngineSpec
 from .loader import checked_spec, open_session, resolve_model, strategy_fits
 from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
-PLAIN = Autoregressive.name
+PLAIN = Plain.name
 """The strategy name of plain decoding (no drafts)."""
 
 __all__ = [

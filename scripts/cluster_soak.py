@@ -34,7 +34,7 @@ from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished, PlanChanged, TokenText
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -142,7 +142,7 @@ def main() -> int:
             target = open_pipeline(default_model_path(), cluster.addresses(), keys_from_token(cluster.token),
                                    n_ctx=N_CTX, split=[0, 10, 20, 30], slice_cache=SliceCache(tmp / "slices"),
                                    candidates=cluster.addresses)
-            session = Session(model, target, Autoregressive())
+            session = Session(model, target, Plain())
             for t in threads:
                 t.start()
             n = 0

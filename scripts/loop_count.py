@@ -78,7 +78,7 @@ def count_loops(model: Path | None, prompts: Sequence[str], seeds: Sequence[int]
             session.close()
         return list(fin.tokens)
 
-    greedy = [p for p in prompts if loops(reply("autoregressive", p, SamplingParams()))]
+    greedy = [p for p in prompts if loops(reply("plain", p, SamplingParams()))]
     looped = []
     for p in prompts:
         for seed in seeds:

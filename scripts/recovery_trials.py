@@ -34,7 +34,7 @@ from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.cluster.head import PipelineTarget, open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished, PlanChanged
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -63,7 +63,7 @@ class Trial:
 
 
 def converse(model: Model, target: Target, turns: tuple[str, ...], sampling: SamplingParams) -> tuple[list, list]:
-    session = Session(model, target, Autoregressive())
+    session = Session(model, target, Plain())
     replies, changes = [], []
     for turn in turns:
         for ev in session.generate(turn, sampling, MAX_NEW):

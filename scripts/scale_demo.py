@@ -85,7 +85,7 @@ def capped_group(limit_bytes: int, name: str) -> Path:
 
 def reference_tokens(path: Path, n: int, n_ctx: int) -> list[int]:
     """Greedy tokens of one uncapped process holding the whole model (2 threads)."""
-    from potluck.engine.core.plain import Autoregressive
+    from potluck.engine.core.plain import Plain
     from potluck.engine.core.runtime import ContextParams, Model
     from potluck.engine.core.sampling import SamplingParams
     from potluck.engine.core.session import Session
@@ -94,7 +94,7 @@ def reference_tokens(path: Path, n: int, n_ctx: int) -> list[int]:
     with Model(path) as m:
         t = LocalTarget(m, ContextParams(n_ctx=n_ctx, n_threads=2))
         try:
-            *_, fin = Session(m, t, Autoregressive()).generate(PROMPT, SamplingParams(), n)
+            *_, fin = Session(m, t, Plain()).generate(PROMPT, SamplingParams(), n)
             return list(fin.tokens)
         finally:
             t.close()
@@ -170,7 +170,7 @@ def main() -> None:
         return
     if args.mode == "head":
         print(json.dumps(head_run(args.model, args.addresses.split(","), os.environ["POTLUCK_TOKEN"],
-                                  args.tokens, args.ctx, args.batch, ["autoregressive", "pipeinfer"])))
+                                  args.tokens, args.ctx, args.batch, ["plain", "pipeinfer"])))
         return
 
     path = build_shape(args.shape)
@@ -210,7 +210,7 @@ def main() -> None:
                 print("\n".join(run["plan"]))
             print(f"{label}: load {run['load_s']:.1f} s, sent {run['sent_mb']:,.0f} MB "
                   f"({run['transfer_mb_per_s']:,.0f} MB/s), head peak RSS {run['head_peak_rss_mb']:,.0f} MB")
-            for name in ("autoregressive", "pipeinfer"):
+            for name in ("plain", "pipeinfer"):
                 r = run[name]
                 same = r["tokens"][: len(ref["tokens"])] == ref["tokens"][: len(r["tokens"])]
                 print(f"  {name:<15} identical {same}, TTFT {r['ttft_s']:.2f} s, {r['tokens_per_s']:.2f} tok/s, "

@@ -24,7 +24,7 @@ from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.jobs import DecodeJob
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -51,7 +51,7 @@ def chat_speed(model: Model, target: Target, repeats: int = 3) -> tuple[float, l
             target.reset()
         else:
             target.truncate(0)
-        s = Session(model, target, Autoregressive())
+        s = Session(model, target, Plain())
         fin = [e for e in s.generate(PROMPTS[i % 2], SamplingParams(), NEW) if isinstance(e, Finished)][0]
         best = max(best, fin.tokens_per_s)
         outs.append(fin.tokens)

@@ -16,7 +16,7 @@ from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.link import NodeFailedError
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import TokenText
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -47,7 +47,7 @@ def test_worker_lost_mid_reply_is_named_quickly(
         model_path, [w.address for w in two_workers], keys_from_token(TOKEN), n_ctx=512,
         split=[0, 15, 30], slice_cache=slice_cache, recover=False,  # recovery: test_cluster_recovery.py
     )
-    session = Session(model, target, Autoregressive())
+    session = Session(model, target, Plain())
     victim = two_workers[1]
     emitted: list[int] = []
     try:

@@ -100,10 +100,10 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
                     cls.build(model, EngineSpec(strategy=name, cluster=cluster))
                 continue
             draft = weak_draft if cls.needs_draft else None  # the others draft from N-gram tables
-            options = {"adaptive": False} if name != "autoregressive" else {}
+            options = {"adaptive": False} if name != "plain" else {}
             fins = _converse_finished(model, first, name, draft, TURNS, MAX_NEW, options)
             assert [f.tokens for f in fins] == reference(model), name
-            if name != "autoregressive":
+            if name != "plain":
                 drafted, accepted = sum(f.drafted for f in fins), sum(f.accepted for f in fins)
                 assert drafted > accepted > 0, (name, drafted, accepted)
             first.reset()
@@ -113,7 +113,7 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
     second = pipeline(model_path, workers[:2], slice_cache, split=plans[0].bounds)
     try:
         assert second.transfer.bytes_sent == 0 and second.transfer.files_cached == 2
-        assert converse(model, second, "autoregressive", None) == reference(model)
+        assert converse(model, second, "plain", None) == reference(model)
     finally:
         second.close()
 
@@ -128,7 +128,7 @@ def test_three_stages_of_a_60_layer_target_exact(
         try:
             assert [lk.layers for lk in target.links] == [(0, 17), (17, 41), (41, 59)]
             assert target.head_layers == (59, 60)  # the user's end, 60, is where the head's layer ends
-            assert converse(deep, target, "autoregressive", None) == reference(deep)
+            assert converse(deep, target, "plain", None) == reference(deep)
         finally:
             target.close()
 
@@ -144,7 +144,7 @@ def test_gemma3_split_off_the_sliding_window_period_exact(
         try:
             # layer 17 is global: alone it would abort llama.cpp, so the head takes 16-17
             assert target.head_layers == (16, 18) and [lk.layers for lk in target.links] == [(0, 9), (9, 16)]
-            assert converse(gemma, target, "autoregressive", None) == reference(gemma)
+            assert converse(gemma, target, "plain", None) == reference(gemma)
         finally:
             target.close()
 
@@ -281,7 +281,7 @@ def test_speculation_over_the_cluster_with_rejected_drafts(
         assert deep.n_layer == 40
         local = LocalTarget(deep, ContextParams(n_ctx=N_CTX, n_threads=1))
         try:
-            want = [f.tokens for f in _converse_finished(deep, local, "autoregressive", None, turns, 24)]
+            want = [f.tokens for f in _converse_finished(deep, local, "plain", None, turns, 24)]
         finally:
             local.close()
         target = pipeline(deep40, workers[:2], slice_cache, split=[0, 20, 40])

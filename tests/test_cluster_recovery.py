@@ -22,7 +22,7 @@ from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Event, Finished, NodeStatus, PlanChanged, TokenText
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.kv import KvOp
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -90,7 +90,7 @@ def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
 
 def converse(
     model: Model, target: Target, sampling: SamplingParams, on_token: Callable[[int], None] | None = None,
-    strategy: str = "autoregressive", draft: Path | None = None, options: dict[str, object] | None = None,
+    strategy: str = "plain", draft: Path | None = None, options: dict[str, object] | None = None,
 ) -> tuple[list[tuple[int, ...]], list[Event]]:
     spec = EngineSpec(strategy=strategy, draft=draft, n_ctx=N_CTX, n_threads=1, strategy_options=options or {})
     session = Session(model, target, STRATEGIES[strategy].build(model, spec))
@@ -212,7 +212,7 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
     )
     lost = workers[2]
     lost.extra["victim"] = "1"
-    session = Session(model, target, Autoregressive())
+    session = Session(model, target, Plain())
     replies, events = [], []
     try:
         for turn_no, turn in enumerate(TURNS):
@@ -274,7 +274,7 @@ def test_nothing_left_and_no_head_fallback_is_one_clear_error(
     loss and why it could not recover; the conversation is kept."""
     target = open_three(model_path, workers, slice_cache, head_fallback=False)
     strike = strike_all_after(workers, 2)
-    session = Session(model, target, Autoregressive())
+    session = Session(model, target, Plain())
     try:
         with pytest.raises(NodeFailedError) as err:
             n = 0

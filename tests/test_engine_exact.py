@@ -12,7 +12,7 @@ import pytest
 from potluck.engine.core.chat import Message
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import GGML_TYPE_BF16, ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -36,7 +36,7 @@ def reply(
 
 @pytest.fixture()
 def session(model: Model) -> Iterator[Session]:
-    s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive())
+    s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Plain())
     yield s
     s.target.close()
 
@@ -91,7 +91,7 @@ def test_greedy_matches_llama_cpp_python_oracle(session: Session, oracle, model:
 def test_greedy_repeats_across_runs(model: Model) -> None:
     runs = []
     for _ in range(2):
-        s = Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Autoregressive())
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Plain())
         runs.append([reply(s, p, n=24).tokens for p in PROMPTS[3:5]])
         s.target.close()
     assert runs[0] == runs[1]
@@ -99,7 +99,7 @@ def test_greedy_repeats_across_runs(model: Model) -> None:
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(model: Model) -> None:
     def sample(seed: int) -> tuple[int, ...]:
-        s = Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Autoregressive())
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Plain())
         params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
         out = reply(s, "Tell me a story about a dragon.", params, n=24).tokens
         s.target.close()
@@ -155,7 +155,7 @@ def test_turn_by_turn_replay_reproduces_conversation(model: Model) -> None:
     turns = ["Hi! Who are you?", "What can you do?", "Thanks, bye."]
 
     def converse() -> list[tuple[int, ...]]:
-        s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive(), system="Be brief.")
+        s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Plain(), system="Be brief.")
         out = [reply(s, t, n=32).tokens for t in turns]
         s.target.close()
         return out
@@ -164,7 +164,7 @@ def test_turn_by_turn_replay_reproduces_conversation(model: Model) -> None:
 
 
 def test_cancel_and_regenerate_keep_kv_consistent(model: Model) -> None:
-    s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive())
+    s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Plain())
     stream = s.generate("Count from one to twenty in words.", SamplingParams(), 64)
     for i, event in enumerate(stream):
         if i == 10:
@@ -173,7 +173,7 @@ def test_cancel_and_regenerate_keep_kv_consistent(model: Model) -> None:
             assert event.reason == "cancelled"
     assert s.target.n_past <= s.conversation_tokens
     regenerated = list(s.regenerate(SamplingParams(), 32))[-1]
-    fresh = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Autoregressive())
+    fresh = Session(model, LocalTarget(model, ContextParams(n_ctx=2048)), Plain())
     expected = reply(fresh, "Count from one to twenty in words.", n=32)
     assert regenerated.tokens == expected.tokens
     s.target.close()
@@ -215,7 +215,7 @@ def test_anpd_equals_plain_past_512_cells_with_two_threads(model: Model) -> None
 
     prompt = load_prompts("code_editing")[2]
     outputs = []
-    for name in ("autoregressive", "anpd"):
+    for name in ("plain", "anpd"):
         strategy = get_strategy_class(name).build(model, EngineSpec(strategy=name, n_threads=2))
         s = Session(model, LocalTarget(model, ContextParams(n_ctx=2048, n_threads=2)), strategy)
         finished = reply(s, prompt, n=352)

@@ -11,7 +11,7 @@ import pytest
 
 from potluck.engine.core.chat import ChatFormat, Message, TextStream
 from potluck.engine.core.gguf_tools import file_sha256, merge_layer_ranges, parse_recipe
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import Sampler, SamplingParams, probs
 from potluck.engine.core.session import Session
@@ -90,7 +90,7 @@ def test_merge_and_slice_layers(model_path: Path, model: Model, tmp_path: Path) 
 
 
 def test_abort_stops_prefill_and_cleans_cells(model: Model) -> None:
-    session = Session(model, LocalTarget(model, ContextParams(n_ctx=4096, n_batch=512)), Autoregressive())
+    session = Session(model, LocalTarget(model, ContextParams(n_ctx=4096, n_batch=512)), Plain())
     long_text = "Describe this. " + "The sky is blue and the grass is green. " * 80
 
     def cancel_once_computing() -> None:

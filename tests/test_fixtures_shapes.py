@@ -16,7 +16,7 @@ from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import describe, file_sha256, open_reader
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -80,7 +80,7 @@ def greedy(model: Model, target: Target) -> list[tuple[int, ...]]:
     """One reply per prompt, each in a fresh conversation on ``target``."""
     out = []
     for prompt in PROMPTS:
-        session = Session(model, target, Autoregressive())
+        session = Session(model, target, Plain())
         events = list(session.generate(prompt, SamplingParams(), MAX_NEW))
         assert isinstance(events[-1], Finished)
         out.append(events[-1].tokens)

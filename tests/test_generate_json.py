@@ -48,5 +48,5 @@ def test_counters_count_when_drafting() -> None:
 
 def test_plain_decoding_has_no_counters(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(capsys, "--max-tokens", "2", "Hi")
-    assert out["strategy"] == "autoregressive"
+    assert out["strategy"] == "plain"
     assert not set(COUNTERS) & set(out)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,24 +16,25 @@ from potluck.app.cli import main
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished, RoundStats
 from potluck.engine.core.gguf_tools import merge_layer_ranges
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import Sampler, SamplingParams, probs
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Round, Strategy
 from potluck.engine.core.target import LocalTarget
-from potluck.engine.speculation.drafters import Draft, DraftRequest
+from potluck.engine.speculation.drafters import DraftRequest
 from potluck.engine.speculation.drafters.lookup import LookupDrafter
+from potluck.engine.speculation.inflight import RowJudge
 from potluck.engine.speculation.kernels.lookup import lookup_draft, lookup_reference
 from potluck.engine.speculation.strategies.minions import AheadGate, MajorityVote, Minions, MinionsRound
 from potluck.engine.speculation.strategies.registry import get_strategy_class
-from potluck.engine.speculation.strategies.speculative import verify_rows
-from potluck.engine.speculation.voting import DrafterWeights, WeightConfig, heaviest_path, judge
+from potluck.engine.speculation.voting import DrafterWeights, WeightConfig, heaviest_path, score_chain
 
 from .conftest import flat_cost_line
 from .support.prompts import LONG_PROMPTS, TURNS
 from .support.references import plain_conversation, plain_reply
+from .support.voters import Fixed, PerPosition, Sampled
 
 THREADS = 2  # the issue's setting; BF16 KV keeps batches and single steps identical
 PROMPTS = LONG_PROMPTS[1:]  # a code edit, a summary, an explanation
@@ -94,9 +94,9 @@ def test_heaviest_path_follows_the_weighted_majority() -> None:
 
 
 def test_judge_scores_up_to_the_first_wrong_token() -> None:
-    assert judge([1, 2, 3, 4], [1, 2, 9]) == (2, 4)  # wrong at 3: the rest of the chain is lost
-    assert judge([1, 2, 3, 4], [1, 2]) == (2, 2)  # agrees with all that is known: judged on that
-    assert judge([1], [1, 2, 3]) == (1, 1)
+    assert score_chain([1, 2, 3, 4], [1, 2, 9]) == (2, 4)  # wrong at 3: the rest of the chain is lost
+    assert score_chain([1, 2, 3, 4], [1, 2]) == (2, 2)  # agrees with all that is known: judged on that
+    assert score_chain([1], [1, 2, 3]) == (1, 1)
 
 
 def test_weights_follow_acceptance() -> None:
@@ -115,51 +115,6 @@ def test_weights_follow_acceptance() -> None:
 
 
 # --------------------------------------------------------------------------- the vote as a drafter
-
-
-class Fixed:
-    """A voter that always proposes ``chain`` (deterministic) after any context."""
-
-    step_ms = 0.0
-
-    def __init__(self, name: str, chain: list[int]) -> None:
-        self.name, self.chain = name, chain
-        self.accepted: list[int] = []
-
-    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
-        pass
-
-    def draft(self, req: DraftRequest) -> Draft:
-        return Draft(self.chain[: req.max_tokens])
-
-    def accept(self, n_accepted: int) -> None:
-        self.accepted.append(n_accepted)
-
-    def reset(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Sampled(Fixed):
-    """A 'draft model': draws each token from ``q`` with its own generator; records threads."""
-
-    def __init__(self, q: np.ndarray) -> None:
-        super().__init__("sampled", [])
-        self.q = q
-        self.rng = np.random.default_rng()
-        self.threads: set[int] = set()
-        self.requests: list[tuple[int, int]] = []  # (context length, max tokens)
-
-    def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
-        self.rng = rng
-
-    def draft(self, req: DraftRequest) -> Draft:
-        self.threads.add(threading.get_ident())
-        self.requests.append((len(req.context), req.max_tokens))
-        toks = [int(self.rng.choice(self.q.shape[0], p=self.q)) for _ in range(req.max_tokens)]
-        return Draft(toks, [self.q] * len(toks))
 
 
 GREEDY = SamplingParams()
@@ -267,7 +222,7 @@ def first_token_counts(cls: type[MajorityVote], w_sampled: float, w_fixed: float
     for _ in range(TRIALS):
         d = vote.draft(DraftRequest([3], 1, 0.0, params))
         vote._pending = None  # every trial starts from the same context
-        verdict = verify_rows(d.tokens, d.q, [logits] * (len(d.tokens) + 1), [3], sampler)
+        verdict = RowJudge(sampler, [3]).chain(d.tokens, d.q, [logits] * (len(d.tokens) + 1))
         counts[verdict.tokens(d.tokens)[0]] += 1
     vote.close()
     return counts
@@ -285,20 +240,6 @@ def test_broken_vote_rule_is_caught() -> None:
     counts = first_token_counts(UsesQWhenItsChainWins, 1.0, 2.0)
     assert chisquare(counts, P * TRIALS).pvalue < ALPHA
 
-
-
-class PerPosition(Sampled):
-    """A sampled voter whose q differs at every position of the reply."""
-
-    def __init__(self, qs: np.ndarray) -> None:
-        super().__init__(qs[0])
-        self.qs = qs
-
-    def draft(self, req: DraftRequest) -> Draft:
-        start = len(req.context) - 1  # position in the reply of the first drafted token
-        rows = [self.qs[start + i] for i in range(req.max_tokens)]
-        toks = [int(self.rng.choice(V, p=q)) for q in rows]
-        return Draft(toks, rows)
 
 
 class MisalignedPool(MajorityVote):
@@ -341,7 +282,7 @@ def reply_position_counts(cls: type[MajorityVote]) -> tuple[np.ndarray, np.ndarr
             d = vote.draft(DraftRequest(history, 1, 0.0, FILTERED))
             hits += vote.pool_hits
             pos = len(history) - 1
-            verdict = verify_rows(d.tokens, d.q, list(logits[pos : pos + len(d.tokens) + 1]), history, sampler)
+            verdict = RowJudge(sampler, history).chain(d.tokens, d.q, list(logits[pos : pos + len(d.tokens) + 1]))
             vote.accept(verdict.n_accepted)
             toks = verdict.tokens(d.tokens)
             vote.settle(len(history), toks)
@@ -524,7 +465,7 @@ def test_drafting_ahead_stops_at_a_full_context(model: Model, draft_path: Path) 
     n_ctx = 256
     prompt = "Write a long, detailed story about a robot who learns to cook. Use many paragraphs."
     outs = []
-    for strategy in (Autoregressive(), None):
+    for strategy in (Plain(), None):
         if strategy is None:
             spec = EngineSpec(
                 strategy="minions", draft=draft_path, n_ctx=n_ctx, n_threads=THREADS,

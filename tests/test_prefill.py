@@ -14,7 +14,7 @@ import pytest
 from potluck.engine.core import validate as limits
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import GGML_TYPE_F16, Context, ContextParams, Model
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.lab.benchmark import load_prompts
@@ -56,7 +56,7 @@ def test_set_threads_keeps_single_steps_on_one_thread(model: Model) -> None:
 
 
 def test_kv_setting_maps_to_the_context(model: Model) -> None:
-    params = target_params(model, EngineSpec(kv_cache="f16", n_threads=THREADS), Autoregressive)
+    params = target_params(model, EngineSpec(kv_cache="f16", n_threads=THREADS), Plain)
     assert params.kv_type == GGML_TYPE_F16 and params.single_step_threads == 1
     with pytest.raises(PotluckError, match="--kv must be one of bf16, f16"):
         limits.kv_cache("q8_0")

@@ -101,7 +101,7 @@ def test_bench_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0
     rows = json.loads(out)
     assert [(r["family"], r["strategy"]) for r in rows] == [
-        ("chat", "autoregressive"),
+        ("chat", "plain"),
         ("chat", "anpd"),
         ("chat", "pearl"),
         ("chat", "minions"),

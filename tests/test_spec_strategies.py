@@ -18,7 +18,7 @@ from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Generation, Strategy
 from potluck.engine.core.target import MAX_EXACT_BATCH, LocalTarget
-from potluck.engine.speculation.strategies import speculative
+from potluck.engine.speculation import inflight
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 from potluck.engine.speculation.verify import verify_chain
 
@@ -215,7 +215,13 @@ def test_sampled_token_follows_target_distribution(
     assert chi2_pvalue(tokens, p) > ALPHA
     # The same run with a verifier that resamples from p after a rejection must fail.
     broken = functools.partial(verify_chain, residual_fn=broken_residual)
-    monkeypatch.setattr(speculative, "verify_chain", broken)
+    monkeypatch.setattr(inflight, "verify_chain", broken)
     tokens, p = first_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
     assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()
+
+
+def test_plain_decoding_answers_to_its_former_name() -> None:
+    """config.toml files and scripts written before the rename say 'autoregressive'."""
+    plain = get_strategy_class("plain")
+    assert plain.name == "plain" and get_strategy_class("autoregressive") is plain

@@ -29,8 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, help="target GGUF model (default: the bundled SmolLM2-135M)")
     p.add_argument(
         "--strategy",
-        default="autoregressive",
-        help=f"decoding strategy: {', '.join(strategy_names())} (default: autoregressive)",
+        default="plain",
+        help=f"decoding strategy: {', '.join(strategy_names())} (default: plain)",
     )
     p.add_argument("--draft", type=Path, help="draft GGUF model for strategies that use one")
     p.add_argument("-s", "--system", help="system prompt")

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ...engine import Autoregressive, Finished, PlanChanged, TokenText, open_session, validate
+from ...engine import PLAIN, Finished, PlanChanged, TokenText, open_session, validate
 from .common import (
     add_cluster_args,
     add_model_args,
@@ -71,7 +71,7 @@ def result_json(f: Finished) -> dict[str, object]:
         "ttft_s": round(f.ttft_s, 4),
         "decode_s": round(f.decode_s, 4),
     }
-    if f.strategy != Autoregressive.name:  # every other strategy drafts: scripts read these, even at 0
+    if f.strategy != PLAIN:  # every other strategy drafts: scripts read these, even at 0
         out.update(
             drafted=f.drafted,
             accepted=f.accepted,

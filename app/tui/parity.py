@@ -47,7 +47,7 @@ async def _chat_app_reply(model: Path | None, prompt: str, max_tokens: int, n_th
     settings = Settings(
         # like for like with `generate`'s defaults: plain greedy decoding
         model=ModelSettings(path=str(model) if model else None, n_ctx=n_ctx, n_threads=n_threads,
-                            strategy="autoregressive"),
+                            strategy="plain"),
         sampling=SamplingSettings(max_tokens=max_tokens, temperature=0.0),
         ui=UISettings(cursor_blink=False),
     )

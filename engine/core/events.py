@@ -97,7 +97,7 @@ class Finished:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
-    strategy: str = "autoregressive"
+    strategy: str = "plain"
     n_past: int = 0  # tokens in the KV cache after the reply
     extra: dict[str, float] = field(default_factory=dict)
 

@@ -1,5 +1,5 @@
-"""Plain autoregressive decoding: one target decode per token. The reference every
-other strategy must match token for token."""
+"""Plain decoding: one target decode per token. The reference every other strategy must
+match token for token."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from .strategy import Generation, Round, Strategy
 
 
-class Autoregressive(Strategy):
-    name = "autoregressive"
+class Plain(Strategy):
+    name = "plain"
     description = "plain decoding, one token per target step"
 
     def run(self, g: Generation) -> Iterator[Round]:

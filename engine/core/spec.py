@@ -41,7 +41,7 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class EngineSpec:
     model: Path | None = None  # None: the bundled default model
-    strategy: str = "autoregressive"
+    strategy: str = "plain"
     draft: Path | None = None
     n_ctx: int = 4096
     n_threads: int = 0

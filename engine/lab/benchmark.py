@@ -44,7 +44,7 @@ FAMILIES = ("code_editing", "summarization", "chat")
 LONG_FAMILY = "long"  # not in the default families: it needs --ctx 8192 and minutes per prompt
 PROMPT_LOOKUP = "prompt-lookup"  # the baseline llama-cpp-python's LlamaPromptLookupDecoding, see .baselines
 OLD_NAMES = {"peer": PROMPT_LOOKUP}  # the name it had before "peer" meant a network peer (still accepted)
-BASELINE = "autoregressive"
+BASELINE = "plain"
 DRAFT_USERS = {"sd", "pearl", "minions"}  # strategies that use --draft when one is given
 
 

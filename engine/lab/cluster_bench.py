@@ -43,8 +43,8 @@ class Variant:
 
 def variants(with_draft: bool) -> list[Variant]:
     out = [
-        Variant(ONE_MACHINE, "autoregressive", on_pipeline=False),
-        Variant(SYNC, "autoregressive"),
+        Variant(ONE_MACHINE, "plain", on_pipeline=False),
+        Variant(SYNC, "plain"),
         Variant("anpd", "anpd"),
     ]
     if with_draft:

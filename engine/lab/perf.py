@@ -110,17 +110,17 @@ def history_consistency(model: Model, *, max_tokens: int = 64, n_threads: int = 
     llama.cpp computes large batches slightly differently from small ones (docs/facts.md §3),
     so the last reply can differ even though both are "plain greedy decoding".
     """
-    from ..core.plain import Autoregressive
+    from ..core.plain import Plain
     from ..core.session import Session
 
     params = ContextParams(n_ctx=4096, n_threads=n_threads)
     differing, divergence, prefilled = 0, [], []
     for turns in CONVERSATIONS:
-        live = Session(model, LocalTarget(model, params), Autoregressive())
+        live = Session(model, LocalTarget(model, params), Plain())
         for text in turns:
             *_, last = live.generate(text, max_tokens=max_tokens)
         history = live.messages[:-1]  # everything but the last reply
-        fresh = Session(model, LocalTarget(model, params), Autoregressive())
+        fresh = Session(model, LocalTarget(model, params), Plain())
         fresh.load_messages(history[:-1])
         *_, again = fresh.generate(history[-1].content, max_tokens=max_tokens)
         prefilled.append(again.prefill_tokens)

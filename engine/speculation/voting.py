@@ -37,7 +37,7 @@ class WeightConfig:
     w_max: float = 64.0
 
 
-def judge(chain: Sequence[int], truth: Sequence[int]) -> tuple[int, int]:
+def score_chain(chain: Sequence[int], truth: Sequence[int]) -> tuple[int, int]:
     """(kept, judged) tokens of ``chain`` against what the target produced after the same
     context. A chain is judged up to its first wrong token and everything after that counts
     as lost (the paper's acceptance rate: verified length / speculation length); a chain

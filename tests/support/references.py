@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from potluck.engine.core.events import Finished
-from potluck.engine.core.plain import Autoregressive
+from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -67,7 +67,7 @@ def plain_conversation(
     if all(r is not None for r in known):
         return known  # type: ignore[return-value]
     target = LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=n_threads))
-    session = Session(model, target, Autoregressive(), system=system)
+    session = Session(model, target, Plain(), system=system)
     try:
         out = []
         for key, turn, limit in zip(keys, turns, limits):

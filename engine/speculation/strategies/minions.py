@@ -47,7 +47,7 @@ from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import LengthConfig
 from ..drafters import Draft, Drafter, DraftRequest
-from ..voting import DrafterWeights, WeightConfig, heaviest_path, judge
+from ..voting import DrafterWeights, WeightConfig, heaviest_path, score_chain
 from .kit import LENGTH_OPTIONS, bool_option, int_option, load_draft_model, saved_costs
 from .speculative import Speculative
 
@@ -259,7 +259,7 @@ class MajorityVote:
         for i, chain in enumerate(p.chains):
             if not chain:
                 continue
-            kept, judged = judge(chain, truth)
+            kept, judged = score_chain(chain, truth)
             self.weights.record(i, kept, judged)
             self.voters[i].accept(kept)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...core.plain import Autoregressive
+from ...core.plain import Plain
 from ...core.strategy import Strategy
 from .auto import Auto
 from .minions import Minions
@@ -12,7 +12,7 @@ from .speculative import DraftModelSpeculative, NgramSpeculative
 from .triforce import TriForce
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    Autoregressive.name: Autoregressive,
+    Plain.name: Plain,
     DraftModelSpeculative.name: DraftModelSpeculative,
     NgramSpeculative.name: NgramSpeculative,
     Pearl.name: Pearl,
@@ -27,11 +27,15 @@ def strategy_names() -> list[str]:
     return list(STRATEGIES)
 
 
+# names a strategy had before (config.toml files and scripts may still say them)
+FORMER_NAMES = {"autoregressive": Plain.name}
+
+
 def get_strategy_class(name: str) -> type[Strategy]:
     from ...core.errors import PotluckError
 
     try:
-        return STRATEGIES[name]
+        return STRATEGIES[FORMER_NAMES.get(name, name)]
     except KeyError:
         raise PotluckError(
             f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}"
