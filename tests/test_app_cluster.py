@@ -63,9 +63,19 @@ def panel(app: PotluckApp) -> str:
 
 
 async def send(app: PotluckApp, pilot, text: str) -> None:  # noqa: ANN001
+    """Send ``text`` and wait until its reply is over: stored, or failed with the text given
+    back. (Not "no reply and the input cleared": that also holds while the send mounts the
+    reply's view, before the reply starts, and a loaded machine caught it there.)"""
+    store, conversation = app.store, app.active
+    assert store is not None and conversation is not None
+
+    def replies() -> int:
+        return sum(m.role == "assistant" for m in store.messages(conversation))
+
+    before = replies()
     app.input.text = text
     await pilot.press("enter")
-    await until(lambda: app.reply is None and app.input.text != text, 120, "the reply")
+    await until(lambda: app.reply is None and (replies() > before or app.input.text == text), 120, "the reply")
 
 
 @run_async
