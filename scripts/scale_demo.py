@@ -205,6 +205,8 @@ def main() -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"head failed:\n{proc.stderr[-3000:]}")
             run = json.loads(proc.stdout.strip().splitlines()[-1])
+            if "plain" not in run:
+                raise SystemExit(f"head output without replies: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             runs.append(run)
             if label == "first run":
                 print("\n".join(run["plan"]))
