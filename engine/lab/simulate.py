@@ -60,10 +60,11 @@ words, its authors' code and potluck's module differ:
 - ``reference`` (the authors' ``examples/speculative/speculative.cpp``): ``iterations``
   counts the micro-batches of the current burst (from 0 each time the head comes back
   from sampling); ``declines`` resets whenever a token is accepted;
-- ``code`` (``engine/speculation/strategies/pipeinfer.py`` as of 2026-11-23): ``iterations`` is the
+- ``code`` (``engine/speculation/strategies/pipeinfer.py``): ``iterations`` is the
   number of speculative runs in flight; ``declines`` resets when a round accepts guesses
   and ends on no token of the target's own; a cutoff above 1 stops speculation without
-  counting a decline. The cutoff itself is the strategy's :class:`Cutoff` (one formula).
+  counting a decline. This reading is the strategy's own :class:`Speculation` object (sends,
+  room, bar, declines), and the two others subclass it (:mod:`.sim_head`).
 
 The readings matter: under ``paper``, a burst whose first guess fails leaves the cutoff
 above 1 until about 40 idle declines (decay 0.01) bring it down, so PipeInfer spends most
