@@ -97,8 +97,8 @@ def test_nodes_auto_joins_the_real_worker_past_a_clone_and_junk(
     real = spawn_worker(tmp_path, "real", token, zeroconf=True)
     cache = SliceCache(tmp_path / "slices")
     try:
-        # 5 of the junk take the connection and stay silent: they are waited for until the one
-        # deadline, all at once (they held 5 connections together; one after another: never 2).
+        # 5 of the junk take the connection and stay silent (until the handshake timeout cuts
+        # it): all were tried at once (they held 5 connections together; one after another: never 2).
         run = nodes_auto_under_attack(model_path, real, token, cache, junk=10, silent=5, join_timeout_s=JOIN_S)
         assert run.joined == [run.real_id]
         assert run.silent_peak == 5, run

@@ -9,12 +9,13 @@ used to take 54.5 s); a candidate that never proves itself displaces and hides n
 
 When to stop waiting: when every candidate has settled (welcomed, refused, failed), or, once
 one worker has joined and :data:`MIN_WAIT_S` has passed, when none of the ones left holds a
-TCP connection: a worker that is up accepts one at once, dead addresses (a stale record, an
-address of another network, junk) never do, and a worker of another cluster drops it at the
-CURVE handshake. A candidate that keeps the connection and says nothing (a slow worker, or a
-host that is no worker) is waited for until the deadline. Candidates left early finish in
-their own thread, which closes them at their deadline, or at once when the pipeline closes
-its ZeroMQ context (ContextTerminated).
+connection that may still become a worker's: a worker that is up accepts the TCP connection
+at once, dead addresses (a stale record, an address of another network, junk) never do, and
+a host that takes it but is no worker of this cluster has it dropped before CURVE completes
+(a worker of another cluster refuses the handshake; a silent host is cut at the handshake
+timeout, 2 s). A connected candidate still in its handshake is waited for until the
+deadline. Candidates left early finish in their own thread, which closes them at their
+deadline, or at once when the pipeline closes its ZeroMQ context (ContextTerminated).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def join_links(
             welcomed = any(err is None for err in attempts.errors.values())
             early = (
                 not all_needed and welcomed and time.monotonic() - started >= MIN_WAIT_S
-                and not any(lk.connected for lk in pending)
+                and not any(lk.reachable for lk in pending)
             )
             if not pending or early:
                 attempts.abandoned.update(pending)
@@ -100,7 +101,9 @@ def join_links(
     seen: set[str] = set()
     for link in links:
         if link not in errors:
-            result.failed[link.address] = "no worker of this cluster there (no connection, or dropped at the handshake)"
+            result.failed[link.address] = (
+                "no worker of this cluster there (no connection, or dropped before the handshake completed)"
+            )
             continue
         err = errors[link]
         if err is not None:

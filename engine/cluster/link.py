@@ -61,8 +61,9 @@ class NodeLink:
         self.node_id = ""
         self.layers: tuple[int, int] | None = None
         self.welcome: wire.Welcome | None = None
-        self.connected = False  # a TCP connection is up (a dead address never has one; a worker of
-        # another cluster drops it at the handshake, and ZeroMQ then retries every 0.1 s)
+        # None: no TCP connection yet (a dead address never has one); True: connected; False: the
+        # connection was dropped before CURVE completed (a host that is no worker of this cluster)
+        self.reachable: bool | None = None
         self.handshaken = False
         self.auth_failed = False
         self.sock = client_socket(zctx, keys, head_id)
@@ -91,9 +92,10 @@ class NodeLink:
                 return lost
             if event is None:
                 return lost
-            self.connected = event == zmq.EVENT_CONNECTED or (
-                self.connected and event not in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED)
-            )
+            if event == zmq.EVENT_CONNECTED and self.reachable is None:
+                self.reachable = True
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and not self.handshaken:
+                self.reachable = False
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken = True
             elif event in AUTH_FAILED_EVENTS:
