@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-
 from potluck.engine.core import memory
+
+from .support.cgroups import v1_memory_group
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -108,38 +107,16 @@ def test_a_limit_above_mem_available_changes_nothing(tmp_path: Path) -> None:
     assert memory.free_memory_bytes(proc) == 3 * GIB
 
 
-def _own_v1_memory_dir() -> Path | None:
-    return next((d for version, d in memory.own_cgroup_dirs() if version == 1), None)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="creating a cgroup needs root")
 def test_real_v1_cgroup_caps_a_child_process() -> None:
     """A child moved into a fresh 300 MiB cgroup reads its limit, less its own memory."""
-    parent = _own_v1_memory_dir()
-    if parent is None or not os.access(parent, os.W_OK):
-        pytest.skip("no writable cgroup v1 memory controller here")
-    d = parent / f"potluck-test-{os.getpid()}"
-    d.mkdir()
-    try:
-        (d / "memory.limit_in_bytes").write_text(str(300 * MIB))
-
-        def enter() -> None:
-            (d / "cgroup.procs").write_text(str(os.getpid()))
-
+    with v1_memory_group("test", 300 * MIB) as d:
         code = (
             "from potluck.engine.core import memory as m; r = m.read_memory(); "
             "print(r.limit_bytes, r.levels[0].used_bytes, m.free_memory_bytes(), r.levels[0].path)"
         )
-        out = subprocess.run([sys.executable, "-c", code], preexec_fn=enter, capture_output=True,
-                             text=True, timeout=120, check=True)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                             preexec_fn=lambda: (d / "cgroup.procs").write_text(str(os.getpid())))
         limit, used, free, path = out.stdout.split()
         assert Path(path) == d and int(limit) == 300 * MIB
         assert 5 * MIB < int(used) < 250 * MIB  # the child interpreter's own pages
         assert int(free) == 300 * MIB - int(used)
-    finally:
-        for _ in range(50):  # the exited child leaves the group a moment later
-            try:
-                d.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)

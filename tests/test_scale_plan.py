@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,12 +26,12 @@ from potluck.engine.cluster.plan import (
     stage_runtime_bytes,
 )
 from potluck.engine.cluster.transfer import SliceCache
-from potluck.engine.core import memory
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.lab.fixtures import build_shape
 
 from .cluster_support import TOKEN, start_worker, stop_worker
+from .support.cgroups import v1_memory_group
 
 MB = 1 << 20
 
@@ -82,26 +81,11 @@ def test_compute_buffer_figure_bounds_llama_cpp(model: Model, model_path: Path, 
     assert max(sizes) <= figure <= max(sizes) * 1.3 + 16
 
 
-def _v1_memory_dir() -> Path | None:
-    return next((d for version, d in memory.own_cgroup_dirs() if version == 1), None)
-
-
 @pytest.fixture()
 def capped_group() -> Iterator[Path]:
     """A fresh v1 memory cgroup of 400 MiB under this process's own (root only)."""
-    parent = _v1_memory_dir()
-    if os.geteuid() != 0 or parent is None or not os.access(parent, os.W_OK):
-        pytest.skip("needs root and a writable cgroup v1 memory controller")
-    d = parent / f"potluck-capped-{os.getpid()}"
-    d.mkdir()
-    (d / "memory.limit_in_bytes").write_text(str(400 * MB))
-    yield d
-    for _ in range(100):  # processes leave the group a moment after they exit
-        try:
-            d.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
+    with v1_memory_group("capped", 400 * MB) as d:
+        yield d
 
 
 def test_capped_worker_reports_its_cgroup_and_a_split_that_cannot_fit_sends_nothing(
