@@ -1,0 +1,67 @@
+"""The engine's prompt cache under the server: kept conversations stay within their byte budget,
+come back exactly, and a prompt cancelled mid-batch leaves a session that answers correctly."""
+
+from __future__ import annotations
+
+from potluck.engine import Finished, Message, Model, PromptCache, ReplyStarted, SamplingParams, Session
+from potluck.engine.core.plain import Plain
+from potluck.engine.core.runtime import ContextParams
+from potluck.engine.core.target import LocalTarget
+
+
+def session(model: Model) -> Session:
+    return Session(model, LocalTarget(model, ContextParams(n_ctx=1024)), Plain())
+
+
+def reply(s: Session, text: str | None, n: int = 12) -> Finished:
+    return [e for e in s.generate(text, SamplingParams(), n) if isinstance(e, Finished)][-1]
+
+
+def test_kept_conversations_stay_within_the_budget_and_come_back_exactly(model: Model) -> None:
+    s = session(model)
+    ref = session(model)
+    try:
+        want = reply(ref, "Name a colour.").text
+        probe = session(model)
+        kv_bytes = len(probe.target.kv_state() or b"")
+        probe.close()
+        first = reply(s, "Name a colour.")
+        per_conversation = first.n_past * 30_000  # ~23 kB a token for the bundled model, with room
+        cache = PromptCache(max_bytes=2 * per_conversation + kv_bytes, max_conversations=8)
+        assert s.use_prompt_cache(cache)
+        history = [Message("user", "Name a colour."), Message("assistant", first.text)]
+        for i in range(4):  # four other conversations push the first one out
+            s.load_messages([Message("user", f"Count to {i + 3}.")])
+            reply(s, None)
+        stats = cache.stats()
+        assert stats.evicted > 0 and stats.bytes_used <= cache.max_bytes and stats.conversations <= 2
+        s.load_messages(history[:1])
+        assert reply(s, None).text == want  # evicted: a fresh prompt, the same answer
+        s.load_messages([Message("user", "Count to 6.")])  # the newest kept conversation: restored
+        restored = cache.stats().restored
+        again = reply(s, None)
+        assert cache.stats().restored == restored + 1 and again.prefill_tokens == 1
+    finally:
+        s.close()
+        ref.close()
+
+
+def test_a_prompt_cancelled_mid_batch_then_answers_like_a_fresh_session(model: Model) -> None:
+    s = session(model)
+    ref = session(model)
+    try:
+        reply(s, "Hi!")
+        events = s.generate("Tell me a story about " + "a very long road, " * 40, SamplingParams(), 8)
+        for e in events:
+            if isinstance(e, ReplyStarted):
+                s.cancel()
+        assert s.messages[-1] == Message("assistant", "")  # the cancelled turn: nothing decoded
+        s.messages.pop()
+        ref.load_messages(list(s.messages[:-1]))
+        want = reply(ref, s.messages[-1].content).text
+        s.messages.pop()
+        got = reply(s, ref.messages[-2].content).text
+        assert got == want
+    finally:
+        s.close()
+        ref.close()
