@@ -136,7 +136,15 @@ def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: P
     try:
         prompt = model.tokenize(PROMPT)
         assert np.array_equal(local.decode(prompt), target.decode(prompt)), "not exact before fuzzing"
-        head = target.links[0].sock
+        link = target.links[0]
+        head = link.sock
+
+        def signed(msg: wire.WireMessage) -> list:
+            """As the owner sends it (protocol 8): pipeline traffic with the stage's upstream
+            key, the rest with the hello's key; a well-formed case reaches the stage's checks."""
+            data = isinstance(msg, (wire.Forward, wire.KvApply, wire.Reset))
+            return wire.to_frames(msg, link.data_key if data else link.key)
+
         before = status(watcher)
         next_txn = before.txn + 1
         valid = [[bytes(f) for f in wire.to_frames(m)] for m in samples()]
@@ -179,7 +187,7 @@ def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: P
                 except ValueError:
                     pass
             report["cases"] += 1
-            head.send_multipart(frames)
+            head.send_multipart(signed(parsed) if parsed is not None else frames)
             consumed = isinstance(parsed, (wire.Forward, wire.KvApply)) and parsed.txn == next_txn
             if os.environ.get("FUZZ_DEBUG"):
                 print(report["cases"], consumed, repr(parsed)[:200], file=sys.stderr)
@@ -193,7 +201,7 @@ def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: P
                 next_txn += 1
                 report["consumed_refused"] += 1
                 continue
-            head.send_multipart(wire.to_frames(wire.Ping(report["cases"])))
+            head.send_multipart(signed(wire.Ping(report["cases"])))
             got = until(head, lambda m, i=report["cases"]: isinstance(m, wire.Pong) and m.nonce == i)
             if any(isinstance(m, wire.Error) for m in got):
                 report["refused"] += 1
@@ -211,7 +219,7 @@ def fuzz_as_head(n_cases: int, seed: int, model: Model, model_path: Path, tmp: P
         for _ in range(6):  # greedy steps straight through the worker and the head's tail: logits identical
             ref = local.decode([tok])[0]
             job = DecodeJob.tokens(1, [tok], pos)
-            head.send_multipart(wire.to_frames(wire.Forward.from_job(next_txn, job)))
+            head.send_multipart(signed(wire.Forward.from_job(next_txn, job)))
             res = until(head, lambda m, t=next_txn: isinstance(m, (wire.Result, wire.Error)) and m.txn == t)[-1]
             exact = exact and isinstance(res, wire.Result) and res.hidden.shape == (1, model.n_embd)
             if exact:

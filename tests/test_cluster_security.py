@@ -105,7 +105,7 @@ def fuzz_cases(rng: random.Random) -> Iterator[list[bytes]]:
         header = {"type": name, "f": {}, "a": []}
         yield [wire.MAGIC, json.dumps(header).encode()]
     yield [bytes(f) for f in wire.to_frames(wire.Chunk("cd" * 32, 0, 100, np.zeros(10, np.uint8)))]
-    load = wire.Load("ef" * 32, 0, 2, True, True, 64, 8, 1, True, "f32", "", "x", "x")
+    load = wire.Load("ef" * 32, 0, 2, True, True, 64, 8, 1, True, "f32", "", "cd" * 32, "")
     yield [bytes(f) for f in wire.to_frames(load)]
 
 

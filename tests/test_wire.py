@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from potluck.engine.cluster import wire
+from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.lab.wire_fuzz import SHA, mutate, samples
 
 
@@ -61,7 +62,8 @@ def test_version_mismatch_is_named() -> None:
                               "p1": -1, "delta": 0}, "a": []}, [], "kv op"),
         ({"type": "load", "f": {"sha256": SHA, "layer_lo": 0, "layer_hi": 4, "first": True, "last": True,
                                 "n_ctx": 64, "n_batch": 8, "n_seq_max": 999, "kv_unified": True,
-                                "hidden_dtype": "f32", "next_addr": "", "upstream": "h", "reply_to": "h"},
+                                "hidden_dtype": "f32", "next_addr": "", "upstream_key": "cd" * 32,
+                                "downstream_key": ""},
           "a": []}, [], "n_seq_max"),
         ({"type": "cancel", "f": {"group": 1}, "a": [["more", "i32", [300]]]}, [b"\0" * 1200], "at most"),
         ({"type": "cancel", "f": {"group": 1}, "a": [["more", "f32", [2]]]}, [b"\0" * 8], "i32"),
@@ -121,3 +123,25 @@ def test_many_cancelled_runs_go_in_as_few_messages_as_fit() -> None:
     assert [r for m in msgs for r in m.groups] == list(range(1, 601))
     for m in msgs:
         assert wire.parse_frames(wire.to_frames(m)).groups == m.groups
+
+
+def test_a_signature_binds_every_field_and_array_and_only_its_key() -> None:
+    """Signed frames name their key's HMAC of the canonical message: the right key checks, a
+    wrong key, a changed field or a changed array byte does not, and unsigned frames never do."""
+    key, other = b"k" * 32, b"o" * 32
+    msg = wire.Forward.from_job(3, DecodeJob.tokens(1, [5, 6, 7], 0))
+    parsed, sig = wire.parse_signed(wire.to_frames(msg, key))
+    assert sig and wire.signed_by(parsed, sig, key) and not wire.signed_by(parsed, sig, other)
+    assert wire.parse_signed(wire.to_frames(msg))[1] == "" and not wire.signed_by(parsed, "", key)
+    frames = [bytes(f) for f in wire.to_frames(msg, key)]
+    header = json.loads(frames[1])
+    header["f"]["txn"] = 4  # same signature, another transaction
+    moved, sig2 = wire.parse_signed([frames[0], json.dumps(header).encode(), *frames[2:]])
+    assert sig2 == sig and not wire.signed_by(moved, sig2, key)
+    inputs = bytearray(frames[2])
+    inputs[0] ^= 1  # one bit of a token id
+    flipped, sig3 = wire.parse_signed([frames[0], frames[1], bytes(inputs), *frames[3:]])
+    assert not wire.signed_by(flipped, sig3, key)
+    with pytest.raises(wire.WireError, match="signature"):
+        header["s"] = 7
+        wire.parse_frames([frames[0], json.dumps(header).encode(), *frames[2:]])

@@ -82,9 +82,14 @@ def client(ctx: zmq.Context, keys: CurveKeys, address: str, ident: bytes) -> zmq
     return sock
 
 
-def call(sock: zmq.Socket, msg: wire.WireMessage | list, timeout_ms: int = 10000) -> wire.WireMessage:
-    """Send a message (or raw frames) and return the next reply that is not an owner probe."""
-    sock.send_multipart(msg if isinstance(msg, list) else wire.to_frames(msg))
+HEAD_KEY = "a5" * 32  # the key a hand-made head says hello with; it signs that head's requests
+
+
+def call(sock: zmq.Socket, msg: wire.WireMessage | list, timeout_ms: int = 10000,
+         key: bytes = bytes.fromhex(HEAD_KEY)) -> wire.WireMessage:
+    """Send a message signed with ``key`` (or raw frames) and return the next reply that is
+    not an owner probe."""
+    sock.send_multipart(msg if isinstance(msg, list) else wire.to_frames(msg, key))
     while True:
         assert sock.poll(timeout_ms), "no reply"
         reply = wire.parse_frames(sock.recv_multipart())
@@ -102,19 +107,19 @@ def raw_decode(target: PipelineTarget, txn: int, tokens: list[int], pos0: int) -
     """One batch as transaction ``txn`` straight on the head's socket, its hidden states then
     through the head's own last layer and output layer: the last row's logits."""
     job = DecodeJob.tokens(1, tokens, pos0)
-    reply = call(target.links[0].sock, wire.Forward.from_job(txn, job))
+    reply = call(target.links[0].sock, wire.Forward.from_job(txn, job), key=target.links[0].data_key)
     assert isinstance(reply, wire.Result) and reply.hidden.shape == (len(tokens), target.tail.n_embd), reply
     tail_job = DecodeJob(1, reply.hidden, job.positions, job.seq_ids, job.outputs)
     return target.tail.runner.submit(tail_job).result()[-1]
 
 
-def forward_frames(txn: int, n: int, outputs: list[int], pos0: int = 0) -> list:
+def forward_frames(txn: int, n: int, outputs: list[int], pos0: int = 0, key: bytes = b"") -> list:
     """A Forward whose ``outputs`` bytes are whatever we say (to_frames does not check)."""
     msg = wire.Forward(
         txn, 1, False, np.full(n, 1, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32),
         np.zeros(n, np.int32), np.array(outputs, dtype=np.uint8),
     )
-    return wire.to_frames(msg)
+    return wire.to_frames(msg, key)
 
 
 # --------------------------------------------------------------------------- as the upstream head
@@ -131,21 +136,22 @@ def test_upstream_head_cannot_crash_or_leak_a_worker(
         prompt = model.tokenize(PROMPT)
         assert np.array_equal(local.decode(prompt), target.decode(prompt))
         head = target.links[0].sock  # the authenticated upstream head: its messages reach the checks
+        signed = target.links[0].data_key
         before = state(watcher)
         txn = before[4]
         # outputs=[0]*7+[3] once returned 2 rows of worker memory; [255]*8 killed it (SIGSEGV)
         for outputs in ([0] * 7 + [3], [255] * 8, [2] * 8):
-            reply = call(head, forward_frames(txn + 1, 8, outputs, len(prompt)))
+            reply = call(head, forward_frames(txn + 1, 8, outputs, len(prompt), signed))
             assert isinstance(reply, wire.Error) and "0 or 1" in reply.message
         # KV positions past int32 never reach llama.cpp; in range for int32 but not the context: refused
         for p0, delta in (((1 << 31) + 5, 0), (1 << 40, 0), (0, -(1 << 35))):
-            frames = wire.to_frames(wire.KvApply(txn + 1, 0, "add", 0, -1, p0, -1, delta))
+            frames = wire.to_frames(wire.KvApply(txn + 1, 0, "add", 0, -1, p0, -1, delta), signed)
             reply = call(head, frames)
             assert isinstance(reply, wire.Error) and "int32" in reply.message
         assert state(watcher) == before  # nothing consumed a transaction so far
-        reply = call(head, wire.KvApply(txn + 1, 0, "add", 0, -1, 0, -1, 10 * N_CTX))
+        reply = call(head, wire.KvApply(txn + 1, 0, "add", 0, -1, 0, -1, 10 * N_CTX), key=signed)
         assert isinstance(reply, wire.Error) and reply.txn == txn + 1 and "shift" in reply.message
-        reply = call(head, wire.KvApply(txn + 2, 0, "rm", 0, -1, N_CTX + 7, -1, 0))
+        reply = call(head, wire.KvApply(txn + 2, 0, "rm", 0, -1, N_CTX + 7, -1, 0), key=signed)
         assert isinstance(reply, wire.Error) and reply.txn == txn + 2 and "outside" in reply.message
         # a row wider than... the hidden width, token ids past the vocabulary, positions past n_ctx
         bad_jobs = [
@@ -157,7 +163,7 @@ def test_upstream_head_cannot_crash_or_leak_a_worker(
                       np.ones(2, bool)),
         ]
         for i, job in enumerate(bad_jobs):
-            reply = call(head, wire.Forward.from_job(txn + 3 + i, job))
+            reply = call(head, wire.Forward.from_job(txn + 3 + i, job), key=signed)
             assert isinstance(reply, wire.Error) and reply.txn == txn + 3 + i
             skipped = wire.parse_frames(head.recv_multipart()) if head.poll(5000) else None
             assert isinstance(skipped, wire.Result) and skipped.skip  # the order is kept
@@ -188,17 +194,17 @@ def test_control_messages_from_another_token_holder_are_refused(
         before = state(other)
         sha = before[1]
         foreign = [
-            wire.Hello("head-other", "0"),
+            wire.Hello("head-other", "0", HEAD_KEY),
             wire.Release(),
             wire.Cancel(1),
             wire.Offer("ab" * 32, 1000, "", 0, 1),
             wire.Chunk("ab" * 32, 0, 4, np.zeros(4, np.uint8)),
-            wire.Load(sha, 0, 30, True, True, 64, 8, 1, True, "f32", "", "head-other", "head-other"),
+            wire.Load(sha, 0, 30, True, True, 64, 8, 1, True, "f32", "", HEAD_KEY, ""),
         ]
         for msg in foreign:
             reply = call(other, msg)
             assert isinstance(reply, wire.Error) and reply.code == "busy", (msg, reply)
-        with pytest.raises(NodeFailedError, match="serving head"):  # a second real head is told why
+        with pytest.raises(NodeFailedError, match="serving another head"):  # a second real head is told why
             open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache, join_timeout_s=1.5)
         assert state(other) == before and worker.alive()
         for tok in (7, 11, 13):  # the owner goes on, exact
@@ -216,7 +222,8 @@ def test_control_messages_from_another_token_holder_are_refused(
 def test_a_reader_that_never_reads_does_not_stall_the_worker(
     worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache
 ) -> None:
-    """30,000 pings whose pongs are never read: the worker drops them instead of waiting 5 s each."""
+    """30,000 pings whose pongs are never read: the worker drops the pongs (or, past the
+    sender's budget, the pings unread: inbox.py) instead of waiting 5 s each."""
     ctx = zmq.Context()
     lazy = client_socket(ctx, keys, b"lazy")
     lazy.setsockopt(zmq.RCVHWM, 1)
@@ -229,7 +236,7 @@ def test_a_reader_that_never_reads_does_not_stall_the_worker(
             lazy.send_multipart(ping)
         # its replies are dropped once its queue is full, or it is disconnected when it stops
         # answering heartbeats; either way the worker never waits on it
-        gone = ("dropped a reply to b'lazy'", "could not reply to b'lazy'")
+        gone = ("dropped a reply to b'lazy'", "could not reply to b'lazy'", "past their budget")
         deadline = time.monotonic() + 60
         while not any(g in worker.log() for g in gone) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -308,7 +315,7 @@ def test_offer_flood_and_partial_uploads(tmp_path: Path, keys: CurveKeys) -> Non
     try:
         assert len(list(cache_dir.glob("*.part"))) == MAX_UPLOADS
         assert not (cache_dir / ("00" * 32 + ".part")).exists()
-        assert isinstance(call(sock, wire.Hello("head-offers", "0")), wire.Welcome)
+        assert isinstance(call(sock, wire.Hello("head-offers", "0", HEAD_KEY)), wire.Welcome)
         half = os.statvfs(cache_dir).f_bavail * os.statvfs(cache_dir).f_frsize // 2
         refused = 0
         for i in range(2000):
@@ -357,7 +364,7 @@ def test_late_messages_are_not_replies(keys: CurveKeys, caplog: pytest.LogCaptur
 
     fake = FakeWorker(keys, 49152, lambda m: [], stale=True)
     zctx = zmq.Context()
-    link = NodeLink(zctx, keys, fake.address, b"head-test")
+    link = NodeLink(zctx, keys, fake.address)
     try:
         link.join("head-test", "0")
         with caplog.at_level("DEBUG", logger="potluck.engine.cluster.link"):
@@ -381,7 +388,7 @@ def test_a_join_waits_for_a_slow_handshake_up_to_its_own_timeout(keys: CurveKeys
     port = probe.getsockname()[1]
     probe.close()  # free again: the worker binds it only after the send timeout has passed
     zctx = zmq.Context()
-    link = NodeLink(zctx, keys, f"127.0.0.1:{port}", b"head-test")
+    link = NodeLink(zctx, keys, f"127.0.0.1:{port}")
     late: list[FakeWorker] = []
 
     def start_late() -> None:
@@ -530,13 +537,12 @@ def test_load_limits_and_architecture_checked_on_the_worker(
     ctx = zmq.Context()
     sock = client(ctx, keys, worker.address, b"head-limits")
     try:
-        assert isinstance(call(sock, wire.Hello("head-limits", "0")), wire.Welcome)
+        assert isinstance(call(sock, wire.Hello("head-limits", "0", HEAD_KEY)), wire.Welcome)
         send_slice(lambda m: call(sock, m), sl, TransferStats())
-        huge = wire.Load(sl.sha256, 0, 30, True, True, 1 << 24, 4096, 256, False, "f32", "", "head-limits",
-                         "head-limits")
+        huge = wire.Load(sl.sha256, 0, 30, True, True, 1 << 24, 4096, 256, False, "f32", "", HEAD_KEY, "")
         reply = call(sock, huge)
         assert isinstance(reply, wire.Error) and "MB free" in reply.message
-        sock.send_multipart(wire.to_frames(wire.Release()))
+        sock.send_multipart(wire.to_frames(wire.Release(), bytes.fromhex(HEAD_KEY)))
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -559,12 +565,12 @@ def test_gemma_slice_without_sliding_window_layer_crashes_only_the_stage(
     ctx = zmq.Context()
     sock = client(ctx, keys, worker.address, b"head-gemma")
     try:
-        assert isinstance(call(sock, wire.Hello("head-gemma", "0")), wire.Welcome)
+        assert isinstance(call(sock, wire.Hello("head-gemma", "0", HEAD_KEY)), wire.Welcome)
         send_slice(lambda m: call(sock, m), sl, TransferStats())
-        load = wire.Load(sl.sha256, 17, 18, False, True, 256, 32, 1, True, "f32", "", "head-gemma", "head-gemma")
+        load = wire.Load(sl.sha256, 17, 18, False, True, 256, 32, 1, True, "f32", "", HEAD_KEY, "")
         reply = call(sock, load, timeout_ms=120000)
         assert isinstance(reply, wire.Error) and "SIGABRT" in reply.message, reply
-        sock.send_multipart(wire.to_frames(wire.Release()))
+        sock.send_multipart(wire.to_frames(wire.Release(), bytes.fromhex(HEAD_KEY)))
     finally:
         sock.close(linger=0)
         ctx.term()

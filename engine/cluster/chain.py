@@ -6,7 +6,7 @@ the threads the head's own layers take beside local workers (:func:`tail_threads
 
 from __future__ import annotations
 
-import ipaddress
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -19,7 +19,7 @@ from . import wire
 from .link import REQUEST_TIMEOUT_S, NodeFailedError, NodeLink
 from .plan import SplitPlan, kv_cells, layer_costs, manual_plan, plan_split
 from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
-from .transport import endpoint
+from .transport import endpoint, host_of, on_this_machine
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ def load_chain(
     for lk, sl in zip(links, slices):
         room = lk.welcome.max_message - (64 << 10)  # type: ignore[union-attr]
         send_slice(lk.request, sl, stats, setup.progress, chunk_bytes=max(1 << 16, min(CHUNK_BYTES, room)))
+    # Fresh keys for each hop of this chain: the head signs the first stage's traffic with
+    # the first, stage i signs what it forwards to stage i+1 with the next (wire.Load).
+    hop_keys = [os.urandom(32) for _ in links]
+    for lk in links:
+        lk.data_key = b""
+    links[0].data_key = hop_keys[0]
     loaded: list[wire.Loaded] = []
     for i, (lk, sl) in enumerate(zip(links, slices)):
         last = i == len(links) - 1
@@ -86,9 +92,9 @@ def load_chain(
                 n_seq_max=setup.n_seq_max,
                 kv_unified=setup.kv_unified,
                 hidden_dtype=setup.hidden_dtype,
-                next_addr="" if last else endpoint(links[i + 1].address),
-                upstream=setup.head_id if i == 0 else f"fwd-{links[i - 1].node_id}",
-                reply_to=setup.head_id,
+                next_addr="" if last else forward_address(links[i + 1], lk),
+                upstream_key=hop_keys[i].hex(),
+                downstream_key="" if last else hop_keys[i + 1].hex(),
             ),
             REQUEST_TIMEOUT_S * 4,
         )
@@ -98,18 +104,46 @@ def load_chain(
     return loaded
 
 
+def forward_address(nxt: NodeLink, upstream: NodeLink) -> str:
+    """The endpoint ``upstream``'s stage forwards to so that it reaches ``nxt``: the address
+    the head joined it at, except for the head's own worker, which the head reaches on
+    loopback and a stage on another machine reaches at the head's address on its network."""
+    if nxt.seen_from is not None:
+        return endpoint(nxt.seen_from(upstream.address))
+    return endpoint(nxt.address)
+
+
 class HeadWorker:
-    """Layers no worker can take run on the head itself: a worker on loopback inside this
-    process (its llama.cpp in a supervised child, like any worker's), joined like the others."""
+    """Layers no worker can take run on the head itself: a worker inside this process (its
+    llama.cpp in a supervised child, like any worker's), joined like the others.
+
+    It listens on every interface: a surviving stage on another machine forwards to it at the
+    head's address on that machine's network (:meth:`address_seen_from`); the head itself
+    joins it on loopback."""
 
     def __init__(self, keys: CurveKeys, cache_dir: Path, n_threads: int = 0) -> None:
         from .profile import measure_profile
         from .worker import Worker
 
-        self.worker = Worker(keys, measure_profile(n_threads or 1), cache_dir, bind="127.0.0.1", n_threads=n_threads)
+        self.worker = Worker(keys, measure_profile(n_threads or 1), cache_dir, bind="0.0.0.0", n_threads=n_threads)
         self.address = f"127.0.0.1:{self.worker.port}"
         self._thread = threading.Thread(target=self.worker.serve_forever, name="head-worker", daemon=True)
         self._thread.start()
+
+    def address_seen_from(self, peer: str) -> str:
+        """``host:port`` at which the worker at ``peer`` reaches this one: loopback from this
+        machine, else this machine's address on the route to ``peer`` (no packet is sent)."""
+        host = host_of(peer)
+        if on_this_machine(peer):
+            return self.address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))  # UDP connect: picks the route and source address only
+                mine = probe.getsockname()[0]
+        except OSError as e:
+            raise PotluckError(f"no route from this head to {peer} for its own worker: {e}") from None
+        return f"[{mine}]:{self.worker.port}" if family == socket.AF_INET6 else f"{mine}:{self.worker.port}"
 
     def close(self) -> None:
         self.worker.stop()
@@ -124,27 +158,4 @@ def tail_threads(addresses: Sequence[str]) -> int:
     workers on 2 cores: the head's CPU fell from 13.3 to 5.0 ms a token, its layers took
     3.7 ms instead of 2.9, synchronous decoding held its speed and pipeinfer went from 51 to
     63 tok/s on code edits, 28 to 38 on chat."""
-    return 1 if any(_on_this_machine(a) for a in addresses) else 0
-
-
-def _on_this_machine(address: str) -> bool:
-    """Loopback, or an address of one of this machine's interfaces (a worker found by
-    zeroconf on the same PC is listed at its LAN address): only this machine can bind it.
-    Host names other than localhost are not resolved (no DNS wait); they count as remote."""
-    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if ip.is_loopback:
-        return True
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((host, 0))
-        return True
-    except OSError:
-        return False
-
+    return 1 if any(on_this_machine(a) for a in addresses) else 0

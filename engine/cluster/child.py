@@ -105,6 +105,7 @@ class StageProcess:
         self.crashed: str | None = None
         self.on_crash: Callable[[str], None] | None = None
         self._reader: threading.Thread | None = None
+        self._closing = False  # close() asked the child to end: its exit is no loss
 
     # -- lifetime
     def load(self, spec: StageSpec, timeout_s: float) -> StageInfo:
@@ -128,6 +129,9 @@ class StageProcess:
         return reply[1]
 
     def close(self) -> None:
+        """End the child (a release): it frees its model and exits; one that takes more than
+        2 s is killed. Either way the stage was released, not lost."""
+        self._closing = True
         try:
             self._send(("close",))
         except PotluckError:
@@ -204,8 +208,11 @@ class StageProcess:
                 fut.set_result(payload)
             else:
                 fut.set_exception(_error(payload))
+        if self._closing:  # released: the child may still be freeing its model (no exit code yet)
+            self._fail_pending(StageCrashed("the stage was released"))
+            return
         reason = f"the stage process {self._exit_reason()}"
-        if self.proc.exitcode == 0:  # closed on purpose
+        if self.proc.exitcode == 0:  # ended on its own without a crash
             self._fail_pending(StageCrashed("the stage was released"))
             return
         self.crashed = reason

@@ -110,13 +110,13 @@ def open_pipeline(
             f"exact layer splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
         )
     zctx = zmq.Context()
-    head_id = f"head-{os.urandom(16).hex()}"  # the routing id that owns our stages: unguessable
+    head_id = f"head-{os.urandom(8).hex()}"  # a name for the logs: ownership is proven by keys
     setup = PipelineSetup(
         model_path, keys, head_id, n_ctx, n_batch, n_seq_max, kv_unified, hidden_dtype, potluck_version,
         slice_cache or SliceCache(), progress, tuple(split) if split else None,
     )
     max_msg = max_result_bytes(n_batch, costs.n_embd)
-    links = [NodeLink(zctx, keys, addr, head_id.encode(), max_msg) for addr in addresses]
+    links = [NodeLink(zctx, keys, addr, max_msg) for addr in addresses]
     tail: HeadTail | None = None
     try:
         joins = join_links(links, head_id, potluck_version, join_timeout_s, all_needed=not skip_failed_joins)

@@ -9,7 +9,9 @@ only for their own kind of reply; anything else that arrives meanwhile is late a
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -52,12 +54,20 @@ def max_result_bytes(n_batch: int, n_embd: int) -> int:
 
 
 class NodeLink:
-    """One CURVE DEALER connection from the head to one worker, with its monitor."""
+    """One CURVE DEALER connection from the head to one worker, with its monitor.
 
-    def __init__(
-        self, zctx: zmq.Context, keys: CurveKeys, address: str, head_id: bytes, max_msg_bytes: int = -1
-    ) -> None:
+    The connection has no chosen routing id (the worker names it). The worker knows this head
+    by ``key``, a secret sent in our hello over this encrypted connection only: every later
+    request is signed with it, and pipeline traffic to a first stage with ``data_key`` (set
+    when the chain loads). A token holder who claims any routing id proves nothing.
+    """
+
+    def __init__(self, zctx: zmq.Context, keys: CurveKeys, address: str, max_msg_bytes: int = -1) -> None:
         self.address = address
+        self.key = os.urandom(32)
+        self.data_key = b""  # signs forward/kv/reset to this worker while it is the first stage
+        # The head's own worker: where another stage reaches it (the head uses loopback).
+        self.seen_from: Callable[[str], str] | None = None
         self.node_id = ""
         self.layers: tuple[int, int] | None = None
         self.welcome: wire.Welcome | None = None
@@ -66,7 +76,7 @@ class NodeLink:
         self.reachable: bool | None = None
         self.handshaken = False
         self.auth_failed = False
-        self.sock = client_socket(zctx, keys, head_id)
+        self.sock = client_socket(zctx, keys)
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # a bigger one drops the connection
         self.monitor = self.sock.get_monitor_socket(
@@ -77,6 +87,15 @@ class NodeLink:
         self.sock.connect(endpoint(address))
         self.bytes_out = 0
         self.bytes_in = 0
+
+    def _hello(self, head_id: str, version: str) -> wire.Hello:
+        return wire.Hello(head_id, version, self.key.hex())
+
+    def _frames(self, msg: wire.WireMessage) -> list:
+        """``msg`` signed with the key its worker checks: pipeline traffic with the first
+        stage's upstream key, everything else with our hello's key."""
+        data = isinstance(msg, (wire.Forward, wire.KvApply, wire.Reset))
+        return wire.to_frames(msg, self.data_key if data else self.key)
 
     def describe(self) -> str:
         who = f"node {self.node_id} at {self.address}" if self.node_id else f"node at {self.address}"
@@ -107,7 +126,7 @@ class NodeLink:
         return NodeLostError(f"{self.describe()} {why}", self.address)
 
     def send(self, msg: wire.WireMessage) -> None:
-        frames = wire.to_frames(msg)
+        frames = self._frames(msg)
         try:
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -121,7 +140,7 @@ class NodeLink:
         """Best-effort send (cancels): never waits on a stage that stopped reading; a lost
         stage is named by the data path, not here."""
         try:
-            frames = wire.to_frames(msg)
+            frames = self._frames(msg)
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
@@ -190,7 +209,7 @@ class NodeLink:
             raise NodeLostError(self._silence_reason(timeout_s), self.address)
         while True:  # a worker whose last head just vanished is busy until it notices (< 3 s)
             try:
-                reply = self.request(wire.Hello(head_id, version), max(0.5, deadline - time.monotonic()))
+                reply = self.request(self._hello(head_id, version), max(0.5, deadline - time.monotonic()))
                 break
             except NodeBusyError:
                 if time.monotonic() > deadline:
@@ -202,7 +221,7 @@ class NodeLink:
         """Ask a worker of a broken chain to drop its stage and welcome us again (recovery): a
         hello from the head that owns the stage releases it. Sent without waiting:
         :meth:`await_welcome` then skips what the old chain still sends."""
-        self.send(wire.Hello(head_id, version))
+        self.send(self._hello(head_id, version))
 
     def await_welcome(self, deadline: float) -> wire.Welcome:
         while time.monotonic() < deadline:
@@ -233,7 +252,7 @@ class NodeLink:
     def close(self, release: bool) -> None:
         if release and self.handshaken:
             try:
-                self.sock.send_multipart(wire.to_frames(wire.Release()), flags=zmq.NOBLOCK)
+                self.sock.send_multipart(self._frames(wire.Release()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         self.monitor.close(linger=0)

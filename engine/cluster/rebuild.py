@@ -84,7 +84,7 @@ class ChainRebuild:
         ids = {lk.node_id for lk in self.links}
         now = time.monotonic()
         tried = [
-            NodeLink(self._zctx, setup.keys, address, setup.head_id.encode(),
+            NodeLink(self._zctx, setup.keys, address,
                             max_result_bytes(self.n_batch, self.tail.n_embd))
             for address in self.candidates()
             if address not in known and self._retry_at.get(address, 0.0) <= now
@@ -236,8 +236,9 @@ class ChainRebuild:
         assert setup is not None
         if self.head_worker is None:
             self.head_worker = HeadWorker(setup.keys, setup.slice_cache.folder / "head-worker")
-        link = NodeLink(self._zctx, setup.keys, self.head_worker.address, setup.head_id.encode(),
+        link = NodeLink(self._zctx, setup.keys, self.head_worker.address,
                         max_result_bytes(self.n_batch, self.tail.n_embd))
+        link.seen_from = self.head_worker.address_seen_from
         try:
             link.join(setup.head_id, setup.potluck_version, HEAD_WORKER_JOIN_TIMEOUT_S)
         except NodeFailedError:

@@ -9,13 +9,17 @@ peer busy computing still answers them and only a dead or frozen process misses 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
+import socket
 from collections.abc import Callable
 
 import zmq
 import zmq.auth.thread
 from zmq.utils.monitor import parse_monitor_message
 
+from ..core.errors import PotluckError
 from ..core.spec import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -64,11 +68,14 @@ def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> z
     return sock
 
 
-def client_socket(ctx: zmq.Context, keys: CurveKeys, routing_id: bytes) -> zmq.Socket:
-    """A DEALER speaking CURVE to a worker's ROUTER, under a chosen routing id."""
+def client_socket(ctx: zmq.Context, keys: CurveKeys, routing_id: bytes = b"") -> zmq.Socket:
+    """A DEALER speaking CURVE to a worker's ROUTER. Without ``routing_id`` the worker names
+    the connection itself; potluck's own sockets never choose one, and nothing trusts one
+    (any token holder may claim any id, and the first connection with an id keeps it)."""
     sock = ctx.socket(zmq.DEALER)
     _common(sock)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if routing_id:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on completed connections
     sock.setsockopt(zmq.SNDHWM, 10000)
     sock.curve_serverkey = keys.server_public
@@ -139,3 +146,67 @@ def endpoint(address: str) -> str:
     if "://" in address:
         return address
     return f"tcp://{address}"
+
+
+def host_of(address: str) -> str:
+    """The host part of ``host:port``, ``tcp://host:port`` or ``[v6]:port``."""
+    return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def on_this_machine(address: str) -> bool:
+    """Loopback, or an address of one of this machine's interfaces (a worker found by
+    zeroconf on the same PC is listed at its LAN address): only this machine can bind it.
+    Host names other than localhost are not resolved (no DNS wait); they count as remote."""
+    host = host_of(address)
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]{0,252}):([0-9]{1,5})")
+
+
+def check_next_stage(next_addr: str, own_port: int, head_on_this_machine: bool) -> None:
+    """Refuse a next-stage address a worker must not connect to: anything but
+    ``tcp://host:port`` (``ipc://``, ``inproc://`` such as its own ZAP endpoint), this worker's
+    own listener, and loopback or wildcard addresses unless the head shares this machine
+    (on a LAN they would reach whatever listens on the worker's own loopback)."""
+    m = _TCP_ENDPOINT.fullmatch(next_addr)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise PotluckError(f"next-stage address {next_addr[:80]!r} refused: only tcp://host:port is taken")
+    host = m.group(1).strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+        loopback = ip.is_loopback or ip.is_unspecified
+    except ValueError:
+        loopback = host.lower() == "localhost"
+    if loopback and not head_on_this_machine:
+        raise PotluckError(
+            f"next-stage address {next_addr!r} refused: a loopback address is taken only from a head "
+            "on this machine"
+        )
+    if int(m.group(2)) == own_port and (loopback or on_this_machine(next_addr)):
+        raise PotluckError(f"next-stage address {next_addr!r} refused: it is this worker itself")
+
+
+def peer_address(frames: list) -> str:
+    """The TCP peer address a received message came from ("" if unknown): ZeroMQ's own
+    record of the connection, not anything the peer wrote."""
+    for frame in frames:
+        try:
+            return str(frame.get("Peer-Address"))
+        except (AttributeError, zmq.ZMQError, TypeError):
+            continue
+    return ""

@@ -6,7 +6,8 @@ Frame layout (one ZeroMQ multipart message, jupyter_client style)::
     frame 1   header, UTF-8 JSON object:
                 {"type": "forward",              message type (a key of MESSAGES)
                  "f": {"txn": 7, "group": 0, ...},   scalar fields, exactly the class's
-                 "a": [["inputs", "i32", [5]], ...]}  one [name, dtype, shape] per array
+                 "a": [["inputs", "i32", [5]], ...],  one [name, dtype, shape] per array
+                 "s": "9f3c..."}                  optional: HMAC-SHA256 of the message (see below)
     frame 2.. one raw little-endian buffer per entry of "a", in order
 
 Binary payloads (token ids, hidden states, file chunks) travel as extra frames,
@@ -14,6 +15,14 @@ never inside JSON. :func:`to_frames` and :func:`parse_frames` are exact inverses
 :func:`parse_frames` validates everything (types, sizes, shapes, cross-field consistency) before anything is
 used and raises only :class:`WireError`. Authentication and encryption are not done here:
 every socket runs ZeroMQ CURVE with keys bound to the cluster token (see transport.py).
+
+Every token holder shares those CURVE keys, so a peer is never recognized by its ZeroMQ
+routing id (a client picks its own; the first connection with a given id wins). Instead the
+head proves itself with keys only it hands out, over its own encrypted connections: the key
+in its :class:`Hello` signs its later requests to that worker, and each :class:`Load` names the
+key that signs the stage's incoming pipeline traffic (``upstream_key``) and the one it signs
+its own forwards with (``downstream_key``). A signature ("s") is HMAC-SHA256 over the
+message's canonical frames (:func:`signature`), so it binds type, every field and every array.
 
 Data-path transactions (:class:`Forward`, :class:`KvApply`, :class:`Reset`) carry ``txn``, a
 counter every stage checks so that KV operations and batches apply in the same order on
@@ -24,6 +33,8 @@ and :class:`Cancel` can stop one (skipped batches still travel, empty, to keep o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,11 +45,13 @@ import numpy as np
 from ..core.jobs import DecodeJob
 from ..core.kv import KV_OPS, KvOp
 
-PROTOCOL_VERSION = 9  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+PROTOCOL_VERSION = 10  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
 # 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output);
 # 6: one cancel names several job groups; 7: run_id fields renamed group/groups; 8: an offer's reply
 # says how much of a cut-off transfer the worker kept (the head resumes there); 9: an offer names
-# the model and layers of its slice (a worker holding the model cuts it: --models)
+# the model and layers of its slice (a worker holding the model cuts it: --models); 10: the head's
+# messages and the pipeline's traffic are signed with keys from the head (hello, load), not
+# recognized by routing id
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
@@ -84,13 +97,17 @@ class WireMessage:
 
 @dataclass(frozen=True)
 class Hello(WireMessage):
-    """Head -> worker: join. An idle worker's session goes to the sender (its routing id);
-    a worker whose stage is loaded refuses every other head with code ``busy`` until its
-    owner releases it or disconnects."""
+    """Head -> worker: join. An idle worker's session goes to the holder of ``key``; a worker
+    whose stage is loaded refuses every other key with code ``busy`` until its owner releases
+    it or disconnects. The owner's hello (same key) on any connection rejoins."""
 
     TYPE = "hello"
     head_id: str
     potluck_version: str
+    key: str  # 64 hex digits: the key that signs this head's later requests to this worker
+
+    def check(self) -> None:
+        _check_key(self.key, "hello key")
 
 
 @dataclass(frozen=True)
@@ -177,10 +194,11 @@ class ChunkAck(WireMessage):
 class Load(WireMessage):
     """Head -> worker: load the cached slice ``sha256`` as one stage of the pipeline.
 
-    ``upstream`` is the routing id data-path traffic must come from (the head for the first
-    stage, the previous stage's forwarder otherwise); ``next_addr`` is the next stage's
-    endpoint ("" for the last stage, which returns its hidden states to ``reply_to``: the
-    head's routing id; the head computes the last layer and the output layer).
+    Data-path traffic is taken only when signed with ``upstream_key`` (the head signs the
+    first stage's, the previous stage its forwards); ``next_addr`` is the next stage's
+    ``tcp://host:port`` and ``downstream_key`` signs what goes there. Both are "" for the last
+    stage, which returns its hidden states to the head on the head's own connection (the
+    head computes the last layer and the output layer).
     """
 
     TYPE = "load"
@@ -195,8 +213,8 @@ class Load(WireMessage):
     kv_unified: bool
     hidden_dtype: str
     next_addr: str
-    upstream: str
-    reply_to: str
+    upstream_key: str  # 64 hex digits
+    downstream_key: str  # 64 hex digits; "" for the last stage
 
     def check(self) -> None:
         _check_sha(self.sha256)
@@ -208,10 +226,11 @@ class Load(WireMessage):
             raise WireError("n_seq_max must be 1..256")
         if self.hidden_dtype not in HIDDEN_DTYPES:
             raise WireError(f"hidden dtype must be one of {HIDDEN_DTYPES}")
-        if self.last != (self.next_addr == ""):
-            raise WireError("exactly the last stage has no next address")
-        if not self.upstream or not self.reply_to:
-            raise WireError("upstream and reply_to are required")
+        if self.last != (self.next_addr == "") or self.last != (self.downstream_key == ""):
+            raise WireError("exactly the last stage has no next address and no downstream key")
+        _check_key(self.upstream_key, "upstream key")
+        if not self.last:
+            _check_key(self.downstream_key, "downstream key")
 
 
 @dataclass(frozen=True)
@@ -477,6 +496,11 @@ def _check_sha(sha: str) -> None:
         raise WireError("sha256 must be 64 lowercase hex digits")
 
 
+def _check_key(key: str, what: str) -> None:
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise WireError(f"{what} must be 64 lowercase hex digits")
+
+
 def _scalar_fields(cls: type[WireMessage]) -> list[tuple[str, type]]:
     out = []
     for f in dataclasses.fields(cls):
@@ -492,8 +516,17 @@ _SCHEMAS = {name: _scalar_fields(cls) for name, cls in MESSAGES.items()}
 # --------------------------------------------------------------------------- encode / decode
 
 
-def to_frames(msg: WireMessage) -> list[bytes | memoryview]:
-    """Frames for ``msg``. Arrays go out as zero-copy little-endian buffers."""
+def to_frames(msg: WireMessage, key: bytes = b"") -> list[bytes | memoryview]:
+    """Frames for ``msg``, signed with ``key`` if one is given. Arrays go out as zero-copy
+    little-endian buffers."""
+    header, buffers = _encode(msg)
+    if key:
+        header["s"] = _mac(key, header, buffers)
+    return [MAGIC, json.dumps(header, separators=(",", ":")).encode(), *buffers]
+
+
+def _encode(msg: WireMessage) -> tuple[dict, list[bytes | memoryview]]:
+    """The unsigned header and the array buffers of ``msg`` (its canonical form)."""
     cls = type(msg)
     fields = {name: getattr(msg, name) for name, _ in _SCHEMAS[cls.TYPE]}
     specs: list[list[object]] = []
@@ -506,8 +539,27 @@ def to_frames(msg: WireMessage) -> list[bytes | memoryview]:
         arr = np.ascontiguousarray(arr, dtype=DTYPES[dt])
         specs.append([name, dt, list(arr.shape)])
         buffers.append(arr.reshape(-1).view(np.uint8).data)
-    header = json.dumps({"type": cls.TYPE, "f": fields, "a": specs}, separators=(",", ":"))
-    return [MAGIC, header.encode(), *buffers]
+    return {"type": cls.TYPE, "f": fields, "a": specs}, buffers
+
+
+def _mac(key: bytes, header: dict, buffers: list[bytes | memoryview]) -> str:
+    """HMAC-SHA256 over the canonical header and each buffer, length-prefixed."""
+    h = hmac.new(key, MAGIC, hashlib.sha256)
+    canonical = json.dumps(header, separators=(",", ":")).encode()
+    h.update(len(canonical).to_bytes(8, "little") + canonical)
+    for buf in buffers:
+        h.update(len(buf).to_bytes(8, "little"))
+        h.update(buf)
+    return h.hexdigest()
+
+
+def signed_by(msg: WireMessage, signature: str, key: bytes) -> bool:
+    """Whether ``signature`` (the "s" of the frames ``msg`` came in) is ``key``'s signature of
+    ``msg``: recomputed over its canonical form and compared in constant time."""
+    if not key or not signature:
+        return False
+    header, buffers = _encode(msg)
+    return hmac.compare_digest(_mac(key, header, buffers), signature)
 
 
 def _as_bytes(frame: object) -> bytes | memoryview:
@@ -523,6 +575,12 @@ def _as_bytes(frame: object) -> bytes | memoryview:
 
 def parse_frames(frames: list, *, max_bytes: int = DEFAULT_MAX_BYTES) -> WireMessage:
     """Parse and validate ``frames``; raises only :class:`WireError`."""
+    return parse_signed(frames, max_bytes=max_bytes)[0]
+
+
+def parse_signed(frames: list, *, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[WireMessage, str]:
+    """:func:`parse_frames`, and the message's signature ("" if unsigned; check it with
+    :func:`signed_by`); raises only :class:`WireError`."""
     try:
         return _parse(frames, max_bytes)
     except WireError:
@@ -531,7 +589,7 @@ def parse_frames(frames: list, *, max_bytes: int = DEFAULT_MAX_BYTES) -> WireMes
         raise WireError(f"malformed message ({type(e).__name__})") from None
 
 
-def _parse(frames: list, max_bytes: int) -> WireMessage:
+def _parse(frames: list, max_bytes: int) -> tuple[WireMessage, str]:
     if not isinstance(frames, (list, tuple)) or len(frames) < 2:
         raise WireError("a message has at least 2 frames")
     if len(frames) > 2 + MAX_ARRAYS:
@@ -551,9 +609,11 @@ def _parse(frames: list, max_bytes: int) -> WireMessage:
         header = json.loads(bytes(raw[1]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError("header is not UTF-8 JSON") from None
-    if not isinstance(header, dict) or set(header) != {"type", "f", "a"}:
-        raise WireError("header must be an object with type, f, a")
-    mtype, fields, specs = header["type"], header["f"], header["a"]
+    if not isinstance(header, dict) or set(header) - {"s"} != {"type", "f", "a"}:
+        raise WireError("header must be an object with type, f, a (and s)")
+    mtype, fields, specs, sig = header["type"], header["f"], header["a"], header.get("s", "")
+    if not isinstance(sig, str) or len(sig) > 64:
+        raise WireError("signature must be at most 64 hex digits")
     if not isinstance(mtype, str) or mtype not in MESSAGES:
         raise WireError(f"unknown message type {str(mtype)[:32]!r}")
     cls = MESSAGES[mtype]
@@ -582,7 +642,7 @@ def _parse(frames: list, max_bytes: int) -> WireMessage:
         kwargs[name] = _array(spec, name, buf)
     msg = cls(**kwargs)
     msg.check()
-    return msg
+    return msg, sig
 
 
 def _array(spec: object, name: str, buf: bytes | memoryview) -> np.ndarray:

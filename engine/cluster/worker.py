@@ -39,7 +39,7 @@ from ..core.errors import PotluckError
 from ..core.gguf_tools import SPLITTABLE_ARCHS
 from ..core.jobs import GroupCancelled
 from ..core.spec import CurveKeys
-from . import wire
+from . import inbox, wire
 from .child import StageCrashed, StageInfo, StageProcess, StageSpec
 from .plan import kv_cells, layer_costs, stage_mem_mb
 from .profile import NodeProfile, free_memory_mb
@@ -47,7 +47,10 @@ from .slice_store import SliceStore, SliceUploads
 from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
+    check_next_stage,
     client_socket,
+    on_this_machine,
+    peer_address,
     raise_open_files_limit,
     read_event,
     server_socket,
@@ -60,6 +63,7 @@ FORWARD_TIMEOUT_MS = 5000
 LOAD_TIMEOUT_S = 300.0
 DEFAULT_CACHE_QUOTA_MB = 20 * 1024
 PROBE_INTERVAL_S = 1.0
+DRAIN_MAX = 20_000  # messages read in one pass over the socket
 
 
 class NotOwnerError(PotluckError):
@@ -89,11 +93,14 @@ def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
 class Worker:
     """Serves one head at a time on ``tcp://bind:port`` until :meth:`stop`.
 
-    Ownership: the peer (ZeroMQ routing id) whose ``hello`` opened the session owns the
-    worker; only the owner may offer, upload, load, release or cancel. While a stage is
-    loaded, another head's ``hello`` is refused (``busy``) unless the owner has gone away
-    (a reply to it fails at once: ROUTER_MANDATORY). ``ping`` and ``status`` are open to any
-    token holder: they change nothing.
+    Ownership: the holder of the key in the ``hello`` that opened the session owns the
+    worker; only requests signed with that key may offer, upload, load, release or cancel
+    (never a routing id: any token holder may claim any). Pipeline traffic is taken only
+    when signed with the key the owner's ``load`` named for this stage's upstream. While a
+    stage is loaded, a ``hello`` with another key is refused (``busy``) unless the owner has
+    gone away (a reply to it fails at once: ROUTER_MANDATORY). ``ping`` and ``status`` are
+    open to any token holder: they change nothing. Peers other than the owner and the
+    upstream get a budget of messages and bytes a second (:mod:`.inbox`).
     """
 
     def __init__(
@@ -134,11 +141,18 @@ class Worker:
         self.bind = bind
         self._stop = False
         self.stage: LoadedStage | None = None
-        self.owner: bytes = b""  # routing id of the head whose session this is
+        self.owner: bytes = b""  # routing id of the connection the owner last proved itself on
+        self.owner_key = b""  # the key of the owner's hello: its later requests are signed with it
+        self.owner_local = False  # whether the owner's connection comes from this machine
         self.owner_name = ""
         self._probed_at = 0.0
-        self.head: bytes = b""
         self.txn = 0
+        self.upstream_key = b""  # signs the pipeline traffic this stage takes (from the Load)
+        self.downstream_key = b""  # signs what it passes on
+        self.upstream_ident = b""  # the connection the upstream's signed traffic came on
+        self.budget = inbox.PeerBudget()  # what other peers may still send this second
+        self._dropped_logged = 0
+        self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
         # finished stage work, in txn order, back to this thread: (stage, message, future)
         self._done: queue.SimpleQueue[tuple[LoadedStage, wire.WireMessage, Future]] = queue.SimpleQueue()
@@ -178,18 +192,61 @@ class Worker:
                     self._send_finished()
                 if self.sock in events:
                     self._serve_pending()
+                elif not events and self.budget.dropped > self._trimmed_at:
+                    self._trimmed_at = self.budget.dropped
+                    inbox.give_back_freed_memory()  # a flood is over: what libzmq queued goes back
         finally:
             self.close()
 
     def _serve_pending(self) -> None:
-        for _ in range(64):  # bounded, so the stop flag and the monitor are checked
+        """Drain the socket at once (libzmq's queue has no bound, see :mod:`.inbox`): serve
+        the owner's and the upstream's messages as they are read; past the first
+        ``inbox.UNMETERED`` messages of a pass (a backlog), keep what other peers' budgets
+        allow for the end of the pass and drop the rest unread. A dropped message costs only
+        reading it: the routing id decides, before anything is parsed."""
+        sock, budget = self.sock, self.budget
+        budget.new_pass()
+        others: list[tuple[bytes, list]] = []
+        for i in range(DRAIN_MAX):  # bounded, so the stop flag and the monitor are checked
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                ident = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            self.bytes_received += sum(len(f.buffer) for f in frames)
-            self.handle(frames[0].bytes, frames[1:])
-            self._send_finished()  # keep results flowing while a burst of requests arrives
+                break
+            if i % 1024 == 1023:
+                self._send_finished()  # results go out while a flood is drained
+            if ident and (ident == self.owner or ident == self.upstream_ident):
+                self._serve(ident, self._rest())
+            elif i >= inbox.UNMETERED and budget.over(ident):
+                while sock.getsockopt(zmq.RCVMORE):
+                    sock.recv()
+                budget.dropped += 1
+            else:
+                rest = self._rest()
+                size = sum(map(len, rest))
+                self.bytes_received += size
+                first = budget.first_in_window(ident)
+                budget.admit(ident, size)
+                if first or i < inbox.UNMETERED:  # a new upstream proves itself with its first message
+                    self._serve(ident, rest)
+                elif budget.keep(size):
+                    others.append((ident, rest))
+        if budget.dropped > self._dropped_logged:
+            if self._dropped_logged == 0 or budget.dropped - self._dropped_logged >= 100_000:
+                log.warning("dropped %d messages from peers past their budget so far (a flood?)", budget.dropped)
+                self._dropped_logged = budget.dropped
+        for ident, rest in others:
+            self._serve(ident, rest)
+
+    def _rest(self) -> list:
+        """The frames after a routing id, zero-copy (a zmq.Frame knows its peer's address)."""
+        frames = [self.sock.recv(copy=False)]
+        while self.sock.getsockopt(zmq.RCVMORE):
+            frames.append(self.sock.recv(copy=False))
+        return frames
+
+    def _serve(self, ident: bytes, frames: list) -> None:
+        self.handle(ident, frames)
+        self._send_finished()  # keep results flowing while a burst of requests arrives
 
     def _log_handshake_failures(self) -> None:
         while self.monitor.poll(0):
@@ -217,15 +274,15 @@ class Worker:
     # -- dispatch
     def handle(self, ident: bytes, frames: list) -> None:
         try:
-            msg = wire.parse_frames(frames, max_bytes=self.max_msg_bytes)
+            msg, signature = wire.parse_signed(frames, max_bytes=self.max_msg_bytes)
         except wire.WireError as e:
             self._refuse(ident, "malformed", str(e))
             return
         try:
             if isinstance(msg, (wire.Forward, wire.KvApply, wire.Reset)):
-                self._data(ident, msg)
+                self._data(ident, msg, signature)
             else:
-                self._control(ident, msg)
+                self._control(ident, msg, signature, frames)
         except NotOwnerError as e:
             self._refuse(ident, "busy", str(e), getattr(msg, "txn", 0))
         except PotluckError as e:
@@ -270,7 +327,7 @@ class Worker:
             return False
         return True
 
-    def _control(self, ident: bytes, msg: wire.WireMessage) -> None:
+    def _control(self, ident: bytes, msg: wire.WireMessage, signature: str, frames: list) -> None:
         if isinstance(msg, wire.Ping):
             self._send(ident, wire.Pong(msg.nonce))
             return
@@ -280,11 +337,13 @@ class Worker:
         if isinstance(msg, wire.Hello):
             self._hello(ident, msg)
             return
-        if not self.owner and isinstance(msg, (wire.Release, wire.Cancel)):
+        if not self.owner_key and isinstance(msg, (wire.Release, wire.Cancel)):
             return  # nothing loaded, nothing running: nothing to refuse either
-        if ident != self.owner or not self.owner:
-            who = f"head {self.owner_name}" if self.owner else "no head (send hello first)"
+        if not wire.signed_by(msg, signature, self.owner_key):
+            who = "another head" if self.owner_key else "no head (send hello first)"
             raise NotOwnerError(f"{msg.TYPE!r} refused: this worker is serving {who}")
+        self.owner = ident  # replies go where the owner's proof came from
+        self.owner_local = on_this_machine(peer_address(frames))
         if isinstance(msg, wire.Offer):
             keep = {self.stage.load.sha256} if self.stage is not None else set()
             self._send(ident, self.uploads.offer(msg, keep))
@@ -295,7 +354,7 @@ class Worker:
         elif isinstance(msg, wire.Release):
             self._release()
             self.uploads.drop()
-            self.owner, self.owner_name = b"", ""
+            self.owner, self.owner_key, self.owner_name = b"", b"", ""
         elif isinstance(msg, wire.Cancel):
             if self.stage is not None:
                 self.stage.proc.cancel(*msg.groups)  # reaches a running batch, not only queued ones
@@ -303,17 +362,21 @@ class Worker:
             raise PotluckError(f"a worker does not accept {msg.TYPE!r} messages")
 
     def _hello(self, ident: bytes, msg: wire.Hello) -> None:
-        if self.stage is not None and ident != self.owner:
+        """The holder of the hello's key owns this worker from now on; while a stage is
+        loaded only its owner's key (on any connection: a head reconnecting) is taken, unless
+        the owner has gone away. Nobody is told who the owner is."""
+        key = bytes.fromhex(msg.key)
+        if self.stage is not None and key != self.owner_key:
             if self._owner_present():
                 raise NotOwnerError(
-                    f"this worker is serving head {self.owner_name}; it joins another head once "
-                    "that one releases it or goes away"
+                    "this worker is serving another head; it joins a new head once that one "
+                    "releases it or goes away"
                 )
             log.info("head %s went away without releasing; a new head takes over", self.owner_name)
         self._release()
-        if ident != self.owner:
+        if key != self.owner_key:
             self.uploads.drop()
-        self.owner, self.owner_name = ident, msg.head_id
+        self.owner, self.owner_key, self.owner_name = ident, key, msg.head_id
         log.info("head %s joined", msg.head_id)
         p = self.profile
         welcome = wire.Welcome(
@@ -345,6 +408,8 @@ class Worker:
             )
 
     def _load(self, msg: wire.Load) -> wire.Loaded:
+        if not msg.last:
+            check_next_stage(msg.next_addr, self.port, self.owner_local)
         path = self.cached_path(msg.sha256)
         if not self.store.has(msg.sha256):  # here and intact: its seal (one stat), else a re-hash
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
@@ -371,7 +436,7 @@ class Worker:
             stage.close()
             raise PotluckError("slice layer count does not match the requested range")
         if not msg.last:
-            fwd = client_socket(self.zctx, self.keys, f"fwd-{self.profile.node_id}".encode())
+            fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
             fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
             try:
                 fwd.connect(msg.next_addr)
@@ -382,7 +447,8 @@ class Worker:
             self.forward = fwd
         proc.on_crash = lambda why, p=proc: self._on_crash(p, why)
         self.stage = stage
-        self.head = msg.reply_to.encode()
+        self.upstream_key = bytes.fromhex(msg.upstream_key)
+        self.downstream_key = bytes.fromhex(msg.downstream_key)
         self.txn = 0
         load_ms = (time.perf_counter() - t0) * 1000
         log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
@@ -403,7 +469,8 @@ class Worker:
         if self.forward is not None:
             self.forward.close(linger=0)
             self.forward = None
-        self.head = b""
+        self.upstream_key = self.downstream_key = b""
+        self.upstream_ident = b""
         self.txn = 0
 
     def _status(self) -> wire.StatusReply:
@@ -417,12 +484,13 @@ class Worker:
         )
 
     # -- data path: this thread checks order, the stage process checks and computes
-    def _data(self, ident: bytes, msg: wire.Forward | wire.KvApply | wire.Reset) -> None:
+    def _data(self, ident: bytes, msg: wire.Forward | wire.KvApply | wire.Reset, signature: str) -> None:
         ld = self.stage
         if ld is None:
             raise PotluckError("no stage is loaded")
-        if ident != ld.load.upstream.encode():
-            raise PotluckError("pipeline traffic from a peer that is not this stage's upstream")
+        if not wire.signed_by(msg, signature, self.upstream_key):
+            raise PotluckError("pipeline traffic not signed by this stage's upstream")
+        self.upstream_ident = ident  # its connection: served first from now on
         if msg.txn != self.txn + 1:
             raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
         self.txn = msg.txn  # in order: consumed whatever happens next, so later stages see it too
@@ -471,7 +539,7 @@ class Worker:
                 self._pass_on(ld, msg, fut)
             except PotluckError as e:
                 log.warning("%s", e)
-                self._send(self.head, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
+                self._send(self.owner, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
         while True:
             try:
                 proc, why = self._crashed.get_nowait()
@@ -482,7 +550,7 @@ class Worker:
             self.crashes += 1
             ld = self.stage
             log.error("layers %d-%d: %s", ld.load.layer_lo, ld.load.layer_hi, why)
-            self._send(self.head, wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
+            self._send(self.owner, wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
                                              f"{ld.load.layer_hi}: {why}", 0))
             self._release()  # the head keeps its session: it may load again
 
@@ -494,27 +562,28 @@ class Worker:
             if err is not None and not isinstance(err, GroupCancelled):
                 log.warning("batch of transaction %d refused or failed: %s", msg.txn, err)
                 self.rejected += 1
-                self._send(self.head, wire.Error(self.node, "failed", f"{err}", msg.txn))
+                self._send(self.owner, wire.Error(self.node, "failed", f"{err}", msg.txn))
             out = None if err is not None else fut.result()
             hidden = out.astype(np.float16) if out is not None and ld.load.hidden_dtype == "f16" else out
             if ld.load.last:
                 rows = hidden if hidden is not None else np.zeros((0, 1), dtype=np.float32)
-                self._send(self.head, wire.Result(msg.txn, msg.group, hidden is None, rows))
+                self._send(self.owner, wire.Result(msg.txn, msg.group, hidden is None, rows))
                 return
             if hidden is None:
-                self._forward(wire.to_frames(msg.skipped() if not msg.skip else msg))
+                self._forward(msg.skipped() if not msg.skip else msg)
                 return
-            self._forward(wire.to_frames(wire.Forward.from_job(msg.txn, msg.job(), hidden)))
+            self._forward(wire.Forward.from_job(msg.txn, msg.job(), hidden))
             return
         if err is not None:  # a KV operation refused or lost: the head must know
             self.rejected += 1
-            self._send(self.head, wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
+            self._send(self.owner, wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
         if self.forward is not None:
-            self._forward(wire.to_frames(msg))
+            self._forward(msg)
 
-    def _forward(self, frames: list) -> None:
+    def _forward(self, msg: wire.WireMessage) -> None:
+        """Pass ``msg`` to the next stage, signed with the key its stage takes from us."""
         assert self.forward is not None
         try:
-            self.forward.send_multipart(frames, copy=False)
+            self.forward.send_multipart(wire.to_frames(msg, self.downstream_key), copy=False)
         except zmq.Again:
             raise PotluckError(f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable") from None

@@ -28,13 +28,13 @@ def samples() -> list[wire.WireMessage]:
     """One well-formed message of every wire type (the round-trip tests check it is every one)."""
     hidden = np.arange(12, dtype=np.float32).reshape(3, 4)
     return [
-        wire.Hello("head-1", "0.1.0"),
+        wire.Hello("head-1", "0.1.0", "cd" * 32),
         wire.Welcome("n1", "0.1.0", 8, 16000, 3.5, "idle", 1 << 28),
         wire.Offer(SHA, 10, "", 0, 1),
         wire.OfferReply(SHA, True, 0),
         wire.Chunk(SHA, 0, 10, np.arange(4, dtype=np.uint8)),
         wire.ChunkAck(SHA, 4, False),
-        wire.Load(SHA, 0, 12, True, False, 512, 64, 1, True, "f32", "tcp://h:1", "head-1", "head-1"),
+        wire.Load(SHA, 0, 12, True, False, 512, 64, 1, True, "f32", "tcp://h:1", "cd" * 32, "ef" * 32),
         wire.Loaded(12, 576, 49152, 512, 12.5),
         wire.Release(),
         wire.Cancel(3),

@@ -1,0 +1,302 @@
+"""Trust between token holders (issue 20): no token holder can take another head's pipeline
+traffic, point a stage at an endpoint it must not reach, or grow a worker's memory by
+flooding it. Each test runs the real attack against real worker processes on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from potluck.discovery.auth import keys_from_token
+from potluck.engine.cluster import wire
+from potluck.engine.cluster.chain import HeadWorker
+from potluck.engine.cluster.child import StageProcess, StageSpec
+from potluck.engine.cluster.head import open_pipeline
+from potluck.engine.cluster.transfer import SliceCache
+from potluck.engine.cluster.transport import check_next_stage, client_socket
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.target import LocalTarget
+
+from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+
+PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"
+N_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
+    """Two workers of this module's own: the attacks leave connections behind."""
+    tmp = tmp_path_factory.mktemp("trust")
+    workers = [start_worker(tmp, f"t{i}") for i in range(2)]
+    yield workers
+    for w in workers:
+        stop_worker(w.proc)
+
+
+def until_answers(sock: zmq.Socket) -> None:
+    """Wait until ``sock``'s CURVE connection is up (a status request comes back)."""
+    sock.send_multipart(wire.to_frames(wire.Status()))
+    assert sock.poll(10000), "the worker never answered"
+    sock.recv_multipart()
+
+
+def test_a_squatted_forwarder_identity_cannot_replace_a_heads_traffic(
+    pair: list[WorkerProc], model: Model, model_path: Path, tmp_path: Path
+) -> None:
+    """The attack of issue 20: a second token holder connects to stage B under the routing id
+    A's forwarder once used (``fwd-<A's public node id>``) before the victim builds A -> B, then
+    sends B its own hidden states for the victim's first transaction. Before the fix, ZeroMQ
+    kept the attacker's connection for that id, dropped A's, and the victim printed the
+    attacker's junk without a warning. Now B takes only traffic signed with the key the
+    victim's head gave it, whoever connects under whatever id."""
+    a, b = pair
+    keys = keys_from_token(TOKEN)
+    ctx = zmq.Context()
+    squatter = client_socket(ctx, keys, f"fwd-{a.node_id}".encode())
+    squatter.connect(f"tcp://{b.address}")
+    until_answers(squatter)
+    target = open_pipeline(model_path, [a.address, b.address], keys, n_ctx=N_CTX, n_threads=1,
+                           slice_cache=SliceCache(tmp_path), split=[0, 15, 29])
+    local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    try:
+        prompt = model.tokenize(PROMPT)
+        job = DecodeJob.tokens(target.new_group(), prompt, 0)
+        ticket = target.submit(job)
+        n = len(prompt)
+        junk = wire.Forward.from_job(1, DecodeJob(job.group, np.full((n, model.n_embd), 0.5, np.float32),
+                                                  job.positions, job.seq_ids, job.outputs))
+        squatter.send_multipart(wire.to_frames(junk))  # unsigned: all a token holder can send
+        got = target.wait(ticket)
+        assert np.array_equal(got, local.decode(prompt)), "the victim's logits are not its own"
+        assert squatter.poll(10000), "the squatter was not told"
+        refusal = wire.parse_frames(squatter.recv_multipart())
+        assert isinstance(refusal, wire.Error) and "not signed by this stage's upstream" in refusal.message
+        for i, tok in enumerate((7, 11)):  # the victim goes on, exact
+            more = target.submit(DecodeJob.tokens(job.group, [tok], n + i))
+            assert np.array_equal(local.decode([tok]), target.wait(more))
+    finally:
+        squatter.close(linger=0)
+        ctx.term()
+        local.close()
+        target.close()
+
+
+def test_a_busy_worker_does_not_name_its_owner_and_the_heads_links_choose_no_routing_id(
+    pair: list[WorkerProc], model_path: Path, tmp_path: Path
+) -> None:
+    """A head's connections carry no routing id of its choosing (the worker names them), so
+    there is nothing to squat when it reconnects; a busy worker tells nobody who owns it."""
+    keys = keys_from_token(TOKEN)
+    target = open_pipeline(model_path, [pair[0].address], keys, n_ctx=N_CTX, n_threads=1,
+                           slice_cache=SliceCache(tmp_path))
+    ctx = zmq.Context()
+    other = client_socket(ctx, keys)
+    other.connect(f"tcp://{pair[0].address}")
+    try:
+        assert target.links[0].sock.getsockopt(zmq.ROUTING_ID) == b""
+        other.send_multipart(wire.to_frames(wire.Hello("head-other", "0", "77" * 32)))
+        assert other.poll(10000)
+        refusal = wire.parse_frames(other.recv_multipart())
+        assert isinstance(refusal, wire.Error) and refusal.code == "busy"
+        assert "head-" not in refusal.message and "another head" in refusal.message
+        # its requests signed with its own key stay refused: only the owner's key counts
+        other.send_multipart(wire.to_frames(wire.Release(), bytes.fromhex("77" * 32)))
+        assert other.poll(10000)
+        refusal = wire.parse_frames(other.recv_multipart())
+        assert isinstance(refusal, wire.Error) and refusal.code == "busy"
+        assert target.decode([1, 2, 3]).shape == (1, target.n_vocab)  # the owner is still served
+    finally:
+        other.close(linger=0)
+        ctx.term()
+        target.close()
+
+
+def rss_kb(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now, in kB (``VmHWM``: its peak so far)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def flood(keys: object, address: str, sockets: int, seconds: float) -> int:
+    """Ping ``address`` from ``sockets`` connections as fast as they take it, never reading a
+    reply; the number of pings sent."""
+    ctx = zmq.Context()
+    socks = [client_socket(ctx, keys) for _ in range(sockets)]  # type: ignore[arg-type]
+    sent = 0
+    try:
+        for s in socks:
+            s.setsockopt(zmq.SNDHWM, 0)  # the attacker queues on its side: the worker decides
+            s.connect(f"tcp://{address}")
+        ping = wire.to_frames(wire.Ping(1))
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for s in socks:
+                for _ in range(200):
+                    s.send_multipart(ping, copy=False)
+                sent += 200
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+    return sent
+
+
+def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
+    tmp_path: Path, model: Model, model_path: Path
+) -> None:
+    """A token holder pings a worker from 4 sockets for 20 s without reading the replies. The
+    worker drains its socket at once, serves its owner first and drops what the flooders'
+    budgets do not allow, unread (its log counts them); its memory stays bounded and goes
+    back afterwards (before, a flood from 2 sockets grew one by 2.6 GB in 40 s, and it stayed).
+    The owner's decoding stays exact meanwhile; its speed is a benchmark's business."""
+    keys = keys_from_token(TOKEN)
+    w = start_worker(tmp_path, "flooded")
+    target = open_pipeline(model_path, [w.address], keys, n_ctx=N_CTX, n_threads=1,
+                           slice_cache=SliceCache(tmp_path / "cache"))
+    local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    try:
+        prompt = model.tokenize(PROMPT)
+        assert np.array_equal(local.decode(prompt), target.decode(prompt))
+        before_kb = rss_kb(w.proc.pid)
+        result: list[int] = []
+        samples_kb: list[int] = []
+        flooder = threading.Thread(target=lambda: result.append(flood(keys, w.address, 4, 20.0)))
+        flooder.start()
+
+        def sample() -> None:
+            while flooder.is_alive():
+                samples_kb.append(rss_kb(w.proc.pid))
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        tok = 7
+        while flooder.is_alive():  # the owner decodes all through the flood
+            logits = target.decode([tok])
+            assert np.array_equal(logits, local.decode([tok]))
+            tok = int(np.argmax(logits[0]))
+            if target.n_past >= N_CTX - 8:
+                for t in (local, target):
+                    t.truncate(len(prompt))
+        flooder.join()
+        sampler.join()
+        peak_kb = max(samples_kb)
+        assert result[0] > 0 and w.alive()
+        assert "past their budget" in w.log(), "no flood message was dropped: the path did not run"
+        # Generous for a busy 2-core machine where the flooder takes a core the worker's drain
+        # needs (the 60 s figure from another process is in the closing note of issue 20).
+        assert peak_kb - before_kb < 400 * 1024, (before_kb, peak_kb, result[0])
+        deadline = time.monotonic() + 30
+        while rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards
+            assert time.monotonic() < deadline, (before_kb, rss_kb(w.proc.pid))
+            time.sleep(0.5)
+    finally:
+        local.close()
+        target.close()
+        stop_worker(w.proc)
+
+
+def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost(
+    model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a normal release a worker logged "the stage process stopped answering; the stage
+    is lost": the child was still freeing its model when its pipe closed, so it had no exit
+    code yet (and one slower than 2 s is killed). A stopped child stands in for a slow one."""
+    path = slice_layers(model_path, tmp_path / "s.gguf", 0, 15)
+    proc = StageProcess()
+    proc.load(StageSpec(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), True, 256, 32, 1, True, 1), 300)
+    os.kill(proc.proc.pid, signal.SIGSTOP)  # it cannot exit within close()'s 2 s: close() kills it
+    with caplog.at_level("ERROR", logger="potluck.engine.cluster.child"):
+        proc.close()
+    assert proc.proc.exitcode == -signal.SIGKILL  # the slow exit path ran
+    assert proc.crashed is None and not [r for r in caplog.records if "lost" in r.message]
+
+
+@pytest.mark.parametrize(
+    ("next_addr", "head_here", "why"),
+    [
+        ("inproc://zeromq.zap.01", True, "only tcp://host:port"),
+        ("ipc:///tmp/anything", True, "only tcp://host:port"),
+        ("tcp://10.0.0.7", True, "only tcp://host:port"),
+        ("tcp://10.0.0.7:0", True, "only tcp://host:port"),
+        ("tcp://10.0.0.7:80 ", True, "only tcp://host:port"),
+        ("tcp://127.0.0.1:6000", False, "only from a head on this machine"),
+        ("tcp://localhost:6000", False, "only from a head on this machine"),
+        ("tcp://0.0.0.0:6000", False, "only from a head on this machine"),
+        ("tcp://[::1]:6000", False, "only from a head on this machine"),
+        ("tcp://127.0.0.1:5555", True, "this worker itself"),
+    ],
+)
+def test_next_stage_addresses_a_worker_refuses(next_addr: str, head_here: bool, why: str) -> None:
+    with pytest.raises(PotluckError, match=why):
+        check_next_stage(next_addr, 5555, head_here)
+
+
+def test_next_stage_addresses_a_worker_takes() -> None:
+    check_next_stage("tcp://10.0.0.7:5555", 5555, False)  # another machine, same port
+    check_next_stage("tcp://worker-2.lan:6000", 5555, False)
+    check_next_stage("tcp://127.0.0.1:6000", 5555, True)  # a head on this machine: its loopback workers
+
+
+def test_a_load_naming_a_forbidden_next_stage_is_refused_by_a_real_worker(pair: list[WorkerProc]) -> None:
+    """A token holder that owns a worker (its hello's key signs its load) still cannot point
+    its stage at the worker's own ZAP endpoint, an ipc socket or the worker itself."""
+    keys = keys_from_token(TOKEN)
+    key = "5a" * 32
+    ctx = zmq.Context()
+    head = client_socket(ctx, keys)
+    head.connect(f"tcp://{pair[1].address}")
+
+    def ask(msg: wire.WireMessage) -> wire.WireMessage:
+        head.send_multipart(wire.to_frames(msg, bytes.fromhex(key)))
+        while True:
+            assert head.poll(10000), "no reply"
+            reply = wire.parse_frames(head.recv_multipart())
+            if not (isinstance(reply, wire.Pong) and reply.nonce == wire.PROBE_NONCE):
+                return reply
+
+    try:
+        assert isinstance(ask(wire.Hello("head-x", "0", key)), wire.Welcome)
+        port = pair[1].address.rsplit(":", 1)[1]
+        for bad in ("inproc://zeromq.zap.01", "ipc:///tmp/potluck-x", f"tcp://127.0.0.1:{port}"):
+            load = wire.Load("ab" * 32, 0, 2, True, False, 64, 8, 1, True, "f32", bad, "cd" * 32, "ef" * 32)
+            reply = ask(load)
+            assert isinstance(reply, wire.Error) and "next-stage address" in reply.message, (bad, reply)
+        head.send_multipart(wire.to_frames(wire.Release(), bytes.fromhex(key)))
+    finally:
+        head.close(linger=100)
+        ctx.term()
+
+
+def test_the_heads_own_worker_is_reached_at_the_heads_address_on_a_stages_network(tmp_path: Path) -> None:
+    """Recovery's fallback worker listens on every interface: the head joins it on loopback, a
+    stage on this machine forwards to it on loopback, and a stage elsewhere at this machine's
+    address on the route to that stage (before, 127.0.0.1 for everyone, which a stage on
+    another machine would take as its own loopback)."""
+    hw = HeadWorker(keys_from_token(TOKEN), tmp_path / "hw")
+    try:
+        assert hw.worker.bind == "0.0.0.0" and hw.address.startswith("127.0.0.1:")
+        assert hw.address_seen_from("127.0.0.1:7000") == hw.address
+        try:
+            remote = hw.address_seen_from("192.0.2.10:7000")  # TEST-NET-1: routed, never reached
+        except PotluckError:
+            pytest.skip("no route off this machine to compare with")
+        host, port = remote.rsplit(":", 1)
+        assert int(port) == hw.worker.port and not host.startswith("127.")
+        assert hw.address_seen_from(f"{host}:7000") == hw.address  # this machine's own address
+    finally:
+        hw.close()
