@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         return session
 
     engine = EngineThread(opener, server.max_queue)
-    state = ServeState(engine, model_path.stem, spec.n_ctx, settings.sampling, server, cache)
+    state = ServeState(engine, model_path.stem, spec.n_ctx, settings.sampling, server)
     return _serve(build_app(state, guard), sock, engine, state)
 
 
