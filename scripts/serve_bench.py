@@ -177,7 +177,9 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     threads = args.threads or default_threads()
-    results: dict[str, object] = {}
+    def report(name: str, result: dict[str, object]) -> None:  # as soon as one server is measured
+        print(json.dumps({name: result}) if args.json else "\n".join(table(name, result)), flush=True)
+
     with tempfile.TemporaryDirectory() as home:
         config = Path(home) / "config"
         config.mkdir()
@@ -186,16 +188,11 @@ def main() -> int:
             '[sampling]\ntemperature = 0.0\n[server]\nmax_queue = 16\n')
         server = start_server(Path(home), env={k: v for k, v in os.environ.items() if k != "POTLUCK_API_KEY"})
         try:
-            results["potluck"] = measure(server.base_url, "none", args)
+            report("potluck", measure(server.base_url, "none", args))
         finally:
             stop_server(server.proc)
     if args.baseline_python:
-        results["llama-cpp-python"] = run_baseline(args.baseline_python, resolve_model(None), threads, args)
-    if args.json:
-        print(json.dumps(results, indent=1))
-    else:
-        for name, result in results.items():
-            print("\n".join(table(name, result)))  # type: ignore[arg-type]
+        report("llama-cpp-python", run_baseline(args.baseline_python, resolve_model(None), threads, args))
     return 0
 
 
