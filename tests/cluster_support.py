@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.app.loopback import LoopbackWorker, spawn_worker, spawn_workers, stop_worker, stop_workers
+from potluck.discovery.auth import generate_token
 
 __all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "start_workers", "stop_worker", "stop_workers"]
 
-TOKEN = "potluck-i9pos2TbJ4BeDqU0Yj1EkuGn42Nqv7Sp4Ch0LzNjpxo"  # as `potluck token` makes them
+# A token of this run's own (as `potluck token` makes them): another test run on the same
+# machine (its workers advertise on loopback too) cannot join ours, nor ours its.
+TOKEN = generate_token()
 
 
 @dataclass
