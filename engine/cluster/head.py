@@ -46,7 +46,7 @@ from pathlib import Path
 import zmq
 
 from ..core.errors import PotluckError
-from ..core.gguf_tools import SPLITTABLE_ARCHS
+from ..core.gguf_tools import SPLITTABLE_ARCHS, forget_parsed_headers
 from ..core.runtime import ContextParams
 from ..core.spec import CurveKeys
 from .chain import PipelineSetup, load_chain, plan_over, tail_threads
@@ -146,6 +146,7 @@ def open_pipeline(
         stats = TransferStats()
         loaded = load_chain(setup, links, plan, stats)
         (tail_slice,) = setup.slice_cache.slices(model_path, list(plan.head))
+        forget_parsed_headers()
         params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                                n_threads=n_threads or tail_threads([lk.address for lk in links]),
                                kv_unified=kv_unified)  # as a worker's stage (child.py)

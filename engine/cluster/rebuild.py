@@ -18,6 +18,7 @@ import zmq
 
 from ..core.errors import PotluckError
 from ..core.events import Event, NodeStatus, PlanChanged
+from ..core.gguf_tools import forget_parsed_headers
 from . import wire
 from .chain import HeadWorker, PipelineSetup, load_chain, replan
 from .join import join_links
@@ -227,6 +228,7 @@ class ChainRebuild:
         self.links = used
         self._watch_links()
         loaded = load_chain(setup, used, plan, self.transfer)
+        forget_parsed_headers()
         if loaded[-1].n_embd != self.tail.n_embd or min(ld.n_ctx for ld in loaded) < self.n_ctx:
             raise PotluckError("the new chain's width or context differs from the old one's")
         self.plan = plan

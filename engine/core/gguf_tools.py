@@ -267,6 +267,12 @@ def _reader_of_version(path: Path, size: int, mtime_ns: int):  # -> gguf.GGUFRea
     return open_reader(path)
 
 
+def forget_parsed_headers() -> None:
+    """Drop the parsed headers (and with them the reader's map of the file): a head that has
+    laid out its slices keeps no page of the model resident (a model too big for it)."""
+    _reader_of_version.cache_clear()
+
+
 def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
     """Write :func:`layer_layout` ``(src, layer_map)`` to ``dst``."""
     return layer_layout(src, layer_map).write_to(dst)
