@@ -60,7 +60,7 @@ def _zeroconf(interfaces: Sequence[str] | None) -> Zeroconf:
     return Zeroconf(interfaces=list(interfaces) if interfaces else InterfaceChoice.All)
 
 
-def _local_ipv4() -> list[str]:
+def local_ipv4() -> list[str]:
     from zeroconf import get_all_addresses
 
     return [a for a in get_all_addresses() if not a.startswith("127.")] or ["127.0.0.1"]
@@ -78,7 +78,7 @@ class Advertiser:
         interfaces: Sequence[str] | None = None,
     ) -> None:
         self.interfaces = list(interfaces) if interfaces else None
-        addresses = self.interfaces or _local_ipv4()
+        addresses = self.interfaces or local_ipv4()
         self.info = ServiceInfo(
             SERVICE_TYPE,
             f"potluck-{profile.node_id}.{SERVICE_TYPE}",

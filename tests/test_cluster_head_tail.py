@@ -179,10 +179,10 @@ def test_the_heads_layers_take_one_thread_beside_a_loopback_worker(
 
 def test_a_worker_at_this_machines_lan_address_shares_its_cores() -> None:
     """Zeroconf lists a worker on the same PC at its LAN address, not at 127.0.0.1."""
-    from potluck.discovery.lan import _local_ipv4  # what a worker advertises
-    from potluck.engine.cluster.head import tail_threads
+    from potluck.discovery.lan import local_ipv4  # what a worker advertises
+    from potluck.engine.cluster.chain import tail_threads
 
-    lan = [a for a in _local_ipv4() if not a.startswith("127.")]
+    lan = [a for a in local_ipv4() if not a.startswith("127.")]
     if not lan:
         pytest.skip("this machine has no IPv4 address besides loopback")
     assert tail_threads([f"{lan[0]}:5555"]) == 1
