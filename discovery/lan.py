@@ -10,6 +10,7 @@ the machine's real network (docs/facts.md §10).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -56,8 +57,22 @@ class DiscoveredNode:
         return self.protocol == PROTOCOL_VERSION
 
 
+INTERFACES_ENV = "POTLUCK_ZEROCONF_INTERFACES"
+"""Comma-separated addresses zeroconf binds to when a caller names none (default: every
+interface). For machines on several networks, and for tests, which must never multicast beyond
+loopback."""
+
+
+def configured_interfaces(interfaces: Sequence[str] | None) -> list[str] | None:
+    """The caller's interfaces, else those of :data:`INTERFACES_ENV`, else None (all)."""
+    if interfaces:
+        return list(interfaces)
+    return [a.strip() for a in os.environ.get(INTERFACES_ENV, "").split(",") if a.strip()] or None
+
+
 def _zeroconf(interfaces: Sequence[str] | None) -> Zeroconf:
-    return Zeroconf(interfaces=list(interfaces) if interfaces else InterfaceChoice.All)
+    chosen = configured_interfaces(interfaces)
+    return Zeroconf(interfaces=chosen if chosen else InterfaceChoice.All)
 
 
 def local_ipv4() -> list[str]:
@@ -77,7 +92,7 @@ class Advertiser:
         *,
         interfaces: Sequence[str] | None = None,
     ) -> None:
-        self.interfaces = list(interfaces) if interfaces else None
+        self.interfaces = configured_interfaces(interfaces)
         addresses = self.interfaces or local_ipv4()
         self.info = ServiceInfo(
             SERVICE_TYPE,

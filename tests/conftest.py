@@ -15,6 +15,9 @@ from potluck.engine.core.runtime import Model
 
 from .cluster_support import WorkerProc, loopback_workers
 
+# Zeroconf in every process the suite starts binds loopback only: tests never multicast on the
+# machine's real interfaces (tests that need other addresses name them, e.g. in namespaces).
+os.environ["POTLUCK_ZEROCONF_INTERFACES"] = "127.0.0.1"
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "potluck-test-numba"))
 
 @pytest.fixture(scope="session", autouse=True)
