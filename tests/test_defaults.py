@@ -33,5 +33,5 @@ def test_config_toml_overrides_the_defaults(tmp_path: Path) -> None:
 
 def test_generate_keeps_plain_greedy_decoding() -> None:
     args = build_parser().parse_args(["generate", "hi"])
-    assert args.strategy == "autoregressive"
+    assert args.strategy == "plain"
     assert (args.temp, args.top_k, args.top_p, args.min_p, args.repeat_penalty) == (0.0, 0, 1.0, 0.0, 1.0)

@@ -443,7 +443,7 @@ def test_boundary_configs_run_natively(home: Path) -> None:
     configs = [
         "[model]\nn_ctx = 1\n[sampling]\nseed = -1\ntemperature = 0.5\n",
         f'[model]\nn_ctx = 48\nsystem = "{SYSTEM_80}"\n',
-        f'[model]\nn_threads = {CORES}\ndraft = "/nowhere.gguf"\n[sampling]\ntemperature = 1e-6\n',
+        f'[model]\nstrategy = "plain"\nn_threads = {CORES}\ndraft = "/nowhere.gguf"\n[sampling]\ntemperature = 1e-6\n',
         f'[model]\nstrategy = "sd"\ndraft = "{MODEL}"\nn_ctx = 16\n',
         f'[model]\nn_ctx = 64\nsystem = "{SYSTEM_80 * 4}"\n',
     ]
