@@ -10,8 +10,10 @@ from collections.abc import Sequence
 import llama_cpp as ll
 import numpy as np
 
+from .native import NativeObject
 
-class Batch:
+
+class Batch(NativeObject):
     """A ``llama_batch`` of token ids (``n_embd == 0``) or of embeddings (hidden states)."""
 
     def __init__(self, capacity: int, *, n_embd: int = 0, n_seq_max: int = 1) -> None:
@@ -26,17 +28,6 @@ class Batch:
             ll.llama_batch_free(self._b)
             self._b = None
 
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def raw(self) -> ll.llama_batch:

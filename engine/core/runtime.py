@@ -36,6 +36,7 @@ import numpy as np
 from .batch import Batch
 from .errors import DecodeError, ModelError
 from .kv import KvOp
+from .native import NativeObject
 from .observe import ObservedBuffers, ggml, native_observer
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def check_gguf_file(path: Path) -> None:
 # --------------------------------------------------------------------------- model
 
 
-class Model:
+class Model(NativeObject):
     """Weights and vocabulary of one GGUF file."""
 
     def __init__(
@@ -171,17 +172,6 @@ class Model:
             ll.llama_model_free(self._ptr)
             self._ptr = None
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # last resort; owners close explicitly
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def ptr(self) -> ctypes.c_void_p:
@@ -277,7 +267,7 @@ class ContextParams:
     single_step_threads: int = 0
 
 
-class Context:
+class Context(NativeObject):
     """One KV cache over a :class:`Model`, with batch runs, logits and KV operations.
 
     Not thread-safe: one thread runs batches; any thread may call :meth:`request_abort`.
@@ -357,17 +347,6 @@ class Context:
             ll.llama_free(self._ptr)
             self._ptr = None
 
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- abort
     def request_abort(self) -> None:

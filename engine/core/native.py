@@ -1,0 +1,26 @@
+"""The lifetime every llama.cpp object shares: closed by its owner, or at worst when collected."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+T = TypeVar("T", bound="NativeObject")
+
+
+class NativeObject:
+    """A context manager over ``close()``; ``close()`` must be safe to call twice."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: T) -> T:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort: owners close explicitly, in reverse order
+        try:
+            self.close()
+        except Exception:
+            pass
