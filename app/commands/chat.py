@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import replace
 
 from ...engine import EngineSpec, check_gguf_file, open_session, paths, resolve_model, strategy_fits, validate
-from ..config import load_settings
-from .common import add_cluster_args, add_model_args, add_sampling_args, check_cluster_args
+from .common import add_cluster_args, add_model_args, add_sampling_args, check_cluster_args, settings_with_overrides
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
 _OVERRIDES = {
@@ -48,17 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tui import build_app
     from ..tui.app import spec_from_settings
 
-    settings = load_settings()
-    for dest, (section, name) in _OVERRIDES.items():
-        value = getattr(args, dest, None)
-        if value is None:
-            continue
-        if dest in ("model", "draft"):
-            value = str(validate.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
-        if section == "model" and dest == "system":
-            value = value or None
-        part = getattr(settings, section)
-        settings = replace(settings, **{section: replace(part, **{name: value})})
+    settings = settings_with_overrides(args, _OVERRIDES)
     # Refuse bad values (engine.limits) before the screen opens: one line, exit code 2.
     settings.sampling.params()
     if args.draft is not None:  # given here, it must be used: the same rule as `generate`

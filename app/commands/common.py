@@ -203,3 +203,23 @@ def read_prompt(arg: str | None) -> str:
     if not text.strip():
         raise PotluckError("the prompt on stdin is empty")
     return text
+
+
+def settings_with_overrides(args: argparse.Namespace, overrides: dict[str, tuple[str, str]]):  # -> Settings
+    """config.toml's settings with the options given on the command line (``dest -> (section,
+    field)``); an option left unset keeps config.toml's value."""
+    from dataclasses import replace
+
+    from ..config import load_settings
+
+    settings = load_settings()
+    for dest, (section, name) in overrides.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if dest in ("model", "draft"):
+            value = str(validate.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
+        if dest == "system":
+            value = value or None  # -s "" clears config.toml's system prompt
+        settings = replace(settings, **{section: replace(getattr(settings, section), **{name: value})})
+    return settings

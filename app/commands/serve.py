@@ -16,12 +16,11 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model, validate
-from ..config import load_settings
+from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model
 from ..serve.engine_thread import EngineThread
 from ..serve.guard import Guard, read_api_key
 from ..serve.http import ServeState, build_app
-from .common import add_cluster_args, check_cluster_args, with_cluster
+from .common import add_cluster_args, check_cluster_args, settings_with_overrides, with_cluster
 
 log = logging.getLogger("potluck.serve")
 
@@ -59,14 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..tui.actions import spec_from_settings  # the chat's own spec rules: one copy
 
-    settings = load_settings()
-    for dest, (section, name) in _OVERRIDES.items():
-        value = getattr(args, dest, None)
-        if value is None:
-            continue
-        if dest in ("model", "draft"):
-            value = str(validate.path(f"--{dest}", value).resolve())  # type: ignore[union-attr]
-        settings = replace(settings, **{section: replace(getattr(settings, section), **{name: value})})
+    settings = settings_with_overrides(args, _OVERRIDES)
     server = settings.server
     settings.sampling.params()  # omitted request options take these: refuse bad ones now
     if not 0 <= server.port <= 65535:
