@@ -20,6 +20,7 @@ The floors, each importing only those below it (``.importlinter`` checks it in C
 from .cluster.profile import measure_profile
 from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
 from .core import paths, validate
+from .core.backend import check_gguf_file, default_threads
 from .core.chat import Message
 from .core.errors import ContextFullError, DecodeError, ModelError, PotluckError
 from .core.events import (
@@ -37,7 +38,7 @@ from .core.events import (
 from .core.gguf_tools import describe as describe_gguf
 from .core.plain import Plain
 from .core.prompt_cache import PromptCache, PromptCacheStats
-from .core.runtime import Model, check_gguf_file, default_threads
+from .core.runtime import Model
 from .core.sampling import SamplingParams
 from .core.session import Session
 from .core.spec import ClusterSpec, CurveKeys, EngineSpec

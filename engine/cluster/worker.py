@@ -26,8 +26,6 @@ received slices live under a quota and are re-hashed before each load.
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -36,14 +34,13 @@ import numpy as np
 import zmq
 
 from ..core.errors import PotluckError
-from ..core.gguf_tools import SPLITTABLE_ARCHS
 from ..core.jobs import GroupCancelled
 from ..core.spec import CurveKeys
 from . import inbox, wire
-from .child import StageCrashed, StageInfo, StageProcess, StageSpec
-from .plan import kv_cells, layer_costs, stage_mem_mb
+from .child import StageCrashed, StageProcess
 from .profile import NodeProfile, free_memory_mb
 from .slice_store import SliceStore, SliceUploads
+from .stage_host import Handback, LoadedStage, check_load, load_stage
 from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
@@ -60,7 +57,6 @@ from .transport import (
 log = logging.getLogger(__name__)
 
 FORWARD_TIMEOUT_MS = 5000
-LOAD_TIMEOUT_S = 300.0
 DEFAULT_CACHE_QUOTA_MB = 20 * 1024
 PROBE_INTERVAL_S = 1.0
 DRAIN_MAX = 20_000  # messages read in one pass over the socket
@@ -68,26 +64,6 @@ DRAIN_MAX = 20_000  # messages read in one pass over the socket
 
 class NotOwnerError(PotluckError):
     """A control request from a peer that does not own this worker's stage (code ``busy``)."""
-
-
-class LoadedStage:
-    """A cached slice loaded as one stage in a child process (see child.py)."""
-
-    def __init__(self, proc: StageProcess, load: wire.Load, info: StageInfo) -> None:
-        self.proc = proc
-        self.load = load
-        self.info = info
-
-    def close(self) -> None:
-        self.proc.close()
-
-
-def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
-    """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the
-    header: the planner's own figure (:func:`.plan.stage_bytes`) over the slice's layers."""
-    costs = layer_costs(path)
-    cells = kv_cells(load.n_ctx, load.n_seq_max, load.kv_unified)
-    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch), costs.arch
 
 
 class Worker:
@@ -154,11 +130,7 @@ class Worker:
         self._dropped_logged = 0
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
-        # finished stage work, in txn order, back to this thread: (stage, message, future)
-        self._done: queue.SimpleQueue[tuple[LoadedStage, wire.WireMessage, Future]] = queue.SimpleQueue()
-        self._crashed: queue.SimpleQueue[tuple[StageProcess, str]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self.handback = Handback()  # finished stage work and crashes, back to this thread
         # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
         self.uploads = SliceUploads(self.store, models)
@@ -181,14 +153,14 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.handback.fd, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
         try:
             while not self._stop:
                 events = dict(poller.poll(200))
                 if self.monitor in events:
                     self._log_handshake_failures()
-                if self._wake_r in events:
+                if self.handback.fd in events:
                     self._send_finished()
                 if self.sock in events:
                     self._serve_pending()
@@ -264,8 +236,7 @@ class Worker:
         if self._spare is not None:
             self._spare.close()
             self._spare = None
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self.handback.close()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
         self.auth.stop()
@@ -389,24 +360,6 @@ class Worker:
         return self.store.path(sha)
 
     # -- stage
-    def _check_load(self, path: Path, msg: wire.Load) -> None:
-        """Refuse what this machine cannot or should not load, before a process maps it."""
-        try:
-            need_mb, arch = stage_memory_mb(path, msg)
-        except Exception as e:  # a header that does not parse: not a slice we load
-            raise PotluckError(f"slice {msg.sha256[:12]} is not a readable GGUF ({type(e).__name__})") from None
-        if arch not in SPLITTABLE_ARCHS:
-            raise PotluckError(
-                f"architecture {arch!r} is not verified for layer splitting "
-                f"(this worker loads: {', '.join(sorted(SPLITTABLE_ARCHS))})"
-            )
-        free = free_memory_mb()
-        if need_mb > free:
-            raise PotluckError(
-                f"this stage needs about {need_mb:,.0f} MB (n_ctx {msg.n_ctx}, n_batch {msg.n_batch}, "
-                f"{msg.n_seq_max} sequence(s)) but this worker has {free:,} MB free; lower --ctx"
-            )
-
     def _load(self, msg: wire.Load) -> wire.Loaded:
         if not msg.last:
             check_next_stage(msg.next_addr, self.port, self.owner_local)
@@ -414,27 +367,17 @@ class Worker:
         if not self.store.has(msg.sha256):  # here and intact: its seal (one stat), else a re-hash
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
         self._release()
-        self._check_load(path, msg)
+        check_load(path, msg)
         self.store.touch(msg.sha256)
         t0 = time.perf_counter()
         proc, self._spare = self._spare or StageProcess(), None
-        spec = StageSpec(str(path), msg.sha256, msg.first, msg.n_ctx, msg.n_batch,
-                         msg.n_seq_max, msg.kv_unified, self.n_threads)
         try:
-            info = proc.load(spec, LOAD_TIMEOUT_S)
+            stage = load_stage(proc, path, msg, self.n_threads)
         except StageCrashed as e:
             self.crashes += 1
             raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
-        except PotluckError as e:
-            if "does not match its sha256" in str(e):
-                path.unlink(missing_ok=True)  # corrupted on disk: the head sends it again
-            raise
         finally:
             self._spare = StageProcess()
-        stage = LoadedStage(proc, msg, info)
-        if info.n_layer != msg.layer_hi - msg.layer_lo:
-            stage.close()
-            raise PotluckError("slice layer count does not match the requested range")
         if not msg.last:
             fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
             fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
@@ -445,19 +388,15 @@ class Worker:
                 stage.close()
                 raise PotluckError(f"bad next-stage address {msg.next_addr!r}: {e}") from None
             self.forward = fwd
-        proc.on_crash = lambda why, p=proc: self._on_crash(p, why)
+        proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from its reader thread
         self.stage = stage
         self.upstream_key = bytes.fromhex(msg.upstream_key)
         self.downstream_key = bytes.fromhex(msg.downstream_key)
         self.txn = 0
         load_ms = (time.perf_counter() - t0) * 1000
+        info = stage.info
         log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
         return wire.Loaded(info.n_layer, info.n_embd, info.n_vocab, info.n_ctx, load_ms)
-
-    def _on_crash(self, proc: StageProcess, why: str) -> None:
-        """Reader thread: the stage process died; the socket thread frees the stage."""
-        self._crashed.put((proc, why))
-        self._wake()
 
     def _release(self) -> None:
         if self.stage is not None:
@@ -465,7 +404,7 @@ class Worker:
             self.stage.close()  # ends its process: nothing more reaches the queue
             self.stage = None
             log.info("stage released; waiting for a head")
-        self._drain_finished()
+        self.handback.forget_finished()
         if self.forward is not None:
             self.forward.close(linger=0)
             self.forward = None
@@ -502,37 +441,11 @@ class Worker:
             fut = ld.proc.submit("skip", msg.group)
         else:
             fut = ld.proc.submit("job", msg.job())  # checked by the stage, in its place in the order
-        fut.add_done_callback(lambda f, m=msg: self._finished(ld, m, f))
-
-    def _finished(self, ld: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
-        """Stage reader thread: hand the outcome to the socket thread."""
-        self._done.put((ld, msg, fut))
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:  # closing
-            pass
-
-    def _drain_finished(self) -> None:
-        while True:
-            try:
-                self._done.get_nowait()
-            except queue.Empty:
-                break
+        fut.add_done_callback(lambda f, m=msg: self.handback.finished(ld, m, f))
 
     def _send_finished(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        while True:
-            try:
-                ld, msg, fut = self._done.get_nowait()
-            except queue.Empty:
-                break
+        done, crashed = self.handback.take()
+        for ld, msg, fut in done:
             if ld is not self.stage:
                 continue  # released meanwhile
             try:
@@ -540,11 +453,7 @@ class Worker:
             except PotluckError as e:
                 log.warning("%s", e)
                 self._send(self.owner, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
-        while True:
-            try:
-                proc, why = self._crashed.get_nowait()
-            except queue.Empty:
-                return
+        for proc, why in crashed:
             if self.stage is None or self.stage.proc is not proc:
                 continue
             self.crashes += 1

@@ -1,4 +1,5 @@
-"""With :mod:`.batch`, the only module that imports ``llama_cpp``: typed, closeable wrappers over its C API.
+"""With :mod:`.batch` and :mod:`.backend`, the only modules that import ``llama_cpp``: typed,
+closeable wrappers over its C API.
 
 Objects here do what they are told and never decide anything: :class:`Model` (weights and
 vocabulary), :class:`Context` (a KV cache plus batch runs, logits, KV operations, an abort
@@ -6,8 +7,7 @@ flag and capture of one named intermediate tensor) and, in :mod:`.batch`, :class
 or embeddings with explicit positions, sequence ids and output flags).
 
 Facts this module relies on (docs/facts.md):
-- CPUs with AMX crash inside ``llama_decode`` when llama.cpp uses its AMX "extra buffer
-  type"; extra buffer types are therefore off by default on such CPUs (§1).
+- Extra buffer types are off by default on AMX CPUs (:mod:`.backend`, §1).
 - Flash attention on makes a k-token batch (k <= 48) compute each position exactly like k
   single-token steps, which is what lets speculative decoding be bit-exact (§3).
 - With per-sequence KV streams, a ranged ``seq_cp`` across streams aborts the process
@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,14 @@ from pathlib import Path
 import llama_cpp as ll
 import numpy as np
 
+from .backend import (
+    check_gguf_file,
+    clear_llama_errors,
+    default_extra_bufts,
+    default_threads,
+    init_backend,
+    last_llama_error,
+)
 from .batch import Batch
 from .errors import DecodeError, ModelError
 from .kv import KvOp
@@ -40,83 +47,6 @@ from .native import NativeObject
 from .observe import ObservedBuffers, ggml, native_observer
 
 log = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
-
-# --------------------------------------------------------------------------- backend / logs
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-_last_error_lines: list[str] = []
-
-
-@ll.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    msg = text.decode("utf-8", errors="replace").rstrip()
-    if not msg:
-        return
-    if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
-        _last_error_lines.append(msg)
-        del _last_error_lines[:-16]
-    log.debug("llama.cpp: %s", msg)
-
-
-def init_backend() -> None:
-    """Initialise llama.cpp once per process and route its logs to :mod:`logging`."""
-    global _backend_ready
-    with _backend_lock:
-        if _backend_ready:
-            return
-        ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        ll.llama_backend_init()
-        _backend_ready = True
-
-
-def last_llama_error() -> str:
-    """The most telling error llama.cpp logged since the last clear, without function prefixes."""
-    lines = [ln.split("error loading model:", 1)[-1].strip() for ln in _last_error_lines]
-    specific = [ln for ln in lines if "failed to load model" not in ln]
-    line = (specific or lines or [""])[0]
-    return line.split(": ", 1)[1] if ": " in line and " " not in line.split(": ", 1)[0] else line
-
-
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag.startswith("amx") for flag in line.split())
-    except OSError:
-        pass
-    return False
-
-
-def default_extra_bufts() -> bool:
-    """Extra buffer types (repacking, AMX) unless the CPU has AMX; ``POTLUCK_EXTRA_BUFTS`` overrides."""
-    env = os.environ.get("POTLUCK_EXTRA_BUFTS")
-    if env is not None and env != "":
-        return env.lower() in ("1", "true", "yes", "on")
-    return not cpu_has_amx()
-
-
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-def check_gguf_file(path: Path) -> None:
-    """Fail early, in one line, on the common ways a model path is wrong."""
-    if not path.exists():
-        raise ModelError(f"model file not found: {path} (pass an existing .gguf with -m)")
-    if path.is_dir():
-        raise ModelError(f"model path is a directory: {path} (pass a .gguf file with -m)")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelError(f"not a GGUF model file: {path} (potluck loads llama.cpp GGUF files)")
-
 
 # --------------------------------------------------------------------------- model
 
@@ -143,7 +73,7 @@ class Model(NativeObject):
         params.vocab_only = vocab_only
         self.vocab_only = vocab_only
         params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
-        _last_error_lines.clear()
+        clear_llama_errors()
         self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
             why = last_llama_error() or "unknown reason"

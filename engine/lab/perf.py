@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.runtime import ContextParams, Model, default_threads
+from ..core.backend import default_threads
+from ..core.runtime import ContextParams, Model
 from ..core.target import LocalTarget
 
 PROMPT = (

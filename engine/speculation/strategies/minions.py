@@ -382,7 +382,7 @@ class Minions(Speculative):
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
-        from ...core.runtime import default_threads
+        from ...core.backend import default_threads
         from ..drafters.draft_model import DraftModelDrafter
         from ..drafters.lookup import LookupDrafter
         from ..drafters.ngram import NgramDrafter

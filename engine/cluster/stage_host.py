@@ -1,0 +1,133 @@
+"""A worker's stage: what it checks before loading a slice, and the loaded stage itself.
+
+The worker's socket thread (worker.py) decides whose ``load`` to take; this module decides
+whether this machine can take it (memory, architecture) and loads it in a supervised child
+process (child.py), so a slice that crashes llama.cpp costs that child only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from concurrent.futures import Future
+from pathlib import Path
+
+from ..core.errors import PotluckError
+from ..core.gguf_tools import SPLITTABLE_ARCHS
+from . import wire
+from .child import StageInfo, StageProcess, StageSpec
+from .plan import kv_cells, layer_costs, stage_mem_mb
+from .profile import free_memory_mb
+
+LOAD_TIMEOUT_S = 300.0
+
+
+class LoadedStage:
+    """A cached slice loaded as one stage in a child process (see child.py)."""
+
+    def __init__(self, proc: StageProcess, load: wire.Load, info: StageInfo) -> None:
+        self.proc = proc
+        self.load = load
+        self.info = info
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
+    """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the
+    header: the planner's own figure (:func:`.plan.stage_bytes`) over the slice's layers."""
+    costs = layer_costs(path)
+    cells = kv_cells(load.n_ctx, load.n_seq_max, load.kv_unified)
+    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch), costs.arch
+
+
+def check_load(path: Path, msg: wire.Load) -> None:
+    """Refuse what this machine cannot or should not load, before a process maps it."""
+    try:
+        need_mb, arch = stage_memory_mb(path, msg)
+    except Exception as e:  # a header that does not parse: not a slice we load
+        raise PotluckError(f"slice {msg.sha256[:12]} is not a readable GGUF ({type(e).__name__})") from None
+    if arch not in SPLITTABLE_ARCHS:
+        raise PotluckError(
+            f"architecture {arch!r} is not verified for layer splitting "
+            f"(this worker loads: {', '.join(sorted(SPLITTABLE_ARCHS))})"
+        )
+    free = free_memory_mb()
+    if need_mb > free:
+        raise PotluckError(
+            f"this stage needs about {need_mb:,.0f} MB (n_ctx {msg.n_ctx}, n_batch {msg.n_batch}, "
+            f"{msg.n_seq_max} sequence(s)) but this worker has {free:,} MB free; lower --ctx"
+        )
+
+
+def load_stage(proc: StageProcess, path: Path, msg: wire.Load, n_threads: int) -> LoadedStage:
+    """Load the slice at ``path`` in ``proc`` as ``msg`` asks; raises :class:`PotluckError`
+    (a corrupt slice is deleted, so the head sends it again) or :class:`.child.StageCrashed`."""
+    spec = StageSpec(str(path), msg.sha256, msg.first, msg.n_ctx, msg.n_batch,
+                     msg.n_seq_max, msg.kv_unified, n_threads)
+    try:
+        info = proc.load(spec, LOAD_TIMEOUT_S)
+    except PotluckError as e:
+        if "does not match its sha256" in str(e):
+            path.unlink(missing_ok=True)  # corrupted on disk: the head sends it again
+        raise
+    stage = LoadedStage(proc, msg, info)
+    if info.n_layer != msg.layer_hi - msg.layer_lo:
+        stage.close()
+        raise PotluckError("slice layer count does not match the requested range")
+    return stage
+
+
+class Handback:
+    """Finished stage work and stage crashes, from the stage's reader thread to the worker's
+    socket thread, which owns every socket: two queues, and a pipe its poller watches
+    (:attr:`fd`) so it wakes at once."""
+
+    def __init__(self) -> None:
+        self._done: queue.SimpleQueue[tuple[LoadedStage, wire.WireMessage, Future]] = queue.SimpleQueue()
+        self._crashed: queue.SimpleQueue[tuple[StageProcess, str]] = queue.SimpleQueue()
+        self.fd, self._wake_w = os.pipe()
+        os.set_blocking(self.fd, False)
+
+    def finished(self, stage: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
+        """Reader thread: ``msg``'s work on ``stage`` ended (in txn order)."""
+        self._done.put((stage, msg, fut))
+        self._wake()
+
+    def crashed(self, proc: StageProcess, why: str) -> None:
+        """Reader thread: the stage process died."""
+        self._crashed.put((proc, why))
+        self._wake()
+
+    def take(self) -> tuple[list[tuple[LoadedStage, wire.WireMessage, Future]], list[tuple[StageProcess, str]]]:
+        """Socket thread: everything handed back so far (finished work, then crashes)."""
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        return _drain(self._done), _drain(self._crashed)
+
+    def forget_finished(self) -> None:
+        """Socket thread: the stage was released; its finished work goes nowhere."""
+        _drain(self._done)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closing
+            pass
+
+
+def _drain(q: queue.SimpleQueue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
