@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -210,11 +210,21 @@ def layer_layout(src: Path, layer_map: Sequence[int]) -> SliceLayout:
     Embeddings, final norm and output head are always kept (a slice needs them to load; the
     stages that do not use them skip them at run time).
     """
-    import gguf
-
     src = Path(src)
     st = src.stat()
-    r = _reader_of_version(src.resolve(), st.st_size, st.st_mtime_ns)
+    layout = _layout_of_version(src.resolve(), st.st_size, st.st_mtime_ns, tuple(layer_map))
+    return replace(layout, src=src) if layout.src != src else layout
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_of_version(src: Path, size: int, mtime_ns: int, layer_map: tuple[int, ...]) -> SliceLayout:
+    """One layout per file version and layer map: a head reopening its pipeline (a rebuild,
+    a new session in the same process) lays out the same slices again, and building a
+    header from a 49k-token vocabulary takes a second. It holds the header's bytes only (a
+    few MB), no map of the model."""
+    import gguf
+
+    r = _reader_of_version(src, size, mtime_ns)
     arch = str(_field_value(r.fields["general.architecture"]))
     if arch not in SPLITTABLE_ARCHS:
         raise PotluckError(
