@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,16 @@ def _listening(proc: subprocess.Popen, log_path: Path) -> LoopbackWorker:
             break
     tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [line.decode(errors="replace")]
     raise PotluckError(f"a loopback worker did not start: {tail[0]}")
+
+
+@contextmanager
+def running_worker(folder: Path, name: str, token: str, *, extra_args: Sequence[str] = ()) -> Iterator[LoopbackWorker]:
+    """:func:`spawn_worker`, stopped when the block ends."""
+    worker = spawn_worker(folder, name, token, extra_args=extra_args)
+    try:
+        yield worker
+    finally:
+        stop_worker(worker.proc)
 
 
 def stop_worker(proc: subprocess.Popen, timeout: float = 10.0) -> None:

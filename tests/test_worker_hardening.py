@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
-import io
-import json
 import logging
 import os
 import resource
@@ -20,12 +17,14 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
 
+from potluck.app.loopback import LoopbackWorker, running_worker
 from potluck.discovery.auth import keys_from_token, read_token_file, save_token
 from potluck.engine.cluster import wire
 from potluck.engine.cluster.head import open_pipeline
@@ -42,6 +41,7 @@ from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.spec import CurveKeys
 from potluck.engine.core.target import LocalTarget
+from potluck.engine.lab.cluster_fuzz import fuzz_as_head, fuzz_as_worker
 from potluck.engine.lab.wire_fuzz import FakeWorker
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
@@ -649,20 +649,19 @@ def test_token_files_are_private(tmp_home: Path) -> None:
 # --------------------------------------------------------------------------- fuzzing (a few hundred cases)
 
 
-def test_fuzz_both_ways_a_few_hundred_cases() -> None:
-    """scripts/fuzz_cluster.py in small: as the upstream head (every case reaches the worker's
-    own checks or is refused by the wire) and as a malicious worker against the head."""
-    spec = importlib.util.spec_from_file_location("fuzz_cluster", Path(__file__).parent.parent / "scripts" /
-                                                  "fuzz_cluster.py")
-    assert spec is not None and spec.loader is not None
-    fuzz = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fuzz)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = fuzz.main(["--as-head", "300", "--as-worker", "150", "--seed", "7"])
-    report = json.loads(out.getvalue())
-    assert rc == 0, report
-    head, liar = report["as_head"], report["as_worker"]
+def test_fuzz_both_ways_a_few_hundred_cases(model: Model, model_path: Path, tmp_path: Path) -> None:
+    """The fuzz campaigns of scripts/fuzz_cluster.py in small: as the upstream head (every case
+    reaches the worker's own checks or is refused by the wire) and as a malicious worker
+    against the head."""
+    token = "potluck-fuzz-Q7vX2mLp9RkT4wZcH8sN3bYd"
+
+    def start(folder: Path) -> AbstractContextManager[LoopbackWorker]:
+        return running_worker(folder, "w", token, extra_args=["--cache-quota-mb", "512"])
+
+    keys = keys_from_token(token)
+    head = fuzz_as_head(300, 7, model, model_path, tmp_path, keys, start)
+    liar = fuzz_as_worker(150, 7, model, model_path, tmp_path, keys, start)
+    assert head["ok"] and liar["ok"], (head, liar)
     assert head["consumed_refused"] >= 40 and head["refused"] >= 100  # the stage's own checks ran
     assert head["state_unchanged"] and head["exact_after"] and head["worker_alive"]
     assert liar["refused"] >= 50 and liar["other_exceptions"] == 0 and liar["exact_after"]
