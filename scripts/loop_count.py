@@ -6,7 +6,7 @@
 model (or ``-m``), once greedily (plain decoding: deterministic, so each seed would repeat
 the same reply) and once per seed with the chat app's [sampling] defaults under its default
 strategy (``auto``). A reply *loops* when some 8-token sequence occurs 3 times or more in
-it (overlapping occurrences count). The report gives both counts over 60 replies
+it (engine/lab/loop_count.py). The report gives both counts over 60 replies
 (20 prompts x 3 seeds; a greedy loop counts once per seed) and the prompts that looped.
 """
 
@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+
+from potluck.app.config import Settings
+from potluck.engine.lab.loop_count import NGRAM, TIMES, count_loops
 
 PROMPTS = [
     "Give me three tips for learning to juggle.",
@@ -43,48 +45,6 @@ PROMPTS = [
     "Plan a three-day trip to Rome for me.",
 ]
 SEEDS = (1, 2, 3)
-NGRAM, TIMES = 8, 3
-
-
-def loops(tokens: Sequence[int], n: int = NGRAM, times: int = TIMES) -> bool:
-    """True when some ``n``-token sequence occurs ``times`` times or more in ``tokens``."""
-    counts = Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
-    return any(c >= times for c in counts.values())
-
-
-@dataclass(frozen=True)
-class LoopReport:
-    replies: int  # per mode: prompts x seeds
-    greedy_loops: int
-    sampled_loops: int
-    greedy_looped: tuple[str, ...]  # prompts whose greedy reply loops
-    sampled_looped: tuple[tuple[str, int], ...]  # (prompt, seed) whose sampled reply loops
-
-
-def count_loops(model: Path | None, prompts: Sequence[str], seeds: Sequence[int], max_tokens: int,
-                n_threads: int = 0) -> LoopReport:
-    from potluck.app.config import Settings
-    from potluck.engine import EngineSpec, Finished, SamplingParams, open_session
-
-    defaults = Settings()
-    sampled = defaults.sampling
-
-    def reply(strategy: str, prompt: str, params: SamplingParams) -> list[int]:
-        # a fresh conversation per reply: no earlier reply shapes this one
-        session = open_session(EngineSpec(model=model, strategy=strategy, n_threads=n_threads))
-        try:
-            fin = [e for e in session.generate(prompt, params, max_tokens) if isinstance(e, Finished)][-1]
-        finally:
-            session.close()
-        return list(fin.tokens)
-
-    greedy = [p for p in prompts if loops(reply("plain", p, SamplingParams()))]
-    looped = []
-    for p in prompts:
-        for seed in seeds:
-            if loops(reply(defaults.model.strategy, p, replace(sampled, seed=seed).params())):
-                looped.append((p, seed))
-    return LoopReport(len(prompts) * len(seeds), len(greedy) * len(seeds), len(looped), tuple(greedy), tuple(looped))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    r = count_loops(args.model, PROMPTS[: args.prompts], seeds, args.max_tokens, args.threads)
+    defaults = Settings()
+    r = count_loops(args.model, PROMPTS[: args.prompts], seeds, args.max_tokens, defaults.model.strategy,
+                    lambda seed: replace(defaults.sampling, seed=seed).params(), args.threads)
     if args.json:
         print(json.dumps(r.__dict__))
         return 0

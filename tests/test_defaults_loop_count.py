@@ -1,12 +1,12 @@
-"""scripts/loop_count.py: its loop test on hand-made token lists, and the script end to end in small."""
+"""The loop rule of scripts/loop_count.py (engine/lab/loop_count.py) on hand-made token lists, and
+the count end to end in small, with the chat app's defaults."""
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 
-import pytest
-
-from scripts.loop_count import loops, main
+from potluck.app.config import Settings
+from potluck.engine.lab.loop_count import count_loops, loops
 
 
 def test_a_loop_is_an_8_token_sequence_seen_3_times() -> None:
@@ -19,8 +19,9 @@ def test_a_loop_is_an_8_token_sequence_seen_3_times() -> None:
     assert not loops([])
 
 
-def test_the_script_counts_greedy_and_sampled_replies(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--prompts", "1", "--seeds", "1,2", "--max-tokens", "12", "-t", "2", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    assert r["replies"] == 2
-    assert r["greedy_loops"] in (0, 2) and 0 <= r["sampled_loops"] <= 2  # 12 tokens rarely loop; the counts add up
+def test_loops_are_counted_in_greedy_and_sampled_replies() -> None:
+    defaults = Settings()
+    r = count_loops(None, ["Give me three tips for learning to juggle."], [1, 2], 12, defaults.model.strategy,
+                    lambda seed: replace(defaults.sampling, seed=seed).params(), n_threads=2)
+    assert r.replies == 2
+    assert r.greedy_loops in (0, 2) and 0 <= r.sampled_loops <= 2  # 12 tokens rarely loop; the counts add up
