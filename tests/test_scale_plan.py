@@ -69,7 +69,7 @@ def test_a_split_that_fits_nowhere_is_one_line() -> None:
 def test_compute_buffer_figure_bounds_llama_cpp(model: Model, model_path: Path, n_batch: int,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     """llama.cpp logs its compute buffer at context creation; the planner's figure holds it."""
-    caplog.set_level(logging.DEBUG, logger="potluck.engine.core.runtime")
+    caplog.set_level(logging.DEBUG, logger="potluck.engine.core.backend")
     with Context(model, ContextParams(n_ctx=1024, n_batch=n_batch, capture_layer=model.n_layer - 1, n_threads=1)):
         pass
     sizes = [float(m.group(1)) for r in caplog.records

@@ -15,6 +15,8 @@ from potluck.engine.core.runtime import Model
 from potluck.engine.lab.benchmark import BenchRow, load_prompts, ngram_scaling
 from potluck.engine.lab.fixtures import build_fixture
 
+from .conftest import flat_cost_line
+
 
 def write_foreign_vocab(src: Path, dst: Path) -> Path:
     """A copy of ``src`` whose tokenizer spells two tokens differently (same vocab size)."""
@@ -80,8 +82,9 @@ def test_draft_with_another_vocabulary(
     assert_one_line_error(rc, err, "foreign-vocab.gguf", model_path.name, "vocabulary")
 
 
-def test_generate_anpd_json_reports_speculation(capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_anpd_json_reports_speculation(capsys: pytest.CaptureFixture[str], model: Model) -> None:
     prompt = load_prompts("code_editing")[0]  # the reply copies the code: drafts match
+    flat_cost_line(model, 1)  # a line an earlier test kept on a busy moment must not forbid drafting
     rc, out, _ = run_cli(
         capsys, "generate", "--strategy", "anpd", "--json", "--max-tokens", "48", "-t", "1", prompt
     )
