@@ -52,6 +52,51 @@ def until_answers(sock: zmq.Socket) -> None:
     sock.recv_multipart()
 
 
+
+def _reply(sock: zmq.Socket) -> wire.WireMessage:
+    """The next reply that is not an owner probe."""
+    while True:
+        assert sock.poll(10000), "the worker never answered"
+        msg = wire.parse_frames(sock.recv_multipart())
+        if not (isinstance(msg, wire.Pong) and msg.nonce == wire.PROBE_NONCE):
+            return msg
+
+
+def test_a_head_between_welcome_and_load_keeps_its_worker_until_it_goes(pair: list[WorkerProc]) -> None:
+    """Issue 20, left over: another head's hello used to take a worker whose owner had been
+    welcomed but had not loaded yet (planning, streaming its slice). Now the owner keeps it
+    while it is connected and has spoken within the setup lease; once it is gone, the
+    next head is welcomed."""
+    keys = keys_from_token(TOKEN)
+    ctx = zmq.Context()
+    first, second = client_socket(ctx, keys), client_socket(ctx, keys)
+    for sock in (first, second):
+        sock.connect(f"tcp://{pair[1].address}")
+    second_key = bytes.fromhex("bb" * 32)
+    try:
+        first.send_multipart(wire.to_frames(wire.Hello("head-a", "0", "aa" * 32)))
+        assert isinstance(_reply(first), wire.Welcome)
+        second.send_multipart(wire.to_frames(wire.Hello("head-b", "0", "bb" * 32)))
+        refusal = _reply(second)
+        assert isinstance(refusal, wire.Error) and refusal.code == "busy", refusal
+        first.close(linger=0)  # the first head goes away without a word
+        deadline = time.monotonic() + 15
+        while True:  # the worker probes its owner at most once a second
+            second.send_multipart(wire.to_frames(wire.Hello("head-b", "0", "bb" * 32)))
+            reply = _reply(second)
+            if isinstance(reply, wire.Welcome):
+                break
+            assert isinstance(reply, wire.Error) and reply.code == "busy", reply
+            assert time.monotonic() < deadline, "the worker never let the next head in"
+            time.sleep(0.3)
+        second.send_multipart(wire.to_frames(wire.Release(), second_key))  # idle again for the next test
+        second.send_multipart(wire.to_frames(wire.Status()))
+        assert _reply(second).state == "idle"
+    finally:
+        first.close(linger=0)
+        second.close(linger=0)
+        ctx.term()
+
 def test_a_squatted_forwarder_identity_cannot_replace_a_heads_traffic(
     pair: list[WorkerProc], model: Model, model_path: Path, tmp_path: Path
 ) -> None:

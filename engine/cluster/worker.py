@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 FORWARD_TIMEOUT_MS = 5000
 DEFAULT_CACHE_QUOTA_MB = 20 * 1024
 PROBE_INTERVAL_S = 1.0
+SETUP_LEASE_S = 30.0  # an owner with no stage yet keeps the worker this long after its last request
 DRAIN_MAX = 20_000  # messages read in one pass over the socket
 
 
@@ -122,6 +123,7 @@ class Worker:
         self.owner_local = False  # whether the owner's connection comes from this machine
         self.owner_name = ""
         self._probed_at = 0.0
+        self.owner_seen = 0.0  # when the owner last proved itself (hello or a signed request)
         self.txn = 0
         self.upstream_key = b""  # signs the pipeline traffic this stage takes (from the Load)
         self.downstream_key = b""  # signs what it passes on
@@ -314,6 +316,7 @@ class Worker:
             who = "another head" if self.owner_key else "no head (send hello first)"
             raise NotOwnerError(f"{msg.TYPE!r} refused: this worker is serving {who}")
         self.owner = ident  # replies go where the owner's proof came from
+        self.owner_seen = time.monotonic()
         self.owner_local = on_this_machine(peer_address(frames))
         if isinstance(msg, wire.Offer):
             keep = {self.stage.load.sha256} if self.stage is not None else set()
@@ -337,7 +340,8 @@ class Worker:
         loaded only its owner's key (on any connection: a head reconnecting) is taken, unless
         the owner has gone away. Nobody is told who the owner is."""
         key = bytes.fromhex(msg.key)
-        if self.stage is not None and key != self.owner_key:
+        setting_up = self.owner_key and time.monotonic() - self.owner_seen < SETUP_LEASE_S
+        if (self.stage is not None or setting_up) and key != self.owner_key:
             if self._owner_present():
                 raise NotOwnerError(
                     "this worker is serving another head; it joins a new head once that one "
@@ -348,6 +352,7 @@ class Worker:
         if key != self.owner_key:
             self.uploads.drop()
         self.owner, self.owner_key, self.owner_name = ident, key, msg.head_id
+        self.owner_seen = time.monotonic()
         log.info("head %s joined", msg.head_id)
         p = self.profile
         welcome = wire.Welcome(
