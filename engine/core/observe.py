@@ -22,7 +22,7 @@ from .errors import DecodeError
 
 
 def _ggml_base() -> ctypes.CDLL:
-    # llama_cpp's own folder, found without importing it (runtime.py is its one importer)
+    # llama_cpp's own folder, found without importing it (runtime, backend and batch are its only importers)
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("llama_cpp is not installed")
