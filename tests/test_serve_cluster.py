@@ -8,10 +8,11 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from potluck.app.loopback import stop_workers
 from potluck.app.serve.launch import RunningServer, start_server, stop_server
 from potluck.engine import EngineSpec, Finished, SamplingParams, open_session
 
-from .cluster_support import TOKEN, WorkerProc
+from .cluster_support import TOKEN, WorkerProc, start_workers
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +54,48 @@ def test_a_split_model_answers_exactly_like_one_machine(cluster_server: RunningS
     assert health["prompt_cache"] is None  # the KV lives on the workers: only the conversation there is reused
     stages = health["cluster"]["stages"]
     assert [s["layers"] for s in stages] == [[0, 15], [15, 29]] and all(s["state"] == "ok" for s in stages)
+
+
+def test_a_worker_lost_between_requests_is_replaced_and_answers_stay_exact(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Issue 23, left over: a worker of `serve --nodes` dies between two requests. The next
+    request still answers exactly what one machine answers (the head rebuilds its chain over
+    what is left), /health names the lost worker, and the server lives on."""
+    tmp = tmp_path_factory.mktemp("serve-lost")
+    workers = start_workers(tmp / "workers", ["s0", "s1"])
+    home = tmp / "home"
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "config.toml").write_text("[sampling]\ntemperature = 0.0\n")
+    token_file = home / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    nodes = ",".join(w.address for w in workers)
+    running = start_server(home, ["--nodes", nodes, "--token-file", str(token_file), "--split", "0,15,30"],
+                           timeout_s=300)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        prompts = ["Name a colour.", "Name a fruit."]
+        want = []
+        for p in prompts:  # each request is a conversation of its own
+            local = open_session(EngineSpec())
+            try:
+                want.append([e for e in local.generate(p, SamplingParams(), 12) if isinstance(e, Finished)][-1].text)
+            finally:
+                local.close()
+        ask = lambda p: client.chat.completions.create(  # noqa: E731
+            model="any", messages=[{"role": "user", "content": p}], max_tokens=12).choices[0].message.content
+        assert ask(prompts[0]) == want[0]
+        workers[1].proc.kill()  # the last stage, gone without a word
+        workers[1].proc.wait(30)
+        assert ask(prompts[1]) == want[1]
+        health = running.health()
+        assert health["status"] == "ready"
+        lost = {n["node"] for n in health["cluster"]["lost"]}
+        assert workers[1].node_id in lost, health["cluster"]
+        assert workers[1].node_id not in {s["node"] for s in health["cluster"]["stages"]}
+        assert ask(prompts[0]) == want[0]  # and it goes on
+    finally:
+        stop_server(running.proc)
+        stop_workers([w.proc for w in workers])
+    assert "Traceback" not in running.log()
