@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TypeVar
 
 T = TypeVar("T", bound="NativeObject")
 
 
-class NativeObject:
+class NativeObject(ABC):
     """A context manager over ``close()``; ``close()`` must be safe to call twice."""
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Free the native object (idempotent)."""
 
     def __enter__(self: T) -> T:
         return self
