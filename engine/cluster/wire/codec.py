@@ -20,32 +20,10 @@ from .base import (
     WireError,
     WireMessage,
 )
-from .control import (
-    Cancel,
-    Chunk,
-    ChunkAck,
-    Error,
-    Hello,
-    Load,
-    Loaded,
-    Offer,
-    OfferReply,
-    Ping,
-    Pong,
-    Release,
-    Status,
-    StatusReply,
-    Welcome,
-)
-from .data import Forward, KvApply, Reset, Result
+from .control import CONTROL
+from .data import DATA
 
-MESSAGES: dict[str, type[WireMessage]] = {
-    cls.TYPE: cls
-    for cls in (
-        Hello, Welcome, Offer, OfferReply, Chunk, ChunkAck, Load, Loaded, Release, Cancel,
-        Ping, Pong, Status, StatusReply, Error, Forward, KvApply, Reset, Result,
-    )
-}
+MESSAGES: dict[str, type[WireMessage]] = {cls.TYPE: cls for cls in (*CONTROL, *DATA)}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _SCALARS = {"int": int, "str": str, "bool": bool, "float": float}
 

@@ -249,6 +249,11 @@ class Error(WireMessage):
     txn: int
 
 
+CONTROL: tuple[type[WireMessage], ...] = (
+    Hello, Welcome, Offer, OfferReply, Chunk, ChunkAck, Load, Loaded, Release, Cancel,
+    Ping, Pong, Status, StatusReply, Error,
+)
+
 # a control request -> its reply (or an Error): anything else that arrives while the head
 # waits is late (a reply to a request that timed out, a result of a broken chain)
 REPLY_TO: dict[type[WireMessage], type[WireMessage]] = {

@@ -152,3 +152,4 @@ class Result(WireMessage):
             raise WireError("hidden states must be f32 or f16 [n, n_embd]")
 
 
+DATA: tuple[type[WireMessage], ...] = (Forward, KvApply, Reset, Result)
