@@ -134,3 +134,24 @@ def test_second_run_sends_nothing_and_a_corrupted_slice_is_sent_again(
     finally:
         third.close()
     assert "does not match its sha256" in worker.log()
+
+
+def test_a_slice_layout_is_laid_out_once_per_file_version(model_path: Path, tmp_path: Path) -> None:
+    """A reopen lays out the same slice from memory (no header rebuilt); a model file replaced
+    under the same name is laid out afresh, and the layout streams the new file's bytes."""
+    from potluck.engine.core import gguf_tools
+
+    src = tmp_path / "m.gguf"
+    gguf_tools.merge_layer_ranges(model_path, src, [(0, 9)])
+    first = gguf_tools.layer_layout(src, range(0, 4))
+    built = gguf_tools._layout_of_version.cache_info().misses
+    again = gguf_tools.layer_layout(src, range(0, 4))
+    assert again is first and gguf_tools._layout_of_version.cache_info().misses == built
+    gguf_tools.merge_layer_ranges(model_path, src.with_name("new.gguf"), [(0, 11)])
+    os.replace(src.with_name("new.gguf"), src)  # a new version of the file, same path
+    built = gguf_tools._layout_of_version.cache_info().misses  # the merge laid out its own
+    fresh = gguf_tools.layer_layout(src, range(0, 11))
+    assert gguf_tools._layout_of_version.cache_info().misses == built + 1
+    assert fresh.size == os.path.getsize(fresh.write_to(tmp_path / "cut.gguf"))
+    with Model(tmp_path / "cut.gguf") as cut:
+        assert cut.meta("llama.block_count") == "11"

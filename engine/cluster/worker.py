@@ -340,7 +340,7 @@ class Worker:
         loaded only its owner's key (on any connection: a head reconnecting) is taken, unless
         the owner has gone away. Nobody is told who the owner is."""
         key = bytes.fromhex(msg.key)
-        setting_up = self.owner_key and time.monotonic() - self.owner_seen < SETUP_LEASE_S
+        setting_up = bool(self.owner_key) and time.monotonic() - self.owner_seen < SETUP_LEASE_S
         if (self.stage is not None or setting_up) and key != self.owner_key:
             if self._owner_present():
                 raise NotOwnerError(
