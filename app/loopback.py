@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..engine import PotluckError
 
-_LISTEN = re.compile(r"potluck worker (\w+) listening on ([\d.]+):(\d+)")
+_LISTEN = re.compile(r"potluck worker (\w+) listening on ([\d.]+|<this-machine>):(\d+)")
 START_TIMEOUT_S = 60.0
 
 
@@ -105,7 +105,8 @@ def _listening(proc: subprocess.Popen, log_path: Path) -> LoopbackWorker:
             line = proc.stdout.readline()
             m = _LISTEN.search(line.decode(errors="replace"))
             if m:
-                return LoopbackWorker(proc, m.group(1), f"{m.group(2)}:{m.group(3)}", log_path)
+                host = "127.0.0.1" if m.group(2) == "<this-machine>" else m.group(2)  # bound to every interface
+                return LoopbackWorker(proc, m.group(1), f"{host}:{m.group(3)}", log_path)
         if proc.poll() is not None:
             break
     tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [line.decode(errors="replace")]

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from zeroconf import (
@@ -233,10 +233,11 @@ class Membership:
         with self._lock:
             return sorted(set(self._rows.values()), key=lambda n: (n.address, n.node_id))
 
-    def wait_for(self, count: int, timeout_s: float) -> list[DiscoveredNode]:
-        """Rows seen once ``count`` are known or ``timeout_s`` passed, whichever is first."""
+    def wait_for(self, node_ids: Collection[str], timeout_s: float) -> list[DiscoveredNode]:
+        """Rows seen once every one of ``node_ids`` is known or ``timeout_s`` passed, whichever
+        is first. Ids, not a count: other machines' (or other runs') records may come first."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and len(self.nodes()) < count:
+        while time.monotonic() < deadline and not set(node_ids) <= {n.node_id for n in self.nodes()}:
             time.sleep(0.05)
         return self.nodes()
 
@@ -245,13 +246,19 @@ class Membership:
         self._zc.close()
 
 
-def browse(timeout_s: float = 2.0, *, interfaces: Sequence[str] | None = None, expect: int = 0) -> list[DiscoveredNode]:
-    """Rows advertised within ``timeout_s`` (returns early once ``expect`` are found),
+def browse(
+    timeout_s: float = 2.0, *, interfaces: Sequence[str] | None = None, expect: Collection[str] = ()
+) -> list[DiscoveredNode]:
+    """Rows advertised within ``timeout_s`` (returns early once the nodes ``expect`` names are found),
     including rows whose record said goodbye meanwhile: a goodbye is unauthenticated too."""
     seen: dict[DiscoveredNode, None] = {}
     m = Membership(interfaces=interfaces, on_change=lambda kind, n: seen.setdefault(n) if kind == "added" else None)
     try:
-        now = m.wait_for(expect or 1 << 30, timeout_s)
+        if expect:
+            now = m.wait_for(expect, timeout_s)
+        else:
+            time.sleep(timeout_s)
+            now = m.nodes()
     finally:
         m.close()
     return sorted(set(now) | set(seen), key=lambda n: (n.address, n.node_id))

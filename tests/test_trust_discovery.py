@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from potluck.app.loopback import spawn_worker, stop_worker
-from potluck.discovery.auth import generate_token
+from potluck.app.loopback import running_worker, spawn_worker, stop_worker
+from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.discovery.lan import Advertiser, Membership, browse, find_candidates
+from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.profile import NodeProfile
 from potluck.engine.cluster.transfer import SliceCache
 from scripts.nodes_auto_under_attack import LOOPBACK, Attacker, dead_port, nodes_auto_under_attack
@@ -116,3 +117,31 @@ def test_nodes_auto_joins_the_real_worker_past_a_clone_and_junk(
         assert any("did not prove to be workers" in r.getMessage() for r in caplog.records)
     finally:
         stop_worker(real.proc)
+
+
+def test_a_worker_at_two_addresses_is_joined_once_and_its_second_link_answered(
+    model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker listening on every interface is one node at several addresses (zeroconf lists
+    each; here 127.0.0.1 and 127.0.0.2, both loopback). Both links say hello at once: one owns
+    the worker, the other is refused at once (the worker is being set up for the first link's
+    key), so the join neither keeps two links to one node nor waits out its deadline for the
+    second."""
+    token = generate_token()
+    with running_worker(tmp_path, "twice", token, extra_args=["--bind", "0.0.0.0"]) as worker:
+        port = worker.address.rsplit(":", 1)[1]
+        addresses = [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="potluck.engine.cluster"):
+            target = open_pipeline(
+                model_path, addresses, keys_from_token(token), n_ctx=256, skip_failed_joins=True,
+                join_timeout_s=120.0, slice_cache=SliceCache(tmp_path / "slices"), recover=False,
+            )
+        try:
+            assert [s.node.name for s in target.plan.stages] == [worker.node_id]
+        finally:
+            target.close()
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped 127.0.0.")]
+    assert len(skipped) == 1, skipped
+    # answered, not abandoned: neither "no worker there" (left early) nor the deadline's reason
+    assert "serving another head" in skipped[0] or "another address of node" in skipped[0], skipped

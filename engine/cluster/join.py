@@ -69,8 +69,13 @@ def join_links(
 
     def attempt(link: NodeLink) -> None:
         err: NodeFailedError | None = None
+
+        def ours(node_id: str) -> bool:  # welcomed through another of these links
+            with attempts.lock:
+                return any(e is None and lk.node_id == node_id for lk, e in attempts.errors.items())
+
         try:
-            link.join(head_id, version, max(0.0, deadline - time.monotonic()))
+            link.join(head_id, version, max(0.0, deadline - time.monotonic()), ours)
         except NodeFailedError as e:
             err = e
         except zmq.ZMQError as e:  # ContextTerminated: the pipeline closed while we were left waiting

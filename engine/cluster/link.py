@@ -44,7 +44,12 @@ class NodeLostError(NodeFailedError):
 
 
 class NodeBusyError(NodeFailedError):
-    """The worker serves another head (it refused our hello with code ``busy``)."""
+    """The worker serves another head (it refused our hello with code ``busy``): the node
+    ``node_id``, which may be ours through another address."""
+
+    def __init__(self, message: str, node_id: str = "") -> None:
+        super().__init__(message)
+        self.node_id = node_id
 
 
 def max_result_bytes(n_batch: int, n_embd: int) -> int:
@@ -160,8 +165,9 @@ class NodeLink:
         """The next reply to a request; a refusal becomes :class:`NodeFailedError`."""
         msg = self.read()
         if isinstance(msg, wire.Error):
-            cls = NodeBusyError if msg.code == "busy" else NodeFailedError
-            raise cls(f"{self.describe()} refused: {msg.message}")
+            if msg.code == "busy":
+                raise NodeBusyError(f"{self.describe()} refused: {msg.message}", msg.node.partition("@")[0])
+            raise NodeFailedError(f"{self.describe()} refused: {msg.message}")
         return msg
 
     def request(self, msg: wire.WireMessage, timeout_s: float = REQUEST_TIMEOUT_S) -> wire.WireMessage:
@@ -203,15 +209,24 @@ class NodeLink:
             self.drain_events()
         return self.handshaken
 
-    def join(self, head_id: str, version: str, timeout_s: float = JOIN_TIMEOUT_S) -> wire.Welcome:
+    def join(
+        self, head_id: str, version: str, timeout_s: float = JOIN_TIMEOUT_S,
+        ours: Callable[[str], bool] = lambda node_id: False,
+    ) -> wire.Welcome:
+        """Say hello until welcomed. A busy worker is asked again until the deadline (one whose
+        last head just vanished is busy until it notices, < 3 s), unless ``ours(node_id)``:
+        another of our links holds it (one worker at two addresses). Asking again would take it
+        from that link once the worker's setup lease lapses."""
         deadline = time.monotonic() + timeout_s
         if not self.await_handshake(deadline):
             raise NodeLostError(self._silence_reason(timeout_s), self.address)
-        while True:  # a worker whose last head just vanished is busy until it notices (< 3 s)
+        while True:
             try:
                 reply = self.request(self._hello(head_id, version), max(0.5, deadline - time.monotonic()))
                 break
-            except NodeBusyError:
+            except NodeBusyError as e:
+                if e.node_id and ours(e.node_id):
+                    raise NodeFailedError(f"another address of node {e.node_id}") from None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
