@@ -102,7 +102,7 @@ def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) 
     return ContextParams(
         n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_threads=spec.n_threads, n_seq_max=n_sequences,
         kv_unified=n_sequences == 1, observe=strategy_cls.observed_tensors(model),
-        kv_type=kv_type, single_step_threads=single_step_threads,
+        kv_type=kv_type, single_step_threads=single_step_threads, follow_load=spec.n_threads == 0,
     )
 
 

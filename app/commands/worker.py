@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         cache,
         bind=args.bind,
         port=args.port,
-        n_threads=threads,
+        n_threads=args.threads,  # 0: the stage follows the load (engine/core/load_watch.py)
         max_msg_bytes=args.max_message_mb << 20,
         cache_quota_bytes=args.cache_quota_mb << 20,
         potluck_version=potluck_version(),

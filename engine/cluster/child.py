@@ -54,7 +54,7 @@ class StageSpec:
     n_batch: int
     n_seq_max: int
     kv_unified: bool
-    n_threads: int
+    n_threads: int  # 0: every core, as many as other processes leave free (load_watch.py)
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,8 @@ def _open(spec: StageSpec):  # pragma: no cover - child
     model = Model(Path(spec.path))  # proven intact by the worker just before (slice_store.has)
     try:
         params = ContextParams(n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max,
-                               n_threads=spec.n_threads, kv_unified=spec.kv_unified)
+                               n_threads=spec.n_threads, kv_unified=spec.kv_unified,
+                               follow_load=spec.n_threads == 0)
         stage = Stage(model, first=spec.first, last=False, params=params)
     except BaseException:
         model.close()

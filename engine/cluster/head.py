@@ -149,7 +149,7 @@ def open_pipeline(
         forget_parsed_headers()
         params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                                n_threads=n_threads or tail_threads([lk.address for lk in links]),
-                               kv_unified=kv_unified)  # as a worker's stage (child.py)
+                               kv_unified=kv_unified, follow_load=n_threads == 0)  # as a worker's stage (child.py)
         tail = HeadTail(tail_slice.path, plan.head, params)
         if loaded[-1].n_embd != tail.n_embd:
             raise NodeFailedError(

@@ -195,6 +195,10 @@ class ContextParams:
     # compute like verify batches (no split-KV path, docs/facts.md §3) while prompts and
     # batches keep every thread and F16's tiled prefill (the "f16" KV setting, loader.py).
     single_step_threads: int = 0
+    # Run on the cores other processes leave free (core/load_watch.py), for contexts whose
+    # thread count the user did not choose. Exact either way: batch rows do not depend on the
+    # thread count, and 1-token steps stay within single_step_threads.
+    follow_load: bool = False
 
 
 class Context(NativeObject):

@@ -287,7 +287,7 @@ class LocalTarget(TargetBase):
         self._n_past = 0
 
     def set_threads(self, n_threads: int) -> None:
-        self.runner.submit(lambda stage: stage.ctx.set_threads(n_threads))
+        self.runner.set_threads(n_threads)
 
     def kv_state(self) -> bytes | None:
         return self.runner.submit(lambda stage: stage.ctx.seq_state(0)).result()
