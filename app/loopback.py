@@ -114,9 +114,11 @@ def _listening(proc: subprocess.Popen, log_path: Path) -> LoopbackWorker:
 
 
 @contextmanager
-def running_worker(folder: Path, name: str, token: str, *, extra_args: Sequence[str] = ()) -> Iterator[LoopbackWorker]:
+def running_worker(
+    folder: Path, name: str, token: str, *, extra_args: Sequence[str] = (), preexec: Callable[[], None] | None = None
+) -> Iterator[LoopbackWorker]:
     """:func:`spawn_worker`, stopped when the block ends."""
-    worker = spawn_worker(folder, name, token, extra_args=extra_args)
+    worker = spawn_worker(folder, name, token, extra_args=extra_args, preexec=preexec)
     try:
         yield worker
     finally:

@@ -28,6 +28,7 @@ from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.target import LocalTarget
+from potluck.engine.lab.flood import flood
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
@@ -174,30 +175,6 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"no {field} for {pid}")
-
-
-def flood(keys: object, address: str, sockets: int, seconds: float) -> int:
-    """Ping ``address`` from ``sockets`` connections as fast as they take it, never reading a
-    reply; the number of pings sent."""
-    ctx = zmq.Context()
-    socks = [client_socket(ctx, keys) for _ in range(sockets)]  # type: ignore[arg-type]
-    sent = 0
-    try:
-        for s in socks:
-            s.setsockopt(zmq.SNDHWM, 0)  # the attacker queues on its side: the worker decides
-            s.connect(f"tcp://{address}")
-        ping = wire.to_frames(wire.Ping(1))
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for s in socks:
-                for _ in range(200):
-                    s.send_multipart(ping, copy=False)
-                sent += 200
-    finally:
-        for s in socks:
-            s.close(linger=0)
-        ctx.term()
-    return sent
 
 
 def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
