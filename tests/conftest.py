@@ -18,6 +18,11 @@ from .cluster_support import WorkerProc, loopback_workers
 # Zeroconf in every process the suite starts binds loopback only: tests never multicast on the
 # machine's real interfaces (tests that need other addresses name them, e.g. in namespaces).
 os.environ["POTLUCK_ZEROCONF_INTERFACES"] = "127.0.0.1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Test processes side by side (pytest -n): llama.cpp's waiting OpenMP threads sleep instead
+    # of spinning on a core the other process computes on (docs/facts.md §14). Set before
+    # llama_cpp loads: libgomp reads it then. Exactness does not depend on it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "potluck-test-numba"))
 
 @pytest.fixture(scope="session", autouse=True)
