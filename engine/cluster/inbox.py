@@ -1,66 +1,164 @@
 """What a worker takes from peers it cannot trust yet: a budget per peer, per second.
 
-Every potluck socket keeps ``RCVHWM=0`` (docs/facts.md §12: a bounded receive queue plus missed
-heartbeats makes libzmq abort the process), so libzmq queues whatever arrives. A worker
-therefore drains its socket at once, every pass, and keeps a bounded amount of it: its
-owner's requests and its upstream's pipeline traffic always (proven by their signatures,
-:mod:`.wire`; served as soon as they are read), and once a pass finds a backlog (more than
-:data:`UNMETERED` messages), from anyone else at most :data:`PEER_MESSAGES` messages and
-:data:`PEER_BYTES` bytes a second each, and :data:`PASS_MESSAGES` / :data:`PASS_BYTES` in all
-per pass. The rest is dropped unread and counted. Measured (issue 20): a ping flood from two
-sockets once grew a worker from 115 MB to 2.7 GB in 40 s.
+Every potluck socket keeps ``RCVHWM=0`` (docs/facts.md §12: a bounded receive queue lets a
+peer make libzmq abort the process), so libzmq queues whatever arrives and only reading
+faster than a flooder sends keeps a worker's memory bounded. A worker therefore drains its
+socket at once, every pass, and keeps a bounded amount of it: its owner's requests and its
+upstream's pipeline traffic always (proven by their signatures, :mod:`.wire`; served as soon
+as they are read). Once a pass finds a backlog (more than :data:`UNMETERED` messages), every
+other peer is metered for the rest of that second: at most :data:`PEER_MESSAGES` messages and
+:data:`PEER_BYTES` bytes each, and :data:`PASS_MESSAGES` / :data:`PASS_BYTES` kept in all per
+pass. A peer past its budget is dropped unread by :func:`skim`, a numba loop over libzmq's own
+message calls: 0.15 µs a message where pyzmq takes 4.2 µs, so a drain outruns libzmq's I/O
+thread, which must decrypt each message first (measured, issue 20: a ping flood from two
+sockets once grew a worker from 115 MB to 2.7 GB in 40 s; four sockets for 60 s still added
+1.9 GB when dropping took pyzmq calls).
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
+
+import llvmlite.binding as llvm
+import numba as nb
+import numpy as np
+import zmq
+import zmq.backend.cython._zmq as _pyzmq_backend
+from numba import types
 
 WINDOW_S = 1.0
 # Messages a pass over the socket serves before any budget applies: a socket that keeps up
-# (a head's requests, a fuzzer waiting for each reply) is never metered; a backlog is.
+# (a head's requests, a fuzzer waiting for each reply) is never metered; a backlog is, for the
+# rest of the window.
 UNMETERED = 1024
 PEER_MESSAGES = 256  # per window, from one peer that is neither owner nor upstream
 PEER_BYTES = 16 << 20
 PASS_MESSAGES = 4096  # untrusted messages kept for one pass over the socket, all peers together
 PASS_BYTES = 64 << 20
+SKIM_MAX = 65_536  # messages one skim drops before it hands back (stop flag, results)
+MAX_IDENT = 256  # a ZeroMQ routing id is at most 255 bytes
+SLOTS = 4096  # budget counters, a peer's by a hash of its routing id (a collision pools two)
+
+# libzmq's message calls, from the very library pyzmq uses (dlsym on pyzmq's extension
+# searches its dependencies), so a numba loop can read the socket pyzmq opened. Named as
+# external symbols rather than ctypes pointers, so numba can cache the compiled loop.
+llvm.load_library_permanently(_pyzmq_backend.__file__)
+_msg_init = types.ExternalFunction("zmq_msg_init", types.intc(types.voidptr))
+_msg_recv = types.ExternalFunction("zmq_msg_recv", types.intc(types.voidptr, types.voidptr, types.intc))
+_msg_data = types.ExternalFunction("zmq_msg_data", types.CPointer(types.uint8)(types.voidptr))
+_msg_size = types.ExternalFunction("zmq_msg_size", types.uintp(types.voidptr))
+_msg_more = types.ExternalFunction("zmq_msg_more", types.intc(types.voidptr))
+_msg_close = types.ExternalFunction("zmq_msg_close", types.intc(types.voidptr))
+
+EMPTY, READ, PAUSED = 0, 1, 2  # what skim found: nothing left, a message for Python, a long drop
+
+
+@nb.njit(cache=True)
+def _slot(data: np.ndarray, n: int) -> int:
+    """FNV-1a over a routing id: the peer's budget counters (a collision only pools two
+    peers' budgets; the owner and the upstream are compared byte for byte, never metered)."""
+    h = np.uint64(14695981039346656037)
+    for i in range(n):
+        h = (h ^ np.uint64(data[i])) * np.uint64(1099511628211)
+    return np.int64(h % np.uint64(SLOTS))
+
+
+@nb.njit(cache=True)
+def _same(data: np.ndarray, n: int, ident: np.ndarray) -> bool:
+    if n != ident.size or n == 0:
+        return False
+    for i in range(n):
+        if data[i] != ident[i]:
+            return False
+    return True
+
+
+@nb.njit(cache=True)
+def _skim(sock: int, msg_buf: np.ndarray, ident_out: np.ndarray, trusted_a: np.ndarray,
+          trusted_b: np.ndarray, spent_msgs: np.ndarray, spent_bytes: np.ndarray, peer_messages: int,
+          peer_bytes: int, max_drops: int) -> tuple[int, int, int, int]:
+    """Read routing ids until one belongs to a message Python must see; drop (read and free)
+    the messages of peers past their budget. Returns (status, id length, peer slot, dropped);
+    on READ the id is in ``ident_out`` and the rest of that message is still on the socket."""
+    msg = msg_buf.ctypes.data
+    dropped = 0
+    while dropped < max_drops:
+        _msg_init(msg)
+        if _msg_recv(msg, sock, 1) < 0:  # ZMQ_DONTWAIT: nothing left (or EAGAIN)
+            _msg_close(msg)
+            return EMPTY, 0, 0, dropped
+        n = min(np.int64(_msg_size(msg)), ident_out.size)
+        data = nb.carray(_msg_data(msg), n)
+        for i in range(n):
+            ident_out[i] = data[i]
+        more = _msg_more(msg)
+        _msg_close(msg)
+        slot = _slot(ident_out, n)
+        if (_same(ident_out, n, trusted_a) or _same(ident_out, n, trusted_b)
+                or spent_msgs[slot] < peer_messages and spent_bytes[slot] < peer_bytes):
+            spent_msgs[slot] += 1
+            return READ, n, slot, dropped
+        while more:  # past its budget: the rest of the message is read and freed unparsed
+            _msg_init(msg)
+            _msg_recv(msg, sock, 0)
+            more = _msg_more(msg)
+            _msg_close(msg)
+        dropped += 1
+    return PAUSED, 0, 0, dropped
 
 
 class PeerBudget:
     """Per-peer message and byte budgets over a one-second window, and per-pass totals (peers
     by routing id: an attacker may open many connections; the table is cleared every window)."""
 
-    def __init__(self) -> None:
-        self._spent: dict[bytes, list[int]] = {}  # peer -> [messages, bytes] this window
-        self._window_start = time.monotonic()
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._spent_msgs = np.zeros(SLOTS, np.int64)
+        self._spent_bytes = np.zeros(SLOTS, np.int64)
+        self._window_start = clock()
         self._pass_messages = 0
         self._pass_bytes = 0
+        self._msg = np.zeros(8, np.int64)  # one zmq_msg_t (64 bytes, aligned)
+        self._ident = np.zeros(MAX_IDENT, np.uint8)
+        self._trusted = (np.zeros(0, np.uint8), np.zeros(0, np.uint8))
+        self._trusted_ids: tuple[bytes, ...] = ()
+        self.metering = False  # a backlog was found this window: untrusted peers are metered
         self.dropped = 0  # messages dropped unread (tests, logs)
 
     def new_pass(self) -> None:
-        """A new pass over the socket: a new window once a second has gone."""
-        now = time.monotonic()
+        """A new pass over the socket: a new window (and no metering) once a second has gone."""
+        now = self._clock()
         if now - self._window_start >= WINDOW_S:
-            self._spent.clear()
+            self._spent_msgs.fill(0)
+            self._spent_bytes.fill(0)
             self._window_start = now
+            self.metering = False
         self._pass_messages = self._pass_bytes = 0
 
-    def over(self, peer: bytes) -> bool:
-        """Whether ``peer`` spent its budget this window (its messages are dropped unread)."""
-        spent = self._spent.get(peer)
-        return spent is not None and (spent[0] >= PEER_MESSAGES or spent[1] >= PEER_BYTES)
+    def trust(self, *idents: bytes) -> None:
+        """The routing ids never metered (the owner's and the upstream's connections)."""
+        if idents != self._trusted_ids:
+            self._trusted_ids = idents
+            a, b = (np.frombuffer(i, np.uint8).copy() for i in (*idents, b"", b"")[:2])
+            self._trusted = (a, b)
 
-    def first_in_window(self, peer: bytes) -> bool:
-        """Whether ``peer`` has sent nothing yet this window (its first message is served at
-        once: a new upstream proves itself with it)."""
-        return peer not in self._spent
+    def skim(self, sock: zmq.Socket) -> tuple[int, bytes, int]:
+        """Drop what peers past their budget sent, up to the next message Python must read:
+        (status, its routing id, its peer key). After ``READ`` the rest of the message is on
+        ``sock``; the peer's message is counted, its bytes by :meth:`spend`."""
+        status, n, key, dropped = _skim(sock.underlying, self._msg, self._ident, *self._trusted,
+                                        self._spent_msgs, self._spent_bytes, PEER_MESSAGES,
+                                        PEER_BYTES, SKIM_MAX)
+        self.dropped += dropped
+        return status, bytes(self._ident[:n]), key
 
-    def admit(self, peer: bytes, size: int) -> None:
-        """Count a message of ``size`` bytes from ``peer``, under its budget (checked by
-        :meth:`over` first: a peer under budget gets its next message through, any size)."""
-        spent = self._spent.setdefault(peer, [0, 0])
-        spent[0] += 1
-        spent[1] += size
+    def spend(self, key: int, size: int) -> bool:
+        """Count ``size`` bytes of a message :meth:`skim` returned; whether it was the peer's
+        first this window (served at once: a new upstream proves itself with it)."""
+        self._spent_bytes[key] += size
+        return bool(self._spent_msgs[key] <= 1)
 
     def keep(self, size: int) -> bool:
         """Whether this pass may hold one more untrusted message of ``size`` bytes; if not it

@@ -129,6 +129,7 @@ class Worker:
         self.downstream_key = b""  # signs what it passes on
         self.upstream_ident = b""  # the connection the upstream's signed traffic came on
         self.budget = inbox.PeerBudget()  # what other peers may still send this second
+        self.budget.skim(self.sock)  # compiles (or loads) the drain now, not in a flood's first second
         self._dropped_logged = 0
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
@@ -174,36 +175,41 @@ class Worker:
 
     def _serve_pending(self) -> None:
         """Drain the socket at once (libzmq's queue has no bound, see :mod:`.inbox`): serve
-        the owner's and the upstream's messages as they are read; past the first
-        ``inbox.UNMETERED`` messages of a pass (a backlog), keep what other peers' budgets
-        allow for the end of the pass and drop the rest unread. A dropped message costs only
-        reading it: the routing id decides, before anything is parsed."""
+        the owner's and the upstream's messages as they are read. Once a pass finds a backlog
+        (``inbox.UNMETERED`` messages), other peers are metered for the rest of the second:
+        :meth:`~.inbox.PeerBudget.skim` drops what their budgets do not allow, unread, and
+        what they do allow is kept for the end of the pass."""
         sock, budget = self.sock, self.budget
         budget.new_pass()
+        budget.trust(self.owner, self.upstream_ident)
         others: list[tuple[bytes, list]] = []
         for i in range(DRAIN_MAX):  # bounded, so the stop flag and the monitor are checked
-            try:
-                ident = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if i % 1024 == 1023:
-                self._send_finished()  # results go out while a flood is drained
+            if not budget.metering and i == inbox.UNMETERED:
+                budget.metering = True
+            if budget.metering:
+                status, ident, key = budget.skim(sock)
+                if status != inbox.READ:
+                    self._send_finished()  # results go out while a flood is drained
+                    if status == inbox.EMPTY:
+                        break
+                    continue
+            else:
+                try:
+                    ident = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
             if ident and (ident == self.owner or ident == self.upstream_ident):
                 self._serve(ident, self._rest())
-            elif i >= inbox.UNMETERED and budget.over(ident):
-                while sock.getsockopt(zmq.RCVMORE):
-                    sock.recv()
-                budget.dropped += 1
-            else:
-                rest = self._rest()
-                size = sum(map(len, rest))
-                self.bytes_received += size
-                first = budget.first_in_window(ident)
-                budget.admit(ident, size)
-                if first or i < inbox.UNMETERED:  # a new upstream proves itself with its first message
-                    self._serve(ident, rest)
-                elif budget.keep(size):
-                    others.append((ident, rest))
+                budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
+                continue
+            rest = self._rest()
+            size = sum(map(len, rest))
+            self.bytes_received += size
+            if not budget.metering or budget.spend(key, size):  # a new upstream proves itself with its first message
+                self._serve(ident, rest)
+                budget.trust(self.owner, self.upstream_ident)
+            elif budget.keep(size):
+                others.append((ident, rest))
         if budget.dropped > self._dropped_logged:
             if self._dropped_logged == 0 or budget.dropped - self._dropped_logged >= 100_000:
                 log.warning("dropped %d messages from peers past their budget so far (a flood?)", budget.dropped)
