@@ -8,7 +8,7 @@ upstream's pipeline traffic always (proven by their signatures, :mod:`.wire`; se
 as they are read). Once a pass finds a backlog (more than :data:`UNMETERED` messages), every
 other peer is metered for the rest of that second: at most :data:`PEER_MESSAGES` messages and
 :data:`PEER_BYTES` bytes each, and :data:`PASS_MESSAGES` / :data:`PASS_BYTES` kept in all per
-pass. A peer past its budget is dropped unread by :func:`skim`, a numba loop over libzmq's own
+pass. A peer past its budget is dropped unread by :mod:`.skim`, a numba loop over libzmq's own
 message calls: 0.15 µs a message where pyzmq takes 4.2 µs, so a drain outruns libzmq's I/O
 thread, which must decrypt each message first (measured, issue 20: a ping flood from two
 sockets once grew a worker from 115 MB to 2.7 GB in 40 s; four sockets for 60 s still added
@@ -21,12 +21,8 @@ import ctypes
 import time
 from collections.abc import Callable
 
-import llvmlite.binding as llvm
-import numba as nb
 import numpy as np
 import zmq
-import zmq.backend.cython._zmq as _pyzmq_backend
-from numba import types
 
 WINDOW_S = 1.0
 # Messages a pass over the socket serves before any budget applies: a socket that keeps up
@@ -40,74 +36,6 @@ PASS_BYTES = 64 << 20
 SKIM_MAX = 65_536  # messages one skim drops before it hands back (stop flag, results)
 MAX_IDENT = 256  # a ZeroMQ routing id is at most 255 bytes
 SLOTS = 4096  # budget counters, a peer's by a hash of its routing id (a collision pools two)
-
-# libzmq's message calls, from the very library pyzmq uses (dlsym on pyzmq's extension
-# searches its dependencies), so a numba loop can read the socket pyzmq opened. Named as
-# external symbols rather than ctypes pointers, so numba can cache the compiled loop.
-llvm.load_library_permanently(_pyzmq_backend.__file__)
-_msg_init = types.ExternalFunction("zmq_msg_init", types.intc(types.voidptr))
-_msg_recv = types.ExternalFunction("zmq_msg_recv", types.intc(types.voidptr, types.voidptr, types.intc))
-_msg_data = types.ExternalFunction("zmq_msg_data", types.CPointer(types.uint8)(types.voidptr))
-_msg_size = types.ExternalFunction("zmq_msg_size", types.uintp(types.voidptr))
-_msg_more = types.ExternalFunction("zmq_msg_more", types.intc(types.voidptr))
-_msg_close = types.ExternalFunction("zmq_msg_close", types.intc(types.voidptr))
-
-EMPTY, READ, PAUSED = 0, 1, 2  # what skim found: nothing left, a message for Python, a long drop
-
-
-@nb.njit(cache=True)
-def _slot(data: np.ndarray, n: int) -> int:
-    """FNV-1a over a routing id: the peer's budget counters (a collision only pools two
-    peers' budgets; the owner and the upstream are compared byte for byte, never metered)."""
-    h = np.uint64(14695981039346656037)
-    for i in range(n):
-        h = (h ^ np.uint64(data[i])) * np.uint64(1099511628211)
-    return np.int64(h % np.uint64(SLOTS))
-
-
-@nb.njit(cache=True)
-def _same(data: np.ndarray, n: int, ident: np.ndarray) -> bool:
-    if n != ident.size or n == 0:
-        return False
-    for i in range(n):
-        if data[i] != ident[i]:
-            return False
-    return True
-
-
-@nb.njit(cache=True)
-def _skim(sock: int, msg_buf: np.ndarray, ident_out: np.ndarray, trusted_a: np.ndarray,
-          trusted_b: np.ndarray, spent_msgs: np.ndarray, spent_bytes: np.ndarray, peer_messages: int,
-          peer_bytes: int, max_drops: int) -> tuple[int, int, int, int]:
-    """Read routing ids until one belongs to a message Python must see; drop (read and free)
-    the messages of peers past their budget. Returns (status, id length, peer slot, dropped);
-    on READ the id is in ``ident_out`` and the rest of that message is still on the socket."""
-    msg = msg_buf.ctypes.data
-    dropped = 0
-    while dropped < max_drops:
-        _msg_init(msg)
-        if _msg_recv(msg, sock, 1) < 0:  # ZMQ_DONTWAIT: nothing left (or EAGAIN)
-            _msg_close(msg)
-            return EMPTY, 0, 0, dropped
-        n = min(np.int64(_msg_size(msg)), ident_out.size)
-        data = nb.carray(_msg_data(msg), n)
-        for i in range(n):
-            ident_out[i] = data[i]
-        more = _msg_more(msg)
-        _msg_close(msg)
-        slot = _slot(ident_out, n)
-        if (_same(ident_out, n, trusted_a) or _same(ident_out, n, trusted_b)
-                or spent_msgs[slot] < peer_messages and spent_bytes[slot] < peer_bytes):
-            spent_msgs[slot] += 1
-            return READ, n, slot, dropped
-        while more:  # past its budget: the rest of the message is read and freed unparsed
-            _msg_init(msg)
-            _msg_recv(msg, sock, 0)
-            more = _msg_more(msg)
-            _msg_close(msg)
-        dropped += 1
-    return PAUSED, 0, 0, dropped
-
 
 class PeerBudget:
     """Per-peer message and byte budgets over a one-second window, and per-pass totals (peers
@@ -144,15 +72,23 @@ class PeerBudget:
             a, b = (np.frombuffer(i, np.uint8).copy() for i in (*idents, b"", b"")[:2])
             self._trusted = (a, b)
 
-    def skim(self, sock: zmq.Socket) -> tuple[int, bytes, int]:
+    def skim(self, sock: zmq.Socket, between: Callable[[], None]) -> tuple[bytes, int] | None:
         """Drop what peers past their budget sent, up to the next message Python must read:
-        (status, its routing id, its peer key). After ``READ`` the rest of the message is on
-        ``sock``; the peer's message is counted, its bytes by :meth:`spend`."""
-        status, n, key, dropped = _skim(sock.underlying, self._msg, self._ident, *self._trusted,
-                                        self._spent_msgs, self._spent_bytes, PEER_MESSAGES,
-                                        PEER_BYTES, SKIM_MAX)
-        self.dropped += dropped
-        return status, bytes(self._ident[:n]), key
+        its routing id and peer slot (the rest of it is still on ``sock``; the message is
+        counted, its bytes by :meth:`spend`), or None once the socket is empty. ``between``
+        runs between long stretches of drops (a worker sends its finished results)."""
+        from . import skim as kernel  # numba: loaded by warm_up, or by the first backlog
+
+        while True:
+            status, n, slot, dropped = kernel.skim(
+                sock.underlying, self._msg, self._ident, *self._trusted, self._spent_msgs,
+                self._spent_bytes, PEER_MESSAGES, PEER_BYTES, SKIM_MAX)
+            self.dropped += dropped
+            if status == kernel.READ:
+                return bytes(self._ident[:n]), slot
+            if status == kernel.EMPTY:
+                return None
+            between()
 
     def spend(self, key: int, size: int) -> bool:
         """Count ``size`` bytes of a message :meth:`skim` returned; whether it was the peer's
@@ -169,6 +105,16 @@ class PeerBudget:
         self._pass_messages += 1
         self._pass_bytes += size
         return True
+
+
+def warm_up(ctx: zmq.Context) -> None:
+    """Load the drain (numba and LLVM: about 0.7 s) on a socket of its own, so a worker's
+    first flood finds it ready; run beside the worker's loop, which it never touches."""
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        PeerBudget().skim(sock, lambda: None)
+    finally:
+        sock.close(linger=0)
 
 
 def give_back_freed_memory() -> None:

@@ -26,6 +26,7 @@ received slices live under a quota and are re-hashed before each load.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -129,7 +130,6 @@ class Worker:
         self.downstream_key = b""  # signs what it passes on
         self.upstream_ident = b""  # the connection the upstream's signed traffic came on
         self.budget = inbox.PeerBudget()  # what other peers may still send this second
-        self.budget.skim(self.sock)  # compiles (or loads) the drain now, not in a flood's first second
         self._dropped_logged = 0
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
@@ -158,6 +158,7 @@ class Worker:
         poller.register(self.monitor, zmq.POLLIN)
         poller.register(self.handback.fd, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
+        threading.Thread(target=inbox.warm_up, args=(self.zctx,), daemon=True, name="drain-warm-up").start()
         try:
             while not self._stop:
                 events = dict(poller.poll(200))
@@ -187,12 +188,11 @@ class Worker:
             if not budget.metering and i == inbox.UNMETERED:
                 budget.metering = True
             if budget.metering:
-                status, ident, key = budget.skim(sock)
-                if status != inbox.READ:
-                    self._send_finished()  # results go out while a flood is drained
-                    if status == inbox.EMPTY:
-                        break
-                    continue
+                got = budget.skim(sock, between=self._send_finished)  # results go out meanwhile
+                if got is None:
+                    self._send_finished()
+                    break
+                ident, key = got
             else:
                 try:
                     ident = sock.recv(zmq.NOBLOCK)
