@@ -35,3 +35,14 @@ def test_generate_keeps_plain_greedy_decoding() -> None:
     args = build_parser().parse_args(["generate", "hi"])
     assert args.strategy == "plain"
     assert (args.temp, args.top_k, args.top_p, args.min_p, args.repeat_penalty) == (0.0, 0, 1.0, 0.0, 1.0)
+
+
+def test_chat_help_names_the_defaults_it_runs_with() -> None:
+    """`potluck chat --help` once said "(default: plain)" and "(default 0)": generate's values,
+    not the chat's. Its options say config.toml, and its description gives config's defaults."""
+    chat = build_parser()._subparsers._group_actions[0].choices["chat"]  # type: ignore[union-attr]
+    text = " ".join(chat.format_help().split())
+    assert "(default: plain)" not in text and "(default 0)" not in text
+    s = Settings()
+    assert (f"strategy {s.model.strategy}, temperature {s.sampling.temperature}, top-k {s.sampling.top_k}, "
+            f"top-p {s.sampling.top_p}, min-p {s.sampling.min_p}") in text

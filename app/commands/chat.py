@@ -33,10 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "chat",
         help="open the chat app (the default command)",
-        description="Open the chat app. Defaults come from config.toml (see `potluck locate`).",
+        description="Open the chat app. Defaults come from config.toml (`potluck locate` shows where); "
+        "without one: strategy auto, temperature 0.8, top-k 40, top-p 0.95, min-p 0.05.",
     )
-    add_model_args(p)
-    add_sampling_args(p)
+    add_model_args(p, config=True)
+    add_sampling_args(p, config=True)
     add_cluster_args(p)
     # Unset options must not override config.toml, so none of them has a default here.
     p.set_defaults(**dict.fromkeys(_OVERRIDES))

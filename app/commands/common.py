@@ -25,20 +25,28 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def _default(config: bool, value: str) -> str:
+    """The help's default: the command's own, or config.toml's (chat: options only override it)."""
+    return "(default: config.toml)" if config else f"(default {value})"
+
+
+def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
+    """Model options; ``config``: unset ones keep config.toml's values, and the help says so."""
     p.add_argument("-m", "--model", type=Path, help="target GGUF model (default: the bundled SmolLM2-135M)")
     p.add_argument(
         "--strategy",
         default="plain",
-        help=f"decoding strategy: {', '.join(strategy_names())} (default: plain)",
+        help=f"decoding strategy: {', '.join(strategy_names())} {_default(config, 'plain')}",
     )
     p.add_argument("--draft", type=Path, help="draft GGUF model for strategies that use one")
     p.add_argument("-s", "--system", help="system prompt")
     p.add_argument(
-        "--ctx", type=int, default=4096, help="context size in tokens, rounded up to a multiple of 256 (default 4096)"
+        "--ctx", type=int, default=4096,
+        help=f"context size in tokens, rounded up to a multiple of 256 {_default(config, '4096')}",
     )
     p.add_argument(
-        "-t", "--threads", type=int, default=0, help="CPU threads, at most the usable cores (default 0: all of them)"
+        "-t", "--threads", type=int, default=0,
+        help=f"CPU threads, at most the usable cores {_default(config, '0: all of them, fewer while others are busy')}",
     )
 
 
@@ -140,16 +148,18 @@ def _progress_bar(what: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, config: bool = False) -> None:
+    """Sampling options; ``config`` as for :func:`add_model_args`."""
     p.add_argument(
         "--max-tokens", type=int, default=512,
-        help="most tokens to generate; the reply also ends when the context is full (default 512)",
+        help=f"most tokens to generate; the reply also ends when the context is full {_default(config, '512')}",
     )
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    p.add_argument("--temp", type=float, default=0.0, help=f"temperature; 0 = greedy {_default(config, '0')}")
+    p.add_argument("--top-k", type=int, default=0, help=f"keep the k likeliest tokens, 0 = off {_default(config, '0')}")
+    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass, 1 = off {_default(config, '1')}")
+    p.add_argument("--min-p", type=float, default=0.0, help=f"min-p filter, 0 = off {_default(config, '0')}")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help=f"repetition penalty, 1 = off {_default(config, '1')}")
     p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (any integer, taken mod 2**64)")
 
 

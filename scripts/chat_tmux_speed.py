@@ -1,0 +1,116 @@
+"""The chat app's speed in a real terminal (issue 22): tmux, a fixed pane, timed from Enter
+until the whole reply is visible in `tmux capture-pane`, against `potluck generate`.
+
+    .venv/bin/python -m scripts.chat_tmux_speed --reps 3 [--max-tokens 300] [--load]
+
+Each rep runs `potluck generate --json` (greedy, plain, the same prompt) for the reference
+reply and its own time (time to first token + decode), then the real chat app in a detached
+tmux session at 120x40 with a throwaway POTLUCK_HOME, typing the prompt and pressing Enter.
+The reply counts as visible when its last words appear, in order, on the captured screen
+(the chat scrolls with the reply). The pane is polled every ``--poll-ms`` (a tmux client
+process each time: part of the cost it measures, so keep it coarse). ``--load`` repeats all
+with one process spinning a core. Prints one JSON line; the ratio is app / generate, both
+end to end (prompt + reply) over the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from potluck.app.tui.parity import PROMPT, one_core_busy
+
+PANE = (120, 40)
+TAIL_WORDS = 8
+
+
+def words(text: str) -> list[str]:
+    """Lower-case alphanumeric runs: what survives Markdown rendering and line wrapping."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def generate(prompt: str, max_tokens: int, threads: int) -> dict:
+    argv = [sys.executable, "-m", "potluck.app.cli", "generate", "--json", "--strategy", "plain",
+            "--temp", "0", "--max-tokens", str(max_tokens), "--threads", str(threads), prompt]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
+
+
+def app_seconds(prompt: str, max_tokens: int, threads: int, tail: list[str], poll_s: float,
+                timeout_s: float = 300.0) -> float:
+    """Seconds from Enter until ``tail`` is on screen, in the real app under tmux."""
+    name = f"potluck-speed-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="potluck-tmux-") as home:
+        cmd = (f"POTLUCK_HOME={home} {sys.executable} -m potluck.app.cli chat --strategy plain --temp 0 "
+               f"--max-tokens {max_tokens} --threads {threads}")
+        tmux("new-session", "-d", "-s", name, "-x", str(PANE[0]), "-y", str(PANE[1]), cmd)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while "ready" not in tmux("capture-pane", "-p", "-t", name):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the chat app did not get ready")
+                time.sleep(0.2)
+            tmux("send-keys", "-t", name, "-l", prompt)
+            time.sleep(0.5)  # the typed text lands before the clock starts
+            t0 = time.monotonic()
+            tmux("send-keys", "-t", name, "Enter")
+            n = len(tail)
+            while True:
+                screen = words(tmux("capture-pane", "-p", "-t", name))
+                if any(screen[i:i + n] == tail for i in range(len(screen) - n + 1)):
+                    return time.monotonic() - t0
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError("the reply's last words never appeared on screen")
+                time.sleep(poll_s)
+        finally:
+            subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True, check=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--poll-ms", type=float, default=50.0)
+    ap.add_argument("--load", action="store_true", help="also with one core busy")
+    args = ap.parse_args()
+    if shutil.which("tmux") is None:
+        print("chat_tmux_speed: tmux is not installed; install it to measure the app in a terminal", file=sys.stderr)
+        return 2
+    rows = []
+    for busy in (False, True) if args.load else (False,):
+        app_rates, gen_rates, gen_decode = [], [], []
+        with one_core_busy(busy):
+            for _ in range(args.reps):
+                ref = generate(args.prompt, args.max_tokens, args.threads)
+                n = len(ref["tokens"])
+                tail = words(ref["text"])[-TAIL_WORDS:]
+                gen_rates.append(n / (ref["ttft_s"] + ref["decode_s"]))
+                gen_decode.append(ref["tokens_per_s"])
+                app_rates.append(n / app_seconds(args.prompt, args.max_tokens, args.threads, tail,
+                                                 args.poll_ms / 1000))
+        app, gen = statistics.median(app_rates), statistics.median(gen_rates)
+        rows.append({"load": "one core busy" if busy else "quiet", "tokens": n,
+                     "app_tok_s": round(app, 1), "generate_tok_s": round(gen, 1),
+                     "generate_decode_tok_s": round(statistics.median(gen_decode), 1),
+                     "ratio": round(app / gen, 3), "app_runs": [round(r, 1) for r in app_rates],
+                     "generate_runs": [round(r, 1) for r in gen_rates]})
+    print(json.dumps({"pane": f"{PANE[0]}x{PANE[1]}", "reps": args.reps, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
