@@ -219,9 +219,9 @@ def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
         peak_kb = max(samples_kb)
         assert result[0] > 0 and w.alive()
         assert "past their budget" in w.log(), "no flood message was dropped: the path did not run"
-        # The goal is +200 MB for 60 s (scripts/flood_worker.py: +21 MB); a ceiling with room
-        # for a loaded machine. Dropping with pyzmq calls (4 us a message) let 20 s add 600 MB.
-        assert peak_kb - before_kb < 300 * 1024, (before_kb, peak_kb, result[0])
+        # Issue 20's goal (+200 MB, for 60 s: scripts/flood_worker.py measures +13-21 MB).
+        # Dropping with pyzmq calls (4 us a message) let these 20 s add 600 MB.
+        assert peak_kb - before_kb < 200 * 1024, (before_kb, peak_kb, result[0])
         deadline = time.monotonic() + 30
         while rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards
             assert time.monotonic() < deadline, (before_kb, rss_kb(w.proc.pid))

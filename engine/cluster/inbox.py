@@ -18,11 +18,14 @@ sockets once grew a worker from 115 MB to 2.7 GB in 40 s; four sockets for 60 s 
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
 import zmq
+
+log = logging.getLogger(__name__)
 
 WINDOW_S = 1.0
 # Messages a pass over the socket serves before any budget applies: a socket that keeps up
@@ -54,6 +57,7 @@ class PeerBudget:
         self._trusted_ids: tuple[bytes, ...] = ()
         self.metering = False  # a backlog was found this window: untrusted peers are metered
         self.dropped = 0  # messages dropped unread (tests, logs)
+        self._dropped_logged = 0
 
     def new_pass(self) -> None:
         """A new pass over the socket: a new window (and no metering) once a second has gone."""
@@ -95,6 +99,13 @@ class PeerBudget:
         first this window (served at once: a new upstream proves itself with it)."""
         self._spent_bytes[key] += size
         return bool(self._spent_msgs[key] <= 1)
+
+    def log_drops(self) -> None:
+        """One warning at the first drop and then every 100,000 (a flood must not flood the log)."""
+        if self.dropped > self._dropped_logged and (
+                self._dropped_logged == 0 or self.dropped - self._dropped_logged >= 100_000):
+            log.warning("dropped %d messages from peers past their budget so far (a flood?)", self.dropped)
+            self._dropped_logged = self.dropped
 
     def keep(self, size: int) -> bool:
         """Whether this pass may hold one more untrusted message of ``size`` bytes; if not it

@@ -130,7 +130,6 @@ class Worker:
         self.downstream_key = b""  # signs what it passes on
         self.upstream_ident = b""  # the connection the upstream's signed traffic came on
         self.budget = inbox.PeerBudget()  # what other peers may still send this second
-        self._dropped_logged = 0
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
         self.handback = Handback()  # finished stage work and crashes, back to this thread
@@ -210,10 +209,7 @@ class Worker:
                 budget.trust(self.owner, self.upstream_ident)
             elif budget.keep(size):
                 others.append((ident, rest))
-        if budget.dropped > self._dropped_logged:
-            if self._dropped_logged == 0 or budget.dropped - self._dropped_logged >= 100_000:
-                log.warning("dropped %d messages from peers past their budget so far (a flood?)", budget.dropped)
-                self._dropped_logged = budget.dropped
+        budget.log_drops()
         for ident, rest in others:
             self._serve(ident, rest)
 
