@@ -17,36 +17,100 @@ The floors, each importing only those below it (``.importlinter`` checks it in C
   events, errors, validation, paths.
 """
 
-from .cluster.profile import measure_profile
-from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
-from .core import paths, validate
-from .core.backend import check_gguf_file, default_threads
-from .core.chat import Message
-from .core.errors import ContextFullError, DecodeError, ModelError, PotluckError
-from .core.events import (
-    ClusterView,
-    DrafterStanding,
-    Event,
-    Finished,
-    NodeStatus,
-    PlanChanged,
-    ReplyStarted,
-    RoundStats,
-    StageView,
-    TokenText,
-)
-from .core.gguf_tools import describe as describe_gguf
-from .core.plain import Plain
-from .core.prompt_cache import PromptCache, PromptCacheStats
-from .core.runtime import Model
-from .core.sampling import SamplingParams
-from .core.session import Session
-from .core.spec import ClusterSpec, CurveKeys, EngineSpec
-from .loader import checked_spec, open_session, resolve_model, strategy_fits
-from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-PLAIN = Plain.name
-"""The strategy name of plain decoding (no drafts)."""
+if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on first use below
+    from .cluster.profile import measure_profile
+    from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
+    from .core import paths, validate
+    from .core.backend import check_gguf_file, default_threads
+    from .core.chat import Message
+    from .core.errors import ContextFullError, DecodeError, ModelError, PotluckError
+    from .core.events import (
+        ClusterView,
+        DrafterStanding,
+        Event,
+        Finished,
+        NodeStatus,
+        PlanChanged,
+        ReplyStarted,
+        RoundStats,
+        StageView,
+        TokenText,
+    )
+    from .core.gguf_tools import describe as describe_gguf
+    from .core.prompt_cache import PromptCache, PromptCacheStats
+    from .core.runtime import Model
+    from .core.sampling import SamplingParams
+    from .core.session import Session
+    from .core.spec import ClusterSpec, CurveKeys, EngineSpec
+    from .loader import checked_spec, open_session, resolve_model, strategy_fits
+    from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
+
+    PLAIN: str
+
+# Where each public name lives ("module:attribute", or a module). Nothing is imported with the
+# package: a worker's stage process needs only core, and loading every strategy with it (numba,
+# the registry) cost each stage process about a second of CPU at start.
+_WHERE = {
+    "measure_profile": ".cluster.profile:measure_profile",
+    "DEFAULT_CACHE_QUOTA_MB": ".cluster.worker:DEFAULT_CACHE_QUOTA_MB",
+    "Worker": ".cluster.worker:Worker",
+    "paths": ".core.paths",
+    "validate": ".core.validate",
+    "check_gguf_file": ".core.backend:check_gguf_file",
+    "default_threads": ".core.backend:default_threads",
+    "Message": ".core.chat:Message",
+    "ContextFullError": ".core.errors:ContextFullError",
+    "DecodeError": ".core.errors:DecodeError",
+    "ModelError": ".core.errors:ModelError",
+    "PotluckError": ".core.errors:PotluckError",
+    "ClusterView": ".core.events:ClusterView",
+    "DrafterStanding": ".core.events:DrafterStanding",
+    "Event": ".core.events:Event",
+    "Finished": ".core.events:Finished",
+    "NodeStatus": ".core.events:NodeStatus",
+    "PlanChanged": ".core.events:PlanChanged",
+    "ReplyStarted": ".core.events:ReplyStarted",
+    "RoundStats": ".core.events:RoundStats",
+    "StageView": ".core.events:StageView",
+    "TokenText": ".core.events:TokenText",
+    "describe_gguf": ".core.gguf_tools:describe",
+    "PromptCache": ".core.prompt_cache:PromptCache",
+    "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
+    "Model": ".core.runtime:Model",
+    "SamplingParams": ".core.sampling:SamplingParams",
+    "Session": ".core.session:Session",
+    "ClusterSpec": ".core.spec:ClusterSpec",
+    "CurveKeys": ".core.spec:CurveKeys",
+    "EngineSpec": ".core.spec:EngineSpec",
+    "checked_spec": ".loader:checked_spec",
+    "open_session": ".loader:open_session",
+    "resolve_model": ".loader:resolve_model",
+    "strategy_fits": ".loader:strategy_fits",
+    "STRATEGIES": ".speculation.strategies.registry:STRATEGIES",
+    "get_strategy_class": ".speculation.strategies.registry:get_strategy_class",
+    "strategy_names": ".speculation.strategies.registry:strategy_names",
+    "PLAIN": ".core.plain:Plain.name",  # the strategy name of plain decoding (no drafts)
+}
+
+
+def __getattr__(name: str) -> object:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, _, attribute = where.partition(":")
+    value: object = import_module(module, __name__)
+    for part in attribute.split(".") if attribute else ():
+        value = getattr(value, part)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "DEFAULT_CACHE_QUOTA_MB",

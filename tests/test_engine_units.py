@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from potluck.engine.core.chat import ChatFormat, Message, TextStream
-from potluck.engine.core.gguf_tools import file_sha256, merge_layer_ranges, parse_recipe
+from potluck.engine.core.gguf_tools import file_sha256, merge_layer_ranges, open_reader, parse_recipe
 from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import Sampler, SamplingParams, probs
@@ -19,6 +19,32 @@ from potluck.engine.core.target import LocalTarget
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
 TOP3 = [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0]
+
+
+def test_header_reader_parses_arrays_as_the_element_wise_walk_does(model_path: Path) -> None:
+    """The fast array walk gives the same fields, parts, offsets and tensors as gguf's own
+    per-element recursion (the default model's string and integer arrays among them)."""
+    import gguf
+
+    fast = open_reader(model_path)
+
+    class ElementWise(type(fast)):  # type: ignore[misc]
+        _get_field_parts = gguf.GGUFReader._get_field_parts
+
+    walk = ElementWise(str(model_path), "r")
+    assert list(fast.fields) == list(walk.fields)
+    kinds = set()
+    for name, f in fast.fields.items():
+        w = walk.fields[name]
+        assert (f.offset, f.data, f.types) == (w.offset, w.data, w.types), name
+        assert [(p.dtype, p.tobytes()) for p in f.parts] == [(p.dtype, p.tobytes()) for p in w.parts], name
+        assert f.contents() == w.contents(), name
+        kinds.add(tuple(f.types))
+    array, string, int32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, gguf.GGUFValueType.INT32
+    assert {(array, string), (array, int32)} <= kinds
+    assert [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in walk.tensors
+    ]
 
 
 def test_greedy_is_one_hot_on_argmax() -> None:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import signal
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -93,11 +95,16 @@ class StageProcess:
     """One child process serving one stage; :meth:`load` once, then submit work in order."""
 
     def __init__(self) -> None:
-        mp = multiprocessing.get_context("spawn")  # never fork a process that holds sockets
-        self._conn, child_conn = mp.Pipe(duplex=True)
-        self.proc = mp.Process(target=_child_main, args=(child_conn,), name="potluck-stage", daemon=True)
-        self.proc.start()
-        child_conn.close()
+        # A fresh interpreter that imports this module and core only. multiprocessing's spawn
+        # would also import the worker's __main__ again (the whole command line, every
+        # strategy): 1 to 3 s of CPU per stage process, and a worker starts one per load.
+        # Never fork: the worker holds sockets and threads.
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
+        fd = theirs.fileno()
+        code = f"from potluck.engine.cluster.child import serve_stage; serve_stage({fd})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        theirs.close()
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
@@ -136,8 +143,8 @@ class StageProcess:
             self._send(("close",))
         except PotluckError:
             pass
-        self.proc.join(2.0)
-        if self.proc.is_alive():
+        self._join(2.0)
+        if self.proc.poll() is None:
             self.kill()
         self._conn.close()
         if self._reader is not None and self._reader is not threading.current_thread():
@@ -145,9 +152,9 @@ class StageProcess:
         self._fail_pending(StageCrashed("the stage was released"))
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.join(2.0)
+            self._join(2.0)
 
     # -- work
     def submit(self, kind: str, payload: object = None) -> Future:
@@ -189,9 +196,15 @@ class StageProcess:
         except (OSError, ValueError, EOFError) as e:
             raise PotluckError(f"the stage process is gone ({e})") from None
 
+    def _join(self, timeout_s: float) -> int | None:
+        """The child's exit status (negative: the signal that ended it), or None if it still runs."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def _exit_reason(self) -> str:
-        self.proc.join(2.0)
-        return describe_exit(self.proc.exitcode)
+        return describe_exit(self._join(2.0))
 
     def _read_loop(self) -> None:
         while True:
@@ -212,7 +225,7 @@ class StageProcess:
             self._fail_pending(StageCrashed("the stage was released"))
             return
         reason = f"the stage process {self._exit_reason()}"
-        if self.proc.exitcode == 0:  # ended on its own without a crash
+        if self.proc.returncode == 0:  # ended on its own without a crash
             self._fail_pending(StageCrashed("the stage was released"))
             return
         self.crashed = reason
@@ -247,9 +260,12 @@ def _encode_error(e: BaseException) -> tuple[str, str]:
 # --------------------------------------------------------------------------- the child
 
 
-def _child_main(conn: Connection) -> None:  # pragma: no cover - runs in the child process
-    """Load the stage, then serve work items until ``close`` or the worker goes away."""
+def serve_stage(fd: int) -> None:  # pragma: no cover - runs in the child process
+    """Load the stage, then serve work items on the connection at ``fd`` until ``close`` or
+    the worker goes away (the end of the connection)."""
     logging.basicConfig(level=logging.WARNING, format="potluck stage: %(message)s")
+    conn = Connection(fd)
+    from ..core import runner, runtime, stage  # noqa: F401 - llama.cpp loads while the worker waits for a load
     try:
         msg = conn.recv()
     except (EOFError, OSError):
