@@ -42,7 +42,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` that command's part of it: each command module
+    imports what it runs (the loader, every strategy), and a worker or a stage should not."""
     parser = OneLineParser(
         prog="potluck",
         description="Chat with local LLMs: lossless speculative decoding, LAN layer split.",
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"potluck {potluck_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in COMMANDS if only is None else [only]:
         import_module(f"potluck.app.commands.{name}").add_parser(sub)
     return parser
 
@@ -68,8 +70,9 @@ def with_default_command(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "potluck", "numba"))
-    parser = build_parser()
-    args = parser.parse_args(with_default_command(list(sys.argv[1:] if argv is None else argv)))
+    argv = with_default_command(list(sys.argv[1:] if argv is None else argv))
+    named = [a for a in argv if a not in _VERBOSE][:1]
+    args = build_parser(named[0] if named and named[0] in COMMANDS else None).parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else (logging.INFO if args.verbose == 1 else logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     command = args.command

@@ -244,7 +244,7 @@ def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost
     os.kill(proc.proc.pid, signal.SIGSTOP)  # it cannot exit within close()'s 2 s: close() kills it
     with caplog.at_level("ERROR", logger="potluck.engine.cluster.child"):
         proc.close()
-    assert proc.proc.exitcode == -signal.SIGKILL  # the slow exit path ran
+    assert proc.proc.returncode == -signal.SIGKILL  # the slow exit path ran
     assert proc.crashed is None and not [r for r in caplog.records if "lost" in r.message]
 
 

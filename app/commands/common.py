@@ -11,7 +11,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import EngineSpec, PotluckError, SamplingParams, checked_spec, strategy_names, validate
+from ... import engine  # the loader and the strategies load when a command uses them, not for `worker`
+from ...engine import EngineSpec, PotluckError, SamplingParams, validate
 from ..config import SamplingSettings
 
 
@@ -36,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
     p.add_argument(
         "--strategy",
         default="plain",
-        help=f"decoding strategy: {', '.join(strategy_names())} {_default(config, 'plain')}",
+        help=f"decoding strategy: {', '.join(engine.strategy_names())} {_default(config, 'plain')}",
     )
     p.add_argument("--draft", type=Path, help="draft GGUF model for strategies that use one")
     p.add_argument("-s", "--system", help="system prompt")
@@ -167,7 +168,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The checked spec, without its cluster: that needs the network (see :func:`with_cluster`)."""
     if hasattr(args, "nodes"):
         check_cluster_args(args)
-    return checked_spec(
+    return engine.checked_spec(
         EngineSpec(
             model=args.model,
             strategy=args.strategy,
