@@ -68,7 +68,7 @@ def spec_sessions(model: Model, weak_draft: Path) -> Iterator[tuple[str, Strateg
     # Fixed lengths: the adaptive path stops drafting whenever drafting loses on this box
     # (the floor), and this test must exercise rejected drafts whatever the machine's load.
     yield "anpd", build("anpd", model, adaptive=False)
-    yield "sd", build("sd", model, weak_draft, adaptive=False, max_draft=4)
+    yield "sd", build("sd", model, weak_draft, adaptive=False, max_draft=2)
 
 
 def test_adaptive_anpd_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
