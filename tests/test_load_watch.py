@@ -89,23 +89,53 @@ def test_a_stage_beside_a_busy_process_drops_a_thread_and_stays_exact(
     free and goes on with one thread; every logit equals a fixed-thread context's."""
     follow = LocalTarget(model, ContextParams(n_ctx=512, n_threads=2, follow_load=True))
     fixed = LocalTarget(model, ContextParams(n_ctx=512, n_threads=2))
-    follow.runner._load.interval_s = 0.2  # type: ignore[union-attr]  # look often: a short test
+    follow.runner.follow.watch.interval_s = 0.2  # type: ignore[union-attr]  # look often: a short test
     try:
         prompt = model.tokenize(PROMPT)
         logits = follow.decode(prompt)
         assert np.array_equal(logits, fixed.decode(prompt))
         tok, steps = int(np.argmax(logits[-1])), 0
         deadline = time.monotonic() + 120  # a bound for a stalled machine, not a timing goal
-        while (follow.runner.counters.thread_changes == 0 or steps < 64) and time.monotonic() < deadline:
+        while (follow.runner.follow.changes == 0 or steps < 64) and time.monotonic() < deadline:
             if follow.n_past >= 500:
                 follow.truncate(len(prompt))
                 fixed.truncate(len(prompt))
             got = follow.decode([tok])
             assert np.array_equal(got, fixed.decode([tok])), steps
             tok, steps = int(np.argmax(got[-1])), steps + 1
-        assert follow.runner.counters.thread_changes >= 1
-        assert follow.runner.threads == 1 and follow.runner.wanted_threads == 2
-        assert fixed.runner.counters.thread_changes == 0  # a chosen thread count is kept
+        assert follow.runner.follow.changes >= 1
+        assert follow.runner.follow.threads == 1 and follow.runner.follow.wanted == 2
+        assert fixed.runner.follow.changes == 0  # a chosen thread count is kept
+    finally:
+        follow.close()
+        fixed.close()
+
+
+def test_a_draft_model_beside_a_busy_process_drops_a_thread_and_drafts_the_same(
+    model: Model, two_cores_one_busy: None
+) -> None:
+    """sd's draft model (here the bundled model itself) follows the load like the target: with
+    one core spun it goes on with one thread, and every greedy draft is a fixed-thread one's."""
+    from potluck.engine.core.sampling import SamplingParams
+    from potluck.engine.speculation.drafters import DraftRequest
+    from potluck.engine.speculation.drafters.draft_model import DraftModelDrafter
+
+    follow = DraftModelDrafter(model, n_ctx=512, n_threads=2, owns_model=False, follow_load=True)
+    fixed = DraftModelDrafter(model, n_ctx=512, n_threads=2, owns_model=False)
+    follow.follow.watch.interval_s = 0.2  # type: ignore[union-attr]  # look often: a short test
+    context, rounds = model.tokenize(PROMPT), 0
+    try:
+        deadline = time.monotonic() + 120  # a bound for a stalled machine, not a timing goal
+        while (follow.follow.changes == 0 or rounds < 16) and time.monotonic() < deadline:
+            if len(context) > 400:
+                context = context[:20]
+            req = DraftRequest(context=context, max_tokens=4, min_accept_p=0.0, sampling=SamplingParams())
+            got = follow.draft(req).tokens
+            assert got == fixed.draft(req).tokens and got, rounds
+            context, rounds = context + got, rounds + 1
+        assert follow.follow.changes >= 1
+        assert follow.follow.threads == 1 and follow.follow.wanted == 2
+        assert fixed.follow.changes == 0  # a chosen thread count is kept
     finally:
         follow.close()
         fixed.close()

@@ -10,15 +10,22 @@ Outside load is the machine's busy time over the cores this process may use (/pr
 steal included: another VM on the same host) minus this process's own (/proc/self/stat, every
 thread of ours). The chat app's UI thread, a drafter or the socket thread are ours and never
 count as outside load; another potluck process (a worker beside its head) does.
+
+:class:`ThreadFollower` applies it to one llama.cpp context: a stage runner's, or a draft
+model's (which runs beside the target in the same process).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 PROC = Path("/proc")
 INTERVAL_S = 1.0  # how often a running stage looks again: two reads of /proc, ~50 µs
@@ -89,3 +96,41 @@ class LoadWatch:
         elapsed = at - self._at
         self._last, self._at = now, at
         return len(self.cpus) - min(len(self.cpus), max(0.0, outside / elapsed))
+
+
+class ThreadedContext(Protocol):
+    def threads(self) -> tuple[int, int]: ...
+
+    def set_threads(self, n_threads: int) -> None: ...
+
+
+class ThreadFollower:
+    """The threads one context runs on: those wanted and, when it follows the load, no more
+    than the cores other processes leave free (a fresh figure at most once an interval)."""
+
+    def __init__(self, ctx: ThreadedContext, follow: bool, interval_s: float = INTERVAL_S, name: str = "") -> None:
+        self.ctx = ctx
+        self.name = name
+        self.wanted = self.threads = ctx.threads()[1]
+        self.watch = LoadWatch(interval_s) if follow else None
+        self.free_cores = float("inf")
+        self.changes = 0  # times outside load (or a new wanted count) changed the threads in use
+
+    def refresh(self) -> None:
+        """Before a run: follow the load if a fresh figure is due."""
+        if self.watch is not None:
+            free = self.watch.free_cores()
+            if free is not None:
+                self.free_cores = free
+                self.use(self.wanted)
+
+    def use(self, wanted: int) -> None:
+        """Run on ``wanted`` threads from now on, within the cores left free."""
+        self.wanted = wanted
+        n = threads_for(wanted, self.free_cores)
+        if n != self.threads:
+            self.ctx.set_threads(n)
+            self.threads = n
+            self.changes += 1
+            if self.watch is not None:
+                log.info("%s: %d thread(s); other processes leave %.1f core(s) free", self.name, n, self.free_cores)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .jobs import DecodeJob, GroupCancelled
 from .kv import KvOp
-from .load_watch import INTERVAL_S, LoadWatch, threads_for
+from .load_watch import INTERVAL_S, ThreadFollower
 from .stage import Stage
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ class RunnerCounters:
     skipped: int = 0  # jobs of a cancelled group never started
     kv_ops: int = 0
     busy_s: float = 0.0  # time spent computing jobs (aborted ones included): stage utilisation
-    thread_changes: int = 0  # times outside load (or a set_threads) changed the threads in use
 
 
 class StageRunner:
@@ -53,9 +52,7 @@ class StageRunner:
         self.counters = RunnerCounters()
         # Threads: those asked for (the context's at open, then set_threads) and, for a context
         # that follows the load, no more than the cores other processes leave free.
-        self.wanted_threads = self.threads = stage.ctx.threads()[1]
-        self._load = LoadWatch(load_interval_s) if stage.ctx.params.follow_load else None
-        self._free_cores = float("inf")
+        self.follow = ThreadFollower(stage.ctx, stage.ctx.params.follow_load, load_interval_s, f"potluck-{name}")
         self._queue: collections.deque[tuple[WorkItem, Future]] = collections.deque()
         self._cond = threading.Condition()
         self._cancelled: set[int] = set()
@@ -82,7 +79,7 @@ class StageRunner:
     def set_threads(self, n_threads: int) -> Future:
         """Threads from the next queued item on (still within the cores left free when the
         context follows the load)."""
-        return self.submit(lambda _stage: self._use_threads(n_threads))
+        return self.submit(lambda _stage: self.follow.use(n_threads))
 
     def cancel(self, group: int, *more: int) -> None:
         """Skip the groups' queued jobs and abort the running one. Several groups are cancelled
@@ -139,11 +136,7 @@ class StageRunner:
             self.counters.skipped += 1
             fut.set_exception(GroupCancelled(f"job group {job.group} was cancelled"))
             return
-        if self._load is not None:
-            free = self._load.free_cores()  # a fresh figure at most once an interval
-            if free is not None:
-                self._free_cores = free
-                self._use_threads(self.wanted_threads)
+        self.follow.refresh()
         outcome: np.ndarray | BaseException
         t0 = time.perf_counter()
         try:
@@ -158,17 +151,6 @@ class StageRunner:
         with self._cond:
             self._running = None
         self._resolve(fut, outcome)
-
-    def _use_threads(self, wanted: int) -> None:
-        self.wanted_threads = wanted
-        n = threads_for(wanted, self._free_cores)
-        if n != self.threads:
-            self.stage.ctx.set_threads(n)
-            self.threads = n
-            self.counters.thread_changes += 1
-            if self._load is not None:
-                log.info("%s: %d thread(s); other processes leave %.1f core(s) free", self._thread.name, n,
-                         self._free_cores)
 
     def _run_other(self, item: KvOp | Callable[[Stage], object], fut: Future) -> None:
         outcome: object

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...core.errors import PotluckError
+from ...core.load_watch import ThreadFollower
 from ...core.runtime import Context, ContextParams, Model
 from ...core.sampling import draw, probs
 from . import Draft, DraftRequest
@@ -54,12 +55,16 @@ class DraftModelDrafter:
         n_threads: int = 0,
         p_min: float = 0.0,
         owns_model: bool = True,
+        follow_load: bool = False,
     ) -> None:
         self.model = model
         self.owns_model = owns_model
         self.p_min = p_min  # stop drafting once the draft's own top probability falls below
         self.step_ms = 0.0  # measured cost of one draft step (decayed average)
-        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads))
+        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads, follow_load=follow_load))
+        # Threads the user left unchosen follow the load, as the target's do (core/load_watch.py):
+        # one descheduled thread stalls every draft step at llama.cpp's barriers.
+        self.follow = ThreadFollower(self.ctx, follow_load, name="potluck-draft")
         self.tokens: list[int] = []  # what the draft's KV cache holds, in order
         self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
         self._rng = np.random.default_rng()  # replaced by begin() with the session's child
@@ -93,6 +98,7 @@ class DraftModelDrafter:
 
     def _sync(self, context: Sequence[int]) -> None:
         """Decode what the draft has not seen of ``context``; leaves fresh logits after it."""
+        self.follow.refresh()
         keep = self._synced_prefix(context)
         if keep == len(context) and keep == len(self.tokens) and self._logits is not None:
             return

@@ -407,7 +407,8 @@ class Minions(Speculative):
         if spec.draft is not None:
             draft_model = load_draft_model(target_model, spec)
             try:
-                drafter = DraftModelDrafter(draft_model, n_ctx=spec.n_ctx, n_threads=n_threads)
+                drafter = DraftModelDrafter(draft_model, n_ctx=spec.n_ctx, n_threads=n_threads,
+                                             follow_load=spec.n_threads == 0)
             except BaseException:
                 draft_model.close()
                 raise

@@ -199,7 +199,8 @@ class PipeInfer(Strategy):
 
             draft_model = load_draft_model(target_model, spec)
             try:
-                drafter = DraftModelDrafter(draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads)
+                drafter = DraftModelDrafter(draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads,
+                                            follow_load=spec.n_threads == 0)
             except BaseException:
                 draft_model.close()
                 raise

@@ -205,7 +205,8 @@ class DraftModelSpeculative(Speculative):
         draft_model = load_draft_model(target_model, spec)
         try:
             drafter = DraftModelDrafter(
-                draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=float(p_min)
+                draft_model, n_ctx=spec.n_ctx, n_threads=spec.n_threads, p_min=float(p_min),
+                follow_load=spec.n_threads == 0,
             )
         except BaseException:
             draft_model.close()
