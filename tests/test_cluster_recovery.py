@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
-from potluck.engine.cluster import rebuild
+from potluck.engine.cluster import rebuild, wire
+from potluck.engine.cluster.chain import HeadWorker
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.link import NodeFailedError
 from potluck.engine.cluster.pipeline_target import PipelineTarget
@@ -235,6 +236,40 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
         assert pool.workers[2].node_id == target.links[2].node_id
     finally:
         target.close()
+
+
+def test_a_stage_whose_next_stage_died_fails_the_batches_after_the_first_at_once(
+    model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache, tmp_path: Path
+) -> None:
+    """A stage waits up to FORWARD_TIMEOUT_MS to pass a batch on; once one was not taken, the
+    ones after it fail at once (the next stage would refuse them out of order anyway).
+    Waiting again for each kept the head's hello from that stage past its 15 s (CI)."""
+    keys = keys_from_token(TOKEN)
+    first = HeadWorker(keys, tmp_path / "first")  # a worker in this process: its counters are read
+    lost = workers[0]
+    lost.extra["victim"] = "1"
+    target = open_pipeline(model_path, [first.address, lost.address], keys, n_ctx=N_CTX, split=[0, 15, 30],
+                           slice_cache=slice_cache, recover=False)
+    try:
+        lost.proc.kill()
+        lost.proc.wait(10)
+        link, txn = target.links[0], first.worker.txn
+        errors = []
+        for i in range(1, 4):
+            job = DecodeJob.tokens(1, [1, 2, 3], 3 * (i - 1))
+            link.sock.send_multipart(wire.to_frames(wire.Forward.from_job(txn + i, job), link.data_key))
+            while True:
+                assert link.sock.poll(60_000), "no reply"
+                msg = wire.parse_frames(link.sock.recv_multipart())
+                if isinstance(msg, wire.Error) and msg.txn == txn + i:
+                    errors.append(msg.message)
+                    break
+        assert all("unreachable" in e and lost.address in e for e in errors), errors
+        assert first.worker.forward_refused == 2  # only the first one waited
+        assert first.worker.txn == txn + 3
+    finally:
+        target.close()
+        first.close()
 
 
 def strike_all_after(workers: list[WorkerProc], n_after: int) -> Callable[[int], None]:

@@ -255,7 +255,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             state = "no model (ctrl+o picks one)" if self.load_error else "starting…"
         else:
             state = "ready"
-        self._main.query_one("#status", Static).update(f"{state} · {self._model_label()}")
+        for status in self._main.query("#status").results(Static):  # none while the app closes
+            status.update(f"{state} · {self._model_label()}")
 
     def _history(self, conv: Conversation, messages: list[StoredMessage]) -> list[Message]:
         out = [Message("system", conv.system)] if conv.system else []

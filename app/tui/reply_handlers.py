@@ -102,7 +102,7 @@ class ReplyHandlers:
     async def on_reply_finished(self, event: ReplyFinished) -> None:
         reply, f = event.reply, event.finished
         await self._pump_reply_text()
-        self.reply, self.progress = None, reply.progress
+        self.progress = reply.progress
         note = finish_note(f.reason, "; ".join(reply.cluster_notes))
         assert self.store is not None
         if self.store.conversation(reply.conversation_id) is not None:
@@ -120,9 +120,15 @@ class ReplyHandlers:
             reply.view.message_id = stored.id
         if reply.view.is_attached:
             await reply.view.finish(f.text, note)
+        await self.refresh_conversations()
+        self._reply_over()
+
+    def _reply_over(self) -> None:
+        """The reply ends only once it is stored and drawn: until then a new send waits, and
+        so does whoever watches ``self.reply`` (a test that then closes the app)."""
+        self.reply = None
         self.sample_stats()
         self.update_status()
-        await self.refresh_conversations()
 
     def on_cluster_notice(self, event: ClusterNotice) -> None:
         """A worker was lost mid-reply and the head re-planned: say so, the reply goes on."""
@@ -132,7 +138,7 @@ class ReplyHandlers:
     async def on_reply_failed(self, event: ReplyFailed) -> None:
         reply = event.reply
         await self._pump_reply_text()
-        self.reply, self.progress = None, reply.progress
+        self.progress = reply.progress
         self.report_error(event.error)
         # In cluster mode the error names the stage that was lost or froze: the panel marks it
         # and the kept reply says it, so the conversation shows why it stopped.
@@ -163,7 +169,7 @@ class ReplyHandlers:
                 )
             if reply.view.is_attached:
                 await reply.view.finish(text, finish_note("error", detail))
-        self.update_status()
+        self._reply_over()
 
 
     def action_stop(self) -> None:

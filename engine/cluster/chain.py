@@ -130,6 +130,10 @@ class HeadWorker:
         self._thread = threading.Thread(target=self.worker.serve_forever, name="head-worker", daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def address_seen_from(self, peer: str) -> str:
         """``host:port`` at which the worker at ``peer`` reaches this one: loopback from this
         machine, else this machine's address on the route to ``peer`` (no packet is sent)."""

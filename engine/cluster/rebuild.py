@@ -145,7 +145,7 @@ class ChainRebuild:
         if self._recoveries_in_a_row > MAX_RECOVERIES_IN_A_ROW:
             self._give_up(err, f"{MAX_RECOVERIES_IN_A_ROW} recoveries in a row returned nothing")
         self._flush_cancels()
-        first_reason = str(err)
+        first, first_reason = err, str(err)
         log.warning("%s; re-planning over the other workers", first_reason)
         old_stages = [(lk.node_id, *(lk.layers or (0, 0))) for lk in self.links]
         t0 = time.monotonic()
@@ -165,11 +165,13 @@ class ChainRebuild:
                 break
             except NodeLostError as again:
                 if attempt == MAX_REBUILDS or time.monotonic() - t0 > RECOVERY_DEADLINE_S:
-                    self._give_up(again, f"the chain broke again {attempt} time(s) while being rebuilt")
+                    # the first loss leads: it is what the user must fix; the last says why it stuck
+                    self._give_up(first, f"the chain broke again {attempt} time(s) while being rebuilt "
+                                         f"(last: {again})")
                 err = again
                 log.warning("%s during recovery", again)
             except PotluckError as e:
-                self._give_up(err, str(e))
+                self._give_up(first, str(e))
         self.recoveries += 1
         self.recovery_s.append(time.monotonic() - t0)
         new_stages = tuple((lk.node_id, *(lk.layers or (0, 0))) for lk in self.links)
@@ -243,8 +245,10 @@ class ChainRebuild:
         link.seen_from = self.head_worker.address_seen_from
         try:
             link.join(setup.head_id, setup.potluck_version, HEAD_WORKER_JOIN_TIMEOUT_S)
-        except NodeFailedError:
+        except NodeFailedError as e:
             link.close(release=False)
+            log.warning("the head's own worker did not join (%s); its thread %s, %d refusal(s) so far", e,
+                        "runs" if self.head_worker.running else "has stopped", self.head_worker.worker.rejected)
             self.head_worker.close()  # it does not answer: the next attempt starts a fresh one
             self.head_worker = None
             raise

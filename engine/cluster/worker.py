@@ -132,6 +132,7 @@ class Worker:
         self.budget = inbox.PeerBudget()  # what other peers may still send this second
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
+        self.next_lost = ""  # why a forward was not taken: the order downstream is broken
         self.handback = Handback()  # finished stage work and crashes, back to this thread
         # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
@@ -141,6 +142,7 @@ class Worker:
         self.dropped_replies = 0  # replies to peers that do not read theirs
         self.unreachable_replies = 0  # replies to peers already gone
         self.crashes = 0
+        self.forward_refused = 0  # forwards failed at once after the next stage was lost
         self.bytes_received = 0
 
     # -- lifetime
@@ -415,6 +417,7 @@ class Worker:
         if self.forward is not None:
             self.forward.close(linger=0)
             self.forward = None
+        self.next_lost = ""
         self.upstream_key = self.downstream_key = b""
         self.upstream_ident = b""
         self.txn = 0
@@ -499,7 +502,14 @@ class Worker:
     def _forward(self, msg: wire.WireMessage) -> None:
         """Pass ``msg`` to the next stage, signed with the key its stage takes from us."""
         assert self.forward is not None
+        if self.next_lost:  # once one is lost the next stage refuses the rest: fail them at once
+            self.forward_refused += 1
+            raise PotluckError(self.next_lost)
         try:
             self.forward.send_multipart(wire.to_frames(msg, self.downstream_key), copy=False)
         except zmq.Again:
-            raise PotluckError(f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable") from None
+            self.next_lost = (
+                f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable "
+                f"(it took nothing for {FORWARD_TIMEOUT_MS / 1000:g} s)"
+            )
+            raise PotluckError(self.next_lost) from None
