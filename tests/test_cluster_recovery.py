@@ -245,7 +245,7 @@ def test_a_stage_whose_next_stage_died_fails_the_batches_after_the_first_at_once
     ones after it fail at once (the next stage would refuse them out of order anyway).
     Waiting again for each kept the head's hello from that stage past its 15 s (CI)."""
     keys = keys_from_token(TOKEN)
-    first = HeadWorker(keys, tmp_path / "first")  # a worker in this process: its counters are read
+    first = HeadWorker(keys, tmp_path / "first", bind="127.0.0.1")  # in this process: its counters are read
     lost = workers[0]
     lost.extra["victim"] = "1"
     target = open_pipeline(model_path, [first.address, lost.address], keys, n_ctx=N_CTX, split=[0, 15, 30],

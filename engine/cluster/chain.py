@@ -119,13 +119,13 @@ class HeadWorker:
 
     It listens on every interface: a surviving stage on another machine forwards to it at the
     head's address on that machine's network (:meth:`address_seen_from`); the head itself
-    joins it on loopback."""
+    joins it on loopback. ``bind="127.0.0.1"`` keeps it on loopback when every stage is here."""
 
-    def __init__(self, keys: CurveKeys, cache_dir: Path, n_threads: int = 0) -> None:
+    def __init__(self, keys: CurveKeys, cache_dir: Path, n_threads: int = 0, bind: str = "0.0.0.0") -> None:
         from .profile import measure_profile
         from .worker import Worker
 
-        self.worker = Worker(keys, measure_profile(n_threads or 1), cache_dir, bind="0.0.0.0", n_threads=n_threads)
+        self.worker = Worker(keys, measure_profile(n_threads or 1), cache_dir, bind=bind, n_threads=n_threads)
         self.address = f"127.0.0.1:{self.worker.port}"
         self._thread = threading.Thread(target=self.worker.serve_forever, name="head-worker", daemon=True)
         self._thread.start()

@@ -145,8 +145,8 @@ class ChainRebuild:
         if self._recoveries_in_a_row > MAX_RECOVERIES_IN_A_ROW:
             self._give_up(err, f"{MAX_RECOVERIES_IN_A_ROW} recoveries in a row returned nothing")
         self._flush_cancels()
-        first, first_reason = err, str(err)
-        log.warning("%s; re-planning over the other workers", first_reason)
+        first = err
+        log.warning("%s; re-planning over the other workers", first)
         old_stages = [(lk.node_id, *(lk.layers or (0, 0))) for lk in self.links]
         t0 = time.monotonic()
         for attempt in range(1, MAX_REBUILDS + 1):
@@ -176,7 +176,7 @@ class ChainRebuild:
         self.recovery_s.append(time.monotonic() - t0)
         new_stages = tuple((lk.node_id, *(lk.layers or (0, 0))) for lk in self.links)
         reason = (
-            f"{first_reason}; continued on {len(self.links)} worker(s) after "
+            f"{first}; continued on {len(self.links)} worker(s) after "
             f"{time.monotonic() - t0:.1f} s, replaying {self.log.n_rows} cached tokens"
         )
         reason += self._f16_caveat()
