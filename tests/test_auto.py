@@ -45,7 +45,7 @@ def test_short_chat_without_a_draft_uses_ngrams(model: Model, model_path: Path) 
         session.close()
     assert shown == "auto: anpd"
     assert fin.drafted > 0
-    assert list(fin.tokens) == plain_conversation(model, [prompt], N_NEW, n_threads=THREADS, n_ctx=N_CTX)[0]
+    assert list(fin.tokens) == plain_conversation(model, [prompt], N_NEW, n_ctx=N_CTX)[0]
 
 
 def test_a_draft_model_drafts_a_chat_then_ngrams_take_a_long_document(
@@ -63,7 +63,7 @@ def test_a_draft_model_drafts_a_chat_then_ngrams_take_a_long_document(
     assert picks[0][1].prompt_tokens < 120 <= picks[1][1].prompt_tokens
     assert [shown for shown, _ in picks] == ["auto: sd", "auto: anpd"]
     assert all(fin.drafted > 0 for _, fin in picks)
-    want = plain_conversation(model, turns, N_NEW, n_threads=THREADS, n_ctx=N_CTX)
+    want = plain_conversation(model, turns, N_NEW, n_ctx=N_CTX)
     assert [list(fin.tokens) for _, fin in picks] == want
 
 

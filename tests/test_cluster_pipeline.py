@@ -66,7 +66,7 @@ def converse(model: Model, target: Target, strategy_name: str, draft: Path | Non
 def reference(model: Model) -> list[tuple[int, ...]]:
     """Plain decoding on one machine (memoized for the run). One thread: on 2 shared cores,
     llama.cpp's all-core default stalls on busy siblings."""
-    turns = plain_conversation(model, TURNS, MAX_NEW, n_threads=1, n_ctx=N_CTX, system="Be brief.")
+    turns = plain_conversation(model, TURNS, MAX_NEW, n_ctx=N_CTX, system="Be brief.")
     return [tuple(t) for t in turns]
 
 

@@ -180,7 +180,7 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int:
 def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
     tmp_path: Path, model: Model, model_path: Path
 ) -> None:
-    """A token holder pings a worker from 4 sockets for 20 s without reading the replies. The
+    """A token holder pings a worker from 4 sockets for 12 s without reading the replies. The
     worker drains its socket at once, serves its owner first and drops what the flooders'
     budgets do not allow, unread (its log counts them); its memory stays bounded and goes
     back afterwards (before, a flood from 2 sockets grew one by 2.6 GB in 40 s, and it stayed).
@@ -196,7 +196,7 @@ def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
         before_kb = rss_kb(w.proc.pid)
         result: list[int] = []
         samples_kb: list[int] = []
-        flooder = threading.Thread(target=lambda: result.append(flood(keys, w.address, 4, 20.0)))
+        flooder = threading.Thread(target=lambda: result.append(flood(keys, w.address, 4, 12.0)))
         flooder.start()
 
         def sample() -> None:
@@ -220,7 +220,7 @@ def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
         assert result[0] > 0 and w.alive()
         assert "past their budget" in w.log(), "no flood message was dropped: the path did not run"
         # Issue 20's goal (+200 MB, for 60 s: scripts/flood_worker.py measures +13-21 MB).
-        # Dropping with pyzmq calls (4 us a message) let these 20 s add 600 MB.
+        # Dropping with pyzmq calls (4 us a message) let 20 s add 600 MB (12 s: about 360 MB).
         assert peak_kb - before_kb < 200 * 1024, (before_kb, peak_kb, result[0])
         deadline = time.monotonic() + 30
         while rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards

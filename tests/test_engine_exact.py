@@ -192,7 +192,8 @@ def test_open_session_defaults_decode(tmp_home: Path) -> None:
 @pytest.mark.parametrize("n_kv", [100, 700])
 def test_verify_batches_equal_single_steps_with_all_threads_at_long_context(model: Model, n_kv: int) -> None:
     """Regression: with an F16 KV cache and 2 threads, single steps past 512 KV cells took a
-    split-KV attention path and differed from batches (speculation was not lossless)."""
+    split-KV attention path and differed from batches (speculation was not lossless). One
+    thread computes the same logits too: the shared plain-decoding references rely on it."""
     filler = model.tokenize(" The quick brown fox jumps over the lazy dog and runs far away.")
     prompt = (filler * 100)[:n_kv]
     follow = model.tokenize(" Sure, here is a function that sorts numbers in a list")[:8]
@@ -205,6 +206,12 @@ def test_verify_batches_equal_single_steps_with_all_threads_at_long_context(mode
             assert np.array_equal(singles[:k], target.decode(follow[:k], all_logits=True))
     finally:
         target.close()
+    one = LocalTarget(model, ContextParams(n_ctx=2048, n_threads=1))
+    try:
+        one.decode(prompt)
+        assert np.array_equal(singles, np.stack([one.decode([t])[0].copy() for t in follow]))
+    finally:
+        one.close()
 
 
 def test_anpd_equals_plain_past_512_cells_with_two_threads(model: Model) -> None:

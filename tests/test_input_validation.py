@@ -4,7 +4,8 @@ Every option and input of ``potluck generate`` and every config.toml value the c
 loads ends in success or in exactly one line on stderr with exit code 2: never a traceback,
 never a signal. The CLI runs as a subprocess (a native abort must show up as a signal) with
 ``--max-tokens 1``. Examples per property: ``POTLUCK_FUZZ_EXAMPLES`` (default 20, a run of
-well under two minutes on 2 cores); ``tests/fuzz_cli.py`` runs a longer search.
+well under two minutes on 2 cores). The suite replays one fixed sample (derandomized), so its
+time does not swing from run to run; ``tests/fuzz_cli.py`` runs a longer, random search.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ POTLUCK = [sys.executable, "-m", "potluck.app.cli"]
 EXAMPLES = int(os.environ.get("POTLUCK_FUZZ_EXAMPLES", "20"))
 FUZZ = settings(
     max_examples=EXAMPLES,
+    derandomize="POTLUCK_FUZZ_EXAMPLES" not in os.environ,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -144,7 +146,7 @@ OPTIONS: dict[str, list[list[str | bytes]]] = {
     "--draft": [["@model"], ["@garbage.gguf"], ["@missing.gguf"], ["@folder.gguf"], [""]],
     "-m": [["@model"], ["@garbage.gguf"], ["@magic.gguf"], ["@empty.gguf"], ["@truncated.gguf"],
            ["@folder.gguf"], ["@missing.gguf"], ["@odd"], [""], ["~no_such_user_xyz/m.gguf"]],
-    "-s": [[""], ["Be brief."], [SYSTEM_80], ["rule " * 3000], ["-"], [b"sys \xff"]],
+    "-s": [[""], ["Be brief."], [SYSTEM_80], ["rule " * 5000], ["-"], [b"sys \xff"]],
     "--json": [[]],
     # cluster options come as sets (each alone is refused without --nodes)
     "cluster": [

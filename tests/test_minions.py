@@ -356,8 +356,8 @@ def reply(
 
 @pytest.fixture(scope="module")
 def reference(model: Model) -> dict[str, list[int]]:
-    out = {prompt: plain_reply(model, prompt, MAX_TOKENS, n_threads=THREADS) for prompt in PROMPTS}
-    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS, n_threads=THREADS)):
+    out = {prompt: plain_reply(model, prompt, MAX_TOKENS) for prompt in PROMPTS}
+    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS)):
         out[f"turn{i}"] = tokens
     return out
 
@@ -461,18 +461,19 @@ def test_bad_options_are_one_line_errors(model: Model) -> None:
 
 
 def test_drafting_ahead_stops_at_a_full_context(model: Model, draft_path: Path) -> None:
-    """The worker never drafts past the context: a reply that fills it ends as plain decoding's."""
+    """The worker never drafts past the context: a reply that fills it ends as plain decoding's.
+    One thread: the context's end, not the thread count, is what this checks."""
     n_ctx = 256
     prompt = "Write a long, detailed story about a robot who learns to cook. Use many paragraphs."
     outs = []
     for strategy in (Plain(), None):
         if strategy is None:
             spec = EngineSpec(
-                strategy="minions", draft=draft_path, n_ctx=n_ctx, n_threads=THREADS,
+                strategy="minions", draft=draft_path, n_ctx=n_ctx, n_threads=1,
                 strategy_options={"max_draft": 8, "adaptive": False, "ahead": True},
             )
             strategy = get_strategy_class("minions").build(model, spec)
-        session = Session(model, LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=THREADS)), strategy)
+        session = Session(model, LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=1)), strategy)
         *_, fin = session.generate(prompt, GREEDY, 1024)
         session.close()
         assert isinstance(fin, Finished) and fin.reason == "context_full"

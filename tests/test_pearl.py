@@ -52,8 +52,8 @@ def session(model: Model, strategy: Strategy) -> Session:
 
 @pytest.fixture(scope="module")
 def plain(model: Model) -> dict[str, list[int]]:
-    out = {prompt: plain_reply(model, prompt, MAX_TOKENS, n_threads=THREADS) for prompt in LONG_PROMPTS[:3]}
-    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS, n_threads=THREADS)):
+    out = {prompt: plain_reply(model, prompt, MAX_TOKENS) for prompt in LONG_PROMPTS[:3]}
+    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS)):
         out[f"turn{i}"] = tokens
     return out
 

@@ -57,8 +57,8 @@ def reply(session: Session, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[
 @pytest.fixture(scope="module")
 def reference(model: Model) -> dict[str, list[int]]:
     """Plain decoding's greedy replies: each prompt alone, then one multi-turn conversation."""
-    out = {prompt: plain_reply(model, prompt, MAX_TOKENS, n_threads=THREADS) for prompt in LONG_PROMPTS}
-    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS, n_threads=THREADS)):
+    out = {prompt: plain_reply(model, prompt, MAX_TOKENS) for prompt in LONG_PROMPTS}
+    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS)):
         out[f"turn{i}"] = tokens
     assert sum(len(v) >= MAX_TOKENS for v in out.values()) >= 2
     return out

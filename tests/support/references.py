@@ -2,7 +2,10 @@
 a strategy lossless against them.
 
 A reply is keyed by everything that can change its tokens: the model file, the prompt (or
-the conversation so far), the system prompt, the context size and the thread count. Greedy
+the conversation so far), the system prompt and the context size. Not the thread count: with
+the BF16 cache every thread count computes the same logits (docs/facts.md §3, checked by
+tests/test_engine_exact.py), so references are computed on one thread, the cheapest on a
+busy machine, and serve modules that test strategies on two. Greedy
 decoding is step by step, so the first N tokens of a longer reply are the reply to the same
 prompt with a limit of N: a module asking for fewer tokens than another gets a prefix, and
 one asking for more extends nothing (it decodes anew and keeps the longer reply).
@@ -28,7 +31,6 @@ class _Key:
     limits: tuple[int, ...]  # the token limits of the turns before it
     system: str | None
     n_ctx: int
-    n_threads: int
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,6 @@ def plain_conversation(
     turns: Sequence[str],
     max_tokens: int | Sequence[int],
     *,
-    n_threads: int,
     n_ctx: int = 2048,
     system: str | None = None,
 ) -> list[list[int]]:
@@ -60,13 +61,13 @@ def plain_conversation(
     or one limit per turn). A single turn is a single prompt."""
     limits = [max_tokens] * len(turns) if isinstance(max_tokens, int) else list(max_tokens)
     keys = [
-        _Key(str(model.path), tuple(turns[: i + 1]), tuple(limits[:i]), system, n_ctx, n_threads)
+        _Key(str(model.path), tuple(turns[: i + 1]), tuple(limits[:i]), system, n_ctx)
         for i in range(len(turns))
     ]
     known = [_known(k, n) for k, n in zip(keys, limits)]
     if all(r is not None for r in known):
         return known  # type: ignore[return-value]
-    target = LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=n_threads))
+    target = LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=1))
     session = Session(model, target, Plain(), system=system)
     try:
         out = []
@@ -83,7 +84,7 @@ def plain_conversation(
 
 
 def plain_reply(
-    model: Model, prompt: str, max_tokens: int, *, n_threads: int, n_ctx: int = 2048, system: str | None = None
+    model: Model, prompt: str, max_tokens: int, *, n_ctx: int = 2048, system: str | None = None
 ) -> list[int]:
     """Plain decoding's greedy reply to ``prompt`` alone."""
-    return plain_conversation(model, [prompt], max_tokens, n_threads=n_threads, n_ctx=n_ctx, system=system)[0]
+    return plain_conversation(model, [prompt], max_tokens, n_ctx=n_ctx, system=system)[0]
