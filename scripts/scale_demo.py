@@ -3,12 +3,17 @@
 
     sudo .venv/bin/python -m scripts.scale_demo --shape 8b --cap 0.6 --tokens 32
     sudo .venv/bin/python -m scripts.scale_demo --shape 1b --relay wifi   # workers behind link_relay
+    sudo .venv/bin/python -m scripts.scale_demo --rpc ~/.cache/potluck-peers/bin  # and llama.cpp's RPC
 
 One run reports: greedy tokens against one uncapped process; the first load (slices streamed)
 and the second (cached); TTFT and tokens/s of the synchronous pipeline and of pipeinfer; peak
 RSS of the head, of each worker and of its llama.cpp child (VmHWM, file pages included, as
 /usr/bin/time reports it); bytes per token from the last worker to the head. The head and the
-reference run in their own processes so that each peak is its own. Needs root for the cgroups
+reference run in their own processes so that each peak is its own. With ``--rpc DIR`` (llama.cpp's
+tools, built by ../shared/tools/build-llama-tools.sh) the same model, caps and split run on
+llama.cpp's RPC too: ``ggml-rpc-server -t 1 -c`` twice, each in a capped group like a worker's,
+and ``llama-bench --rpc`` with the layers split evenly (``-ts 1/1``), twice (the second run finds
+the servers' tensor cache warm). Needs root for the cgroups
 (cgroup v1 memory controller, as on this machine). The vocabulary is the bundled model's
 49,152 tokens: a real Llama 3's output layer (128,256 tokens) is 2.6x larger, so the head's
 memory here is smaller than it would be with a real 8B.
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -134,13 +140,66 @@ def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, n
                     strategy.close()
                 assert isinstance(fin, Finished)
                 fed = target.stats.tokens - fed0
-                out[name] = {"tokens": list(fin.tokens), "ttft_s": fin.ttft_s,
+                out[name] = {"tokens": list(fin.tokens), "ttft_s": fin.ttft_s, "prompt_tokens": fin.prompt_tokens,
                              "tokens_per_s": (len(fin.tokens) - 1) / fin.decode_s if fin.decode_s else 0.0,
                              "last_hop_bytes_per_token": (target.links[-1].bytes_in - bytes0) / max(fed, 1)}
         finally:
             target.close()
     out["head_peak_rss_mb"] = peak_rss_mb(os.getpid())
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rpc_runs(bin_dir: Path, path: Path, groups: list[Path], n_tokens: int, n_prompt: int,
+             cache: Path) -> None:
+    """llama.cpp's RPC on the same model, caps and split: two servers (1 thread, tensor cache
+    on), each in its own capped group; llama-bench twice, the second with a warm cache. Load
+    time is the bench's wall time less its timed samples (model load and context set-up)."""
+    ports = [free_port() for _ in groups]
+    servers = [
+        subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", "1", "-p", str(port), "-c"],
+                         env=dict(os.environ, LLAMA_CACHE=str(cache / f"s{i}")), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL,
+                         preexec_fn=lambda g=g: (g / "cgroup.procs").write_text(str(os.getpid())))
+        for i, (g, port) in enumerate(zip(groups, ports))
+    ]
+    try:
+        for port in ports:
+            deadline = time.monotonic() + 30
+            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"ggml-rpc-server on port {port} did not listen within 30 s")
+                time.sleep(0.2)
+        watch = PeakWatch([s.pid for s in servers])
+        for label in ("first run", "second run (cache warm)"):
+            cmd = ["/usr/bin/time", "-f", "maxrss_kb %M", str(bin_dir / "llama-bench"), "-m", str(path),
+                   "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "-ts", "1/1", "-t", "1",
+                   "-fa", "on", "-ctk", "bf16", "-ctv", "bf16", "--repack", "0", "-p", str(n_prompt),
+                   "-n", str(n_tokens), "-r", "1", "--no-warmup", "-o", "json"]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            wall = time.perf_counter() - t0
+            if proc.returncode != 0:
+                raise SystemExit(f"llama-bench --rpc failed:\n{proc.stderr[-3000:]}")
+            rows = json.loads(proc.stdout)
+            timed = sum(sum(r["samples_ns"]) for r in rows) / 1e9
+            rss = next(int(x.split()[1]) for x in proc.stderr.splitlines() if x.startswith("maxrss_kb"))
+            speeds = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
+            print(f"llama.cpp RPC, {label}: load {wall - timed:.1f} s, prompt {n_prompt} tokens at "
+                  f"{speeds['pp']:.2f} tok/s (TTFT about {n_prompt / speeds['pp']:.2f} s), "
+                  f"{speeds['tg']:.2f} tok/s decoding, head (llama-bench) peak RSS {rss / 1024:,.0f} MB")
+        peaks = watch.stop()
+        for i, s in enumerate(servers):
+            print(f"rpc server {i}: peak RSS {max(peaks[s.pid].values(), default=0.0):,.0f} MB (VmHWM)")
+    finally:
+        for s in servers:
+            s.terminate()
+            s.wait()
 
 
 def _child(args: list[str]) -> dict:
@@ -160,6 +219,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--batch", type=int, default=128, help="n_batch: prompt chunk; the rows llama.cpp's buffers hold")
     p.add_argument("--relay", choices=["ethernet", "wifi"], help="put each worker behind scripts/link_relay.py")
+    p.add_argument("--rpc", type=Path, metavar="DIR", help="llama.cpp's tools: also run its RPC on the same caps")
     p.add_argument("--as", dest="mode", choices=["reference", "head"], help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--addresses", help=argparse.SUPPRESS)
@@ -224,6 +284,11 @@ def main() -> None:
                   f"{', '.join(f'{mb:,.0f}' for mb in peaks[w.proc.pid].values())} MB (VmHWM, file pages included); "
                   f"cgroup peak {int((groups[i] / 'memory.max_usage_in_bytes').read_text()) / 1e6:,.0f} MB "
                   "(page cache included)")
+        if args.rpc:
+            for w in workers:
+                stop_worker(w.proc)
+            n_prompt = runs[0]["plain"]["prompt_tokens"]
+            rpc_runs(args.rpc.expanduser(), path, groups, args.tokens, n_prompt, folder / "rpc-cache")
     finally:
         for r in relays:
             r.terminate()

@@ -116,13 +116,16 @@ def test_a_cost_line_that_forbids_drafting_is_probed_again(
 def test_greedy_equals_plain_decoding(
     model: Model, weak_draft: Path, reference: dict[str, list[int]]
 ) -> None:
+    """Every prompt, both strategies. `sd` stops at 128 tokens: its 20-layer draft makes a
+    token cost about 5 plain steps, and 4 x 128 tokens already hold about 60 rejections."""
     for name, strategy in spec_sessions(model, weak_draft):
         drafted = accepted = 0
+        limit = MAX_TOKENS if name == "anpd" else 128
         for prompt in LONG_PROMPTS:
             session = make_session(model, strategy)
-            tokens, rounds = reply(session, prompt)
+            tokens, rounds = reply(session, prompt, limit)
             session.target.close()
-            assert tokens == reference[prompt], f"{name} differs on {prompt[:30]!r}"
+            assert tokens == reference[prompt][:limit], f"{name} differs on {prompt[:30]!r}"
             drafted += sum(r.drafted for r in rounds)
             accepted += sum(r.accepted for r in rounds)
             assert all(r.draft_len + 1 <= MAX_EXACT_BATCH for r in rounds)
