@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,41 @@ def test_the_engine_facade_loads_each_name_on_first_use() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) for every import in ``path``, inside functions too."""
+    out: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append(("." * node.level + (node.module or ""), [alias.name for alias in node.names]))
+    return out
+
+
+def test_scripts_and_tests_share_code_only_through_the_package() -> None:
+    """scripts/ imports nothing from tests/ and no test imports a script: code both need
+    (fake workers, the LAN attacker, message builders) lives in the package."""
+    crossings = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for folder, other in (("scripts", "tests"), ("tests", "scripts"))
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for module, _ in _imports(path)
+        if module.split(".")[0] == other
+    ]
+    assert not crossings, crossings
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name that starts with one underscore belongs to its module: what two modules share is
+    public (``__future__`` and dunder names aside)."""
+    found = [
+        f"{path.relative_to(ROOT)}: {module}.{name}"
+        for folder in ("app", "engine", "discovery", "assets")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for module, names in _imports(path)
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert not found, found

@@ -1,9 +1,10 @@
 """No one without the token can hide a worker from ``--nodes auto`` (issue 20, finding 3).
 
-The attacker (scripts/nodes_auto_under_attack.py) announces clones of a real worker's record at dead
-loopback addresses, junk records, and goodbyes for records it does not own. Zeroconf is bound
-to 127.0.0.1 only (docs/facts.md §10). Other loopback records (another test's workers) may be
-seen too: the assertions only ask for what must be there.
+The attacker (potluck.discovery.lab, also run by scripts/nodes_auto_under_attack.py) announces
+clones of a real worker's record at dead loopback addresses, junk records, and goodbyes for
+records it does not own. Zeroconf is bound to 127.0.0.1 only (docs/facts.md §10). Other
+loopback records (another test's workers) may be seen too: the assertions only ask for what
+must be there.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import pytest
 
 from potluck.app.loopback import running_worker, spawn_worker, stop_worker
 from potluck.discovery.auth import generate_token, keys_from_token
+from potluck.discovery.lab import LOOPBACK, Attacker, dead_port, nodes_auto_under_attack
 from potluck.discovery.lan import Advertiser, Membership, browse, find_candidates
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.profile import NodeProfile
 from potluck.engine.cluster.transfer import SliceCache
-from scripts.nodes_auto_under_attack import LOOPBACK, Attacker, dead_port, nodes_auto_under_attack
 
 BROWSE_S = 4.0
 JOIN_S = 4.0
@@ -100,7 +101,7 @@ def test_nodes_auto_joins_the_real_worker_past_a_clone_and_junk(
     try:
         # 5 of the junk take the connection and stay silent (until the handshake timeout cuts
         # it): all were tried at once (they held 5 connections together; one after another: never 2).
-        run = nodes_auto_under_attack(model_path, real, token, cache, junk=10, silent=5, join_timeout_s=JOIN_S)
+        run = nodes_auto_under_attack(model_path, real.node_id, token, cache, junk=10, silent=5, join_timeout_s=JOIN_S)
         assert run.joined == [run.real_id]
         assert run.silent_peak == 5, run
         assert run.join_s < JOIN_S + 20, run  # one deadline (generous for a busy machine); in turn: 6 x 4 s
@@ -108,7 +109,9 @@ def test_nodes_auto_joins_the_real_worker_past_a_clone_and_junk(
         # and the junk rather than at their deadline (a minute here).
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="potluck.engine.cluster"):
-            run = nodes_auto_under_attack(model_path, real, token, cache, junk=10, silent=0, join_timeout_s=60.0)
+            run = nodes_auto_under_attack(
+                model_path, real.node_id, token, cache, junk=10, silent=0, join_timeout_s=60.0
+            )
         assert run.joined == [run.real_id]
         skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped 127.0.0.1:")]
         left_early = [m for m in skipped if "no worker of this cluster there" in m]
