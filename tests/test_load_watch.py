@@ -60,6 +60,7 @@ def test_outside_load_is_the_machines_busy_time_less_our_own(tmp_path: Path) -> 
 def test_threads_for_takes_a_core_when_three_quarters_of_it_are_free() -> None:
     assert [threads_for(2, f) for f in (0.0, 0.4, 1.0, 1.5, 1.74, 1.75, 2.0)] == [1, 1, 1, 1, 1, 2, 2]
     assert threads_for(4, 16.0) == 4  # never more than asked for
+    assert threads_for(2, float("inf")) == 2  # no figure yet (pearl sets threads in its first second)
     assert threads_for(8, 5.8) == 6
 
 
@@ -80,6 +81,21 @@ def two_cores_one_busy() -> Iterator[None]:
         spinner.kill()
         spinner.wait()
         os.sched_setaffinity(0, old)
+
+
+def test_threads_set_before_the_first_load_figure_take_effect(model: Model) -> None:
+    """pearl splits the cores (target 1 thread, draft the other) as soon as a reply starts,
+    before a follow-load runner has its first figure: the change must happen, not fail in
+    the runner (it raised on "no figure yet" and the target kept both cores beside the draft)."""
+    target = LocalTarget(model, ContextParams(n_ctx=512, n_threads=2, follow_load=True))
+    try:
+        assert target.runner.follow.free_cores == float("inf")  # no figure yet
+        target.runner.set_threads(1).result()
+        assert target.runner.follow.threads == 1 and target.stage.ctx.threads() == (1, 1)
+        target.runner.set_threads(2).result()
+        assert target.runner.follow.threads == 2 and target.runner.follow.changes == 2
+    finally:
+        target.close()
 
 
 def test_a_stage_beside_a_busy_process_drops_a_thread_and_stays_exact(
