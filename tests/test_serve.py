@@ -80,10 +80,12 @@ def counters(server: RunningServer) -> dict[str, int]:
     return server.health()["counters"]  # type: ignore[return-value]
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float = 120.0) -> None:
+def wait_for(check: Callable[[], bool], timeout_s: float = 120.0, show: Callable[[], object] | None = None) -> None:
+    """Until ``check()`` holds (a bound for a stalled machine, not a timing goal); on failure
+    the message carries ``show()`` (say, the server's /health) for the next engineer."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, f"condition not reached: {show() if show else ''}"
         time.sleep(0.05)
 
 
@@ -307,7 +309,9 @@ def test_hang_up_during_a_long_prompt_is_noticed_before_decoding(server: Running
     conn, _ = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}], "max_tokens": 50})
     wait_for(lambda: server.health()["queue"]["running"])
     hang_up(conn)
-    wait_for(lambda: counters(server)["cancelled_running"] == before["cancelled_running"] + 1)
+    # seen once in a full run (2026-11-25): not reached in 120 s, cause not found; /health says more
+    wait_for(lambda: counters(server)["cancelled_running"] == before["cancelled_running"] + 1,
+             show=lambda: (before, server.health()))
     after = counters(server)
     # no token decoded: the prompt's batches were aborted, not run to the end first
     assert after["cancelled_before_decoding"] == before["cancelled_before_decoding"] + 1
