@@ -30,13 +30,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("app", "engine", "discovery", "assets")
 ARGS = {
     "strategies": ["bench", "--strategies", "anpd,pearl,minions", "--reps", "3", "--json"],
     "cluster": ["bench", "--cluster", "2", "--reps", "1", "--json"],
-    "paired": [],
 }
 PAIRED_STRATEGIES = ("autoregressive", "anpd", "pearl")  # "autoregressive": plain, under a name both know
 PAIRED_PROMPT = ("Rewrite this function with the variable total renamed to running_sum: def add_all(xs):\n"
@@ -54,19 +54,17 @@ def package_root(tree: Path, folder: Path) -> Path:
     return folder
 
 
-def run_bench(kind: str, pythonpath: Path, home: Path) -> list[dict]:
+def potluck_json(args: list[str], pythonpath: Path, home: Path) -> Any:
+    """``potluck ARGS`` from the tree under ``pythonpath``, its JSON output."""
     env = dict(os.environ, PYTHONPATH=str(pythonpath), POTLUCK_HOME=str(home))
-    done = subprocess.run([sys.executable, "-c", RUN, *ARGS[kind]], env=env, cwd=tempfile.gettempdir(),
+    done = subprocess.run([sys.executable, "-c", RUN, *args], env=env, cwd=tempfile.gettempdir(),
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
 
 def reply_speed(strategy: str, pythonpath: Path, home: Path) -> float:
-    env = dict(os.environ, PYTHONPATH=str(pythonpath), POTLUCK_HOME=str(home))
     args = ["generate", "--strategy", strategy, "--temp", "0", "--max-tokens", "200", "--json", PAIRED_PROMPT]
-    done = subprocess.run([sys.executable, "-c", RUN, *args], env=env, cwd=tempfile.gettempdir(),
-                          capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout)["tokens_per_s"])
+    return float(potluck_json(args, pythonpath, home)["tokens_per_s"])
 
 
 def paired(paths: dict[str, Path], work: Path, pairs: int) -> str:
@@ -104,7 +102,7 @@ def table(runs: dict[str, list[list[dict]]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", required=True, help="the earlier commit")
-    ap.add_argument("--kind", choices=sorted(ARGS), required=True)
+    ap.add_argument("--kind", choices=[*ARGS, "paired"], required=True)
     ap.add_argument("--pairs", type=int, default=6, help="with --kind paired: replies per side and strategy")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="potluck-before-after-") as tmp:
@@ -119,7 +117,7 @@ def main() -> int:
                 return 0
             runs: dict[str, list[list[dict]]] = {"before": [], "after": []}
             for i, side in enumerate(("before", "after", "after", "before", "before", "after"), 1):
-                runs[side].append(run_bench(args.kind, paths[side], work / f"home-{side}"))
+                runs[side].append(potluck_json(ARGS[args.kind], paths[side], work / f"home-{side}"))
                 print(f"run {i}/6 ({side}) done", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "tree")],

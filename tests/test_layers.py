@@ -35,6 +35,13 @@ def test_the_engine_facade_loads_each_name_on_first_use() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def _sources(*folders: str) -> list[Path]:
+    """The Python files under ``folders`` (each must hold some: an empty scan proves nothing)."""
+    found = {folder: sorted((ROOT / folder).rglob("*.py")) for folder in folders}
+    assert all(found.values()), {f: len(p) for f, p in found.items()}
+    return [path for paths in found.values() for path in paths]
+
+
 def _imports(path: Path) -> list[tuple[str, list[str]]]:
     """(module, imported names) for every import in ``path``, inside functions too."""
     out: list[tuple[str, list[str]]] = []
@@ -52,7 +59,7 @@ def test_scripts_and_tests_share_code_only_through_the_package() -> None:
     crossings = [
         f"{path.relative_to(ROOT)}: {module}"
         for folder, other in (("scripts", "tests"), ("tests", "scripts"))
-        for path in sorted((ROOT / folder).rglob("*.py"))
+        for path in _sources(folder)
         for module, _ in _imports(path)
         if module.split(".")[0] == other
     ]
@@ -64,8 +71,7 @@ def test_no_module_imports_another_modules_private_names() -> None:
     public (``__future__`` and dunder names aside)."""
     found = [
         f"{path.relative_to(ROOT)}: {module}.{name}"
-        for folder in ("app", "engine", "discovery", "assets")
-        for path in sorted((ROOT / folder).rglob("*.py"))
+        for path in _sources("app", "engine", "discovery", "assets")
         for module, names in _imports(path)
         for name in names
         if name.startswith("_") and not name.startswith("__")

@@ -67,7 +67,7 @@ def read_times(cpus: list[int], proc: Path = PROC) -> CpuTimes | None:
 def threads_for(wanted: int, free_cores: float) -> int:
     """Threads on the cores left free: a core counts when three quarters of it are free (a
     thread that waits for its core a quarter of the time holds every other one at each barrier)."""
-    return max(1, min(wanted, int(min(free_cores, wanted) + 0.25)))  # inf: no figure yet
+    return max(1, int(min(free_cores, wanted) + 0.25))  # never more than wanted; inf: no figure yet
 
 
 class LoadWatch:
