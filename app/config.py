@@ -21,6 +21,9 @@ Example ``config.toml``::
 
     [keys]
     regenerate = "ctrl+r"
+
+    [cluster]
+    join_timeout_s = 15  # workers on slow Wi-Fi or busy PCs
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine import PotluckError, SamplingParams, paths, validate
+from ..engine import JOIN_TIMEOUT_S, PotluckError, SamplingParams, paths, validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -171,12 +174,27 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class ClusterSettings:
+    """Cluster mode (``--nodes`` or the cluster picker): how long to wait for the LAN."""
+
+    discover_timeout_s: float = 2.0
+    """Seconds to browse for workers (``--nodes auto``)."""
+    join_timeout_s: float = JOIN_TIMEOUT_S
+    """Seconds each worker has to accept us; slow or busy machines need longer."""
+
+    def __post_init__(self) -> None:
+        validate.discover_timeout(self.discover_timeout_s, "[cluster] discover_timeout_s")
+        validate.join_timeout(self.join_timeout_s, "[cluster] join_timeout_s")
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     ui: UISettings = field(default_factory=UISettings)
     keys: KeySettings = field(default_factory=KeySettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
 
 _SECTIONS: dict[str, type] = {
@@ -185,6 +203,7 @@ _SECTIONS: dict[str, type] = {
     "ui": UISettings,
     "keys": KeySettings,
     "server": ServerSettings,
+    "cluster": ClusterSettings,
 }
 
 

@@ -13,11 +13,16 @@ from pathlib import Path
 from potluck.app.loopback import LoopbackWorker, spawn_worker, spawn_workers, stop_worker, stop_workers
 from potluck.discovery.auth import generate_token
 
-__all__ = ["TOKEN", "WorkerProc", "loopback_workers", "start_worker", "start_workers", "stop_worker", "stop_workers"]
+__all__ = [
+    "JOIN_S", "TOKEN", "WorkerProc", "loopback_workers", "start_worker", "start_workers", "stop_worker", "stop_workers",
+]
 
 # A token of this run's own (as `potluck token` makes them): another test run on the same
 # machine (its workers advertise on loopback too) cannot join ours, nor ours its.
 TOKEN = generate_token()
+# The join deadline of joins that must succeed: a busy CI machine has taken longer than the
+# default 5 s (the deadline is the caller's: --join-timeout, [cluster] join_timeout_s).
+JOIN_S = 60.0
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from potluck.app.config import ModelSettings, SamplingSettings, Settings, UISettings
+from potluck.app.config import ClusterSettings, ModelSettings, SamplingSettings, Settings, UISettings
 from potluck.app.store import Store
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.cluster import AUTO, ClusterChoice
@@ -24,13 +24,14 @@ from potluck.app.tui.screens import ClusterScreen, PickerScreen
 from potluck.engine.loader import open_session
 
 from .app_fakes import click, run_async, until
-from .cluster_support import TOKEN, WorkerProc, start_workers, stop_workers
+from .cluster_support import JOIN_S, TOKEN, WorkerProc, start_workers, stop_workers
 
 LOOPBACK = ("127.0.0.1",)
 SETTINGS = Settings(
     model=ModelSettings(n_ctx=512, n_threads=1),
     sampling=SamplingSettings(max_tokens=8),
     ui=UISettings(cursor_blink=False, stats_interval_s=0.1),
+    cluster=ClusterSettings(join_timeout_s=JOIN_S),
 )
 
 
@@ -82,7 +83,7 @@ async def send(app: PotluckApp, pilot, text: str) -> None:  # noqa: ANN001
 async def test_nodes_auto_plans_streams_names_a_lost_worker_and_replans(
     tmp_path: Path, workers: list[WorkerProc]
 ) -> None:
-    choice = ClusterChoice(nodes=AUTO, token=TOKEN, interfaces=LOOPBACK, discover_timeout_s=6.0)
+    choice = ClusterChoice(nodes=AUTO, token=TOKEN, interfaces=LOOPBACK, discover_timeout_s=6.0, join_timeout_s=JOIN_S)
     app = make(tmp_path, choice)
     async with app.run_test(size=(130, 40)) as pilot:
         await until(lambda: app.session is not None or app.load_error, 120, "the cluster to load")

@@ -25,7 +25,7 @@ from potluck.engine.core.spec import ClusterSpec, EngineSpec
 from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
-from .cluster_support import TOKEN, WorkerProc, loopback_workers
+from .cluster_support import JOIN_S, TOKEN, WorkerProc, loopback_workers
 from .support.references import plain_conversation
 
 N_CTX = 1024
@@ -187,7 +187,8 @@ def test_generate_command_with_nodes_matches_one_machine(
     assert main(common) == 0
     local = json.loads(capsys.readouterr().out)
     nodes = ",".join(w.address for w in workers[:2])
-    assert main([*common[:1], "--nodes", nodes, "--token", TOKEN, "--split", "0,15,30", *common[1:]]) == 0
+    assert main([*common[:1], "--nodes", nodes, "--token", TOKEN, "--split", "0,15,30",
+                 "--join-timeout", str(JOIN_S), *common[1:]]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["tokens"] == local["tokens"]
     assert "split plan: 30 layers over 2 stage(s)" in captured.err and "layers   0-15" in captured.err

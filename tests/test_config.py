@@ -55,6 +55,8 @@ def test_toml_values_are_coerced_and_checked(tmp_path: Path) -> None:
         ("[ui]\nshow_panels = 1\n", "[ui] show_panels must be bool"),
         ("[model]\nn_ctx = true\n", "[model] n_ctx must be int"),
         ("[model\n", "not valid TOML"),
+        ("[cluster]\njoin_timeout_s = 0\n", "[cluster] join_timeout_s must be more than 0"),
+        ("[cluster]\ndiscover_timeout_s = 1e9\n", "[cluster] discover_timeout_s must be more than 0 and at most 60"),
     ],
 )
 def test_bad_files_are_refused_with_the_key_named(tmp_path: Path, toml: str, message: str) -> None:

@@ -157,9 +157,12 @@ OPTIONS: dict[str, list[list[str | bytes]]] = {
         ["--nodes", "127.0.0.1:1", "--token-file", "@token", "--split", "5,1"],
         ["--nodes", "127.0.0.1:1", "--token-file", "@weak.token"],
         ["--nodes", "127.0.0.1:1", "--discover-timeout", "1"],
+        ["--nodes", "127.0.0.1:1", "--token-file", "@token", "--join-timeout", "0"],
+        ["--nodes", "127.0.0.1:1", "--token-file", "@token", "--join-timeout", "inf"],
         *[["--nodes", v, "--token-file", "@token"] for v in ["", "nohost", "h:0", "h:70000", "a b:5733", ":5733"]],
         ["--nodes", "auto"],
         ["--split", "0,12"], ["--token", TOKEN], ["--hidden-f16"], ["--discover-timeout", "1"],
+        ["--join-timeout", "30"],
     ],
 }
 # (prompt argv, stdin bytes): arguments, '-' and no argument with stdin of every kind

@@ -12,7 +12,7 @@ from potluck.app.loopback import stop_workers
 from potluck.app.serve.launch import RunningServer, start_server, stop_server
 from potluck.engine import EngineSpec, Finished, SamplingParams, open_session
 
-from .cluster_support import TOKEN, WorkerProc, start_workers
+from .cluster_support import JOIN_S, TOKEN, WorkerProc, start_workers
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def cluster_server(loopback_pool: list[WorkerProc], tmp_path_factory: pytest.Tem
     (home / "config").mkdir()
     (home / "config" / "config.toml").write_text("[sampling]\ntemperature = 0.0\n")  # greedy unless asked
     nodes = ",".join(w.address for w in loopback_pool[:2])
-    running = start_server(home, ["--nodes", nodes, "--token-file", str(token_file), "--split", "0,15,30"],
+    running = start_server(home, ["--nodes", nodes, "--token-file", str(token_file), "--split", "0,15,30",
+                                  "--join-timeout", str(JOIN_S)],
                            timeout_s=300)
     try:
         yield running
@@ -71,7 +72,8 @@ def test_a_worker_lost_between_requests_is_replaced_and_answers_stay_exact(
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     nodes = ",".join(w.address for w in workers)
-    running = start_server(home, ["--nodes", nodes, "--token-file", str(token_file), "--split", "0,15,30"],
+    running = start_server(home, ["--nodes", nodes, "--token-file", str(token_file), "--split", "0,15,30",
+                                  "--join-timeout", str(JOIN_S)],
                            timeout_s=300)
     try:
         client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=600)

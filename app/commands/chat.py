@@ -7,9 +7,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from ...engine import EngineSpec, check_gguf_file, open_session, paths, resolve_model, strategy_fits, validate
-from .common import add_cluster_args, add_model_args, add_sampling_args, check_cluster_args, settings_with_overrides
+from .common import (
+    CLUSTER_OVERRIDES,
+    add_cluster_args,
+    add_model_args,
+    add_sampling_args,
+    check_cluster_args,
+    settings_with_overrides,
+)
+
+if TYPE_CHECKING:
+    from ..config import ClusterSettings
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
 _OVERRIDES = {
@@ -26,6 +37,7 @@ _OVERRIDES = {
     "min_p": ("sampling", "min_p"),
     "repeat_penalty": ("sampling", "repeat_penalty"),
     "seed": ("sampling", "seed"),
+    **CLUSTER_OVERRIDES,
 }
 
 
@@ -56,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     for path in (resolve_model(spec.model), spec.draft):
         if path is not None:
             check_gguf_file(path)
-    cluster = cluster_choice(args)
+    cluster = cluster_choice(args, settings.cluster)
 
     handler = logging.FileHandler(paths.log_file(), encoding="utf-8")
     handler.setLevel(logging.INFO)
@@ -81,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
     return app.return_code or 0
 
 
-def cluster_choice(args: argparse.Namespace):  # -> ClusterChoice | None
-    """``--nodes`` and its options, checked before the screen opens (one line, exit code 2).
+def cluster_choice(args: argparse.Namespace, timeouts: ClusterSettings):  # -> ClusterChoice | None
+    """``--nodes`` and its options, checked before the screen opens (one line, exit code 2);
+    the timeouts come from [cluster], overridden by the options.
 
     The token is checked here too; discovery, the plan and the slice transfer happen in the
     app, where the user watches them."""
@@ -100,7 +113,8 @@ def cluster_choice(args: argparse.Namespace):  # -> ClusterChoice | None
         token_file=token_file,
         split=None if args.split is None else validate.split(args.split),
         hidden_dtype="f16" if args.hidden_f16 else "f32",
-        discover_timeout_s=args.discover_timeout or 2.0,
+        discover_timeout_s=timeouts.discover_timeout_s,
+        join_timeout_s=timeouts.join_timeout_s,
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ... import engine  # the loader and the strategies load when a command uses them, not for `worker`
 from ...engine import EngineSpec, PotluckError, SamplingParams, validate
-from ..config import SamplingSettings
+from ..config import ClusterSettings, SamplingSettings
 
 
 def positive_int(text: str) -> int:
@@ -51,6 +51,14 @@ def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
     )
 
 
+# The cluster options that override config.toml's [cluster] (chat and serve read it; generate
+# and bench take the options over the defaults).
+CLUSTER_OVERRIDES = {
+    "discover_timeout": ("cluster", "discover_timeout_s"),
+    "join_timeout": ("cluster", "join_timeout_s"),
+}
+
+
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """Cluster mode: run the target's layers on `potluck worker`s of the LAN."""
     g = p.add_argument_group("cluster")
@@ -73,6 +81,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--discover-timeout", type=float, default=None, help="seconds to browse for --nodes auto (default 2)"
     )
+    g.add_argument(
+        "--join-timeout", type=float, default=None,
+        help="seconds each worker has to accept us (default 5; more for slow or busy machines)",
+    )
 
 
 def check_cluster_args(args: argparse.Namespace) -> None:
@@ -82,7 +94,8 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         flag for flag, value in (("--split", args.split), ("--token", args.token),
                                  ("--token-file", getattr(args, "token_file", None)),
                                  ("--hidden-f16", args.hidden_f16 or None),
-                                 ("--discover-timeout", args.discover_timeout))
+                                 ("--discover-timeout", args.discover_timeout),
+                                 ("--join-timeout", args.join_timeout))
         if value is not None
     ]
     if nodes is None and given:
@@ -95,12 +108,15 @@ def check_cluster_args(args: argparse.Namespace) -> None:
             raise PotluckError("--discover-timeout only applies to --nodes auto; drop it")
     elif args.discover_timeout is not None:
         validate.discover_timeout(args.discover_timeout)
+    if args.join_timeout is not None:
+        validate.join_timeout(args.join_timeout)
     if args.split is not None:
         validate.split(args.split)
 
 
-def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
-    """The ClusterSpec for ``--nodes`` (None without it); prints the plan and transfer progress."""
+def cluster_spec(args: argparse.Namespace, timeouts: ClusterSettings | None = None):  # -> ClusterSpec | None
+    """The ClusterSpec for ``--nodes`` (None without it); prints the plan and transfer progress.
+    ``timeouts``: config.toml's [cluster] with the options applied (None: the options alone)."""
     nodes_arg = getattr(args, "nodes", None)
     if nodes_arg is None:
         return None
@@ -108,11 +124,14 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
     from ...engine import ClusterSpec
     from ..cli import potluck_version
 
+    if timeouts is None:
+        given = {name: getattr(args, dest) for dest, (_, name) in CLUSTER_OVERRIDES.items()}
+        timeouts = ClusterSettings(**{name: v for name, v in given.items() if v is not None})
     keys = cluster_keys(args)
     if nodes_arg == "auto":
         from ...discovery.lan import find_candidates
 
-        nodes = find_candidates(args.discover_timeout or 2.0)  # unproven: the joins prove them
+        nodes = find_candidates(timeouts.discover_timeout_s)  # unproven: the joins prove them
     else:
         nodes = validate.nodes(nodes_arg)
     split = None if args.split is None else validate.split(args.split)
@@ -123,6 +142,7 @@ def cluster_spec(args: argparse.Namespace):  # -> ClusterSpec | None
         hidden_dtype="f16" if args.hidden_f16 else "f32",
         potluck_version=potluck_version(),
         skip_failed_joins=nodes_arg == "auto",
+        join_timeout_s=timeouts.join_timeout_s,
         on_plan=lambda plan: print("\n".join(plan.describe()), file=sys.stderr, flush=True),
         progress=_progress_bar,
     )
@@ -180,9 +200,9 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     )
 
 
-def with_cluster(spec: EngineSpec, args: argparse.Namespace) -> EngineSpec:
+def with_cluster(spec: EngineSpec, args: argparse.Namespace, timeouts: ClusterSettings | None = None) -> EngineSpec:
     """Resolve --nodes (token, discovery) once the cheap checks have passed."""
-    return replace(spec, cluster=cluster_spec(args))
+    return replace(spec, cluster=cluster_spec(args, timeouts))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -20,7 +20,7 @@ from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_
 from ..serve.engine_thread import EngineThread
 from ..serve.guard import Guard, read_api_key
 from ..serve.http import ServeState, build_app
-from .common import add_cluster_args, check_cluster_args, settings_with_overrides, with_cluster
+from .common import CLUSTER_OVERRIDES, add_cluster_args, check_cluster_args, settings_with_overrides, with_cluster
 
 log = logging.getLogger("potluck.serve")
 
@@ -34,6 +34,7 @@ _OVERRIDES = {
     "host": ("server", "host"),
     "port": ("server", "port"),
     "api_key_file": ("server", "api_key_file"),
+    **CLUSTER_OVERRIDES,
 }
 
 
@@ -41,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health). Defaults come from config.toml ([model], [sampling], [server]).",
+        "/v1/completions, /v1/models, /health). Defaults come from config.toml ([model], [sampling], [server], "
+        "[cluster]).",
     )
     p.add_argument("-m", "--model", type=Path, help="target GGUF model (default: [model] path or the bundled one)")
     p.add_argument("--strategy", help="decoding strategy (default: [model] strategy)")
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     cache = PromptCache.within_free_memory(server.prompt_cache_mb * 1_000_000, server.cached_conversations)
 
     def opener() -> Session:  # on the engine thread: in cluster mode the sockets belong to it
-        session = open_session(with_cluster(spec, args))
+        session = open_session(with_cluster(spec, args, settings.cluster))
         if not session.use_prompt_cache(cache):
             log.warning("cluster mode: only the last conversation's KV cache is reused (the KV lives on the workers)")
         return session

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from textual.message import Message as TMessage
 
-from ...engine import ClusterView, NodeStatus, PlanChanged
+from ...engine import JOIN_TIMEOUT_S, ClusterView, NodeStatus, PlanChanged
 
 AUTO = "auto"
 
@@ -31,6 +31,7 @@ class ClusterChoice:
     split: tuple[int, ...] | None = None
     hidden_dtype: str = "f32"
     discover_timeout_s: float = 2.0
+    join_timeout_s: float = JOIN_TIMEOUT_S
     interfaces: tuple[str, ...] | None = None  # zeroconf interfaces (tests: loopback only)
 
     def describe(self) -> str:
@@ -53,6 +54,7 @@ class ClusterChoice:
             nodes=nodes, keys=keys, split=self.split, hidden_dtype=self.hidden_dtype,
             potluck_version=potluck_version(), on_plan=on_plan, progress=progress,
             skip_failed_joins=self.nodes == AUTO,  # zeroconf records are candidates, proven by joining
+            join_timeout_s=self.join_timeout_s,
         )
 
 

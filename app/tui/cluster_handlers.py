@@ -89,7 +89,10 @@ class ClusterHandlers:
     async def _open_cluster_picker(self) -> None:
         stages = self.cluster_state.stages if self.cluster_state else ()
         choice = await self.push_screen_wait(
-            ClusterScreen(self.discovery_interfaces, {r.address for r in stages}, self.cluster)
+            ClusterScreen(
+                self.discovery_interfaces, {r.address for r in stages}, self.cluster,
+                self.settings.cluster.join_timeout_s,
+            )
         )
         if choice is None:
             return

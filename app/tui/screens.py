@@ -14,6 +14,7 @@ from textual.widgets.option_list import Option
 from textual.widgets.selection_list import Selection
 
 from ...discovery.lan import DiscoveredNode, Membership
+from ...engine import JOIN_TIMEOUT_S
 from .catalog import ModelInfo, StrategyClass, compatible_choices
 from .cluster import ClusterChoice
 
@@ -225,12 +226,14 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
     ]
 
     def __init__(
-        self, interfaces: tuple[str, ...] | None, in_use: set[str], current: ClusterChoice | None = None
+        self, interfaces: tuple[str, ...] | None, in_use: set[str], current: ClusterChoice | None = None,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
     ) -> None:
         super().__init__(classes="modal")
         self.interfaces = interfaces
         self.in_use = in_use
         self.current = current  # its token settings carry over to the new choice
+        self.join_timeout_s = join_timeout_s  # [cluster] join_timeout_s
         self.found: dict[str, DiscoveredNode] = {}
         self._membership: Membership | None = None
 
@@ -298,7 +301,8 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
             return
         keep = self.current
         self.dismiss(ClusterChoice(
-            nodes=tuple(chosen), token=keep.token if keep else None, token_file=keep.token_file if keep else None
+            nodes=tuple(chosen), token=keep.token if keep else None, token_file=keep.token_file if keep else None,
+            join_timeout_s=self.join_timeout_s,
         ))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

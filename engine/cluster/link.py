@@ -16,14 +16,13 @@ from collections.abc import Callable
 import zmq
 
 from ..core.errors import PotluckError
-from ..core.spec import CurveKeys
+from ..core.spec import JOIN_TIMEOUT_S, CurveKeys
 from . import wire
 from .plan import NodeInfo
 from .transport import AUTH_FAILED_EVENTS, client_socket, endpoint, read_event
 
 log = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0
 SEND_TIMEOUT_MS = 3000
 # A survivor may be blocked up to the worker's forward timeout (5 s) per batch it still tries

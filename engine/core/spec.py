@@ -24,6 +24,9 @@ class CurveKeys:
     client_secret: bytes
 
 
+JOIN_TIMEOUT_S = 5.0  # how long a worker has to accept us (CURVE and hello) by default
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Run the target on LAN workers (cluster mode); the draft and sampling stay on the head."""
@@ -36,6 +39,7 @@ class ClusterSpec:
     on_plan: Callable[[Any], None] | None = field(default=None, compare=False)  # gets the SplitPlan
     progress: Callable[[str, int, int], None] | None = field(default=None, compare=False)
     skip_failed_joins: bool = False  # --nodes auto: a node that does not join is skipped, with a warning
+    join_timeout_s: float = JOIN_TIMEOUT_S  # --join-timeout: slow or busy machines need longer
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ MIN_SAMPLING_FACTOR = 1e-6
 """Smallest positive temperature and repeat penalty: logits divided by far less overflow to inf
 and make the probabilities NaN. A temperature this low is already greedy in all but name."""
 MAX_DISCOVER_S = 60.0
+MAX_JOIN_S = 600.0
 KV_CACHES = {
     "bf16": "exact on every path; prompts prefill at about half F16's speed",
     "f16": "prompts prefill about 2x faster; exact because 1-token steps run on one thread",
@@ -268,9 +269,18 @@ def split(value: str) -> tuple[int, ...]:
     return bounds
 
 
-def discover_timeout(value: float) -> float:
+def discover_timeout(value: float, name: str = "--discover-timeout") -> float:
     """Seconds to browse for workers: a typo like 1e9 would hang the command, not fail it."""
-    s = _number("--discover-timeout", value)
-    if not 0 < s <= MAX_DISCOVER_S:
-        raise PotluckError(f"--discover-timeout must be more than 0 and at most {MAX_DISCOVER_S:g} seconds, got {s:g}")
+    return _seconds(name, value, MAX_DISCOVER_S)
+
+
+def join_timeout(value: float, name: str = "--join-timeout") -> float:
+    """Seconds a worker has to accept us: bounded like :func:`discover_timeout`."""
+    return _seconds(name, value, MAX_JOIN_S)
+
+
+def _seconds(name: str, value: float, most: float) -> float:
+    s = _number(name, value)
+    if not 0 < s <= most:
+        raise PotluckError(f"{name} must be more than 0 and at most {most:g} seconds, got {s:g}")
     return s
