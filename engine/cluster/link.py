@@ -75,8 +75,8 @@ class NodeLink:
         self.node_id = ""
         self.layers: tuple[int, int] | None = None
         self.welcome: wire.Welcome | None = None
-        # None: no TCP connection yet (a dead address never has one); True: connected; False: the
-        # connection was dropped before CURVE completed (a host that is no worker of this cluster)
+        # None: no TCP connection yet (a dead address, a refused port never has one); True: connected;
+        # False: the connection was dropped before CURVE completed (a host that is no worker of this cluster)
         self.reachable: bool | None = None
         self.handshaken = False
         self.auth_failed = False
@@ -117,7 +117,7 @@ class NodeLink:
                 return lost
             if event == zmq.EVENT_CONNECTED and self.reachable is None:
                 self.reachable = True
-            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and not self.handshaken:
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and self.reachable and not self.handshaken:
                 self.reachable = False
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken = True
@@ -190,12 +190,18 @@ class NodeLink:
 
     def _silence_reason(self, timeout_s: float) -> str:
         self.drain_events()
-        if self.auth_failed or not self.handshaken:
-            return (
-                f"{self.describe()} did not accept us within {timeout_s:g} s: not a potluck worker, "
-                "not running, or started with a different cluster token"
-            )
-        return f"{self.describe()} did not answer within {timeout_s:g} s"
+        if not (self.auth_failed or not self.handshaken):
+            return f"{self.describe()} did not answer within {timeout_s:g} s"
+        if self.auth_failed:
+            why = "it refused our CURVE keys: started with a different cluster token"
+        elif self.reachable is None:
+            why = "nothing took the connection there: not running, or a wrong address"
+        elif self.reachable is False:
+            why = "it dropped the connection before CURVE completed: not a potluck worker, or another cluster token"
+        else:  # connected, and CURVE still under way
+            why = ("it took the connection but CURVE did not complete: a busy or frozen machine "
+                   "(give it longer: --join-timeout), not a potluck worker, or another cluster token")
+        return f"{self.describe()} did not accept us within {timeout_s:.3g} s: {why}"
 
     def await_handshake(self, deadline: float) -> bool:
         """Wait until CURVE completes (or is refused): with IMMEDIATE, a send before that
