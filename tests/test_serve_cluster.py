@@ -52,9 +52,40 @@ def test_a_split_model_answers_exactly_like_one_machine(cluster_server: RunningS
     # the session's own conversation is reused on the workers too (turn 2 continues turn 1)
     assert r.model_extra["potluck"]["reused_tokens"] > 0
     health = cluster_server.health()
-    assert health["prompt_cache"] is None  # the KV lives on the workers: only the conversation there is reused
     stages = health["cluster"]["stages"]
     assert [s["layers"] for s in stages] == [[0, 15], [15, 29]] and all(s["state"] == "ok" for s in stages)
+
+
+def test_interleaved_conversations_each_reuse_their_prefix_on_the_workers(cluster_server: RunningServer) -> None:
+    """Several conversations are kept in cluster mode: each worker keeps its own layers' cells
+    under a slot (nothing crosses the network), and each conversation's turn 2 continues
+    from them exactly as the same conversation continued turn by turn on one machine."""
+    client = openai.OpenAI(base_url=f"{cluster_server.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    convs = {"a": ["Name a fruit.", "Another one?"], "b": ["Name a river.", "How long is it?"]}
+    want = {}
+    for name, turns in convs.items():
+        local = open_session(EngineSpec())
+        try:
+            want[name] = [[e for e in local.generate(t, SamplingParams(), 12) if isinstance(e, Finished)][-1].text
+                          for t in turns]
+        finally:
+            local.close()
+    before = cluster_server.health()["prompt_cache"]
+    history: dict[str, list[dict[str, str]]] = {"a": [], "b": []}
+    first_prompt = {}
+    for i in range(2):
+        for name in "ab":
+            history[name].append({"role": "user", "content": convs[name][i]})
+            r = client.chat.completions.create(model="any", messages=history[name], max_tokens=12)
+            assert r.choices[0].message.content == want[name][i]
+            if i == 0:
+                first_prompt[name] = r.usage.prompt_tokens
+            else:  # the whole first turn, prompt and reply, comes back from the workers' slots
+                assert r.model_extra["potluck"]["reused_tokens"] >= first_prompt[name]
+            history[name].append({"role": "assistant", "content": r.choices[0].message.content})
+    after = cluster_server.health()["prompt_cache"]
+    assert after["restored"] >= before["restored"] + 2 and after["kept"] >= before["kept"] + 2
+    assert 0 < after["bytes_used"] <= after["max_bytes"]
 
 
 def test_a_worker_lost_between_requests_is_replaced_and_answers_stay_exact(
@@ -96,7 +127,10 @@ def test_a_worker_lost_between_requests_is_replaced_and_answers_stay_exact(
         lost = {n["node"] for n in health["cluster"]["lost"]}
         assert workers[1].node_id in lost, health["cluster"]
         assert workers[1].node_id not in {s["node"] for s in health["cluster"]["stages"]}
-        assert ask(prompts[0]) == want[0]  # and it goes on
+        kept = health["prompt_cache"]
+        assert ask(prompts[0]) == want[0]  # and it goes on: its kept cells went with the old chain, a miss
+        after = running.health()["prompt_cache"]
+        assert after["restored"] == kept["restored"] and after["lost"] == kept["lost"] + 1
     finally:
         stop_server(running.proc)
         stop_workers([w.proc for w in workers])

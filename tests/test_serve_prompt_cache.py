@@ -22,19 +22,18 @@ def test_kept_conversations_stay_within_the_budget_and_come_back_exactly(model: 
     ref = session(model)
     try:
         want = reply(ref, "Name a colour.").text
-        probe = session(model)
-        kv_bytes = len(probe.target.kv_state() or b"")
-        probe.close()
         first = reply(s, "Name a colour.")
         per_conversation = first.n_past * 30_000  # ~23 kB a token for the bundled model, with room
-        cache = PromptCache(max_bytes=2 * per_conversation + kv_bytes, max_conversations=8)
-        assert s.use_prompt_cache(cache)
+        cache = PromptCache(max_bytes=2 * per_conversation, max_conversations=8)
+        s.use_prompt_cache(cache)
         history = [Message("user", "Name a colour."), Message("assistant", first.text)]
         for i in range(4):  # four other conversations push the first one out
             s.load_messages([Message("user", f"Count to {i + 3}.")])
             reply(s, None)
         stats = cache.stats()
         assert stats.evicted > 0 and stats.bytes_used <= cache.max_bytes and stats.conversations <= 2
+        # the stage keeps exactly the slots the cache holds: evicted ones were dropped there
+        assert sorted(s.target.stage.kept) == sorted(cache.slots())
         s.load_messages(history[:1])
         assert reply(s, None).text == want  # evicted: a fresh prompt, the same answer
         s.load_messages([Message("user", "Count to 6.")])  # the newest kept conversation: restored

@@ -10,6 +10,7 @@ import pytest
 
 from potluck.engine.cluster import wire
 from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.kv import KvOp
 from potluck.engine.lab.wire_fuzz import SHA, mutate, samples
 
 
@@ -58,7 +59,7 @@ def test_version_mismatch_is_named() -> None:
          [b"abcd"], "outside"),
         ({"type": "result", "f": {"txn": 1, "group": 0, "skip": False}, "a": [["hidden", "f32", [1, 2]]]},
          [np.array([1.0, np.nan], dtype=np.float32).tobytes()], "non-finite"),
-        ({"type": "kv", "f": {"txn": 1, "group": 0, "op": "drop", "seq": 0, "dst": -1, "p0": 0,
+        ({"type": "kv", "f": {"txn": 1, "group": 0, "op": "flush", "seq": 0, "dst": -1, "p0": 0,
                               "p1": -1, "delta": 0}, "a": []}, [], "kv op"),
         ({"type": "load", "f": {"sha256": SHA, "layer_lo": 0, "layer_hi": 4, "first": True, "last": True,
                                 "n_ctx": 64, "n_batch": 8, "n_seq_max": 999, "kv_unified": True,
@@ -114,6 +115,17 @@ def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
     base = dict(txn=1, group=0, op="add", seq=0, dst=-1, p0=0, p1=-1, delta=0) | fields
     with pytest.raises(wire.WireError, match="int32"):
         wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))])
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(seq=1), dict(dst=-1), dict(p0=0), dict(p1=5), dict(delta=2)]
+)
+@pytest.mark.parametrize("op", ["save", "load", "drop"])
+def test_kept_conversation_ops_take_sequence_zero_and_a_slot_only(op: str, fields: dict[str, int]) -> None:
+    base = dict(txn=1, group=0, op=op, seq=0, dst=7, p0=-1, p1=-1, delta=0)
+    assert wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))]).kv_op() == KvOp(op, 0, 7)
+    with pytest.raises(wire.WireError, match=f"kv {op} takes sequence 0 and a slot"):
+        wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**(base | fields)))])
 
 
 def test_many_cancelled_runs_go_in_as_few_messages_as_fit() -> None:

@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     def opener() -> Session:  # on the engine thread: in cluster mode the sockets belong to it
         session = open_session(with_cluster(spec, args, settings.cluster))
-        if not session.use_prompt_cache(cache):
-            log.warning("cluster mode: only the last conversation's KV cache is reused (the KV lives on the workers)")
+        session.use_prompt_cache(cache)  # in cluster mode within what the workers can keep
         return session
 
     engine = EngineThread(opener, server.max_queue)

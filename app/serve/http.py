@@ -292,7 +292,7 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             "counters": dict(engine.counters),
         }
         cache = engine.session.prompt_cache if engine.session is not None else None
-        body["prompt_cache"] = asdict(cache.stats()) if cache is not None else None  # None: cluster mode
+        body["prompt_cache"] = asdict(cache.stats()) if cache is not None else None  # None: loading
         if engine.error:
             body["error"] = engine.error
         view = None

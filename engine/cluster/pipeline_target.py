@@ -24,6 +24,7 @@ from ..core.errors import PotluckError
 from ..core.events import ClusterView, Event, NodeStatus, StageView
 from ..core.jobs import DecodeJob, GroupCancelled, Ticket
 from ..core.kv import KvOp
+from ..core.prompt_cache import FREE_MEMORY_SHARE
 from ..core.runner import CANCELLED_KEPT
 from ..core.stage import Stage
 from ..core.target import TargetBase
@@ -98,6 +99,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self.recoveries = 0  # chains rebuilt after a lost worker (tests, figures)
         self.recovery_s: list[float] = []  # how long each rebuild and replay took
         self.log = TransactionLog()
+        self._kept_logs: dict[int, TransactionLog] = {}  # slot -> the log its cells came from
         self._tickets = itertools.count(1)
         self._txn = 0  # transactions sent to the current chain (each chain starts at 1)
         self._txn_ticket: dict[int, int] = {}  # txn of each batch sent to this chain -> its ticket
@@ -210,6 +212,44 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._check_usable()
         self.log.kv(op, group)
         self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op, group), op))
+
+    # -- kept conversations: each stage keeps its layers' cells; the head keeps their log
+    def keep_kv(self, slot: int) -> bool:
+        if self._broken is not None:
+            return False
+        self._kept_logs[slot] = self.log.copy()
+        op = KvOp.save(slot)
+        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op), op))
+        return slot in self._kept_logs  # a chain rebuilt meanwhile kept nothing
+
+    def restore_kv(self, slot: int, n_past: int) -> bool:
+        """Put ``slot`` back on every stage; its log becomes ours, so a later loss replays the
+        conversation now in the context (a rebuild during this very load replays it too)."""
+        kept = self._kept_logs.get(slot)
+        if kept is None or self._broken is not None:
+            return False
+        self.log = kept.copy()
+        op = KvOp.load(slot)
+        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op), op))
+        self._n_past = n_past
+        return True
+
+    def drop_kv(self, slot: int) -> None:
+        if self._kept_logs.pop(slot, None) is None or self._broken is not None:
+            return
+        op = KvOp.drop(slot)
+        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op), op))
+
+    def kept_kv_budget(self) -> int | None:
+        """What the tightest worker can keep beside its stage, a :data:`FREE_MEMORY_SHARE` of
+        what its plan leaves free, scaled from its layers to the whole model's."""
+        if self.plan is None:
+            return None
+        n_layer = self.plan.n_layer
+        return int(min(
+            FREE_MEMORY_SHARE * max(0.0, s.node.free_mb - s.mem_mb) * 1e6 * n_layer / max(1, s.hi - s.lo)
+            for s in self.plan.stages
+        ))
 
     def reset(self) -> None:
         """Clear every sequence on every stage (a new conversation)."""

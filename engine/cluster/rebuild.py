@@ -73,6 +73,7 @@ class ChainRebuild:
     _recoveries_in_a_row: int
     _notices: list[Callable[[int], Event]]
     _broken: str | None
+    _kept_logs: dict[int, TransactionLog]
 
     def regroup(self) -> None:
         """Between replies: take in workers that joined (or came back) since the plan was
@@ -259,6 +260,7 @@ class ChainRebuild:
         stage applies exactly what the old chain applied. Batches whose result is still
         awaited keep their ticket; what the tail finished before it was cleared is filed."""
         self._file_tail(self.tail.restart())
+        self._kept_logs.clear()  # kept conversations' cells went with the old chain
         self._txn = 0
         self._txn_ticket.clear()
         self._txn_rows.clear()

@@ -69,6 +69,12 @@ class TransactionLog:
         """Token rows the log holds (what a replay recomputes)."""
         return sum(e.job.n_tokens for e in self._entries if isinstance(e, LoggedBatch))
 
+    def copy(self) -> TransactionLog:
+        """What a kept conversation's cells came from: restored with them (PipelineTarget.restore_kv)."""
+        other = TransactionLog()
+        other._entries = list(self._entries)
+        return other
+
     def reset(self) -> None:
         """A new conversation: a fresh stage already equals a cleared one."""
         self._entries.clear()

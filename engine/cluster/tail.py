@@ -145,6 +145,7 @@ class HeadTail:
         self._queue.clear()
         self._batches.clear()
         self.runner.submit(Stage.clear).result()
+        self.runner.submit(lambda stage: stage.kept.clear()).result()  # the old chain's kept conversations
         return done
 
     def close(self) -> None:

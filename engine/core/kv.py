@@ -10,13 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_OPS = ("rm", "cp", "keep", "add")
+# Kept conversations (core/prompt_cache): sequence 0's cells saved under a slot number on every
+# stage where they live (a cluster's workers keep their own layers' cells), put back, forgotten.
+SLOT_OPS = ("save", "load", "drop")
+MAX_SLOT = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
 class KvOp:
     """``rm``: drop ``seq`` [p0, p1); ``cp``: copy ``seq`` -> ``dst`` (whole sequences only
     across KV streams); ``keep``: drop every sequence but ``seq``; ``add``: shift ``seq``
-    [p0, p1) by ``delta``."""
+    [p0, p1) by ``delta``; ``save`` / ``load`` / ``drop``: sequence 0's cells as slot ``dst``
+    (:class:`~.stage.Stage` keeps them)."""
 
     op: str
     seq: int
@@ -26,8 +31,14 @@ class KvOp:
     delta: int = 0
 
     def __post_init__(self) -> None:
-        if self.op not in KV_OPS:
-            raise ValueError(f"kv op must be one of {KV_OPS}, got {self.op!r}")
+        if self.op not in KV_OPS + SLOT_OPS:
+            raise ValueError(f"kv op must be one of {KV_OPS + SLOT_OPS}, got {self.op!r}")
+        if self.op in SLOT_OPS and (self.seq != 0 or not 0 <= self.dst <= MAX_SLOT):
+            raise ValueError(f"kv {self.op}: sequence 0 and a slot in 0..{MAX_SLOT}, got {self.seq} and {self.dst}")
+
+    @property
+    def is_slot_op(self) -> bool:
+        return self.op in SLOT_OPS
 
     @classmethod
     def rm(cls, seq: int, p0: int = -1, p1: int = -1) -> KvOp:
@@ -44,3 +55,15 @@ class KvOp:
     @classmethod
     def add(cls, seq: int, p0: int, p1: int, delta: int) -> KvOp:
         return cls("add", seq, p0=p0, p1=p1, delta=delta)
+
+    @classmethod
+    def save(cls, slot: int) -> KvOp:
+        return cls("save", 0, dst=slot)
+
+    @classmethod
+    def load(cls, slot: int) -> KvOp:
+        return cls("load", 0, dst=slot)
+
+    @classmethod
+    def drop(cls, slot: int) -> KvOp:
+        return cls("drop", 0, dst=slot)

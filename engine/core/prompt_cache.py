@@ -3,10 +3,16 @@ without processing its history again (an HTTP server's clients resend the whole 
 turn, and several clients take turns).
 
 A :class:`Session` reuses the KV cache of the conversation it holds; with a :class:`PromptCache`
-it also keeps the conversations it leaves (sequence 0's cells as llama.cpp's sequence state) and,
-for each request, continues whichever kept conversation shares the longest token prefix with it,
-as llama.cpp's server does with its slots. Only that common token prefix is reused: a resent
-assistant message may tokenize differently from the tokens that were generated.
+it also keeps the conversations it leaves and, for each request, continues whichever kept
+conversation shares the longest token prefix with it, as llama.cpp's server does with its slots.
+Only that common token prefix is reused: a resent assistant message may tokenize differently
+from the tokens that were generated.
+
+The cells themselves stay where they were computed: each stage saves sequence 0's cells under a
+slot number (``KvOp.save``, llama.cpp's sequence state), so in cluster mode every worker keeps its
+own layers' share and nothing crosses the network. This cache holds what the head needs to pick
+one: tokens, text, slot, and the bytes it takes over every layer (an upper bound, within
+``max_bytes``); an evicted conversation's slot is dropped on every stage.
 
 Exactness (docs/facts.md §3): a restored state is sequence 0's cells byte for byte, put back in
 the same cells (0..n-1 of an empty cache), so a conversation continued from the cache computes
@@ -32,16 +38,18 @@ FREE_MEMORY_SHARE = 0.25
 @dataclass(frozen=True)
 class KeptConversation:
     """One conversation the context held: its tokens, the rendered text they stand for, and the
-    KV cells of the first ``n_kv`` of them (the last token of a reply is not in the cache yet)."""
+    slot holding the KV cells of the first ``n_kv`` of them (the last token of a reply is not
+    in the cache yet)."""
 
     tokens: tuple[int, ...]
     covered: str
     n_kv: int
-    kv: bytes  # llama_state_seq_get_data of sequence 0
+    slot: int  # where the stages keep its cells (KvOp.save)
+    kv_bytes: int  # those cells over every layer (validate.kv_bytes: an upper bound)
 
     @property
     def nbytes(self) -> int:
-        return len(self.kv) + 8 * len(self.tokens) + len(self.covered)
+        return self.kv_bytes + 8 * len(self.tokens) + len(self.covered)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class PromptCacheStats:
     restored: int  # conversations brought back into the context
     kept: int  # conversations saved on leaving the context
     evicted: int  # dropped, least recently used first, to stay within max_bytes
+    lost: int  # found gone when wanted (a cluster rebuilt its chain since they were kept)
 
 
 class PromptCache:
@@ -67,10 +76,10 @@ class PromptCache:
             raise ValueError("a prompt cache needs max_bytes >= 0 and max_conversations >= 1")
         self.max_bytes = max_bytes
         self.max_conversations = max_conversations
-        self._kept: OrderedDict[int, KeptConversation] = OrderedDict()  # oldest first
+        self._kept: OrderedDict[int, KeptConversation] = OrderedDict()  # by slot, oldest first
         self._ids = 0
         self._lock = threading.Lock()
-        self._restored = self._saved = self._evicted = 0
+        self._restored = self._saved = self._evicted = self._lost = 0
 
     @classmethod
     def within_free_memory(cls, max_bytes: int, max_conversations: int = 16) -> PromptCache:
@@ -95,26 +104,52 @@ class PromptCache:
     def restored(self, conv: KeptConversation) -> None:
         """``conv`` went back into the context: it becomes the most recently used."""
         with self._lock:
-            for key, old in self._kept.items():
-                if old is conv:
-                    self._kept.move_to_end(key)
-                    break
+            if conv.slot in self._kept:
+                self._kept.move_to_end(conv.slot)
             self._restored += 1
 
-    def keep(self, conv: KeptConversation) -> None:
-        """Keep ``conv``, replacing kept conversations it extends; evict the least recent past the budget."""
+    def fits(self, kv_bytes: int) -> bool:
+        return kv_bytes <= self.max_bytes
+
+    def new_slot(self) -> int:
+        """A slot number no kept conversation uses."""
+        with self._lock:
+            self._ids += 1
+            return self._ids
+
+    def keep(self, conv: KeptConversation) -> list[KeptConversation]:
+        """Keep ``conv``, replacing kept conversations it extends; evict the least recent past the
+        budget. Returns the conversations let go (``conv`` itself if it does not fit): their
+        slots are to be dropped."""
         if conv.n_kv == 0 or conv.nbytes > self.max_bytes:
-            return
+            return [conv]
+        gone: list[KeptConversation] = []
         with self._lock:
             for key, old in list(self._kept.items()):
                 if old.tokens[: old.n_kv] == conv.tokens[: old.n_kv] and old.n_kv <= conv.n_kv:
-                    del self._kept[key]  # conv holds all of it
-            self._ids += 1
-            self._kept[self._ids] = conv
+                    gone.append(self._kept.pop(key))  # conv holds all of it
+            self._kept[conv.slot] = conv
             self._saved += 1
             while len(self._kept) > self.max_conversations or self._used() > self.max_bytes:
-                self._kept.popitem(last=False)
+                gone.append(self._kept.popitem(last=False)[1])
                 self._evicted += 1
+        return gone
+
+    def slots(self) -> list[int]:
+        """The slots of the kept conversations, oldest first."""
+        with self._lock:
+            return list(self._kept)
+
+    def discard(self, conv: KeptConversation) -> None:
+        """``conv``'s cells are gone (a cluster rebuilt its chain since): forget it."""
+        with self._lock:
+            if self._kept.pop(conv.slot, None) is not None:
+                self._lost += 1
+
+    def limit(self, max_bytes: int) -> None:
+        """Lower the budget (a cluster's workers hold less than the head would)."""
+        with self._lock:
+            self.max_bytes = min(self.max_bytes, max_bytes)
 
     def _used(self) -> int:
         return sum(c.nbytes for c in self._kept.values())
@@ -123,5 +158,5 @@ class PromptCache:
         with self._lock:
             return PromptCacheStats(
                 conversations=len(self._kept), bytes_used=self._used(), max_bytes=self.max_bytes,
-                restored=self._restored, kept=self._saved, evicted=self._evicted,
+                restored=self._restored, kept=self._saved, evicted=self._evicted, lost=self._lost,
             )

@@ -381,6 +381,8 @@ class Context(NativeObject):
     def apply_kv(self, op: KvOp) -> None:
         """Apply a :class:`~potluck.engine.core.kv.KvOp` after :meth:`check_kv`."""
         self.check_kv(op)
+        if op.is_slot_op:
+            raise ValueError(f"kv {op.op} is a stage's (kept conversations), not a context's")
         if op.op == "rm":
             self.seq_rm(op.seq, op.p0, op.p1)
         elif op.op == "cp":

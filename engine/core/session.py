@@ -83,13 +83,13 @@ class Session:
         """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
         self.messages = list(messages)
 
-    def use_prompt_cache(self, cache: PromptCache) -> bool:
-        """Keep recent conversations' KV in ``cache`` (an HTTP server's clients take turns); False
-        where the target's KV cache is not on this machine (cluster mode: only the last is reused)."""
-        if self.target.kv_state() is None:
-            return False
+    def use_prompt_cache(self, cache: PromptCache) -> None:
+        """Keep recent conversations' KV in ``cache`` (an HTTP server's clients take turns),
+        within what the target's stages can hold (a cluster's workers)."""
+        budget = self.target.kept_kv_budget()
+        if budget is not None:
+            cache.limit(budget)
         self.prompt_cache = cache
-        return True
 
     def cluster_view(self) -> ClusterView | None:
         """The chain's stages, layers and traffic in cluster mode (None on one machine)."""
@@ -184,17 +184,22 @@ class Session:
                 wanted = fresh
             return common_prefix_len(tokens[:n_kv], wanted)
 
-        n_kv = self.target.n_past
+        target = self.target
+        n_kv = target.n_past
         in_context = shared(self._tokens, self._covered, n_kv)
-        if in_context < n_kv:
-            state = self.target.kv_state()
-            assert state is not None  # the cache is only used on targets that have it
-            cache.keep(KeptConversation(tuple(self._tokens), self._covered, n_kv, state))
+        kv_bytes = limits.kv_bytes(self.model, n_kv)
+        if in_context < n_kv and kv_bytes is not None and cache.fits(kv_bytes):
+            slot = cache.new_slot()
+            if target.keep_kv(slot):
+                for gone in cache.keep(KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes)):
+                    target.drop_kv(gone.slot)
         kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv))
         if kept is not None and n > in_context:
-            cache.restored(kept)
-            self.target.restore_kv_state(kept.kv, kept.n_kv)
-            self._tokens, self._covered = list(kept.tokens), kept.covered
+            if target.restore_kv(kept.slot, kept.n_kv):
+                cache.restored(kept)
+                self._tokens, self._covered = list(kept.tokens), kept.covered
+            else:  # its cells went with a rebuilt chain: a miss
+                cache.discard(kept)
 
     def _run(
         self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int

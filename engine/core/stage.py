@@ -18,7 +18,11 @@ from .batch import Batch
 from .errors import PotluckError
 from .jobs import DecodeJob
 from .kv import KvOp
+from .memory import free_memory_bytes
+from .prompt_cache import FREE_MEMORY_SHARE
 from .runtime import Context, ContextParams, Model
+
+MAX_KEPT = 64  # kept conversations per stage (a head keeps fewer: [server] cached_conversations)
 
 
 class Stage:
@@ -33,6 +37,7 @@ class Stage:
         self.n_ctx = self.ctx.n_ctx
         self.n_batch = params.n_batch
         self.n_seq_max = max(1, params.n_seq_max)
+        self.kept: dict[int, bytes] = {}  # slot -> sequence 0's state (KvOp save/load/drop)
         self._batch = Batch(
             params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max
         )
@@ -92,10 +97,35 @@ class Stage:
             store[pos] = rows[canonical]
 
     def apply_kv(self, op: KvOp) -> None:
+        if op.is_slot_op:
+            self._slot_op(op)
+            return
         try:
             self.ctx.apply_kv(op)
         except ValueError as e:
             raise PotluckError(str(e)) from None
+
+    def _slot_op(self, op: KvOp) -> None:
+        """Kept conversations: sequence 0's cells by slot (``save`` replaces a slot's). A
+        ``load`` puts them back where they were computed, so decoding goes on exactly."""
+        slot = op.dst
+        if op.op == "drop":
+            self.kept.pop(slot, None)
+        elif op.op == "load":
+            state = self.kept.get(slot)
+            if state is None:
+                raise PotluckError(f"no kept conversation in slot {slot}")
+            self.ctx.set_seq_state(0, state)
+        else:
+            if slot not in self.kept and len(self.kept) >= MAX_KEPT:
+                raise PotluckError(f"already {MAX_KEPT} kept conversations: drop one first")
+            state = self.ctx.seq_state(0)
+            if len(state) > FREE_MEMORY_SHARE * free_memory_bytes():
+                raise PotluckError(f"a kept conversation of {len(state) / 1e6:.0f} MB does not fit in free memory")
+            self.kept[slot] = state
+
+    def kept_nbytes(self) -> int:
+        return sum(map(len, self.kept.values()))
 
     def clear(self) -> None:
         self.ctx.clear()

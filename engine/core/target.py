@@ -17,6 +17,7 @@ context, on stages chained in this process (:mod:`.split`) or on a pipeline of L
 from __future__ import annotations
 
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -31,6 +32,8 @@ from .kv import KvOp
 from .runner import StageRunner
 from .runtime import ContextParams, Model
 from .stage import Stage
+
+log = logging.getLogger(__name__)
 
 # A k-token batch computes each row exactly like k single-token steps only up to 48 tokens
 # (flash attention, docs/facts.md §3): verification batches must stay at or below this size.
@@ -76,13 +79,23 @@ class Target(Protocol):
         """Forget every sequence (a new conversation)."""
         ...
 
-    def kv_state(self) -> bytes | None:
-        """Sequence 0's KV cells as bytes (llama.cpp's sequence state) once the work queued so far
-        ran; None where they are not on this machine (a pipeline keeps them on its workers)."""
+    def keep_kv(self, slot: int) -> bool:
+        """Save sequence 0's cells as ``slot`` on every stage, after the work queued so far
+        (a kept conversation, :mod:`.prompt_cache`); False if they could not be kept."""
         ...
 
-    def restore_kv_state(self, state: bytes, n_past: int) -> None:
-        """Replace sequence 0 with a state from :meth:`kv_state` that holds ``n_past`` tokens."""
+    def restore_kv(self, slot: int, n_past: int) -> bool:
+        """Replace sequence 0 with ``slot``'s cells, which hold ``n_past`` tokens; False (and
+        nothing changed) if the slot is gone: a cluster that rebuilt its chain lost them."""
+        ...
+
+    def drop_kv(self, slot: int) -> None:
+        """Forget ``slot`` on every stage."""
+        ...
+
+    def kept_kv_budget(self) -> int | None:
+        """Bytes of kept conversations (over every layer) the stages can hold, where that is less
+        than this machine's share (a cluster's workers); None: no limit but this machine's."""
         ...
 
     # -- the canonical sequence
@@ -223,11 +236,20 @@ class TargetBase(ABC):
     def set_threads(self, n_threads: int) -> None:
         """Workers and in-process stages keep the threads they were opened with."""
 
-    def kv_state(self) -> bytes | None:
-        return None
+    def keep_kv(self, slot: int) -> bool:
+        self.kv(KvOp.save(slot))
+        return True
 
-    def restore_kv_state(self, state: bytes, n_past: int) -> None:
-        raise PotluckError("this target keeps its KV cache elsewhere: it cannot restore a kept state")
+    def restore_kv(self, slot: int, n_past: int) -> bool:
+        self.kv(KvOp.load(slot))
+        self._n_past = n_past
+        return True
+
+    def drop_kv(self, slot: int) -> None:
+        self.kv(KvOp.drop(slot))
+
+    def kept_kv_budget(self) -> int | None:
+        return None
 
     def truncate(self, n_past: int) -> None:
         if n_past < self._n_past:
@@ -289,12 +311,13 @@ class LocalTarget(TargetBase):
     def set_threads(self, n_threads: int) -> None:
         self.runner.set_threads(n_threads)
 
-    def kv_state(self) -> bytes | None:
-        return self.runner.submit(lambda stage: stage.ctx.seq_state(0)).result()
-
-    def restore_kv_state(self, state: bytes, n_past: int) -> None:
-        self.runner.submit(lambda stage: stage.ctx.set_seq_state(0, state)).result()
-        self._n_past = n_past
+    def keep_kv(self, slot: int) -> bool:
+        try:
+            self.runner.submit(KvOp.save(slot)).result()
+        except PotluckError as e:  # no room: the conversation is not kept
+            log.info("conversation not kept: %s", e)
+            return False
+        return True
 
     def observed(self, name: str) -> np.ndarray:
         """Rows of tensor ``name`` (``ContextParams.observe``) of sequence 0 by position,

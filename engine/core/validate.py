@@ -219,13 +219,16 @@ def kv_bytes(model: Model, n_cells: int) -> int | None:
         except ValueError:  # per-layer arrays: take the safe default
             return default
 
+    # from the header, not llama.cpp's hparams: a head in cluster mode opens its model vocab-only
     n_head = meta_int("attention.head_count", None)
-    if not n_head or model.n_layer <= 0 or model.n_embd <= 0:
+    n_layer = meta_int("block_count", 0) or 0
+    n_embd = meta_int("embedding_length", 0) or 0
+    if not n_head or n_layer <= 0 or n_embd <= 0:
         return None
     n_head_kv = meta_int("attention.head_count_kv", n_head) or n_head
-    k_len = meta_int("attention.key_length", model.n_embd // n_head) or 0
+    k_len = meta_int("attention.key_length", n_embd // n_head) or 0
     v_len = meta_int("attention.value_length", k_len) or 0
-    return n_cells * model.n_layer * n_head_kv * (k_len + v_len) * 2
+    return n_cells * n_layer * n_head_kv * (k_len + v_len) * 2
 
 
 def memory_fits(model: Model, n_ctx: int, n_streams: int = 1) -> None:

@@ -101,7 +101,7 @@ def invalid_transaction(rng: random.Random, txn: int, n_vocab: int) -> wire.Wire
     seq = np.zeros(n, np.int32)
     tokens = np.ones(n, np.int32)
     outputs = np.ones(n, bool)
-    flaw = rng.randrange(8)
+    flaw = rng.randrange(9)
     if flaw == 0:
         tokens = np.full(n, rng.choice([n_vocab, n_vocab + 1, 2**31 - 1]), np.int32)
         pos = np.arange(n, dtype=np.int32)
@@ -123,8 +123,10 @@ def invalid_transaction(rng: random.Random, txn: int, n_vocab: int) -> wire.Wire
         big = rng.choice([FAR + 1, 2**20, 2**31 - 1])
         return wire.KvApply(txn, 0, rng.choice(["rm", "add", "cp"]), 0, 0 if rng.random() < 0.5 else -1,
                             big, -1, rng.choice([0, big, -big]))
-    else:
+    elif flaw == 7:
         return wire.KvApply(txn, 0, "add", 0, -1, 0, -1, rng.choice([FAR + 1, -FAR - 1, 2**31 - 1]))
+    else:  # a kept conversation that was never saved
+        return wire.KvApply(txn, 0, "load", 0, rng.choice([1, 99, 2**31 - 1]), -1, -1, 0)
     return wire.Forward.from_job(txn, DecodeJob(1, tokens, pos, seq, outputs))
 
 

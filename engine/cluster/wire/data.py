@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...core.jobs import DecodeJob
-from ...core.kv import KV_OPS, KvOp
+from ...core.kv import KV_OPS, SLOT_OPS, KvOp
 from .base import DTYPES, INT32_MAX, WireError, WireMessage
 
 
@@ -113,13 +113,15 @@ class KvApply(WireMessage):
     def check(self) -> None:
         if self.txn < 1 or self.group < 0:
             raise WireError("txn must be >= 1 and group >= 0")
-        if self.op not in KV_OPS:
-            raise WireError(f"kv op must be one of {KV_OPS}")
+        if self.op not in KV_OPS + SLOT_OPS:
+            raise WireError(f"kv op must be one of {KV_OPS + SLOT_OPS}")
         if self.seq < 0 or self.dst < -1 or self.p0 < -1 or self.p1 < -1:
             raise WireError("negative sequence id or position")
         # llama.cpp takes these as int32: refuse what would wrap around before anything else
         if max(self.seq, self.dst, self.p0, self.p1, abs(self.delta)) > INT32_MAX:
             raise WireError("kv sequence id, position or shift beyond int32")
+        if self.op in SLOT_OPS and (self.seq != 0 or self.dst < 0 or (self.p0, self.p1, self.delta) != (-1, -1, 0)):
+            raise WireError(f"kv {self.op} takes sequence 0 and a slot >= 0, nothing else")
 
 
 @dataclass(frozen=True)
