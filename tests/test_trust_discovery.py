@@ -27,7 +27,7 @@ from potluck.engine.cluster.profile import NodeProfile
 from potluck.engine.cluster.transfer import SliceCache
 
 BROWSE_S = 4.0
-JOIN_S = 4.0
+JOIN_S = 10.0  # the real worker must join within it, on a busy machine too
 
 
 @pytest.fixture()
@@ -101,10 +101,11 @@ def test_nodes_auto_joins_the_real_worker_past_a_clone_and_junk(
     try:
         # 5 of the junk take the connection and stay silent (until the handshake timeout cuts
         # it): all were tried at once (they held 5 connections together; one after another: never 2).
+        # Past the 2 s cut libzmq connects again, so a join slowed by a busy machine sees more.
         run = nodes_auto_under_attack(model_path, real.node_id, token, cache, junk=10, silent=5, join_timeout_s=JOIN_S)
         assert run.joined == [run.real_id]
-        assert run.silent_peak == 5, run
-        assert run.join_s < JOIN_S + 20, run  # one deadline (generous for a busy machine); in turn: 6 x 4 s
+        assert run.silent_peak >= 5, run
+        assert run.join_s < JOIN_S + 20, run  # one deadline (generous for a busy machine); in turn: 6 x 10 s
         # All dead (nobody listens): once the worker is in, the join stops waiting for the clone
         # and the junk rather than at their deadline (a minute here).
         caplog.clear()
