@@ -301,7 +301,8 @@ def lies(rng: random.Random, msg: wire.Forward, n_embd: int) -> list:
 def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp: Path, keys: CurveKeys,
                    start_worker: StartWorker) -> dict:
     """``n_cases`` batches answered with lies by a token holder posing as a worker; then a
-    real pipeline from the same process must be exact."""
+    real pipeline from the same process must be exact. A target that refused a lie without
+    failing (a refusal of one batch) answers the next case: refusing must leave it usable."""
     rng = random.Random(seed)
     n_vocab = model.n_vocab
     cache = SliceCache(tmp / "slices")
@@ -326,10 +327,7 @@ def fuzz_as_worker(n_cases: int, seed: int, model: Model, model_path: Path, tmp:
                     report["wrong_shape_accepted"] += 1
                 report["accepted_honest"] += 1
             except PotluckError:
-                report["refused"] += 1
-                if target.failure is None:
-                    target.close()
-                    target = None
+                report["refused"] += 1  # a lie refused: the next case reuses the target unless it failed
             except Exception as e:  # anything but a PotluckError is a bug in the head
                 report["other_exceptions"] += 1
                 report.setdefault("first_exception", f"{type(e).__name__}: {e}")
