@@ -25,6 +25,8 @@ from potluck.app.serve.launch import RunningServer, start_server, stop_server
 from potluck.app.serve.protocol import CHAT_KEYS
 from potluck.engine import EngineSpec, Finished, Message, SamplingParams, Session, open_session
 
+from .support.conversations import interleave_turns
+
 KEY = "test-key-" + "k" * 24
 MAX_QUEUE = 3
 SYSTEM = "You are terse."
@@ -257,18 +259,7 @@ def test_interleaved_conversations_each_reuse_their_prefix(server: RunningServer
         s = reference()
         want[name] = [finished(s.generate(t, SamplingParams(), 16)).text for t in turns]
     restored = server.health()["prompt_cache"]["restored"]
-    history: dict[str, list[dict[str, str]]] = {"a": [], "b": []}
-    first_prompt = {}
-    for i in range(2):
-        for name in "ab":
-            history[name].append({"role": "user", "content": convs[name][i]})
-            r = client.chat.completions.create(model="any", messages=history[name], max_tokens=16)
-            assert r.choices[0].message.content == want[name][i]
-            if i == 0:
-                first_prompt[name] = r.usage.prompt_tokens
-            else:  # the whole first turn, prompt and reply, comes from the cache
-                assert r.model_extra["potluck"]["reused_tokens"] >= first_prompt[name]
-            history[name].append({"role": "assistant", "content": r.choices[0].message.content})
+    interleave_turns(client, convs, want, max_tokens=16)
     assert server.health()["prompt_cache"]["restored"] >= restored + 2
 
 

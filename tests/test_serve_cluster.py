@@ -13,6 +13,7 @@ from potluck.app.serve.launch import RunningServer, start_server, stop_server
 from potluck.engine import EngineSpec, Finished, SamplingParams, open_session
 
 from .cluster_support import JOIN_S, TOKEN, WorkerProc, start_workers
+from .support.conversations import interleave_turns
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +72,7 @@ def test_interleaved_conversations_each_reuse_their_prefix_on_the_workers(cluste
         finally:
             local.close()
     before = cluster_server.health()["prompt_cache"]
-    history: dict[str, list[dict[str, str]]] = {"a": [], "b": []}
-    first_prompt = {}
-    for i in range(2):
-        for name in "ab":
-            history[name].append({"role": "user", "content": convs[name][i]})
-            r = client.chat.completions.create(model="any", messages=history[name], max_tokens=12)
-            assert r.choices[0].message.content == want[name][i]
-            if i == 0:
-                first_prompt[name] = r.usage.prompt_tokens
-            else:  # the whole first turn, prompt and reply, comes back from the workers' slots
-                assert r.model_extra["potluck"]["reused_tokens"] >= first_prompt[name]
-            history[name].append({"role": "assistant", "content": r.choices[0].message.content})
+    interleave_turns(client, convs, want, max_tokens=12)  # turn 2 from the workers' slots
     after = cluster_server.health()["prompt_cache"]
     assert after["restored"] >= before["restored"] + 2 and after["kept"] >= before["kept"] + 2
     assert 0 < after["bytes_used"] <= after["max_bytes"]
