@@ -76,9 +76,13 @@ def _zeroconf(interfaces: Sequence[str] | None) -> Zeroconf:
 
 
 def local_ipv4() -> list[str]:
-    from zeroconf import get_all_addresses
+    """This machine's IPv4 addresses but loopback (point-to-point /32 links left out, as
+    zeroconf leaves them out), or loopback alone."""
+    import ifaddr
 
-    return [a for a in get_all_addresses() if not a.startswith("127.")] or ["127.0.0.1"]
+    found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
+             if ip.is_IPv4 and ip.network_prefix != 32 and isinstance(ip.ip, str)]
+    return [a for a in dict.fromkeys(found) if not a.startswith("127.")] or ["127.0.0.1"]
 
 
 class Advertiser:
