@@ -26,7 +26,7 @@ import zmq
 
 from potluck.app.loopback import LoopbackWorker, running_worker
 from potluck.discovery.auth import keys_from_token, read_token_file, save_token
-from potluck.engine.cluster import wire
+from potluck.engine.cluster import slice_seal, wire
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.link import NodeFailedError
 from potluck.engine.cluster.pipeline_target import PipelineTarget
@@ -351,6 +351,22 @@ def test_slice_store_quota_evicts_least_recently_used(tmp_path: Path) -> None:
     assert not store.has(b) and store.has(a) and store.has(c)
     with pytest.raises(PotluckError, match="quota"):
         store.make_room(5000, 0, keep=set())
+
+
+def test_marking_a_sealed_slice_used_keeps_its_seal_and_its_place(tmp_path: Path) -> None:
+    """Using a slice must not break its seal (a broken seal re-hashes the whole slice at the
+    next load), and must still make it the most recently used."""
+    store = SliceStore(tmp_path / "s", quota_bytes=3000)
+    a, b, c = (hashlib.sha256(bytes([i]) * 1000).hexdigest() for i in range(3))
+    for i, sha in enumerate((a, b, c)):
+        store.path(sha).write_bytes(bytes([i]) * 1000)
+        os.utime(store.path(sha), (1000 + i, 1000 + i))  # before sealing: a time set moves ctime
+        slice_seal.seal(store.path(sha), sha)
+        os.utime(slice_seal.seal_path(store.path(sha)), (1000 + i, 1000 + i))
+    store.touch(a)
+    assert slice_seal.sealed(store.path(a), a)  # one stat at the next load, no re-hash
+    store.make_room(1000, 0, keep={c})
+    assert not store.path(b).exists() and store.path(a).exists() and store.path(c).exists()
 
 
 # --------------------------------------------------------------------------- a malicious worker

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..core import paths
 from ..core.errors import PotluckError
 from . import wire
-from .slice_seal import SliceCorrupted, check_slice, hash_into, seal, unseal
+from .slice_seal import SliceCorrupted, check_slice, hash_into, seal, seal_path, unseal
 from .transfer import LocalModels
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,25 @@ class SliceStore:
         return True
 
     def touch(self, sha: str) -> None:
+        """Mark the slice used now (least recently used slices go first). The mark is on its
+        seal, never on the slice: a time set on the slice moves its ctime, which breaks the
+        seal, and the next load would re-hash the whole slice. An unsealed slice (it is
+        re-hashed before use anyway) is marked itself."""
+        for path in (seal_path(self.path(sha)), self.path(sha)):
+            try:
+                os.utime(path)
+                return
+            except OSError:
+                continue
+
+    def _last_used(self, path: Path) -> float:
+        """When the slice was last used: its seal's time (see :meth:`touch`), else its own."""
+        times = [path.stat().st_mtime]
         try:
-            os.utime(self.path(sha))
+            times.append(seal_path(path).stat().st_mtime)
         except OSError:
             pass
+        return max(times)
 
     def used(self) -> int:
         return sum(p.stat().st_size for p in self.folder.glob("*.gguf"))
@@ -111,7 +126,7 @@ class SliceStore:
                 f"a slice of {size >> 20} MB does not fit this worker's slice cache quota of "
                 f"{self.quota >> 20} MB (start it with a larger --cache-quota-mb)"
             )
-        files = sorted(self.folder.glob("*.gguf"), key=lambda p: p.stat().st_mtime)
+        files = sorted(self.folder.glob("*.gguf"), key=self._last_used)
         used = sum(p.stat().st_size for p in files)
         for victim in files:
             free = shutil.disk_usage(self.folder).free - DISK_MARGIN_BYTES - reserved
