@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def open_pipeline(
     max_msg = max_result_bytes(n_batch, costs.n_embd)
     links = [NodeLink(zctx, keys, addr, max_msg) for addr in addresses]
     tail: HeadTail | None = None
+    t0 = time.perf_counter()
     try:
         joins = join_links(links, head_id, potluck_version, join_timeout_s, all_needed=not skip_failed_joins)
         links = joins.joined  # join_links closed the others
@@ -134,6 +136,7 @@ def open_pipeline(
         ids = [lk.node_id for lk in links]
         if len(set(ids)) != len(ids):
             raise PotluckError("the same worker is listed twice in --nodes")
+        t_joined = time.perf_counter()
         plan = plan_over(setup, links, split)
         if on_plan:
             on_plan(plan)
@@ -144,13 +147,19 @@ def open_pipeline(
                 lk.close(release=True)
         links = used
         stats = TransferStats()
+        t_planned = time.perf_counter()
         loaded = load_chain(setup, links, plan, stats)
+        t_chained = time.perf_counter()
         (tail_slice,) = setup.slice_cache.slices(model_path, list(plan.head))
         forget_parsed_headers()
         params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                                n_threads=n_threads or tail_threads([lk.address for lk in links]),
                                kv_unified=kv_unified, follow_load=n_threads == 0)  # as a worker's stage (child.py)
         tail = HeadTail(tail_slice.path, plan.head, params)
+        # where a load's time goes (a second load should be seconds: nothing sent, seals checked)
+        log.info("chain ready in %.1f s: joins %.1f s, plan %.1f s, slices and stage loads %.1f s "
+                 "(%.0f MB sent), own layers %.1f s", time.perf_counter() - t0, t_joined - t0,
+                 t_planned - t_joined, t_chained - t_planned, stats.bytes_sent / 1e6, time.perf_counter() - t_chained)
         if loaded[-1].n_embd != tail.n_embd:
             raise NodeFailedError(
                 f"{links[-1].describe()} loaded hidden states of width {loaded[-1].n_embd}; "
