@@ -77,10 +77,9 @@ def load_chain(
     for lk in links:
         lk.data_key = b""
     links[0].data_key = hop_keys[0]
-    loaded: list[wire.Loaded] = []
-    for i, (lk, sl) in enumerate(zip(links, slices)):
+    for i, (lk, sl) in enumerate(zip(links, slices)):  # every stage loads at once
         last = i == len(links) - 1
-        reply = lk.request(
+        lk.send(
             wire.Load(
                 sha256=sl.sha256,
                 layer_lo=sl.lo,
@@ -95,9 +94,11 @@ def load_chain(
                 next_addr="" if last else forward_address(links[i + 1], lk),
                 upstream_key=hop_keys[i].hex(),
                 downstream_key="" if last else hop_keys[i + 1].hex(),
-            ),
-            REQUEST_TIMEOUT_S * 4,
+            )
         )
+    loaded: list[wire.Loaded] = []
+    for lk in links:
+        reply = lk.reply(wire.Loaded, REQUEST_TIMEOUT_S * 4)
         if not isinstance(reply, wire.Loaded):
             raise NodeFailedError(f"{lk.describe()} answered load with {reply.TYPE}")
         loaded.append(reply)

@@ -173,8 +173,13 @@ class NodeLink:
         """Send ``msg`` and wait for this worker's reply, watching the connection meanwhile.
         Messages that are not that reply are late and dropped: a probe, a result of a chain
         being rebuilt, the welcome of a hello that timed out (a worker that was frozen)."""
-        want = wire.REPLY_TO[type(msg)]
         self.send(msg)
+        return self.reply(wire.REPLY_TO[type(msg)], timeout_s)
+
+    def reply(self, want: type[wire.WireMessage], timeout_s: float = REQUEST_TIMEOUT_S) -> wire.WireMessage:
+        """Wait for this worker's reply of type ``want`` to a request already sent (several
+        workers then work at once: the chain's loads); what else comes is dropped, as in
+        :meth:`request`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(100):
