@@ -425,3 +425,15 @@ def test_a_non_loopback_bind_needs_a_key(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "potluck.app.cli", "serve", "--api-key-file", str(loose)],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "chmod 600" in r.stderr
+
+
+def test_more_kept_conversations_than_a_stage_keeps_are_refused(tmp_path: Path) -> None:
+    """Every stage (a cluster's workers too) keeps at most 64: asking for more is one line at
+    start, not a pipeline that breaks on the 65th conversation."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.toml").write_text("[server]\ncached_conversations = 65\n")
+    env = {**os.environ, "POTLUCK_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "potluck.app.cli", "serve", "--port", "0"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "cached_conversations must be at most 64" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

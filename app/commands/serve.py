@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             or server.request_timeout_s <= 0 or server.prompt_cache_mb < 0 or server.cached_conversations < 1:
         raise PotluckError("config: [server] max_queue, max_body_kb, cached_conversations and the timeouts must be "
                            "positive, prompt_cache_mb at least 0")
+    if server.cached_conversations > PromptCache.MAX_CONVERSATIONS:
+        raise PotluckError(f"config: [server] cached_conversations must be at most {PromptCache.MAX_CONVERSATIONS}, "
+                           f"got {server.cached_conversations}")
     guard = Guard(server.host, read_api_key(server.api_key_file), server.allowed_hosts, server.allowed_origins)
     # No hidden system prompt: a request's messages are the whole conversation.
     spec = spec_from_settings(replace(settings, model=replace(settings.model, system=None)))

@@ -71,9 +71,11 @@ class PromptCache:
     The session calls it from its own thread; :meth:`stats` may be read from any thread.
     """
 
+    MAX_CONVERSATIONS = 64  # what a stage keeps at most (core/stage.py): more would be refused there
+
     def __init__(self, max_bytes: int, max_conversations: int = 16) -> None:
-        if max_bytes < 0 or max_conversations < 1:
-            raise ValueError("a prompt cache needs max_bytes >= 0 and max_conversations >= 1")
+        if max_bytes < 0 or not 1 <= max_conversations <= self.MAX_CONVERSATIONS:
+            raise ValueError(f"a prompt cache needs max_bytes >= 0 and 1..{self.MAX_CONVERSATIONS} conversations")
         self.max_bytes = max_bytes
         self.max_conversations = max_conversations
         self._kept: OrderedDict[int, KeptConversation] = OrderedDict()  # by slot, oldest first

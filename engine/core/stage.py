@@ -19,10 +19,10 @@ from .errors import PotluckError
 from .jobs import DecodeJob
 from .kv import KvOp
 from .memory import free_memory_bytes
-from .prompt_cache import FREE_MEMORY_SHARE
+from .prompt_cache import FREE_MEMORY_SHARE, PromptCache
 from .runtime import Context, ContextParams, Model
 
-MAX_KEPT = 64  # kept conversations per stage (a head keeps fewer: [server] cached_conversations)
+MAX_KEPT = PromptCache.MAX_CONVERSATIONS  # kept conversations per stage (a head asks for no more)
 
 
 class Stage:
