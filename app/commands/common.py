@@ -52,7 +52,7 @@ def add_model_args(p: argparse.ArgumentParser, config: bool = False) -> None:
 
 
 # The cluster options that override config.toml's [cluster] (chat and serve read it; generate
-# and bench take the options over the defaults).
+# takes the options over the defaults).
 CLUSTER_OVERRIDES = {
     "discover_timeout": ("cluster", "discover_timeout_s"),
     "join_timeout": ("cluster", "join_timeout_s"),
