@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine import JOIN_TIMEOUT_S, PotluckError, SamplingParams, paths, validate
+from ..engine import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, PotluckError, SamplingParams, paths, validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -177,7 +177,7 @@ class ServerSettings:
 class ClusterSettings:
     """Cluster mode (``--nodes`` or the cluster picker): how long to wait for the LAN."""
 
-    discover_timeout_s: float = 2.0
+    discover_timeout_s: float = DISCOVER_TIMEOUT_S
     """Seconds to browse for workers (``--nodes auto``)."""
     join_timeout_s: float = JOIN_TIMEOUT_S
     """Seconds each worker has to accept us; slow or busy machines need longer."""

@@ -32,6 +32,7 @@ from zeroconf import (
 from ..engine.cluster.profile import NodeProfile
 from ..engine.cluster.wire import PROTOCOL_VERSION
 from ..engine.core.errors import PotluckError
+from ..engine.core.spec import DISCOVER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class Membership:
 
 
 def browse(
-    timeout_s: float = 2.0, *, interfaces: Sequence[str] | None = None, expect: Collection[str] = ()
+    timeout_s: float = DISCOVER_TIMEOUT_S, *, interfaces: Sequence[str] | None = None, expect: Collection[str] = ()
 ) -> list[DiscoveredNode]:
     """Rows advertised within ``timeout_s`` (returns early once the nodes ``expect`` names are found),
     including rows whose record said goodbye meanwhile: a goodbye is unauthenticated too."""
@@ -268,7 +269,9 @@ def browse(
     return sorted(set(now) | set(seen), key=lambda n: (n.address, n.node_id))
 
 
-def find_candidates(timeout_s: float = 2.0, *, interfaces: Sequence[str] | None = None) -> tuple[str, ...]:
+def find_candidates(
+    timeout_s: float = DISCOVER_TIMEOUT_S, *, interfaces: Sequence[str] | None = None
+) -> tuple[str, ...]:
     """The addresses of ``--nodes auto``: every address a compatible record claims, once.
 
     None is trusted: the head joins them all at once under one deadline and keeps those that

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.runtime import Model
     from .core.sampling import SamplingParams
     from .core.session import Session
-    from .core.spec import JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
+    from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
     from .loader import checked_spec, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
@@ -84,6 +84,7 @@ _WHERE = {
     "Session": ".core.session:Session",
     "ClusterSpec": ".core.spec:ClusterSpec",
     "JOIN_TIMEOUT_S": ".core.spec:JOIN_TIMEOUT_S",
+    "DISCOVER_TIMEOUT_S": ".core.spec:DISCOVER_TIMEOUT_S",
     "CurveKeys": ".core.spec:CurveKeys",
     "EngineSpec": ".core.spec:EngineSpec",
     "checked_spec": ".loader:checked_spec",
@@ -115,6 +116,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DEFAULT_CACHE_QUOTA_MB",
+    "DISCOVER_TIMEOUT_S",
     "JOIN_TIMEOUT_S",
     "PLAIN",
     "STRATEGIES",

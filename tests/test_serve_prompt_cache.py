@@ -3,6 +3,9 @@ come back exactly, and a prompt cancelled mid-batch leaves a session that answer
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from potluck.engine import Finished, Message, Model, PromptCache, ReplyStarted, SamplingParams, Session
 from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams
@@ -63,4 +66,38 @@ def test_a_prompt_cancelled_mid_batch_then_answers_like_a_fresh_session(model: M
         assert got == want
     finally:
         s.close()
+        ref.close()
+
+
+def test_a_stage_keeps_slots_puts_them_back_exactly_and_refuses_what_it_cannot(model: Model) -> None:
+    """The stage's side of kept conversations (KvOp save/load/drop), which a cluster's workers
+    run as well: a restored slot continues bit-identically to never having left; a slot never
+    saved is refused by the load itself; past MAX_KEPT slots a save is refused, not grown."""
+    from potluck.engine.core.errors import PotluckError
+    from potluck.engine.core.kv import KvOp
+    from potluck.engine.core.stage import MAX_KEPT
+
+    params = ContextParams(n_ctx=256, n_threads=1)
+    a, b = model.tokenize("The capital of France is"), model.tokenize("Count to five: one, two,")
+    t, ref = LocalTarget(model, params), LocalTarget(model, params)
+    try:
+        ref.decode(a)
+        want = ref.decode([11])
+        t.decode(a)
+        assert t.keep_kv(1)
+        t.truncate(0)
+        t.decode(b)  # another conversation takes the cells
+        t.truncate(0)
+        assert t.restore_kv(1, len(a)) and t.n_past == len(a)
+        assert np.array_equal(t.decode([11]), want)
+        with pytest.raises(PotluckError, match="no kept conversation in slot 7"):
+            t.runner.submit(KvOp.load(7)).result()
+        for slot in range(2, MAX_KEPT + 1):
+            assert t.keep_kv(slot)
+        assert len(t.stage.kept) == MAX_KEPT and not t.keep_kv(MAX_KEPT + 1)  # refused: one more slot
+        t.drop_kv(1)
+        t.runner.submit(lambda stage: None).result()  # the drop ran
+        assert 1 not in t.stage.kept and len(t.stage.kept) == MAX_KEPT - 1
+    finally:
+        t.close()
         ref.close()

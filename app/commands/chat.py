@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tui import build_app
     from ..tui.app import spec_from_settings
 
+    check_cluster_args(args)  # before the options become settings: its errors name the options
     settings = settings_with_overrides(args, _OVERRIDES)
     # Refuse bad values (engine.limits) before the screen opens: one line, exit code 2.
     settings.sampling.params()
@@ -98,8 +99,7 @@ def cluster_choice(args: argparse.Namespace, timeouts: ClusterSettings):  # -> C
     the timeouts come from [cluster], overridden by the options.
 
     The token is checked here too; discovery, the plan and the slice transfer happen in the
-    app, where the user watches them."""
-    check_cluster_args(args)
+    app, where the user watches them. The options were checked by :func:`run`."""
     if args.nodes is None:
         return None
     from ...discovery.auth import resolve_token

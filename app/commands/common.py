@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ... import engine  # the loader and the strategies load when a command uses them, not for `worker`
-from ...engine import EngineSpec, PotluckError, SamplingParams, validate
+from ...engine import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, EngineSpec, PotluckError, SamplingParams, validate
 from ..config import ClusterSettings, SamplingSettings
 
 
@@ -79,11 +79,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"
     )
     g.add_argument(
-        "--discover-timeout", type=float, default=None, help="seconds to browse for --nodes auto (default 2)"
+        "--discover-timeout", type=float, default=None,
+        help=f"seconds to browse for --nodes auto (default {DISCOVER_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--join-timeout", type=float, default=None,
-        help="seconds each worker has to accept us (default 5; more for slow or busy machines)",
+        help=f"seconds each worker has to accept us (default {JOIN_TIMEOUT_S:g}; more for slow or busy machines)",
     )
 
 

@@ -60,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..tui.actions import spec_from_settings  # the chat's own spec rules: one copy
 
+    check_cluster_args(args)  # before the options become settings: its errors name the options
     settings = settings_with_overrides(args, _OVERRIDES)
     server = settings.server
     settings.sampling.params()  # omitted request options take these: refuse bad ones now
@@ -79,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     for path in (model_path, spec.draft):
         if path is not None:
             check_gguf_file(path)
-    check_cluster_args(args)
     sock = _bind(server.host, server.port)
 
     cache = PromptCache.within_free_memory(server.prompt_cache_mb * 1_000_000, server.cached_conversations)

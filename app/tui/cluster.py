@@ -16,7 +16,7 @@ from pathlib import Path
 
 from textual.message import Message as TMessage
 
-from ...engine import JOIN_TIMEOUT_S, ClusterView, NodeStatus, PlanChanged
+from ...engine import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterView, NodeStatus, PlanChanged
 
 AUTO = "auto"
 
@@ -30,7 +30,7 @@ class ClusterChoice:
     token_file: Path | None = None
     split: tuple[int, ...] | None = None
     hidden_dtype: str = "f32"
-    discover_timeout_s: float = 2.0
+    discover_timeout_s: float = DISCOVER_TIMEOUT_S
     join_timeout_s: float = JOIN_TIMEOUT_S
     interfaces: tuple[str, ...] | None = None  # zeroconf interfaces (tests: loopback only)
 

@@ -195,7 +195,7 @@ class NodeLink:
 
     def _silence_reason(self, timeout_s: float) -> str:
         self.drain_events()
-        if not (self.auth_failed or not self.handshaken):
+        if self.handshaken and not self.auth_failed:
             return f"{self.describe()} did not answer within {timeout_s:g} s"
         if self.auth_failed:
             why = "it refused our CURVE keys: started with a different cluster token"

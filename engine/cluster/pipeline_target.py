@@ -211,6 +211,9 @@ class PipelineTarget(ChainRebuild, TargetBase):
     def kv(self, op: KvOp, group: int = 0) -> None:
         self._check_usable()
         self.log.kv(op, group)
+        self._deliver_kv(op, group)
+
+    def _deliver_kv(self, op: KvOp, group: int = 0) -> None:
         self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op, group), op))
 
     # -- kept conversations: each stage keeps its layers' cells; the head keeps their log
@@ -218,8 +221,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         if self._broken is not None:
             return False
         self._kept_logs[slot] = self.log.copy()
-        op = KvOp.save(slot)
-        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op), op))
+        self._deliver_kv(KvOp.save(slot))
         return slot in self._kept_logs  # a chain rebuilt meanwhile kept nothing
 
     def restore_kv(self, slot: int, n_past: int) -> bool:
@@ -229,16 +231,14 @@ class PipelineTarget(ChainRebuild, TargetBase):
         if kept is None or self._broken is not None:
             return False
         self.log = kept.copy()
-        op = KvOp.load(slot)
-        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op), op))
+        self._deliver_kv(KvOp.load(slot))
         self._n_past = n_past
         return True
 
     def drop_kv(self, slot: int) -> None:
         if self._kept_logs.pop(slot, None) is None or self._broken is not None:
             return
-        op = KvOp.drop(slot)
-        self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op), op))
+        self._deliver_kv(KvOp.drop(slot))
 
     def kept_kv_budget(self) -> int | None:
         """What the tightest worker can keep beside its stage, a :data:`FREE_MEMORY_SHARE` of

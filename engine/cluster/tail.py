@@ -144,8 +144,7 @@ class HeadTail:
         self._running.clear()
         self._queue.clear()
         self._batches.clear()
-        self.runner.submit(Stage.clear).result()
-        self.runner.submit(lambda stage: stage.kept.clear()).result()  # the old chain's kept conversations
+        self.runner.submit(Stage.forget_all).result()
         return done
 
     def close(self) -> None:

@@ -187,8 +187,8 @@ class Session:
         target = self.target
         n_kv = target.n_past
         in_context = shared(self._tokens, self._covered, n_kv)
-        kv_bytes = limits.kv_bytes(self.model, n_kv)
-        if in_context < n_kv and kv_bytes is not None and cache.fits(kv_bytes):
+        kv_bytes = limits.kv_bytes(self.model, n_kv) if in_context < n_kv else None
+        if kv_bytes is not None and cache.fits(kv_bytes):  # it leaves part of the one in the context
             slot = cache.new_slot()
             if target.keep_kv(slot):
                 for gone in cache.keep(KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes)):

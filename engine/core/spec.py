@@ -24,7 +24,9 @@ class CurveKeys:
     client_secret: bytes
 
 
-JOIN_TIMEOUT_S = 5.0  # how long a worker has to accept us (CURVE and hello) by default
+# Cluster mode's defaults ([cluster] in config.toml, --discover-timeout, --join-timeout)
+DISCOVER_TIMEOUT_S = 2.0  # how long --nodes auto browses zeroconf
+JOIN_TIMEOUT_S = 5.0  # how long a worker has to accept us (CURVE and hello)
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,13 @@ class Stage:
         return sum(map(len, self.kept.values()))
 
     def clear(self) -> None:
+        """A new conversation: every sequence goes; kept conversations stay."""
         self.ctx.clear()
+
+    def forget_all(self) -> None:
+        """Every sequence and every kept conversation (a cluster rebuilt its chain)."""
+        self.ctx.clear()
+        self.kept.clear()
 
     def pos_max(self) -> list[int]:
         """Last position held per sequence (-1: empty)."""
