@@ -43,6 +43,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test shows the last lines of every loopback worker log written during it:
+    a worker's side of a cluster failure seen only on CI's busy machine is then on record."""
+    report = yield
+    if report.failed and call.when == "call":
+        started = call.start - 1.0
+        factory = item.config._tmp_path_factory  # type: ignore[attr-defined]
+        try:
+            logs = sorted(p for p in factory.getbasetemp().rglob("*.log") if p.stat().st_mtime >= started)
+        except OSError:
+            logs = []
+        for log_path in logs[:8]:
+            tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-40:]
+            report.sections.append((f"worker log {log_path.name}", "\n".join(tail)))
+    return report
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """No test reads or writes the real home: config, history and the kept draft-cost line

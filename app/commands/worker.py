@@ -49,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # a worker's log lines (joins, loads, refusals) are its output
         logging.getLogger("potluck").setLevel(logging.INFO)
+    for handler in logging.getLogger().handlers:  # a long-running service: when each line happened
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     keys = cluster_keys(args)
     if args.cache_quota_mb < 1:
         raise PotluckError("--cache-quota-mb must be at least 1")
