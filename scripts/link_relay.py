@@ -18,79 +18,8 @@ import argparse
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 
-PROFILES = {"ethernet": (0.2, 1000.0), "wifi": (3.0, 100.0)}
-READ_BYTES = 64 << 10
-# most bytes in flight per direction: a few bandwidth-delay products, as a socket buffer would hold
-QUEUE_CHUNKS = 64
-SPIN_S = 0.0015
-
-
-@dataclass(frozen=True)
-class Link:
-    rtt_ms: float
-    mbit: float
-
-    @property
-    def one_way_s(self) -> float:
-        return self.rtt_ms / 2e3
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.mbit * 1e6 / 8
-
-
-async def _shape(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
-    """Copy one direction: each chunk leaves when the wire is free and lands one_way_s later."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUE_CHUNKS)
-    wire_free_at = 0.0
-
-    async def deliver() -> None:
-        while True:
-            at, data = await queue.get()
-            if not data:
-                break
-            # the event loop's timers are ms-grained (epoll): sleep to within 1.5 ms of the
-            # delivery time, then yield until it comes (sub-ms delays of an Ethernet profile)
-            if at - loop.time() > SPIN_S:
-                await asyncio.sleep(at - loop.time() - SPIN_S)
-            while loop.time() < at:
-                await asyncio.sleep(0)
-            writer.write(data)
-            await writer.drain()
-        with contextlib.suppress(OSError):
-            writer.write_eof()
-
-    task = asyncio.create_task(deliver())
-    try:
-        while data := await reader.read(READ_BYTES):
-            wire_free_at = max(loop.time(), wire_free_at) + len(data) / link.bytes_per_s
-            await queue.put((wire_free_at + link.one_way_s, data))
-    finally:
-        await queue.put((0.0, b""))
-        with contextlib.suppress(OSError, ConnectionError):
-            await task
-
-
-async def _serve_one(client_r, client_w, target: tuple[str, int], link: Link) -> None:
-    try:
-        server_r, server_w = await asyncio.open_connection(*target)
-    except OSError:
-        client_w.close()
-        return
-    try:
-        await asyncio.gather(_shape(client_r, server_w, link), _shape(server_r, client_w, link))
-    except (OSError, ConnectionError):
-        pass
-    finally:
-        for w in (client_w, server_w):
-            w.close()
-
-
-async def relay(listen: tuple[str, int], target: tuple[str, int], link: Link) -> asyncio.Server:
-    return await asyncio.start_server(lambda r, w: _serve_one(r, w, target, link), *listen)
+from potluck.engine.lab.link_relay import PROFILES, READ_BYTES, Link, relay
 
 
 def _addr(text: str) -> tuple[str, int]:

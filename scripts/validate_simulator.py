@@ -17,7 +17,8 @@ model burns it beside each message, at the head too); the head's output layer pe
 ``head_ms``. The link latency is then fitted to the measured synchronous pipeline (one
 figure), the acceptance rate and the share of positions with no guess taken from the
 measured pipeinfer run. The other speeds are predictions; the table prints each against
-its measurement.
+its measurement. A second prediction fits nothing: its links are the ones the head timed at
+join (half the median round trip one way, the slowest link's bandwidth; "sim. links").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import os
 import secrets
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -66,9 +68,15 @@ class Overheads:
     head_ms: float  # the head's output layer per run
     head_other_ms: float  # the head's other CPU per run (shown, not modelled beyond msg_ms)
     busy_per_job: tuple[float, ...]
+    latency_ms: float = 0.0  # one way on a link: half the median round trip the head measured at join
+    bandwidth_mbps: float = 0.0  # the slowest link's, as measured at join
 
     def apply(self, cfg: SimConfig) -> SimConfig:
         return replace(cfg, run_ms=self.run_ms, msg_ms=self.msg_ms, head_ms=self.head_ms)
+
+    def measured_links(self, cfg: SimConfig) -> SimConfig:
+        """``cfg`` with the links the head timed at join, instead of a fitted latency."""
+        return replace(cfg, latency_ms=self.latency_ms, bandwidth_mbps=self.bandwidth_mbps)
 
 
 def tree_cpu_ms(pid: int) -> float:
@@ -131,7 +139,7 @@ def main() -> None:
     procs = spawn_workers(folder, [f"w{i}" for i in range(3)], token)
     try:
         print(f"{'stages':>6} {'family':<13} {'variant':<10} {'measured':>9} {'simulated':>10} {'error':>7}"
-              f"  {'accept':>6} {'no guess':>8}")
+              f"  {'accept':>6} {'no guess':>8} {'sim. links':>11} {'error':>7}")
         keys = keys_from_token(token)
         for n in (2, 3):
             addresses = [p.address for p in procs[:n]]
@@ -159,11 +167,15 @@ def calibrate(
         pipeline = open_pipeline(path, addresses, keys, n_ctx=2048)
         try:
             over = measure_overheads(model, pipeline, pids, stage_ms(perf, n), tokens)
+            nodes = [s.node for s in pipeline.plan.stages]
+            over = replace(over, latency_ms=statistics.median(nd.rtt_ms for nd in nodes) / 2,
+                           bandwidth_mbps=min(nd.mbps for nd in nodes))
         finally:
             pipeline.close()
     print(f"{n} stages, per job: stage busy {', '.join(f'{b:.2f}' for b in over.busy_per_job)} ms "
           f"(model share {stage_ms(perf, n):.2f}, so run_ms {over.run_ms:.2f}); msg_ms {over.msg_ms:.2f}; "
-          f"head: output layer {over.head_ms:.2f} ms a run, other CPU {over.head_other_ms:.2f} ms a run")
+          f"head: output layer {over.head_ms:.2f} ms a run, other CPU {over.head_other_ms:.2f} ms a run; "
+          f"links timed at join: {over.latency_ms:.3f} ms one way, {over.bandwidth_mbps:,.0f} Mbit/s")
     return over
 
 
@@ -178,12 +190,16 @@ def report_family(
     base = replace(over.apply(perf.config(n)), stage_ms=(stage_ms(perf, n),) * n, k=K,
                    cores=os.cpu_count() or 1, alpha=alpha, p_none=p_none,
                    tokens=tokens, seeds=5, strategies=tuple(MODELLED.values()))
-    sim = simulate(fit_latency(base, by[SYNC].tokens_per_s))["results"]
+    fitted = fit_latency(base, by[SYNC].tokens_per_s)
+    sim = simulate(fitted)["results"]
+    timed = simulate(over.measured_links(base))["results"]  # no figure fitted: the join's link timings
     for variant, name in MODELLED.items():
-        measured, predicted = by[variant].tokens_per_s, sim[name]["tok_s"]
+        measured, predicted, from_links = by[variant].tokens_per_s, sim[name]["tok_s"], timed[name]["tok_s"]
         err = (predicted - measured) / measured if measured else float("nan")
+        err_links = (from_links - measured) / measured if measured else float("nan")
         print(f"{n:>6} {fam:<13} {variant:<10} {measured:>9.1f} {predicted:>10.1f} {err:>+7.0%}"
-              f"  {alpha:>6.2f} {p_none:>8.2f}" + ("  (fitted)" if variant == SYNC else ""))
+              f"  {alpha:>6.2f} {p_none:>8.2f} {from_links:>11.1f} {err_links:>+7.0%}"
+              + (f"  (fitted latency {fitted.latency_ms:.3f} ms)" if variant == SYNC else ""))
 
 
 if __name__ == "__main__":

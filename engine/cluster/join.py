@@ -16,6 +16,9 @@ a host that takes it but is no worker of this cluster has it dropped before CURV
 timeout, 2 s). A connected candidate still in its handshake is waited for until the
 deadline. Candidates left early finish in their own thread, which closes them at their
 deadline, or at once when the pipeline closes its ZeroMQ context (ContextTerminated).
+
+A welcomed link is timed (round trip and bandwidth, :meth:`.NodeLink.measure`) before it
+counts as joined: the planner counts each hop's time.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MIN_WAIT_S = 1.0  # past a lost SYN's first retransmission (1 s): a live worker has connected by then
 POLL_S = 0.02
+MEASURE_MIN_S = 5.0  # a worker welcomed just before the deadline still has its link timed
 
 
 @dataclass
@@ -76,6 +80,7 @@ def join_links(
 
         try:
             link.join(head_id, version, max(0.0, deadline - time.monotonic()), ours)
+            link.measure(max(MEASURE_MIN_S, deadline - time.monotonic()))  # before it counts as joined
         except NodeFailedError as e:
             err = e
         except zmq.ZMQError as e:  # ContextTerminated: the pipeline closed while we were left waiting

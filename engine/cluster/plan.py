@@ -41,6 +41,11 @@ COMPUTE_MARGIN_BYTES = 16 << 20  # graph inputs (KQ mask, positions) and allocat
 # (socket and hashing buffers): measured 20+ MB on an 8b stage of 2.2 GB, whose load was then
 # refused by 20 MB. Plans keep this much of each worker's figure free.
 HEADROOM_MB = 64
+# A speed score (profile.measure_speed: GFLOP/s of one core's multiply-adds, times threads) in
+# weight bytes a decode step streams per second: llama-bench tg32 of the 1b shape (604 MB) ran
+# 10.8 tok/s at 1 thread (score 3.5) and 20.6 at 2 (7.1), the 8b shape 3.6 at 2 (docs/facts.md
+# §21): 1.8-2.1 GB/s a unit. It turns a stage's bytes into seconds, to add its link's time.
+WEIGHT_BYTES_PER_S_PER_SPEED = 1.9e9
 
 
 def usable_mb(node: NodeInfo) -> float:
@@ -78,6 +83,15 @@ class NodeInfo:
     address: str  # host:port
     free_mb: int
     speed: float
+    rtt_ms: float = 0.0  # the head's link to it, measured at join (0: not measured)
+    mbps: float = 0.0
+
+    def hop_s(self, hop_bytes: int) -> float:
+        """One token's hidden state reaching this node: half a round trip plus its bytes at
+        the link's rate. A hop from the previous worker is timed as the head's link to this
+        one: the head measures only its own links (on a LAN, the access links dominate)."""
+        wire_s = hop_bytes * 8 / (self.mbps * 1e6) if self.mbps > 0 else 0.0
+        return self.rtt_ms / 2e3 + wire_s
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,7 @@ class StageAssignment:
     lo: int  # first layer (inclusive)
     hi: int  # last layer (exclusive)
     mem_mb: float
-    cost: float  # estimated relative time per token (bytes / speed)
+    cost: float  # estimated seconds per token: its layers, and its link's hop(s) (:func:`_cost`)
 
 
 @dataclass(frozen=True)
@@ -107,9 +121,10 @@ class SplitPlan:
         worst = max(s.cost for s in self.stages) or 1.0
         lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"]
         for i, s in enumerate(self.stages):
+            link = f", link {s.node.rtt_ms:.2f} ms {s.node.mbps:,.0f} Mbit/s" if s.node.rtt_ms else ""
             lines.append(
                 f"  stage {i + 1}: layers {s.lo:>3}-{s.hi:<3} on {s.node.name} ({s.node.address})  "
-                f"~{s.mem_mb:,.0f} MB of {s.node.free_mb:,} MB free, speed {s.node.speed:g}, "
+                f"~{s.mem_mb:,.0f} MB of {s.node.free_mb:,} MB free, speed {s.node.speed:g}{link}, "
                 f"load {s.cost / worst:.0%} of the slowest"
             )
         lo, hi = self.head
@@ -220,19 +235,31 @@ def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int =
     return stage_bytes(costs, lo, hi, n_ctx, n_batch) / (1 << 20)
 
 
-def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo) -> float:
-    return _range_bytes(costs, lo, hi) / max(node.speed, 1e-9)  # the output layer is the head's
+def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo, hop_bytes: int, last: bool) -> float:
+    """Seconds a token spends on this stage: its layers' weights read at the node's speed (the
+    output layer is the head's), and its hop in (and, for the last stage, back to the head)."""
+    compute = _range_bytes(costs, lo, hi) / (max(node.speed, 1e-9) * WEIGHT_BYTES_PER_S_PER_SPEED)
+    return compute + node.hop_s(hop_bytes) * (2 if last else 1)
 
 
-def _assign(costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int, n_batch: int) -> StageAssignment:
-    return StageAssignment(node, lo, hi, stage_mem_mb(costs, lo, hi, n_ctx, n_batch), _cost(costs, lo, hi, node))
+def _assign(
+    costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int, n_batch: int, hop_bytes: int, last: bool
+) -> StageAssignment:
+    mem = stage_mem_mb(costs, lo, hi, n_ctx, n_batch)
+    return StageAssignment(node, lo, hi, mem, _cost(costs, lo, hi, node, hop_bytes, last))
 
 
-def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH) -> SplitPlan:
+def plan_split(
+    costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hop_bytes: int = -1
+) -> SplitPlan:
     """The contiguous assignment (nodes in the given order) of the workers' layers
-    ``[0, n_layer - head_layers)`` with the smallest bottleneck."""
+    ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included
+    (``hop_bytes``: one token's hidden state on the wire; -1: f32 at the model's width), so
+    a worker behind a slow link gets fewer layers, or none."""
     if not nodes:
         raise PotluckError("no workers to split the model over")
+    if hop_bytes < 0:
+        hop_bytes = 4 * costs.n_embd
     n = costs.n_layer - head_layers(costs)
     inf = float("inf")
     # best[k][j]: smallest bottleneck covering layers [0, j) with the first k nodes.
@@ -247,7 +274,7 @@ def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch
                     continue
                 if stage_mem_mb(costs, i, j, n_ctx, n_batch) > usable_mb(node):
                     continue
-                v = max(best[k - 1][i], _cost(costs, i, j, node))
+                v = max(best[k - 1][i], _cost(costs, i, j, node, hop_bytes, j == n))
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
     if best[len(nodes)][n] == inf:
@@ -263,7 +290,7 @@ def plan_split(costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch
     for k in range(len(nodes), 0, -1):
         i = cut[k][j]
         if i < j:
-            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch))
+            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop_bytes, j == n))
         j = i
     return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
 
@@ -299,7 +326,10 @@ def manual_plan(
             )
     if len(b) - 1 != len(nodes):
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
-    stages = tuple(_assign(costs, nd, lo, hi, n_ctx, n_batch) for nd, lo, hi in zip(nodes, b, b[1:]))
+    hop = 4 * costs.n_embd
+    stages = tuple(
+        _assign(costs, nd, lo, hi, n_ctx, n_batch, hop, hi == end) for nd, lo, hi in zip(nodes, b, b[1:])
+    )
     for s in stages:
         if s.mem_mb > usable_mb(s.node):
             raise PotluckError(

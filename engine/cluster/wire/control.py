@@ -198,8 +198,18 @@ def cancel_messages(groups: Sequence[int]) -> list[Cancel]:
 
 @dataclass(frozen=True)
 class Ping(WireMessage):
+    """Any token holder -> worker: answered with a :class:`Pong` of the same nonce. At join
+    the head times bare pings (the round trip) and pings carrying ``pad`` (the bandwidth),
+    and the planner counts each hop's time (:meth:`potluck.engine.cluster.link.NodeLink.measure`)."""
+
     TYPE = "ping"
+    ARRAYS = ("pad",)
     nonce: int
+    pad: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), repr=False)  # [n] u8, ignored
+
+    def check(self) -> None:
+        if self.pad.dtype != DTYPES["u8"] or self.pad.ndim != 1 or self.pad.size > MAX_PING_PAD:
+            raise WireError(f"ping padding must be a 1-d u8 array of at most {MAX_PING_PAD} bytes")
 
 
 @dataclass(frozen=True)
@@ -212,6 +222,7 @@ class Pong(WireMessage):
 
 
 PROBE_NONCE = -1
+MAX_PING_PAD = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -257,5 +268,5 @@ CONTROL: tuple[type[WireMessage], ...] = (
 # a control request -> its reply (or an Error): anything else that arrives while the head
 # waits is late (a reply to a request that timed out, a result of a broken chain)
 REPLY_TO: dict[type[WireMessage], type[WireMessage]] = {
-    Hello: Welcome, Offer: OfferReply, Chunk: ChunkAck, Load: Loaded, Status: StatusReply,
+    Hello: Welcome, Offer: OfferReply, Chunk: ChunkAck, Load: Loaded, Status: StatusReply, Ping: Pong,
 }
