@@ -110,11 +110,12 @@ class RetrievalDrafter:
 
     # -- the drafter contract
     def start(self, target: Target, context: Sequence[int], rng: np.random.Generator) -> None:
-        """A long reply starts: the N-grams read the prompt and the cache is built, scored
-        against the prompt's last query (prompt time)."""
+        """A long reply starts: the N-grams read the prompt. The cache is built at the first
+        draft (scored against the prompt's last query all the same: the first round only
+        samples the prompt's token), so it never delays the first token."""
         self._target = target
         self.ngram.begin(context, rng)
-        self._rebuild(target)
+        self._n1 = 0  # sequence 1 holds nothing of this reply yet: the first draft rebuilds
 
     def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
         """Only :meth:`start` can begin a reply (it needs the target)."""
