@@ -158,3 +158,23 @@ def test_a_slice_layout_is_laid_out_once_per_file_version(model_path: Path, tmp_
     assert fresh.size == os.path.getsize(fresh.write_to(tmp_path / "cut.gguf"))
     with Model(tmp_path / "cut.gguf") as cut:
         assert cut.meta("llama.block_count") == "11"
+
+
+def test_a_stage_slice_holds_its_unused_output_as_zeros_llama_cpp_does_not_repack(
+    wide: Path, tmp_path: Path
+) -> None:
+    """A worker's stage never computes the output layer (the head does). The wide shape ties
+    its output to the embeddings, which llama.cpp would duplicate and repack into the stage's
+    memory; its stage slice carries an explicit output matrix instead, Q4_1 zeros (no repacked
+    layout), while the head's own slice keeps the model's."""
+    import gguf
+
+    from potluck.engine.core.gguf_tools import open_reader
+
+    front, tail = SliceCache(tmp_path).slices(wide, [0, 3, 4])
+    stage = {t.name: t for t in open_reader(front.layout.write_to(tmp_path / "front.gguf")).tensors}
+    head = {t.name: t for t in open_reader(tail.layout.write_to(tmp_path / "tail.gguf")).tensors}
+    out, embd = stage["output.weight"], stage["token_embd.weight"]
+    assert out.tensor_type == gguf.GGMLQuantizationType.Q4_1 and not np.any(out.data)
+    assert list(out.shape) == list(embd.shape)  # [n_embd, n_vocab], as the tied matrix
+    assert "output.weight" not in head and head["token_embd.weight"].tensor_type == embd.tensor_type

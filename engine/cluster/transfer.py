@@ -98,7 +98,7 @@ class SliceCache:
         src_sha = self.sha256_of(src)
         out: list[SliceFile] = []
         for lo, hi in zip(bounds, bounds[1:]):
-            layout = layer_layout(src, range(lo, hi))
+            layout = layer_layout(src, range(lo, hi), stage=True)
             key = f"slice|{src_sha}|{lo}-{hi}|{layout.size}"
             sha = self._index.get(key)
             if sha is None:
@@ -122,7 +122,7 @@ class LocalModels:
     def layout(self, source_sha256: str, lo: int, hi: int) -> SliceLayout | None:
         """The slice of layers ``[lo, hi)`` of the model ``source_sha256``, if it is here."""
         src = self.by_sha.get(source_sha256)
-        return layer_layout(src, range(lo, hi)) if src is not None else None
+        return layer_layout(src, range(lo, hi), stage=True) if src is not None else None
 
 
 def chunks(sl: SliceFile, chunk_bytes: int = CHUNK_BYTES, start: int = 0):

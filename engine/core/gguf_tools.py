@@ -234,20 +234,41 @@ class SliceLayout:
         return dst
 
 
-def layer_layout(src: Path, layer_map: Sequence[int]) -> SliceLayout:
+def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) -> SliceLayout:
     """The layout of a GGUF whose layer j is ``src``'s layer ``layer_map[j]`` (slices, merges).
 
     Embeddings, final norm and output head are always kept (a slice needs them to load; the
-    stages that do not use them skip them at run time).
+    stages that do not use them skip them at run time). ``stage``: a pipeline stage's slice.
+    Unless it holds the model's last layer it never computes the output matrix, which is
+    then written as zeros of a type llama.cpp does not repack (Q4_1): mapped and never read,
+    it costs the stage no memory, where a Q4_0 one was copied into memory of its own on
+    machines with extra buffer types (docs/facts.md §17).
     """
     src = Path(src)
     st = src.stat()
-    layout = _layout_of_version(src.resolve(), st.st_size, st.st_mtime_ns, tuple(layer_map))
+    layout = _layout_of_version(src.resolve(), st.st_size, st.st_mtime_ns, tuple(layer_map), stage)
     return replace(layout, src=src) if layout.src != src else layout
 
 
+STUB_OUTPUT_TYPE = 3  # GGML_TYPE_Q4_1: 32 weights in 20 bytes, no repacked layout in llama.cpp's CPU backend
+STUB_OUTPUT_BLOCK = (32, 20)
+
+
+def _stub_output(t) -> tuple[tuple[int, int], int] | None:
+    """(numpy byte shape, bytes) of ``t`` (the output matrix) as Q4_1 zeros, or None where its
+    rows are not whole Q4_1 blocks."""
+    n_in, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
+    per, nbytes = STUB_OUTPUT_BLOCK
+    if n_in % per:
+        return None
+    width = n_in // per * nbytes
+    return (rows, width), rows * width
+
+
 @functools.lru_cache(maxsize=8)
-def _layout_of_version(src: Path, size: int, mtime_ns: int, layer_map: tuple[int, ...]) -> SliceLayout:
+def _layout_of_version(
+    src: Path, size: int, mtime_ns: int, layer_map: tuple[int, ...], stage: bool = False
+) -> SliceLayout:
     """One layout per file version and layer map: a head reopening its pipeline (a rebuild,
     a new session in the same process) lays out the same slices again, and building a
     header from a 49k-token vocabulary takes a second. It holds the header's bytes only (a
@@ -276,6 +297,18 @@ def _layout_of_version(src: Path, size: int, mtime_ns: int, layer_map: tuple[int
     for j, i in enumerate(layer_map):
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
+    stub = {}  # name -> (byte shape, bytes): tensors written as zeros of STUB_OUTPUT_TYPE
+    if stage and max(layer_map) < n_layer - 1:
+        names = {n for n, _ in ordered}
+        if "output.weight" not in names and "token_embd.weight" in names:
+            # tied embeddings: llama.cpp would repack a duplicate of the embeddings as the
+            # output; an explicit output matrix (same shape) takes its place
+            ordered.append(("output.weight", next(t for n, t in ordered if n == "token_embd.weight")))
+        for name, t in ordered:
+            if name == "output.weight" and (form := _stub_output(t)) is not None:
+                stub[name] = form
+        if "output.weight" not in stub:
+            ordered = [(n, t) for n, t in ordered if n != "output.weight" or n in names]
     with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
         header_path = Path(tmp) / "header.gguf"
         w = gguf.GGUFWriter(str(header_path), arch=arch, use_temp_file=False)
@@ -285,7 +318,11 @@ def _layout_of_version(src: Path, size: int, mtime_ns: int, layer_map: tuple[int
             _drop_kv(w, key)
             w.add_array(key, gemma3_swa_pattern(r, arch, layer_map))
         for name, t in ordered:
-            w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
+            if name in stub:
+                shape, nbytes = stub[name]
+                w.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType(STUB_OUTPUT_TYPE))
+            else:
+                w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -294,7 +331,10 @@ def _layout_of_version(src: Path, size: int, mtime_ns: int, layer_map: tuple[int
     align = w.data_alignment
     header += bytes(gguf.GGUFWriter.ggml_pad(len(header), align) - len(header))
     parts, at = [], len(header)
-    for _, t in ordered:
+    for name, t in ordered:
+        if name in stub:  # no part: the bytes between parts read as zeros
+            at += gguf.GGUFWriter.ggml_pad(stub[name][1], align)
+            continue
         parts.append((at, int(t.data_offset), int(t.n_bytes)))  # type: ignore[attr-defined]
         at += gguf.GGUFWriter.ggml_pad(int(t.n_bytes), align)  # type: ignore[attr-defined]
     return SliceLayout(src, header, tuple(parts), at)
