@@ -222,10 +222,10 @@ def stage_runtime_bytes(n_vocab: int, n_embd: int, n_batch: int) -> int:
 def stage_bytes(costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH) -> int:
     """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model.
 
-    Every slice holds the token embeddings and the output layer besides its layers (they are
-    needed to load), and llama.cpp repacks the output matrix into its own memory on machines
-    with extra buffer types (Q4_0 here: the whole file, mapped and repacked), so both count
-    for every stage."""
+    Every slice holds the token embeddings and an output matrix besides its layers (they are
+    needed to load). A stage's output matrix is a stub of zeros that is never read nor
+    repacked (gguf_tools.layer_layout), and a worker's embeddings are read a row a token, yet
+    both count: the figure keeps that much headroom for the pages the load touches."""
     weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
     kv = costs.kv_bytes_per_token_layer * n_ctx * (hi - lo)
     return weights + kv + stage_runtime_bytes(costs.n_vocab, costs.n_embd, n_batch)
