@@ -266,6 +266,9 @@ def serve_stage(fd: int) -> None:  # pragma: no cover - runs in the child proces
     logging.basicConfig(level=logging.WARNING, format="potluck stage: %(message)s")
     conn = Connection(fd)
     from ..core import runner, runtime, stage  # noqa: F401 - llama.cpp loads while the worker waits for a load
+    from ..core.observe import native_observer
+
+    native_observer()  # compiled meanwhile too (about a second): a stage's capture runs through it
     try:
         msg = conn.recv()
     except (EOFError, OSError):

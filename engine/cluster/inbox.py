@@ -120,7 +120,7 @@ class PeerBudget:
 
 def warm_up(ctx: zmq.Context) -> None:
     """Load the drain (numba and LLVM: about 0.7 s) on a socket of its own, so a worker's
-    first flood finds it ready; run beside the worker's loop, which it never touches."""
+    first flood finds it ready; the worker runs it before it serves (worker.py)."""
     sock = ctx.socket(zmq.ROUTER)
     try:
         PeerBudget().skim(sock, lambda: None)

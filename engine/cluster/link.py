@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -30,12 +29,16 @@ SEND_TIMEOUT_MS = 3000
 # A survivor may be blocked up to the worker's forward timeout (5 s) per batch it still tries
 # to pass to the lost node before it reads our hello.
 REJOIN_TIMEOUT_S = 15.0
-# The link's figures at join (NodeLink.measure): the median of a few bare pings' round trips,
-# and the best of a few padded pings for the bandwidth. 256 KiB takes 2 ms at 1 Gbit/s,
-# 21 ms at 100 Mbit/s: long beside the round trip, short beside a join.
-LINK_PINGS = 5
+# The link's figures at join (NodeLink.measure): the fastest of a few bare pings spread over
+# a fifth of a second (a worker that has just started is busy for a moment: loopback pings
+# then took 13 ms, and a plan gave its last stage 6 layers of 29), and the best of a few
+# padded pings for the bandwidth. 256 KiB takes 2 ms at 1 Gbit/s, 21 ms at 100 Mbit/s: long
+# beside the round trip, short beside a join. Faster than MAX_MBPS reads as MAX_MBPS.
+LINK_PINGS = 8
+PING_GAP_S = 0.025
 PAD_PINGS = 3
 PAD_BYTES = 256 << 10
+MAX_MBPS = 100_000.0
 
 
 class NodeFailedError(PotluckError):
@@ -285,17 +288,22 @@ class NodeLink:
         return NodeInfo(self.node_id, self.address, self.welcome.free_mb, self.welcome.speed, self.rtt_ms, self.mbps)
 
     def measure(self, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        """Time this link once joined: the round trip of bare pings (their median), then the
-        bandwidth from padded ones (``PAD_BYTES`` out, a bare pong back: the best of a few,
-        less the round trip). The planner counts each hop's time from these figures."""
+        """Time this link once joined: the round trip of bare pings (the fastest: queueing
+        only ever adds), then the bandwidth from padded ones (``PAD_BYTES`` out, a bare pong
+        back: the best of a few, less the round trip). The planner counts each hop's time
+        from these figures."""
         assert self.welcome is not None
-        trips = [self._ping(i, None, timeout_s) for i in range(LINK_PINGS)]
-        rtt = statistics.median(trips)
+        trips = []
+        for i in range(LINK_PINGS):
+            if i:
+                time.sleep(PING_GAP_S)
+            trips.append(self._ping(i, None, timeout_s))
+        rtt = min(trips)
         size = max(1, min(PAD_BYTES, self.welcome.max_message - (64 << 10), wire.MAX_PING_PAD))
         pad = np.zeros(size, np.uint8)
         padded = min(self._ping(LINK_PINGS + i, pad, timeout_s) for i in range(PAD_PINGS))
         self.rtt_ms = rtt * 1e3
-        self.mbps = size * 8 / max(padded - min(trips), 1e-6) / 1e6
+        self.mbps = size * 8 / max(padded - rtt, size * 8 / (MAX_MBPS * 1e6)) / 1e6
         log.info("%s: round trip %.2f ms, %.0f Mbit/s", self.describe(), self.rtt_ms, self.mbps)
 
     def _ping(self, nonce: int, pad: np.ndarray | None, timeout_s: float) -> float:

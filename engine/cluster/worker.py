@@ -26,7 +26,6 @@ received slices live under a quota and are re-hashed before each load.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -138,6 +137,10 @@ class Worker:
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
         self.uploads = SliceUploads(self.store, models)
         self._spare: StageProcess | None = StageProcess()  # warm: imports llama.cpp meanwhile
+        # The drain (numba) loads before the worker serves anyone: in a thread beside the
+        # loop it held the GIL for most of a second, and a head joining then timed this
+        # link's pings at 3-13 ms instead of 0.3 (and planned around a slow link).
+        inbox.warm_up(self.zctx)
         self.rejected = 0  # messages refused (tests and logs)
         self.dropped_replies = 0  # replies to peers that do not read theirs
         self.unreachable_replies = 0  # replies to peers already gone
@@ -159,7 +162,6 @@ class Worker:
         poller.register(self.monitor, zmq.POLLIN)
         poller.register(self.handback.fd, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
-        threading.Thread(target=inbox.warm_up, args=(self.zctx,), daemon=True, name="drain-warm-up").start()
         try:
             while not self._stop:
                 events = dict(poller.poll(200))

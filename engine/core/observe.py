@@ -61,6 +61,7 @@ def ggml() -> ctypes.CDLL:
 _observer_lock = threading.Lock()
 _observer_cfunc = None
 NAME_WORDS = 8  # a graph tensor name: GGML_MAX_NAME = 64 bytes = 8 int64 words
+HEAD_WORDS = 3  # names, the block's length, the stopping name's index
 
 
 def native_observer() -> int:
@@ -68,10 +69,13 @@ def native_observer() -> int:
     without entering Python: llama.cpp asks about every graph node (~900 per step of a
     30-layer model), and a Python callback costs ~1 µs each plus the GIL.
 
-    ``user_data`` points to an int64 control block (:class:`ObservedBuffers`): its names,
-    then per name the bytes written by the last run (-1: did not fit), the byte offset of its
-    data region and the region's size. Compiled once per process (about a second; not cached
-    on disk because the ggml function addresses are baked into the code)."""
+    ``user_data`` points to an int64 control block (:class:`ObservedBuffers`): the number of
+    names, the block's length, the index of the name that ends the graph (-1: none), the
+    names, then per name the bytes written by the last run (-1: did not fit), the byte offset
+    of its data region and the region's size. Once the stopping name is copied the callback
+    returns false: llama.cpp skips the rest of the graph (a stage's capture: what follows its
+    last layer is the unused output layer). Compiled once per process (about a second; not
+    cached on disk because the ggml function addresses are baked into the code)."""
     global _observer_cfunc
     with _observer_lock:
         if _observer_cfunc is None:
@@ -97,14 +101,14 @@ def _compile_observer():  # -> numba CFunc
 
     @cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr))
     def observe(tensor, ask, user_data):  # type: ignore[no-untyped-def]
-        head = carray(user_data, (2,), np.int64)
+        head = carray(user_data, (HEAD_WORDS,), np.int64)
         n = head[0]
         ctl = carray(user_data, (head[1],), np.int64)
         base = np.uint64(ctl.ctypes.data)
-        written_at = 2 + words * n
+        written_at = HEAD_WORDS + words * n
         name = np.uint64(get_name(tensor))
         for i in range(n):
-            if strncmp(name, base + np.uint64((2 + words * i) * 8), np.uint64(words * 8)) == 0:
+            if strncmp(name, base + np.uint64((HEAD_WORDS + words * i) * 8), np.uint64(words * 8)) == 0:
                 if ask:
                     return True
                 size = np.int64(nbytes(tensor))
@@ -113,7 +117,7 @@ def _compile_observer():  # -> numba CFunc
                     ctl[written_at + i] = size
                 else:
                     ctl[written_at + i] = -1
-                return True
+                return i != head[2]
         return not ask
 
     return observe
@@ -122,20 +126,22 @@ def _compile_observer():  # -> numba CFunc
 class ObservedBuffers:
     """The control block and data regions :func:`native_observer` writes into."""
 
-    def __init__(self, names: Sequence[str], region_bytes: int) -> None:
+    def __init__(self, names: Sequence[str], region_bytes: int, stop: str | None = None) -> None:
+        """``stop``: one of ``names`` after which the graph ends (the rest is not computed)."""
         n = len(names)
         self.names = list(names)
         region_words = -(-region_bytes // 8)
-        self._written_at = 2 + NAME_WORDS * n
+        self._written_at = HEAD_WORDS + NAME_WORDS * n
         data_at = self._written_at + 3 * n
         self.ctl = np.zeros(data_at + n * region_words, dtype=np.int64)
         self.ctl[0], self.ctl[1] = n, len(self.ctl)
+        self.ctl[2] = self.names.index(stop) if stop is not None else -1
         raw = self.ctl.view(np.uint8)
         for i, name in enumerate(names):
             encoded = name.encode()
             if len(encoded) >= NAME_WORDS * 8:
                 raise ValueError(f"tensor name too long to observe: {name}")
-            at = (2 + NAME_WORDS * i) * 8
+            at = (HEAD_WORDS + NAME_WORDS * i) * 8
             raw[at : at + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
             self.ctl[self._written_at + n + i] = (data_at + i * region_words) * 8  # byte offset
             self.ctl[self._written_at + 2 * n + i] = region_words * 8  # bytes

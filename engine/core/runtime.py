@@ -44,7 +44,7 @@ from .batch import Batch
 from .errors import DecodeError, ModelError
 from .kv import KvOp
 from .native import NativeObject
-from .observe import ObservedBuffers, ggml, native_observer
+from .observe import ObservedBuffers, native_observer
 
 log = logging.getLogger(__name__)
 
@@ -239,23 +239,22 @@ class Context(NativeObject):
         # observed tensor name -> its rows of the last run, [n_tokens, width] float32
         self.observed: dict[str, np.ndarray] = {}
         self._observe = {name.encode(): name for name in params.observe}
-        self._n_rows = 0  # rows of the batch being run (observed tensors are [n_rows, width])
-        self._capture_name: bytes | None = None
+        self._capture_name: str | None = None
         self._eval_cb = None
         self._native: ObservedBuffers | None = None
+        names = list(params.observe)
         if params.capture_layer is not None:
-            self._capture_name = f"l_out-{params.capture_layer}".encode()
-        if params.capture_layer is None and self._observe:
-            # rows of a batch: at most n_batch, each at most 4 * n_embd floats wide
-            self._native = ObservedBuffers(params.observe, params.n_batch * 16 * model.n_embd)
+            # a stage's output: the residual stream after its last layer; the graph stops there
+            self._capture_name = f"l_out-{params.capture_layer}"
+            names.append(self._capture_name)
+        if names:
+            # llama.cpp asks about every graph node: a compiled callback, never Python (a
+            # ctypes trampoline cost a stage about a millisecond a batch). Rows of a batch: at
+            # most n_batch, each at most 4 * n_embd floats wide.
+            self._native = ObservedBuffers(names, params.n_batch * 16 * model.n_embd, stop=self._capture_name)
             self._eval_cb = ll.ggml_backend_sched_eval_callback(native_observer())
             cp.cb_eval = self._eval_cb
             cp.cb_eval_user_data = ctypes.c_void_p(self._native.address)
-        elif params.capture_layer is not None or self._observe:
-            self._eval_cb = ll.ggml_backend_sched_eval_callback(self._eval_trampoline)
-            cp.cb_eval = self._eval_cb
-            cp.cb_eval_user_data = None
-            ggml()  # load early: fail at construction, not mid-decode
         self._ptr = ll.llama_init_from_model(model.ptr, cp)
         if not self._ptr:
             raise ModelError(
@@ -290,33 +289,6 @@ class Context(NativeObject):
     def clear_abort(self) -> None:
         self._abort_flag[0] = b"\x00"
 
-    def _eval_trampoline(self, tensor: ctypes.c_void_p, ask: bool, _data: ctypes.c_void_p) -> bool:
-        try:
-            lib = ggml()
-            name = lib.ggml_get_name(tensor)
-            if ask:
-                return name == self._capture_name or name in self._observe
-            observed = self._observe.get(name)
-            if observed is not None:
-                # A name can label several nodes (Kcur before and after RoPE): graph order
-                # makes the last one win, which is the tensor the KV cache stores.
-                nbytes = lib.ggml_nbytes(tensor)
-                rows = np.empty(nbytes // 4, dtype=np.float32)
-                lib.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, nbytes)
-                self.observed[observed] = rows.reshape(self._n_rows, -1)
-                return True
-            if name != self._capture_name:
-                return True
-            nbytes = lib.ggml_nbytes(tensor)
-            n_embd = self.model.n_embd
-            out = np.empty(nbytes // 4, dtype=np.float32)
-            lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, nbytes)
-            self.captured = out.reshape(-1, n_embd)
-            return False  # skip the rest of this graph split (the LM head): its logits are unused
-        except Exception:  # never raise through C
-            log.exception("capture callback failed")
-            return True
-
     # -- running batches (llama_decode)
     def run_batch(self, batch: Batch) -> None:
         """Run one batch; raises :class:`DecodeError` on failure, ``InterruptedError`` on abort
@@ -325,18 +297,19 @@ class Context(NativeObject):
             raise DecodeError(f"a batch of {batch.n_tokens} tokens exceeds this context's n_batch {self.n_batch}")
         self.captured = None
         self.observed = {}
-        self._n_rows = batch.n_tokens
         if self._native is not None:
             self._native.clear()
         rc = ll.llama_decode(self._ptr, batch.raw)
         if self._native is not None and rc in (0, -3):
             self.observed = self._native.rows(batch.n_tokens)
+            if self._capture_name is not None:
+                self.captured = self.observed.pop(self._capture_name, None)
         if rc == 2:
             raise InterruptedError("decode aborted")
         if rc != 0 and not (rc == -3 and self._capture_name is not None):
             raise DecodeError(f"llama_decode failed with code {rc} ({last_llama_error() or 'no detail'})")
         if self._capture_name is not None and self.captured is None:
-            raise DecodeError(f"no tensor named {self._capture_name.decode()} was computed")
+            raise DecodeError(f"no tensor named {self._capture_name} was computed")
         missing = set(self._observe.values()) - set(self.observed)
         if missing:
             raise DecodeError(f"no tensor named {sorted(missing)[0]} was computed")
