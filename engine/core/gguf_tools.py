@@ -250,8 +250,7 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
     return replace(layout, src=src) if layout.src != src else layout
 
 
-STUB_OUTPUT_TYPE = 3  # GGML_TYPE_Q4_1: 32 weights in 20 bytes, no repacked layout in llama.cpp's CPU backend
-STUB_OUTPUT_BLOCK = (32, 20)
+STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked layout in llama.cpp's CPU backend
 
 
 def _stub_output(t) -> tuple[tuple[int, int], int] | None:
@@ -297,7 +296,7 @@ def _layout_of_version(
     for j, i in enumerate(layer_map):
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
-    stub = {}  # name -> (byte shape, bytes): tensors written as zeros of STUB_OUTPUT_TYPE
+    stub = {}  # name -> (byte shape, bytes): tensors written as Q4_1 zeros
     if stage and max(layer_map) < n_layer - 1:
         names = {n for n, _ in ordered}
         if "output.weight" not in names and "token_embd.weight" in names:
@@ -320,7 +319,7 @@ def _layout_of_version(
         for name, t in ordered:
             if name in stub:
                 shape, nbytes = stub[name]
-                w.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType(STUB_OUTPUT_TYPE))
+                w.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType.Q4_1)
             else:
                 w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
         w.write_header_to_file()
