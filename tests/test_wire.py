@@ -68,6 +68,9 @@ def test_version_mismatch_is_named() -> None:
           "a": []}, [], "n_seq_max"),
         ({"type": "cancel", "f": {"group": 1}, "a": [["more", "i32", [300]]]}, [b"\0" * 1200], "at most"),
         ({"type": "cancel", "f": {"group": 1}, "a": [["more", "f32", [2]]]}, [b"\0" * 8], "i32"),
+        ({"type": "ping", "f": {"nonce": 1}, "a": [["pad", "u8", [2, 2]]]}, [b"\0" * 4], "ping padding"),
+        ({"type": "ping", "f": {"nonce": 1}, "a": [["pad", "u8", [wire.MAX_PING_PAD + 1]]]},
+         [b"\0" * (wire.MAX_PING_PAD + 1)], "ping padding"),
     ],
 )
 def test_inconsistent_messages_are_refused(header: dict, buffers: list[bytes], why: str) -> None:

@@ -46,9 +46,8 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
     nodes = [lk.info() for lk in links]
     cells = kv_cells(setup.n_ctx, setup.n_seq_max, setup.kv_unified)  # as the worker checks its load
     if split:
-        return manual_plan(costs, nodes, split, cells, setup.n_batch)
-    hop_bytes = (2 if setup.hidden_dtype == "f16" else 4) * costs.n_embd  # a token's hidden state on the wire
-    return plan_split(costs, nodes, cells, setup.n_batch, hop_bytes)
+        return manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype)
+    return plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype)
 
 
 def replan(setup: PipelineSetup, links: Sequence[NodeLink]) -> SplitPlan:

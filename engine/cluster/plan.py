@@ -249,17 +249,20 @@ def _assign(
     return StageAssignment(node, lo, hi, mem, _cost(costs, lo, hi, node, hop_bytes, last))
 
 
+def hop_bytes(costs: LayerCosts, hidden_dtype: str = "f32") -> int:
+    """One token's hidden state on the wire between stages."""
+    return (2 if hidden_dtype == "f16" else 4) * costs.n_embd
+
+
 def plan_split(
-    costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hop_bytes: int = -1
+    costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hidden_dtype: str = "f32"
 ) -> SplitPlan:
     """The contiguous assignment (nodes in the given order) of the workers' layers
-    ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included
-    (``hop_bytes``: one token's hidden state on the wire; -1: f32 at the model's width), so
+    ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included, so
     a worker behind a slow link gets fewer layers, or none."""
     if not nodes:
         raise PotluckError("no workers to split the model over")
-    if hop_bytes < 0:
-        hop_bytes = 4 * costs.n_embd
+    hop = hop_bytes(costs, hidden_dtype)
     n = costs.n_layer - head_layers(costs)
     inf = float("inf")
     # best[k][j]: smallest bottleneck covering layers [0, j) with the first k nodes.
@@ -274,7 +277,7 @@ def plan_split(
                     continue
                 if stage_mem_mb(costs, i, j, n_ctx, n_batch) > usable_mb(node):
                     continue
-                v = max(best[k - 1][i], _cost(costs, i, j, node, hop_bytes, j == n))
+                v = max(best[k - 1][i], _cost(costs, i, j, node, hop, j == n))
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
     if best[len(nodes)][n] == inf:
@@ -290,13 +293,14 @@ def plan_split(
     for k in range(len(nodes), 0, -1):
         i = cut[k][j]
         if i < j:
-            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop_bytes, j == n))
+            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop, j == n))
         j = i
     return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
 
 
 def manual_plan(
-    costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int, n_batch: int = N_BATCH
+    costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int, n_batch: int = N_BATCH,
+    hidden_dtype: str = "f32",
 ) -> SplitPlan:
     """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
 
@@ -326,7 +330,7 @@ def manual_plan(
             )
     if len(b) - 1 != len(nodes):
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
-    hop = 4 * costs.n_embd
+    hop = hop_bytes(costs, hidden_dtype)
     stages = tuple(
         _assign(costs, nd, lo, hi, n_ctx, n_batch, hop, hi == end) for nd, lo, hi in zip(nodes, b, b[1:])
     )

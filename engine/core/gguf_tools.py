@@ -298,16 +298,15 @@ def _layout_of_version(
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
     stub = {}  # name -> (byte shape, bytes): tensors written as Q4_1 zeros
     if stage and max(layer_map) < n_layer - 1:
-        names = {n for n, _ in ordered}
-        if "output.weight" not in names and "token_embd.weight" in names:
-            # tied embeddings: llama.cpp would repack a duplicate of the embeddings as the
-            # output; an explicit output matrix (same shape) takes its place
-            ordered.append(("output.weight", next(t for n, t in ordered if n == "token_embd.weight")))
-        for name, t in ordered:
-            if name == "output.weight" and (form := _stub_output(t)) is not None:
-                stub[name] = form
-        if "output.weight" not in stub:
-            ordered = [(n, t) for n, t in ordered if n != "output.weight" or n in names]
+        tensors = dict(ordered)
+        # tied embeddings: llama.cpp would repack a duplicate of the embeddings as the output;
+        # an explicit output matrix of their shape takes its place
+        output = tensors.get("output.weight", tensors.get("token_embd.weight"))
+        form = _stub_output(output) if output is not None else None
+        if form is not None:
+            if "output.weight" not in tensors:
+                ordered.append(("output.weight", output))
+            stub["output.weight"] = form
     with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
         header_path = Path(tmp) / "header.gguf"
         w = gguf.GGUFWriter(str(header_path), arch=arch, use_temp_file=False)

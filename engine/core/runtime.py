@@ -238,7 +238,6 @@ class Context(NativeObject):
         self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a run
         # observed tensor name -> its rows of the last run, [n_tokens, width] float32
         self.observed: dict[str, np.ndarray] = {}
-        self._observe = {name.encode(): name for name in params.observe}
         self._capture_name: str | None = None
         self._eval_cb = None
         self._native: ObservedBuffers | None = None
@@ -310,7 +309,7 @@ class Context(NativeObject):
             raise DecodeError(f"llama_decode failed with code {rc} ({last_llama_error() or 'no detail'})")
         if self._capture_name is not None and self.captured is None:
             raise DecodeError(f"no tensor named {self._capture_name} was computed")
-        missing = set(self._observe.values()) - set(self.observed)
+        missing = set(self.params.observe) - set(self.observed)
         if missing:
             raise DecodeError(f"no tensor named {sorted(missing)[0]} was computed")
 

@@ -40,6 +40,7 @@ def samples() -> list[wire.WireMessage]:
         wire.Cancel(3),
         wire.Cancel(3, np.array([4, 5], dtype=np.int32)),
         wire.Ping(1),
+        wire.Ping(2, np.arange(5, dtype=np.uint8)),  # a join's padded ping (the link's bandwidth)
         wire.Pong(1),
         wire.Status(),
         wire.StatusReply("loaded", SHA, 0, 12, 5, 9, 1, 2, 4, 12.5, np.array([7, -1], dtype=np.int32)),
