@@ -5,10 +5,13 @@ docs/facts.md §5) and its GGUF loader has a history of memory-corruption bugs. 
 therefore never maps a model itself: :class:`StageProcess` spawns a child that loads the
 cached slice (proven intact by the worker: slice_store.py) as one
 :class:`~potluck.engine.core.stage.Stage` and runs its
-:class:`~potluck.engine.core.runner.StageRunner`. The worker's socket thread talks to it over a
-pipe; a reader thread turns replies into the futures the worker already waits on. When the
+:class:`~potluck.engine.core.runner.StageRunner`. The worker's socket thread talks to it over
+two pipes and reads the replies itself, turning them into the futures it waits on. When the
 child dies (SIGABRT, SIGSEGV, killed), every pending future fails with
 :class:`StageCrashed` naming the signal, and the worker frees the stage and serves the next head.
+
+Each batch crosses as few threads as possible (docs/facts.md §23): a thread wake-up costs
+50-200 µs on a virtual machine, which is most of a hop's own cost on a small model.
 
 Every job is checked by the stage inside the child, in its place in the queue, so a refused
 batch keeps the transaction order like any other.
@@ -23,9 +26,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -92,7 +95,14 @@ def describe_exit(code: int | None) -> str:
 
 
 class StageProcess:
-    """One child process serving one stage; :meth:`load` once, then submit work in order."""
+    """One child process serving one stage; :meth:`load` once, then submit work in order.
+
+    Owned by one thread (the worker's socket thread), which also reads the replies: it polls
+    :meth:`fileno` and calls :meth:`take_replies`, so a finished batch reaches the thread that
+    sends it on without a hand-off. Two pipes: work (jobs, KV operations, resets) is computed
+    in order by the child thread that reads it; control (cancel, status) is read by another
+    child thread, so it reaches a running batch.
+    """
 
     def __init__(self) -> None:
         # A fresh interpreter that imports this module and core only. multiprocessing's spawn
@@ -100,24 +110,26 @@ class StageProcess:
         # strategy): 1 to 3 s of CPU per stage process, and a worker starts one per load.
         # Never fork: the worker holds sockets and threads.
         ours, theirs = socket.socketpair()
+        ours_ctl, theirs_ctl = socket.socketpair()
         self._conn = Connection(ours.detach())
-        fd = theirs.fileno()
-        code = f"from potluck.engine.cluster.child import serve_stage; serve_stage({fd})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        self._control = Connection(ours_ctl.detach())
+        fds = (theirs.fileno(), theirs_ctl.fileno())
+        code = f"from potluck.engine.cluster.child import serve_stage; serve_stage{fds}"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, stdin=subprocess.DEVNULL)
         theirs.close()
-        self._lock = threading.Lock()
+        theirs_ctl.close()
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
-        self._send_lock = threading.Lock()
         self.crashed: str | None = None
         self.on_crash: Callable[[str], None] | None = None
-        self._reader: threading.Thread | None = None
+        self._loaded = False
+        self._ended = False  # the child's end was seen (pending work failed)
         self._closing = False  # close() asked the child to end: its exit is no loss
 
     # -- lifetime
     def load(self, spec: StageSpec, timeout_s: float) -> StageInfo:
         """Load the slice in the child; raises PotluckError (refused) or StageCrashed."""
-        self._send(("load", spec))
+        self._send(self._conn, ("load", spec))
         if not self._conn.poll(timeout_s):
             self.kill()
             self.close()
@@ -131,24 +143,27 @@ class StageProcess:
         if reply[0] == "failed":
             self.close()
             raise PotluckError(reply[1])
-        self._reader = threading.Thread(target=self._read_loop, name="potluck-stage-reader", daemon=True)
-        self._reader.start()
+        self._loaded = True
         return reply[1]
 
+    def fileno(self) -> int:
+        """Readable when replies (or the child's end) are waiting: then call :meth:`take_replies`."""
+        return self._conn.fileno()
+
     def close(self) -> None:
-        """End the child (a release): it frees its model and exits; one that takes more than
-        2 s is killed. Either way the stage was released, not lost."""
+        """End the child (a release): it stops a running batch, frees its model and exits; one
+        that takes more than 2 s is killed. Either way the stage was released, not lost."""
         self._closing = True
-        try:
-            self._send(("close",))
-        except PotluckError:
-            pass
+        for conn in (self._control, self._conn):
+            try:
+                self._send(conn, ("close",))
+            except PotluckError:
+                pass
         self._join(2.0)
         if self.proc.poll() is None:
             self.kill()
         self._conn.close()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(2.0)
+        self._control.close()
         self._fail_pending(StageCrashed("the stage was released"))
 
     def kill(self) -> None:
@@ -158,41 +173,72 @@ class StageProcess:
 
     # -- work
     def submit(self, kind: str, payload: object = None) -> Future:
-        """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset" or "skip" (job group of a placeholder)."""
+        """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset" or "skip" (job group of a
+        placeholder). The future is resolved by :meth:`take_replies`."""
+        return self._request(self._conn, kind, payload)
+
+    def take_replies(self) -> None:
+        """Resolve the futures of the replies that arrived (their callbacks run here). If the
+        child has ended, every pending future fails and :attr:`on_crash` is told why."""
+        if self._ended or not self._loaded:
+            return
+        try:
+            while self._conn.poll(0):
+                _, n, ok, payload = self._conn.recv()
+                fut = self._pending.pop(n, None)
+                if fut is None or fut.done():
+                    continue
+                if ok:
+                    fut.set_result(payload)
+                else:
+                    fut.set_exception(_error(payload))
+        except (EOFError, OSError):
+            self._child_ended()
+
+    def cancel(self, group: int, *more: int) -> None:
+        try:
+            self._send(self._control, ("cancel", (group, *more)))
+        except PotluckError:
+            pass
+
+    def status(self) -> StageStatus:
+        """The child's counters (answered beside a running batch); replies that arrive
+        meanwhile are taken as :meth:`take_replies` would."""
+        fut = self._request(self._control, "status")
+        deadline = time.monotonic() + STATUS_TIMEOUT_S
+        while not fut.done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._ended:
+                break
+            try:
+                if self._conn.poll(left):
+                    self.take_replies()
+            except (EOFError, OSError):
+                self._child_ended()
+        if not fut.done():
+            raise PotluckError("the stage process did not answer a status request")
+        return fut.result()
+
+    # -- internals
+    def _request(self, conn: Connection, kind: str, payload: object = None) -> Future:
         fut: Future = Future()
         if self.crashed is not None:
             fut.set_exception(StageCrashed(self.crashed))
             return fut
         n = next(self._seq)
-        with self._lock:
-            self._pending[n] = fut
+        self._pending[n] = fut
         try:
-            self._send((kind, n, payload))
+            self._send(conn, (kind, n, payload))
         except PotluckError as e:
-            with self._lock:
-                self._pending.pop(n, None)
+            self._pending.pop(n, None)
             if not fut.done():
                 fut.set_exception(StageCrashed(self.crashed or str(e)))
         return fut
 
-    def cancel(self, group: int, *more: int) -> None:
+    @staticmethod
+    def _send(conn: Connection, msg: tuple) -> None:
         try:
-            self._send(("cancel", (group, *more)))
-        except PotluckError:
-            pass
-
-    def status(self) -> StageStatus:
-        fut = self.submit("status")
-        try:
-            return fut.result(STATUS_TIMEOUT_S)
-        except (TimeoutError, FutureTimeout):
-            raise PotluckError("the stage process did not answer a status request") from None
-
-    # -- internals
-    def _send(self, msg: tuple) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(msg)
+            conn.send(msg)
         except (OSError, ValueError, EOFError) as e:
             raise PotluckError(f"the stage process is gone ({e})") from None
 
@@ -206,21 +252,9 @@ class StageProcess:
     def _exit_reason(self) -> str:
         return describe_exit(self._join(2.0))
 
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                reply = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            kind, n, ok, payload = reply
-            with self._lock:
-                fut = self._pending.pop(n, None)
-            if fut is None or fut.done():
-                continue
-            if ok:
-                fut.set_result(payload)
-            else:
-                fut.set_exception(_error(payload))
+    def _child_ended(self) -> None:
+        """The work pipe closed: a release, or the child died (a crash, told to on_crash)."""
+        self._ended = True
         if self._closing:  # released: the child may still be freeing its model (no exit code yet)
             self._fail_pending(StageCrashed("the stage was released"))
             return
@@ -235,8 +269,7 @@ class StageProcess:
             self.on_crash(reason)
 
     def _fail_pending(self, err: BaseException) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -260,11 +293,12 @@ def _encode_error(e: BaseException) -> tuple[str, str]:
 # --------------------------------------------------------------------------- the child
 
 
-def serve_stage(fd: int) -> None:  # pragma: no cover - runs in the child process
-    """Load the stage, then serve work items on the connection at ``fd`` until ``close`` or
-    the worker goes away (the end of the connection)."""
+def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in the child process
+    """Load the stage, then compute work items from ``fd`` in order on this thread until
+    ``close`` or the worker goes away (the end of the connection); a second thread reads
+    ``control_fd`` (cancel, status), so those reach a running batch."""
     logging.basicConfig(level=logging.WARNING, format="potluck stage: %(message)s")
-    conn = Connection(fd)
+    conn, control = Connection(fd), Connection(control_fd)
     from ..core import runner, runtime, stage  # noqa: F401 - llama.cpp loads while the worker waits for a load
     from ..core.observe import native_observer
 
@@ -292,13 +326,8 @@ def serve_stage(fd: int) -> None:  # pragma: no cover - runs in the child proces
         except (OSError, ValueError):
             pass
 
-    def resolve(n: int, fut: Future) -> None:
-        err = fut.exception()
-        if err is None:
-            reply(n, True, fut.result())
-        else:
-            reply(n, False, _encode_error(err))
-
+    threading.Thread(target=_serve_control, args=(control, runner, reply), name="potluck-stage-control",
+                     daemon=True).start()
     try:
         while True:
             try:
@@ -308,21 +337,33 @@ def serve_stage(fd: int) -> None:  # pragma: no cover - runs in the child proces
             kind = msg[0]
             if kind == "close":
                 break
-            if kind == "cancel":
-                runner.cancel(*msg[1])
-                continue
             n, payload = msg[1], msg[2]
-            if kind == "status":
-                c, running = runner.counters, runner.running_group
-                reply(n, True, StageStatus(c.finished, c.aborted, c.skipped, -1 if running is None else running,
-                                           tuple(runner.positions), c.busy_s))
-                continue
-            item = _work_item(stage, kind, payload)
-            runner.submit(item).add_done_callback(lambda f, n=n: resolve(n, f))
+            fut = runner.run(_work_item(stage, kind, payload))
+            err = fut.exception()
+            reply(n, err is None, fut.result() if err is None else _encode_error(err))
     finally:
         runner.close()
         stage.close()
         stage.model.close()
+
+
+def _serve_control(control: Connection, runner, reply: Callable[[int, bool, object], None]) -> None:  # pragma: no cover
+    """Cancels and status requests, beside the batch the main thread computes."""
+    while True:
+        try:
+            msg = control.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "cancel":
+            runner.cancel(*msg[1])
+        elif kind == "status":
+            c, running = runner.counters, runner.running_group
+            reply(msg[1], True, StageStatus(c.finished, c.aborted, c.skipped, -1 if running is None else running,
+                                            tuple(runner.positions), c.busy_s))
+        elif kind == "close":  # the running batch stops; the work pipe's "close" follows
+            runner.close()
+            return
 
 
 def _open(spec: StageSpec):  # pragma: no cover - child
@@ -339,7 +380,7 @@ def _open(spec: StageSpec):  # pragma: no cover - child
     except BaseException:
         model.close()
         raise
-    return stage, StageRunner(stage, name="stage")
+    return stage, StageRunner(stage, name="stage", threaded=False)
 
 
 def _work_item(stage, kind: str, payload: object):  # pragma: no cover - child

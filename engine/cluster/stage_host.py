@@ -7,8 +7,7 @@ process (child.py), so a slice that crashes llama.cpp costs that child only.
 
 from __future__ import annotations
 
-import os
-import queue
+import collections
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -80,54 +79,29 @@ def load_stage(proc: StageProcess, path: Path, msg: wire.Load, n_threads: int) -
 
 
 class Handback:
-    """Finished stage work and stage crashes, from the stage's reader thread to the worker's
-    socket thread, which owns every socket: two queues, and a pipe its poller watches
-    (:attr:`fd`) so it wakes at once."""
+    """Finished stage work and stage crashes, collected while the worker's socket thread reads
+    its stage process's replies (:meth:`.child.StageProcess.take_replies` runs the futures'
+    callbacks there) and sent on right after, in order."""
 
     def __init__(self) -> None:
-        self._done: queue.SimpleQueue[tuple[LoadedStage, wire.WireMessage, Future]] = queue.SimpleQueue()
-        self._crashed: queue.SimpleQueue[tuple[StageProcess, str]] = queue.SimpleQueue()
-        self.fd, self._wake_w = os.pipe()
-        os.set_blocking(self.fd, False)
+        self._done: collections.deque[tuple[LoadedStage, wire.WireMessage, Future]] = collections.deque()
+        self._crashed: collections.deque[tuple[StageProcess, str]] = collections.deque()
 
     def finished(self, stage: LoadedStage, msg: wire.WireMessage, fut: Future) -> None:
-        """Reader thread: ``msg``'s work on ``stage`` ended (in txn order)."""
-        self._done.put((stage, msg, fut))
-        self._wake()
+        """``msg``'s work on ``stage`` ended (in txn order)."""
+        self._done.append((stage, msg, fut))
 
     def crashed(self, proc: StageProcess, why: str) -> None:
-        """Reader thread: the stage process died."""
-        self._crashed.put((proc, why))
-        self._wake()
+        """The stage process died."""
+        self._crashed.append((proc, why))
 
     def take(self) -> tuple[list[tuple[LoadedStage, wire.WireMessage, Future]], list[tuple[StageProcess, str]]]:
-        """Socket thread: everything handed back so far (finished work, then crashes)."""
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        return _drain(self._done), _drain(self._crashed)
+        """Everything handed back so far (finished work, then crashes)."""
+        done, crashed = list(self._done), list(self._crashed)
+        self._done.clear()
+        self._crashed.clear()
+        return done, crashed
 
     def forget_finished(self) -> None:
-        """Socket thread: the stage was released; its finished work goes nowhere."""
-        _drain(self._done)
-
-    def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._wake_w)
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:  # closing
-            pass
-
-
-def _drain(q: queue.SimpleQueue) -> list:
-    out = []
-    while True:
-        try:
-            out.append(q.get_nowait())
-        except queue.Empty:
-            return out
+        """The stage was released; its finished work goes nowhere."""
+        self._done.clear()

@@ -13,8 +13,8 @@ cause and the worker serves the next head. This thread owns every socket and ans
 control messages at once; the child computes. So a ``cancel`` reaches a running batch
 (aborted mid-compute through llama.cpp's abort flag) and queued batches of the run are
 skipped; a skipped or refused batch still goes downstream, empty, so every stage sees every
-transaction in order. Finished work comes back to this thread through a queue and a pipe
-the poller watches.
+transaction in order. The poller also watches the stage process's replies: this thread
+reads them itself and sends finished work on at once.
 
 Nothing a peer sends can crash or stall a worker: every message is validated by
 :func:`.wire.parse_frames`, by ownership, and by the stage before use, refused with a log
@@ -132,7 +132,8 @@ class Worker:
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
         self.next_lost = ""  # why a forward was not taken: the order downstream is broken
-        self.handback = Handback()  # finished stage work and crashes, back to this thread
+        self.handback = Handback()  # finished stage work and crashes, sent on by this thread
+        self._poller = zmq.Poller()  # the socket, the monitor and the stage process's replies
         # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
         self.uploads = SliceUploads(self.store, models)
@@ -157,17 +158,16 @@ class Worker:
         self._stop = True
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        poller.register(self.handback.fd, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
         try:
             while not self._stop:
                 events = dict(poller.poll(200))
                 if self.monitor in events:
                     self._log_handshake_failures()
-                if self.handback.fd in events:
+                if self.stage is not None and self.stage.proc.fileno() in events:
                     self._send_finished()
                 if self.sock in events:
                     self._serve_pending()
@@ -244,7 +244,6 @@ class Worker:
         if self._spare is not None:
             self._spare.close()
             self._spare = None
-        self.handback.close()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
         self.auth.stop()
@@ -399,8 +398,9 @@ class Worker:
                 stage.close()
                 raise PotluckError(f"bad next-stage address {msg.next_addr!r}: {e}") from None
             self.forward = fwd
-        proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from its reader thread
+        proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from take_replies, this thread
         self.stage = stage
+        self._poller.register(proc.fileno(), zmq.POLLIN)
         self.upstream_key = bytes.fromhex(msg.upstream_key)
         self.downstream_key = bytes.fromhex(msg.downstream_key)
         self.txn = 0
@@ -412,6 +412,7 @@ class Worker:
     def _release(self) -> None:
         if self.stage is not None:
             self.stage.proc.on_crash = None
+            self._poller.unregister(self.stage.proc.fileno())
             self.stage.close()  # ends its process: nothing more reaches the queue
             self.stage = None
             log.info("stage released; waiting for a head")
@@ -456,6 +457,8 @@ class Worker:
         fut.add_done_callback(lambda f, m=msg: self.handback.finished(ld, m, f))
 
     def _send_finished(self) -> None:
+        if self.stage is not None:
+            self.stage.proc.take_replies()  # their callbacks hand the work back, in order
         done, crashed = self.handback.take()
         for ld, msg, fut in done:
             if ld is not self.stage:

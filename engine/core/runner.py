@@ -47,7 +47,9 @@ class RunnerCounters:
 class StageRunner:
     """FIFO of jobs and KV operations for one stage, with cancellation by job group."""
 
-    def __init__(self, stage: Stage, name: str = "stage", load_interval_s: float = INTERVAL_S) -> None:
+    def __init__(
+        self, stage: Stage, name: str = "stage", load_interval_s: float = INTERVAL_S, *, threaded: bool = True
+    ) -> None:
         self.stage = stage
         self.counters = RunnerCounters()
         # Threads: those asked for (the context's at open, then set_threads) and, for a context
@@ -62,8 +64,12 @@ class StageRunner:
         # request must not read llama.cpp's KV metadata while a batch is writing it)
         self.positions: list[int] = stage.pos_max()
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name=f"potluck-{name}", daemon=True)
-        self._thread.start()
+        # threaded=False: no queue thread; the owner calls run() in order itself (the stage
+        # process, whose reading thread computes: one thread hand-off less a batch)
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name=f"potluck-{name}", daemon=True)
+            self._thread.start()
 
     # -- any thread
     def submit(self, item: WorkItem) -> Future:
@@ -74,6 +80,17 @@ class StageRunner:
                 raise RuntimeError("runner is closed")
             self._queue.append((item, fut))
             self._cond.notify()
+        return fut
+
+    def run(self, item: WorkItem) -> Future:
+        """Run ``item`` now, on the calling thread, as the queue would (a runner made with
+        ``threaded=False``, whose owner reads its work in order); :meth:`cancel` still
+        reaches it from any thread. The future is done on return."""
+        fut: Future = Future()
+        if self._closing:
+            fut.set_exception(GroupCancelled("the stage is closing"))
+            return fut
+        self._execute(item, fut)
         return fut
 
     def set_threads(self, n_threads: int) -> Future:
@@ -107,7 +124,8 @@ class StageRunner:
             if self._running is not None:
                 self.stage.ctx.request_abort()
             self._cond.notify()
-        self._thread.join()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         for _, fut in self._queue:
             fut.cancel()
         self._queue.clear()
@@ -121,15 +139,19 @@ class StageRunner:
                 if self._closing:
                     return
                 item, fut = self._queue.popleft()
-                # a job with no rows is a placeholder that only keeps its place in the order
-                skip = isinstance(item, DecodeJob) and (item.group in self._cancelled or item.n_tokens == 0)
-                if isinstance(item, DecodeJob) and not skip:
-                    self._running = item.group
-                    self.stage.ctx.clear_abort()
-            if isinstance(item, DecodeJob):
-                self._run_job(item, fut, skip)
-            else:
-                self._run_other(item, fut)
+            self._execute(item, fut)
+
+    def _execute(self, item: WorkItem, fut: Future) -> None:
+        with self._cond:
+            # a job with no rows is a placeholder that only keeps its place in the order
+            skip = isinstance(item, DecodeJob) and (item.group in self._cancelled or item.n_tokens == 0)
+            if isinstance(item, DecodeJob) and not skip:
+                self._running = item.group
+                self.stage.ctx.clear_abort()
+        if isinstance(item, DecodeJob):
+            self._run_job(item, fut, skip)
+        else:
+            self._run_other(item, fut)
 
     def _run_job(self, job: DecodeJob, fut: Future, skip: bool) -> None:
         if skip:
