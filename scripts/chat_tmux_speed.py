@@ -7,7 +7,8 @@ Each rep runs `potluck generate --json` (greedy, plain, the same prompt) for the
 reply and its own time (time to first token + decode), then the real chat app in a detached
 tmux session at 120x40 with a throwaway POTLUCK_HOME, typing the prompt and pressing Enter.
 The reply counts as visible when its last words appear, in order, on the captured screen
-(the chat scrolls with the reply). The pane is polled every ``--poll-ms`` (a tmux client
+(the chat scrolls with the reply) and the status line no longer says "generating" (a looping
+greedy reply shows its last words long before its end). The pane is polled every ``--poll-ms`` (a tmux client
 process each time: part of the cost it measures, so keep it coarse). ``--load`` repeats all
 with one process spinning a core. Prints one JSON line; the ratio is app / generate, both
 end to end (prompt + reply) over the same tokens.
@@ -68,8 +69,12 @@ def app_seconds(prompt: str, max_tokens: int, threads: int, tail: list[str], pol
             tmux("send-keys", "-t", name, "Enter")
             n = len(tail)
             while True:
-                screen = words(tmux("capture-pane", "-p", "-t", name))
-                if any(screen[i:i + n] == tail for i in range(len(screen) - n + 1)):
+                raw = tmux("capture-pane", "-p", "-t", name)
+                screen = words(raw)
+                # the tail alone is not the end: a greedy story loops, and its last words first
+                # show a quarter of the way in; the status line says "ready" again only once
+                # the reply is stored and drawn in full
+                if "generating" not in raw and any(screen[i:i + n] == tail for i in range(len(screen) - n + 1)):
                     return time.monotonic() - t0
                 if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError("the reply's last words never appeared on screen")
