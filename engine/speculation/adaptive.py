@@ -120,6 +120,10 @@ class DraftBreakEven:
         self._per_size = max(4, window // 8)
         self._verify: dict[int, deque[float]] = {}
         self.prior = prior
+        # the fitted line, refitted only after a new timing: a speculative round asks for it
+        # twice, and np.polyfit took about a millisecond a round (a tenth of a 135M step)
+        self._fit: tuple[float, float] | None = None
+        self._stale = True
 
     def samples(self) -> dict[int, list[float]]:
         """The timings the line is fitted through (kept across conversations: engine/speculation/costs.py)."""
@@ -131,10 +135,12 @@ class DraftBreakEven:
             if size > 0:
                 q = self._verify.setdefault(size, deque(maxlen=self._per_size))
                 q.extend(float(t) for t in times if t > 0)
+        self._stale = True
 
     def record(self, batch: int, verify_ms: float) -> None:
         if batch > 0:
             self._verify.setdefault(batch, deque(maxlen=self._per_size)).append(verify_ms)
+            self._stale = True
 
     def line(self) -> tuple[float, float] | None:
         """(a, m): verify ms of a 1-token batch and of each extra token, if measurable.
@@ -144,14 +150,26 @@ class DraftBreakEven:
         descheduled one, docs/facts.md §6), and a line fitted through such timings, kept on
         disk, would stop drafting for good.
         """
-        if len(self._verify) < 2:
+        if self._stale:
+            self._fit, self._stale = self._fitted(), False
+        return self._fit
+
+    def _fitted(self) -> tuple[float, float] | None:
+        """Least squares through (size - 1, fastest ms), in closed form (a few points)."""
+        pts = [(size - 1.0, min(times)) for size, times in self._verify.items() if times]
+        if len(pts) < 2:
             return None
-        b = np.array([size for size in self._verify], dtype=float)
-        ms = np.array([min(times) for times in self._verify.values()], dtype=float)
-        m, a1 = np.polyfit(b - 1.0, ms, 1)
+        n = len(pts)
+        mx = sum(x for x, _ in pts) / n
+        my = sum(y for _, y in pts) / n
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        if sxx <= 0.0:
+            return None
+        m = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        a1 = my - m * mx
         if a1 <= 0:
             return None
-        return float(a1), max(0.0, float(m))
+        return a1, max(0.0, m)
 
     def threshold(self, draft_step_ms: float = 0.0) -> float:
         """``draft_step_ms``: what drafting one more token costs (a draft model's step)."""
