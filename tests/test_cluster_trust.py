@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import threading
 import time
@@ -25,7 +26,7 @@ from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.cluster.transport import check_next_stage, client_socket
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.gguf_tools import slice_layers
-from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.jobs import DecodeJob, GroupCancelled
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.flood import flood
@@ -230,6 +231,31 @@ def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
         local.close()
         target.close()
         stop_worker(w.proc)
+
+
+def test_a_stage_process_answers_status_and_cancel_beside_a_running_batch(model_path: Path, tmp_path: Path) -> None:
+    """The stage process computes on the thread that reads its work, so status requests and
+    cancels travel on a second pipe: both must reach it while a long batch runs."""
+    path = slice_layers(model_path, tmp_path / "s.gguf", 0, 15)
+    proc = StageProcess()
+    try:
+        proc.load(StageSpec(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), True, 2048, 512, 1, True, 1), 300)
+        fut = proc.submit("job", DecodeJob.tokens(7, np.arange(512) % 900 + 20, 0, outputs="all"))
+        deadline = time.monotonic() + 60
+        st = proc.status()
+        while st.running != 7 and not fut.done() and time.monotonic() < deadline:
+            st = proc.status()
+        assert st.running == 7 and not fut.done()  # answered while the batch computes
+        proc.cancel(7)
+        while not fut.done() and time.monotonic() < deadline:
+            if select.select([proc.fileno()], [], [], 0.1)[0]:
+                proc.take_replies()
+        with pytest.raises(GroupCancelled):
+            fut.result()
+        after = proc.status()
+        assert after.aborted == 1 and after.finished == 0  # stopped mid-compute, not skipped
+    finally:
+        proc.close()
 
 
 def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost(
