@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -16,6 +18,10 @@ from ..store import Conversation
 from .cluster import ClusterState, human_bytes
 from .export import code_blocks
 from .stats import DASH, Figures, fmt
+
+# A streaming reply lays the screen out (a new line, a finished block) at most this often;
+# words within a line are drawn at the text pump's rate (app.TEXT_PUMP_S).
+LAYOUT_EVERY_S = 0.25
 
 _ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System"}
 
@@ -77,6 +83,7 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = streaming
         self._rendered = len(content)  # characters of content the Markdown widget holds
         self._tail_lines = -1  # wrapped lines the streaming tail had at its last layout
+        self._laid_out_at = 0.0  # when streaming last laid the screen out (monotonic)
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
@@ -96,25 +103,35 @@ class MessageView(Vertical, can_focus=True):
 
     async def append(self, text: str) -> None:
         """Add streamed text. Parsing Markdown and laying out its blocks per pump tick cost
-        the engine a third of a core on a 2-core machine, so only finished blocks are parsed."""
+        the engine a third of a core on a 2-core machine, so only finished blocks are parsed,
+        and the screen is laid out again at most every :data:`LAYOUT_EVERY_S`."""
         self.content += text
+        due = time.monotonic() - self._laid_out_at >= LAYOUT_EVERY_S
         end = settled_end(self.content)
-        if end > self._rendered:
+        if due and end > self._rendered:
             settled, self._rendered = self.content[self._rendered:end], end
+            self._laid_out_at = time.monotonic()
             await self.markdown.append(settled)
-        self._show_tail()
+        self._show_tail(layout_allowed=due)
         if isinstance(self.parent, ChatLog):
             self.parent.follow()
 
-    def _show_tail(self) -> None:
-        """Redraw the block being written; lay the screen out again only when it takes
-        another line (most pump ticks add a word to the same line)."""
+    def _show_tail(self, layout_allowed: bool = True) -> None:
+        """Redraw the block being written. Most pump ticks add a word to the same line: a
+        repaint. A new line needs the screen laid out again (about 20 ms of the UI thread on
+        a 2-core machine, where it stalls llama.cpp's threads): until that is allowed, the
+        words of the new line wait, drawn with the next layout."""
         tail = self.query_one(".tail", Static)
         rest = self.content[self._rendered:].strip("\n")
         text = Text(rest)
         width = tail.size.width
         lines = len(text.wrap(self.app.console, width)) if width and rest else -1
         layout = lines != self._tail_lines or tail.display != bool(rest)
+        if layout and not layout_allowed:
+            tail.update(text, layout=False)
+            return
+        if layout:
+            self._laid_out_at = time.monotonic()
         self._tail_lines = lines
         tail.display = bool(rest)
         tail.update(text, layout=layout)
