@@ -70,6 +70,8 @@ def test_last_worker_returns_hidden_states_and_logits_stay_exact(
         assert model.n_embd * 4 < per_token <= MAX_BYTES_PER_TOKEN, per_token
         counters = target.tail.runner.counters
         assert counters.finished == 1 + STEPS and counters.aborted == counters.skipped == 0
+        # waited for one at a time: the head's layers ran on the waiting thread, no hand-off
+        assert target.tail.ran_here == 1 + STEPS
     finally:
         target.close()
 

@@ -106,6 +106,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._txn_rows: dict[int, int] = {}  # txn of each batch sent to this chain -> hidden rows it returns
         self._rows: dict[int, int] = {}  # ticket of each batch not yet waited for -> logits rows it returns
         self._results: dict[int, np.ndarray] = {}  # by ticket: logits computed, not yet waited for
+        self._awaiting = 0  # the ticket wait() is blocked on (0: none)
         self._refused: dict[int, str] = {}  # by ticket: why a stage refused it
         self._skipped: set[int] = set()  # tickets of batches of cancelled groups: skipped or aborted
         self._cancelled: dict[int, None] = {}  # job groups cancelled, oldest first (as many as a runner keeps)
@@ -143,6 +144,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         if t not in self._rows:
             raise KeyError(f"no batch in flight with ticket {t}")
         deadline = time.monotonic() + self.stall_timeout_s
+        self._awaiting = t  # its hidden states may be computed on this thread (HeadTail.arrived)
         while not self._filed(t):
             try:
                 self._check_usable()
@@ -157,6 +159,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
             except NodeFailedError as e:
                 self._fail(str(e))
                 raise
+        self._awaiting = 0
         rows = self._rows.pop(t)
         if t in self._skipped:
             self._skipped.discard(t)
@@ -447,7 +450,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
                     f"{self.links[-1].describe()} sent hidden states of shape {msg.hidden.shape} for "
                     f"transaction {msg.txn}, expected ({rows}, {self.tail.n_embd})"
                 )
-            self.tail.arrived(msg.txn, msg.hidden)
+            self.tail.arrived(msg.txn, msg.hidden, now=ticket == self._awaiting)
             return
         sent_as = self.tail.drop(msg.txn)
         if self._awaited(ticket) and msg.group not in self._cancelled:

@@ -71,6 +71,7 @@ class HeadTail:
         self._batches: dict[int, _Waiting] = {}  # txn -> batch still waiting for hidden states
         self._running: collections.deque[tuple[int, Future]] = collections.deque()  # (ticket, future)
         self._closed = False
+        self.ran_here = 0  # batches computed on the waiting caller's thread (arrived(now=True))
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -95,8 +96,10 @@ class HeadTail:
         self._queue.append(_Waiting(txn, 0, work))
         self._pump()
 
-    def arrived(self, txn: int, hidden: np.ndarray) -> None:
-        """The last worker's hidden states of batch ``txn`` (shape checked by the head)."""
+    def arrived(self, txn: int, hidden: np.ndarray, *, now: bool = False) -> None:
+        """The last worker's hidden states of batch ``txn`` (shape checked by the head).
+        ``now``: the caller waits for this batch, so if the runner is idle it computes here,
+        on the caller's thread (two thread wake-ups less a token: synchronous decoding)."""
         item = self._batches.pop(txn, None)
         if item is None or item.job is None:
             return  # not a batch of this chain: nothing to compute
@@ -107,7 +110,7 @@ class HeadTail:
             item.work = full
         except PotluckError as e:
             item.work = _refuse(str(e))
-        self._pump()
+        self._pump(now=now)
 
     def drop(self, txn: int) -> int | None:
         """Batch ``txn`` came back skipped (cancelled or refused upstream): nothing to compute.
@@ -161,14 +164,21 @@ class HeadTail:
             except OSError:
                 pass
 
-    def _pump(self) -> None:
-        """Send ready items to the runner, from the front only: order is every stage's."""
+    def _pump(self, now: bool = False) -> None:
+        """Send ready items to the runner, from the front only: order is every stage's. With
+        ``now``, the last ready item runs on this thread if nothing is queued before it."""
         while self._queue and (self._queue[0].work is not None or self._queue[0].dropped):
             item = self._queue.popleft()
             if item.dropped or item.work is None:
                 continue
-            fut = self.runner.submit(item.work)
-            fut.add_done_callback(self._wake)
+            last_ready = not self._queue or (self._queue[0].work is None and not self._queue[0].dropped)
+            idle = not self._running or self._running[-1][1].done()
+            if now and last_ready and idle:
+                fut = self.runner.run(item.work)
+                self.ran_here += 1
+            else:
+                fut = self.runner.submit(item.work)
+                fut.add_done_callback(self._wake)
             self._running.append((item.ticket, fut))
 
     def _wake(self, _fut: Future) -> None:

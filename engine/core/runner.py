@@ -83,10 +83,14 @@ class StageRunner:
         return fut
 
     def run(self, item: WorkItem) -> Future:
-        """Run ``item`` now, on the calling thread, as the queue would (a runner made with
-        ``threaded=False``, whose owner reads its work in order); :meth:`cancel` still
-        reaches it from any thread. The future is done on return."""
+        """Run ``item`` now, on the calling thread, as the queue would: a runner made with
+        ``threaded=False`` (its owner reads its work in order), or one whose queue is empty
+        and idle. :meth:`cancel` still reaches it from any thread. The future is done on
+        return."""
         fut: Future = Future()
+        with self._cond:
+            if self._queue or self._running is not None:
+                raise RuntimeError("run() would overtake queued work")
         if self._closing:
             fut.set_exception(GroupCancelled("the stage is closing"))
             return fut
