@@ -3,15 +3,17 @@ until the whole reply is visible in `tmux capture-pane`, against `potluck genera
 
     .venv/bin/python -m scripts.chat_tmux_speed --reps 3 [--max-tokens 300] [--load]
 
-Each rep runs `potluck generate --json` (greedy, plain, the same prompt) for the reference
-reply and its own time (time to first token + decode), then the real chat app in a detached
-tmux session at 120x40 with a throwaway POTLUCK_HOME, typing the prompt and pressing Enter.
-The reply counts as visible when its last words appear, in order, on the captured screen
-(the chat scrolls with the reply) and the status line no longer says "generating" (a looping
-greedy reply shows its last words long before its end). The pane is polled every ``--poll-ms`` (a tmux client
-process each time: part of the cost it measures, so keep it coarse). ``--load`` repeats all
-with one process spinning a core. Prints one JSON line; the ratio is app / generate, both
-end to end (prompt + reply) over the same tokens.
+Each rep runs `potluck generate --json` (greedy, plain, the same prompt) for its own time (time
+to first token + decode), then the real chat app in a detached tmux session at 120x40 with a
+throwaway POTLUCK_HOME, typing the prompt and pressing Enter. The reply is over when the
+status line, having said "generating", no longer does: the app sets it back only once the
+reply is stored and drawn in full. The app's own reply (from its history, not generate's: the
+app renders the prompt through its chat template and replies differently) must then show its
+last words, in order, on the captured screen (the chat scrolls with the reply), and its token
+count is the app's. The pane is polled every ``--poll-ms`` (a tmux client process each time:
+part of the cost it measures, so keep it coarse). ``--load`` repeats all with one process
+spinning a core. Prints one JSON line; the ratio is app / generate, both end to end (prompt +
+reply).
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+from potluck.app.store import Store, StoredMessage
 from potluck.app.tui.parity import PROMPT, one_core_busy
+from potluck.engine import paths
 
 PANE = (120, 40)
 TAIL_WORDS = 8
@@ -49,9 +54,10 @@ def tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
 
 
-def app_seconds(prompt: str, max_tokens: int, threads: int, tail: list[str], poll_s: float,
-                timeout_s: float = 300.0) -> float:
-    """Seconds from Enter until ``tail`` is on screen, in the real app under tmux."""
+def app_reply(prompt: str, max_tokens: int, threads: int, poll_s: float,
+              timeout_s: float = 300.0) -> tuple[float, int]:
+    """(seconds from Enter until the reply is stored and drawn, its tokens), in the real app
+    under tmux."""
     name = f"potluck-speed-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="potluck-tmux-") as home:
         cmd = (f"POTLUCK_HOME={home} {sys.executable} -m potluck.app.cli chat --strategy plain --temp 0 "
@@ -67,20 +73,39 @@ def app_seconds(prompt: str, max_tokens: int, threads: int, tail: list[str], pol
             time.sleep(0.5)  # the typed text lands before the clock starts
             t0 = time.monotonic()
             tmux("send-keys", "-t", name, "Enter")
-            n = len(tail)
+            started = False
             while True:
                 raw = tmux("capture-pane", "-p", "-t", name)
-                screen = words(raw)
-                # the tail alone is not the end: a greedy story loops, and its last words first
-                # show a quarter of the way in; the status line says "ready" again only once
-                # the reply is stored and drawn in full
-                if "generating" not in raw and any(screen[i:i + n] == tail for i in range(len(screen) - n + 1)):
-                    return time.monotonic() - t0
+                if "generating" in raw:
+                    started = True
+                elif started:
+                    seconds = time.monotonic() - t0
+                    break
                 if time.monotonic() - t0 > timeout_s:
-                    raise TimeoutError("the reply's last words never appeared on screen")
+                    raise TimeoutError("the reply never ended on screen")
                 time.sleep(poll_s)
         finally:
             subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True, check=False)
+        reply = stored_reply(Path(home))
+    tail = words(reply.content)[-TAIL_WORDS:]
+    screen = words(raw)
+    if not any(screen[i:i + len(tail)] == tail for i in range(len(screen) - len(tail) + 1)):
+        raise RuntimeError("the reply's last words were not on screen when the status said it was over")
+    return seconds, int(reply.n_tokens or 0)
+
+
+def stored_reply(home: Path) -> StoredMessage:
+    """The app's reply, as its history holds it."""
+    paths.override_home(home)
+    try:
+        store = Store.open(paths.history_db())
+    finally:
+        paths.override_home(None)
+    try:
+        conv = store.conversations()[0]
+        return [m for m in store.messages(conv.id) if m.role == "assistant"][-1]
+    finally:
+        store.close()
 
 
 def main() -> int:
@@ -102,11 +127,10 @@ def main() -> int:
             for _ in range(args.reps):
                 ref = generate(args.prompt, args.max_tokens, args.threads)
                 n = len(ref["tokens"])
-                tail = words(ref["text"])[-TAIL_WORDS:]
                 gen_rates.append(n / (ref["ttft_s"] + ref["decode_s"]))
                 gen_decode.append(ref["tokens_per_s"])
-                app_rates.append(n / app_seconds(args.prompt, args.max_tokens, args.threads, tail,
-                                                 args.poll_ms / 1000))
+                seconds, n_app = app_reply(args.prompt, args.max_tokens, args.threads, args.poll_ms / 1000)
+                app_rates.append(n_app / seconds)
         app, gen = statistics.median(app_rates), statistics.median(gen_rates)
         rows.append({"load": "one core busy" if busy else "quiet", "tokens": n,
                      "app_tok_s": round(app, 1), "generate_tok_s": round(gen, 1),
