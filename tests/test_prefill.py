@@ -8,6 +8,8 @@ while prompts keep every thread and F16's tiled prefill path.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -62,10 +64,10 @@ def test_kv_setting_maps_to_the_context(model: Model) -> None:
         limits.kv_cache("q8_0")
 
 
-def _reply(spec: EngineSpec, prompt: str) -> Finished:
+def _reply(spec: EngineSpec, prompt: str, max_tokens: int = 64) -> Finished:
     session = open_session(spec)
     try:
-        return [ev for ev in session.generate(prompt, max_tokens=64) if isinstance(ev, Finished)][0]
+        return [ev for ev in session.generate(prompt, max_tokens=max_tokens) if isinstance(ev, Finished)][0]
     finally:
         session.close()
 
@@ -123,3 +125,17 @@ def test_context_meter() -> None:
     assert context_meter(4096, 8192, 8) == "████░░░░"
     assert context_meter(9000, 8192, 8) == "█" * 8
     assert context_meter(5, 0) == "—"  # no context yet
+
+
+@pytest.mark.parametrize("strategy", ["sd", "pearl", "minions", "pipeinfer"])
+def test_f16_draft_model_strategies_equal_plain_past_512_cells(
+    strategy: str, plain_f16: Finished, weak_draft: Path
+) -> None:
+    """Every strategy that drafts with a model takes the F16 path too: its target batches at 2
+    threads (pearl's target on its share of them) against plain's one-thread steps (the first
+    24 tokens of plain's reply: the draft model's own prefill is most of the time)."""
+    spec = EngineSpec(strategy=strategy, draft=weak_draft, n_ctx=2048, n_threads=THREADS, kv_cache="f16",
+                      strategy_options={"adaptive": False})
+    done = _reply(spec, PROMPT, max_tokens=24)
+    assert done.tokens == plain_f16.tokens[:24]
+    assert done.drafted > 0 and done.accepted > 0
