@@ -145,21 +145,23 @@ class PipelineTarget(ChainRebuild, TargetBase):
             raise KeyError(f"no batch in flight with ticket {t}")
         deadline = time.monotonic() + self.stall_timeout_s
         self._awaiting = t  # its hidden states may be computed on this thread (HeadTail.arrived)
-        while not self._filed(t):
-            try:
-                self._check_usable()
-                self._flush_cancels()
-                if self._receive(timeout_ms=50):
-                    deadline = time.monotonic() + self.stall_timeout_s  # the pipeline is moving
-                elif time.monotonic() > deadline:
-                    raise self._stalled()
-            except NodeLostError as e:
-                self._recover(e)
-                deadline = time.monotonic() + self.stall_timeout_s
-            except NodeFailedError as e:
-                self._fail(str(e))
-                raise
-        self._awaiting = 0
+        try:
+            while not self._filed(t):
+                try:
+                    self._check_usable()
+                    self._flush_cancels()
+                    if self._receive(timeout_ms=50):
+                        deadline = time.monotonic() + self.stall_timeout_s  # the pipeline is moving
+                    elif time.monotonic() > deadline:
+                        raise self._stalled()
+                except NodeLostError as e:
+                    self._recover(e)
+                    deadline = time.monotonic() + self.stall_timeout_s
+                except NodeFailedError as e:
+                    self._fail(str(e))
+                    raise
+        finally:
+            self._awaiting = 0
         rows = self._rows.pop(t)
         if t in self._skipped:
             self._skipped.discard(t)

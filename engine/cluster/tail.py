@@ -172,8 +172,7 @@ class HeadTail:
             if item.dropped or item.work is None:
                 continue
             last_ready = not self._queue or (self._queue[0].work is None and not self._queue[0].dropped)
-            idle = not self._running or self._running[-1][1].done()
-            if now and last_ready and idle:
+            if now and last_ready and self.runner.idle():
                 fut = self.runner.run(item.work)
                 self.ran_here += 1
             else:

@@ -64,6 +64,7 @@ class StageRunner:
         # request must not read llama.cpp's KV metadata while a batch is writing it)
         self.positions: list[int] = stage.pos_max()
         self._closing = False
+        self._last: Future | None = None  # the future of the latest submitted item
         # threaded=False: no queue thread; the owner calls run() in order itself (the stage
         # process, whose reading thread computes: one thread hand-off less a batch)
         self._thread: threading.Thread | None = None
@@ -79,18 +80,23 @@ class StageRunner:
             if self._closing:
                 raise RuntimeError("runner is closed")
             self._queue.append((item, fut))
+            self._last = fut
             self._cond.notify()
         return fut
 
+    def idle(self) -> bool:
+        """Whether everything submitted has finished (its future is done: the positions a
+        finished item publishes are read before that, so nothing touches the stage now)."""
+        with self._cond:
+            return self._last is None or self._last.done()
+
     def run(self, item: WorkItem) -> Future:
         """Run ``item`` now, on the calling thread, as the queue would: a runner made with
-        ``threaded=False`` (its owner reads its work in order), or one whose queue is empty
-        and idle. :meth:`cancel` still reaches it from any thread. The future is done on
-        return."""
+        ``threaded=False`` (its owner reads its work in order), or an :meth:`idle` one.
+        :meth:`cancel` still reaches it from any thread. The future is done on return."""
         fut: Future = Future()
-        with self._cond:
-            if self._queue or self._running is not None:
-                raise RuntimeError("run() would overtake queued work")
+        if not self.idle():
+            raise RuntimeError("run() would overtake queued work")
         if self._closing:
             fut.set_exception(GroupCancelled("the stage is closing"))
             return fut
