@@ -199,6 +199,9 @@ class ContextParams:
     # thread count the user did not choose. Exact either way: batch rows do not depend on the
     # thread count, and 1-token steps stay within single_step_threads.
     follow_load: bool = False
+    # A stage computes prompt chunks of a BF16 cache in an F16 twin context and hands the cells
+    # back (core/staged_prefill.py): F16's tiled prefill, BF16's exact decoding.
+    f16_prefill: bool = True
 
 
 class Context(NativeObject):
@@ -207,7 +210,11 @@ class Context(NativeObject):
     Not thread-safe: one thread runs batches; any thread may call :meth:`request_abort`.
     """
 
-    def __init__(self, model: Model, params: ContextParams = ContextParams()) -> None:
+    def __init__(
+        self, model: Model, params: ContextParams = ContextParams(), *, abort_flag_of: Context | None = None
+    ) -> None:
+        """``abort_flag_of``: share that context's abort flag, so one request stops either
+        (a stage's F16 prefill twin, :mod:`.staged_prefill`)."""
         if model.vocab_only:
             raise ModelError(f"{model.path} was loaded without weights (vocabulary only)")
         self.model = model
@@ -231,7 +238,7 @@ class Context(NativeObject):
         # another Python thread runs (the UI, a drafter), so the callback is libc's strlen
         # over a 2-byte flag buffer: it returns 1 (abort) once byte 0 is set, 0 otherwise,
         # and never touches Python. (bool and size_t both come back in the return register.)
-        self._abort_flag = ctypes.create_string_buffer(2)
+        self._abort_flag = abort_flag_of._abort_flag if abort_flag_of else ctypes.create_string_buffer(2)
         self._abort_cb = ll.ggml_abort_callback(_libc_strlen_address())
         cp.abort_callback = self._abort_cb
         cp.abort_callback_data = ctypes.cast(self._abort_flag, ctypes.c_void_p)
@@ -393,19 +400,23 @@ class Context(NativeObject):
     def clear(self) -> None:
         ll.llama_memory_clear(self._mem, True)
 
-    def seq_state(self, seq_id: int) -> bytes:
-        """Sequence ``seq_id``'s KV cells and positions as bytes (llama_state_seq_get_data)."""
+    def seq_state(self, seq_id: int) -> bytearray:
+        """Sequence ``seq_id``'s KV cells and positions (llama_state_seq_get_data), written
+        straight into the returned buffer (a long context's state is hundreds of MB)."""
         size = ll.llama_state_seq_get_size(self._ptr, seq_id)
-        buf = (ctypes.c_uint8 * size)()
+        state = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(state)
         got = ll.llama_state_seq_get_data(self._ptr, buf, size, seq_id)
+        del buf  # releases the export, so the bytearray may be resized later
         if got != size:
             raise DecodeError(f"llama.cpp wrote {got} of {size} bytes of sequence {seq_id}'s state")
-        return bytes(buf)
+        return state
 
-    def set_seq_state(self, seq_id: int, state: bytes) -> None:
+    def set_seq_state(self, seq_id: int, state: bytes | bytearray) -> None:
         """Replace sequence ``seq_id`` with a :meth:`seq_state`; in an otherwise empty cache its
         cells land where they were computed (0..n-1), so decoding goes on exactly (docs/facts.md §3)."""
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        array = ctypes.c_uint8 * len(state)
+        buf = array.from_buffer(state) if isinstance(state, bytearray) else array.from_buffer_copy(state)
         if ll.llama_state_seq_set_data(self._ptr, buf, len(state), seq_id) != len(state):
             self.seq_rm(seq_id)
             raise DecodeError(f"llama.cpp could not restore sequence {seq_id}'s KV state (no room?)")

@@ -21,6 +21,7 @@ from .kv import KvOp
 from .memory import free_memory_bytes
 from .prompt_cache import FREE_MEMORY_SHARE, PromptCache
 from .runtime import Context, ContextParams, Model
+from .staged_prefill import StagedPrefill
 
 MAX_KEPT = PromptCache.MAX_CONVERSATIONS  # kept conversations per stage (a head asks for no more)
 
@@ -37,13 +38,17 @@ class Stage:
         self.n_ctx = self.ctx.n_ctx
         self.n_batch = params.n_batch
         self.n_seq_max = max(1, params.n_seq_max)
-        self.kept: dict[int, bytes] = {}  # slot -> sequence 0's state (KvOp save/load/drop)
+        self.kept: dict[int, bytearray] = {}  # slot -> sequence 0's state (KvOp save/load/drop)
         self._batch = Batch(
             params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max
         )
         # tensors named in params.observe, rows of sequence 0 by position [n_ctx, width]
         # (positions >= the sequence's length hold stale rows): TriForce's keys and queries
         self.observed: dict[str, np.ndarray] = {}
+        # prompt chunks in an F16 twin of a BF16 cache (docs/facts.md §25)
+        self.prefill: StagedPrefill | None = None
+        if params.f16_prefill and StagedPrefill.applies_to(self.ctx):
+            self.prefill = StagedPrefill(model, self.ctx)
 
     def check(self, job: DecodeJob) -> None:
         """Refuse a job this stage cannot run, before anything reaches llama.cpp."""
@@ -77,26 +82,51 @@ class Stage:
             self._batch.set_tokens(job.inputs.tolist(), positions, seq_ids, flags)
         else:
             self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
-        self.ctx.run_batch(self._batch)
-        if self.ctx.observed:
-            self._record_observed(job)
+        ctx = self._context_for(job)
+        try:
+            ctx.run_batch(self._batch)
+        except InterruptedError:
+            if ctx is not self.ctx:
+                self.prefill.aborted()  # type: ignore[union-attr]
+            raise
+        if ctx is not self.ctx:
+            self.prefill.computed(job)  # type: ignore[union-attr]
+        if ctx.observed:
+            self._record_observed(job, ctx.observed)
         if not self.last:
-            assert self.ctx.captured is not None
-            return self.ctx.captured  # a fresh array per run
-        return self.ctx.logits(job.n_outputs).copy()
+            assert ctx.captured is not None
+            return ctx.captured  # a fresh array per run
+        return ctx.logits(job.n_outputs).copy()
 
-    def _record_observed(self, job: DecodeJob) -> None:
+    def _context_for(self, job: DecodeJob) -> Context:
+        """The F16 twin for a prompt chunk, else this stage's own context (after the twin, if
+        one is open, has handed sequence 0 back)."""
+        if self.prefill is None:
+            return self.ctx
+        if self.prefill.takes(job) and self.prefill.try_open():
+            assert self.prefill.twin is not None
+            return self.prefill.twin
+        self.prefill.hand_over()
+        return self.ctx
+
+    def _settle(self) -> None:
+        """Sequence 0 back in this stage's own context before anything else touches it."""
+        if self.prefill is not None:
+            self.prefill.hand_over()
+
+    def _record_observed(self, job: DecodeJob, observed: dict[str, np.ndarray]) -> None:
         canonical = job.seq_ids == 0
         if not canonical.any():
             return
         pos = job.positions[canonical]
-        for name, rows in self.ctx.observed.items():
+        for name, rows in observed.items():
             store = self.observed.get(name)
             if store is None:
                 store = self.observed[name] = np.zeros((self.n_ctx, rows.shape[1]), np.float32)
             store[pos] = rows[canonical]
 
     def apply_kv(self, op: KvOp) -> None:
+        self._settle()
         if op.is_slot_op:
             self._slot_op(op)
             return
@@ -129,17 +159,25 @@ class Stage:
 
     def clear(self) -> None:
         """A new conversation: every sequence goes; kept conversations stay."""
+        if self.prefill is not None:
+            self.prefill.discard()
         self.ctx.clear()
 
     def forget_all(self) -> None:
         """Every sequence and every kept conversation (a cluster rebuilt its chain)."""
-        self.ctx.clear()
+        self.clear()
         self.kept.clear()
 
     def pos_max(self) -> list[int]:
-        """Last position held per sequence (-1: empty)."""
-        return [self.ctx.seq_pos_max(s) for s in range(self.n_seq_max)]
+        """Last position held per sequence (-1: empty); sequence 0's in the F16 twin while a
+        prompt is being prefilled there."""
+        held = [self.ctx.seq_pos_max(s) for s in range(self.n_seq_max)]
+        if self.prefill is not None and self.prefill.active:
+            held[0] = self.prefill.n_past - 1
+        return held
 
     def close(self) -> None:
+        if self.prefill is not None:
+            self.prefill.close()
         self._batch.close()
         self.ctx.close()
