@@ -46,8 +46,8 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
     nodes = [lk.info() for lk in links]
     cells = kv_cells(setup.n_ctx, setup.n_seq_max, setup.kv_unified)  # as the worker checks its load
     if split:
-        return manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype)
-    return plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype)
+        return manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx)
+    return plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx)
 
 
 def replan(setup: PipelineSetup, links: Sequence[NodeLink]) -> SplitPlan:

@@ -219,20 +219,32 @@ def stage_runtime_bytes(n_vocab: int, n_embd: int, n_batch: int) -> int:
     return compute + COMPUTE_MARGIN_BYTES + outputs
 
 
-def stage_bytes(costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH) -> int:
-    """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model.
+def stage_bytes(
+    costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH, seq_cells: int | None = None
+) -> int:
+    """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model; ``n_ctx``: its KV
+    cells (every stream), ``seq_cells``: one sequence's (default ``n_ctx``).
 
     Every slice holds the token embeddings and an output matrix besides its layers (they are
     needed to load). A stage's output matrix is a stub of zeros that is never read nor
     repacked (gguf_tools.layer_layout), and a worker's embeddings are read a row a token, yet
-    both count: the figure keeps that much headroom for the pages the load touches."""
+    both count: the figure keeps that much headroom for the pages the load touches.
+
+    While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
+    its own buffers) and, at the hand-over, sequence 0's state as bytes
+    (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
     weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
-    kv = costs.kv_bytes_per_token_layer * n_ctx * (hi - lo)
-    return weights + kv + stage_runtime_bytes(costs.n_vocab, costs.n_embd, n_batch)
+    kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
+    runtime = stage_runtime_bytes(costs.n_vocab, costs.n_embd, n_batch)
+    seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
+    prefill_twin = 2 * kv_cell * seq + runtime
+    return weights + kv_cell * n_ctx + runtime + prefill_twin
 
 
-def stage_mem_mb(costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH) -> float:
-    return stage_bytes(costs, lo, hi, n_ctx, n_batch) / (1 << 20)
+def stage_mem_mb(
+    costs: LayerCosts, lo: int, hi: int, n_ctx: int, n_batch: int = N_BATCH, seq_cells: int | None = None
+) -> float:
+    return stage_bytes(costs, lo, hi, n_ctx, n_batch, seq_cells) / (1 << 20)
 
 
 def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo, hop_bytes: int, last: bool) -> float:
@@ -243,9 +255,10 @@ def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo, hop_bytes: int, l
 
 
 def _assign(
-    costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int, n_batch: int, hop_bytes: int, last: bool
+    costs: LayerCosts, node: NodeInfo, lo: int, hi: int, n_ctx: int, n_batch: int, hop_bytes: int, last: bool,
+    seq_cells: int | None = None,
 ) -> StageAssignment:
-    mem = stage_mem_mb(costs, lo, hi, n_ctx, n_batch)
+    mem = stage_mem_mb(costs, lo, hi, n_ctx, n_batch, seq_cells)
     return StageAssignment(node, lo, hi, mem, _cost(costs, lo, hi, node, hop_bytes, last))
 
 
@@ -255,7 +268,8 @@ def hop_bytes(costs: LayerCosts, hidden_dtype: str = "f32") -> int:
 
 
 def plan_split(
-    costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hidden_dtype: str = "f32"
+    costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hidden_dtype: str = "f32",
+    seq_cells: int | None = None,
 ) -> SplitPlan:
     """The contiguous assignment (nodes in the given order) of the workers' layers
     ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included, so
@@ -275,16 +289,16 @@ def plan_split(
             for i in range(j):
                 if best[k - 1][i] == inf or not loadable(costs, i, j):
                     continue
-                if stage_mem_mb(costs, i, j, n_ctx, n_batch) > usable_mb(node):
+                if stage_mem_mb(costs, i, j, n_ctx, n_batch, seq_cells) > usable_mb(node):
                     continue
                 v = max(best[k - 1][i], _cost(costs, i, j, node, hop, j == n))
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
     if best[len(nodes)][n] == inf:
-        one = min(stage_mem_mb(costs, i, i + 1, n_ctx, n_batch) for i in range(n))
+        one = min(stage_mem_mb(costs, i, i + 1, n_ctx, n_batch, seq_cells) for i in range(n))
         raise PotluckError(
             f"the model does not fit: its {n} worker layers need about "
-            f"{stage_mem_mb(costs, 0, n, n_ctx, n_batch):,.0f} MB on one worker and at least "
+            f"{stage_mem_mb(costs, 0, n, n_ctx, n_batch, seq_cells):,.0f} MB on one worker and at least "
             f"{one:,.0f} MB on each (n_ctx {n_ctx}), and the {len(nodes)} worker(s) have "
             f"{', '.join(f'{nd.free_mb:,}' for nd in nodes)} MB free; add workers or lower --ctx"
         )
@@ -293,14 +307,14 @@ def plan_split(
     for k in range(len(nodes), 0, -1):
         i = cut[k][j]
         if i < j:
-            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop, j == n))
+            stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop, j == n, seq_cells))
         j = i
     return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
 
 
 def manual_plan(
     costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int, n_batch: int = N_BATCH,
-    hidden_dtype: str = "f32",
+    hidden_dtype: str = "f32", seq_cells: int | None = None,
 ) -> SplitPlan:
     """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
 
@@ -332,7 +346,7 @@ def manual_plan(
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
     hop = hop_bytes(costs, hidden_dtype)
     stages = tuple(
-        _assign(costs, nd, lo, hi, n_ctx, n_batch, hop, hi == end) for nd, lo, hi in zip(nodes, b, b[1:])
+        _assign(costs, nd, lo, hi, n_ctx, n_batch, hop, hi == end, seq_cells) for nd, lo, hi in zip(nodes, b, b[1:])
     )
     for s in stages:
         if s.mem_mb > usable_mb(s.node):

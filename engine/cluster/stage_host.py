@@ -38,7 +38,7 @@ def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
     header: the planner's own figure (:func:`.plan.stage_bytes`) over the slice's layers."""
     costs = layer_costs(path)
     cells = kv_cells(load.n_ctx, load.n_seq_max, load.kv_unified)
-    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch), costs.arch
+    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch, load.n_ctx), costs.arch
 
 
 def check_load(path: Path, msg: wire.Load) -> None:
