@@ -127,15 +127,34 @@ def test_context_meter() -> None:
     assert context_meter(5, 0) == "—"  # no context yet
 
 
-@pytest.mark.parametrize("strategy", ["sd", "pearl", "minions", "pipeinfer"])
-def test_f16_draft_model_strategies_equal_plain_past_512_cells(
-    strategy: str, plain_f16: Finished, weak_draft: Path
+@pytest.fixture(scope="module")
+def plain_staged() -> Finished:
+    """Plain decoding of the same prompt with the default cache: the prompt prefills in an F16
+    twin, the reply decodes in BF16 (core/staged_prefill.py)."""
+    done = _reply(EngineSpec(n_ctx=2048, n_threads=THREADS), PROMPT)
+    assert done.prompt_tokens > 600  # past 512 cells
+    return done
+
+
+TRIFORCE_SMALL = {"min_context": 0, "budget": 64, "sinks": 8, "recent": 32, "stride": 16}
+
+
+@pytest.mark.parametrize("strategy", ["anpd", "sd", "pearl", "minions", "pipeinfer", "triforce"])
+def test_every_strategy_equals_plain_after_a_staged_prefill(
+    strategy: str, plain_staged: Finished, weak_draft: Path
 ) -> None:
-    """Every strategy that drafts with a model takes the F16 path too: its target batches at 2
-    threads (pearl's target on its share of them) against plain's one-thread steps (the first
-    24 tokens of plain's reply: the draft model's own prefill is most of the time)."""
-    spec = EngineSpec(strategy=strategy, draft=weak_draft, n_ctx=2048, n_threads=THREADS, kv_cache="f16",
-                      strategy_options={"adaptive": False})
-    done = _reply(spec, PROMPT, max_tokens=24)
-    assert done.tokens == plain_f16.tokens[:24]
+    """Every strategy's target prefills the prompt in the F16 twin (counted) and decodes past
+    512 cells with 2 threads, token for token as plain decoding (the first 24 tokens of plain's
+    reply: the draft model's own prefill is most of the time)."""
+    options: dict[str, object] = {"adaptive": False, **(TRIFORCE_SMALL if strategy == "triforce" else {})}
+    draft = weak_draft if strategy in ("sd", "pearl", "minions", "pipeinfer") else None
+    session = open_session(EngineSpec(strategy=strategy, draft=draft, n_ctx=2048, n_threads=THREADS,
+                                      strategy_options=options))
+    try:
+        done = [ev for ev in session.generate(PROMPT, max_tokens=24) if isinstance(ev, Finished)][0]
+        prefill = session.target.stage.prefill.counters  # type: ignore[attr-defined]
+    finally:
+        session.close()
+    assert done.tokens == plain_staged.tokens[:24]
+    assert prefill.staged_jobs == 2 and prefill.handovers == 1  # 512 + the rest, in the twin
     assert done.drafted > 0 and done.accepted > 0

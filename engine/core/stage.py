@@ -109,7 +109,7 @@ class Stage:
         self.prefill.hand_over()
         return self.ctx
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Sequence 0 back in this stage's own context before anything else touches it."""
         if self.prefill is not None:
             self.prefill.hand_over()
@@ -126,7 +126,7 @@ class Stage:
             store[pos] = rows[canonical]
 
     def apply_kv(self, op: KvOp) -> None:
-        self._settle()
+        self.settle()
         if op.is_slot_op:
             self._slot_op(op)
             return

@@ -235,14 +235,16 @@ def memory_fits(model: Model, n_ctx: int, n_streams: int = 1) -> None:
     """Refuse a context whose KV cache and weights cannot fit in free memory: llama.cpp clears
     the whole cache when it creates it, so an oversized one gets the process killed (or the
     machine swapping), not an error."""
-    kv = kv_bytes(model, n_ctx * max(1, n_streams))
+    # every stream's cells, plus a prompt's F16 twin of one sequence and the state it hands
+    # back (core/staged_prefill.py)
+    kv = kv_bytes(model, n_ctx * (max(1, n_streams) + 2))
     free = free_memory_bytes()  # MemAvailable, or less under a cgroup limit
     # a tenth of the free memory stays for compute buffers, the rest of potluck and the system
     if kv is None or free is None or kv + model.size_bytes() <= 0.9 * free:
         return
     gib = 1 << 30
     raise PotluckError(
-        f"a context of {n_ctx} tokens (--ctx) needs about {kv / gib:.1f} GiB of KV cache plus "
+        f"a context of {n_ctx} tokens (--ctx) needs about {kv / gib:.1f} GiB of KV cache (prefill included) plus "
         f"{model.size_bytes() / gib:.1f} GiB of weights for {model.path.name} but "
         f"{free / gib:.1f} GiB of memory is free; lower --ctx"
     )
