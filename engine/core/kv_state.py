@@ -26,10 +26,11 @@ raises :class:`KvStateError`, and the caller keeps computing in one cache type.
 
 from __future__ import annotations
 
+import functools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 GGML_TYPE_F16 = 1
@@ -70,21 +71,36 @@ _TO_F16 = f16_from_bf16(_ALL)
 _F16_EXACT = _TO_BF16[_TO_F16] == _ALL
 
 
-@numba.njit(cache=True, nogil=True)
-def _count_inexact(values: np.ndarray, exact: np.ndarray) -> int:  # pragma: no cover - compiled
-    n = 0
-    for i in range(values.size):
-        if not exact[values[i]]:
-            n += 1
-    return n
+@functools.cache
+def _kernels() -> tuple[Callable[[np.ndarray, np.ndarray], int], Callable[[np.ndarray, np.ndarray], None]]:
+    """(count_inexact, translate), compiled by numba on first use (importing numba costs
+    0.4 s: not at the CLI's start)."""
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def count_inexact(values: np.ndarray, exact: np.ndarray) -> int:  # pragma: no cover - compiled
+        n = 0
+        for i in range(values.size):
+            if not exact[values[i]]:
+                n += 1
+        return n
+
+    @numba.njit(cache=True, nogil=True)
+    def translate(values: np.ndarray, table: np.ndarray) -> None:  # pragma: no cover - compiled
+        """values[i] = table[values[i]], in place (~12 ms for 50M values, against 570 ms for
+        numpy's float conversions)."""
+        for i in range(values.size):
+            values[i] = table[values[i]]
+
+    return count_inexact, translate
 
 
-@numba.njit(cache=True, nogil=True)
-def _translate(values: np.ndarray, table: np.ndarray) -> None:  # pragma: no cover - compiled
-    """values[i] = table[values[i]], in place (~12 ms for 50M values, against 570 ms for
-    numpy's float conversions)."""
-    for i in range(values.size):
-        values[i] = table[values[i]]
+def warm_up() -> None:
+    """Compile (or load from numba's cache) both kernels now, not at the first hand-over."""
+    count_inexact, translate = _kernels()
+    tiny = np.zeros(1, np.uint16)
+    count_inexact(tiny, _F16_EXACT)
+    translate(tiny, _TO_BF16)
 
 
 # -- layout
@@ -122,16 +138,17 @@ def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int) -> bytea
         section = _read_section(state, at, blocks)
         sections.append(section)
         at = section.end
+    count_inexact, translate = _kernels()
     if to_type == GGML_TYPE_F16:  # check everything before changing anything
         for type_at, data_at, n_bytes in blocks:
-            if _u32(state, type_at) == GGML_TYPE_BF16 and _count_inexact(
+            if _u32(state, type_at) == GGML_TYPE_BF16 and count_inexact(
                 np.frombuffer(state, np.uint16, n_bytes // 2, data_at), _F16_EXACT
             ):
                 raise KvStateError("a KV value does not survive BF16 -> F16 -> BF16 (out of F16's range)")
     table = _TO_BF16 if to_type == GGML_TYPE_BF16 else _TO_F16
     for type_at, data_at, n_bytes in blocks:
         if _u32(state, type_at) != to_type:
-            _translate(np.frombuffer(state, np.uint16, n_bytes // 2, data_at), table)
+            translate(np.frombuffer(state, np.uint16, n_bytes // 2, data_at), table)
             struct.pack_into("<i", state, type_at, to_type)
     if all(s.n_stream == n_stream for s in sections):
         return state

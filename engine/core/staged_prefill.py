@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .jobs import DecodeJob
-from .kv_state import GGML_TYPE_BF16, GGML_TYPE_F16, KvStateError, convert_seq_state
+from .kv_state import GGML_TYPE_BF16, GGML_TYPE_F16, KvStateError, convert_seq_state, warm_up
 from .runtime import Context, Model
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class StagedPrefill:
         self.counters = PrefillCounters()
         p = main.params
         self._n_stream = 1 if p.kv_unified else max(1, p.n_seq_max)
+        warm_up()  # with the model's load, not in the middle of a reply
 
     @staticmethod
     def applies_to(main: Context) -> bool:
