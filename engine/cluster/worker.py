@@ -25,6 +25,7 @@ received slices live under a quota and are re-hashed before each load.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from concurrent.futures import Future
@@ -35,6 +36,7 @@ import zmq
 
 from ..core.errors import PotluckError
 from ..core.jobs import GroupCancelled
+from ..core.runner import CANCELLED_KEPT
 from ..core.spec import CurveKeys
 from . import inbox, wire
 from .child import StageCrashed, StageProcess
@@ -133,6 +135,9 @@ class Worker:
         self.forward: zmq.Socket | None = None
         self.next_lost = ""  # why a forward was not taken: the order downstream is broken
         self.handback = Handback()  # finished stage work and crashes, sent on by this thread
+        # job groups the owner cancelled: their jobs that arrive later go to the stage as
+        # placeholders, so a cancel never depends on which of the stage's pipes is read first
+        self.cancelled: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._poller = zmq.Poller()  # the socket, the monitor and the stage process's replies
         # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
@@ -337,6 +342,10 @@ class Worker:
         elif isinstance(msg, wire.Cancel):
             if self.stage is not None:
                 self.stage.proc.cancel(*msg.groups)  # reaches a running batch, not only queued ones
+                for group in msg.groups:
+                    self.cancelled[group] = None
+                while len(self.cancelled) > CANCELLED_KEPT:
+                    self.cancelled.popitem(last=False)
         else:
             raise PotluckError(f"a worker does not accept {msg.TYPE!r} messages")
 
@@ -404,6 +413,7 @@ class Worker:
         self.upstream_key = bytes.fromhex(msg.upstream_key)
         self.downstream_key = bytes.fromhex(msg.downstream_key)
         self.txn = 0
+        self.cancelled.clear()
         load_ms = (time.perf_counter() - t0) * 1000
         info = stage.info
         log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
@@ -424,6 +434,7 @@ class Worker:
         self.upstream_key = self.downstream_key = b""
         self.upstream_ident = b""
         self.txn = 0
+        self.cancelled.clear()  # job groups are numbered per head
 
     def _status(self) -> wire.StatusReply:
         ld = self.stage
@@ -450,7 +461,7 @@ class Worker:
             fut = ld.proc.submit("reset")
         elif isinstance(msg, wire.KvApply):
             fut = ld.proc.submit("kv", msg.kv_op())
-        elif msg.skip:  # cancelled or refused upstream: skipped here too, in its place
+        elif msg.skip or msg.group in self.cancelled:  # cancelled: skipped here, in its place
             fut = ld.proc.submit("skip", msg.group)
         else:
             fut = ld.proc.submit("job", msg.job())  # checked by the stage, in its place in the order
