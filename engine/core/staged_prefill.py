@@ -92,6 +92,17 @@ class StagedPrefill:
         twin = self.twin
         if twin is None:
             return
+        self.twin = None
+        try:
+            if twin.seq_pos_max(0) >= 0:
+                state = convert_seq_state(twin.seq_state(0), GGML_TYPE_BF16, n_stream=self._n_stream)
+                self.main.set_seq_state(0, state)
+            else:
+                self.main.seq_rm(0)
+        finally:
+            twin.close()
+        self.counters.handovers += 1
+
     def discard(self) -> None:
         """The conversation was cleared: forget the twin's cells."""
         if self.twin is not None:
