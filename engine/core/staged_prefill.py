@@ -37,7 +37,7 @@ MIN_ROWS = 64
 class PrefillCounters:
     staged_jobs: int = 0  # batches computed in the F16 twin
     handovers: int = 0  # times sequence 0 went back to the BF16 cache
-    refused: int = 0  # large batches kept in BF16 because the cells could not be converted
+    refused: int = 0  # large batches kept in BF16: a state layout kv_state does not know
 
 
 class StagedPrefill:
