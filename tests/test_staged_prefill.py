@@ -10,6 +10,7 @@ tests/test_prefill.py.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +175,32 @@ def test_the_twin_computes_alike_on_one_thread_and_two(model: Model) -> None:
     finally:
         one.close()
         two.close()
+
+
+def test_a_split_model_stages_alike_the_whole_model(model: Model, model_path: Path, tmp_path: Path) -> None:
+    """Two turns, the second a staged chunk after cells already in the BF16 cache (converted
+    into the twin and back): three in-process stages give the whole model's logits. A stage
+    must never decide over its own layers' values (layer 0's hold values F16 cannot)."""
+    from potluck.engine.core.gguf_tools import slice_layers
+
+    from .support.split_target import SplitTarget
+
+    bounds = [(0, 9), (9, 21), (21, 30)]
+    models = [Model(slice_layers(model_path, tmp_path / f"{lo}.gguf", lo, hi)) for lo, hi in bounds]
+    whole = _target(model)
+    split = SplitTarget(models, ContextParams(n_ctx=2048, n_threads=THREADS))
+    try:
+        for t in (whole, split):
+            t.decode(PROMPT[:100])  # turn 1: staged from an empty sequence
+            t.decode(FOLLOW[:3])  # its reply: single steps in BF16 (the hand-over first)
+        turn_2 = PROMPT[100:300]
+        want = whole.decode(turn_2, all_logits=True).copy()
+        assert np.array_equal(split.decode(turn_2, all_logits=True), want)
+        assert np.array_equal(split.decode(FOLLOW[3:8], all_logits=True), whole.decode(FOLLOW[3:8], all_logits=True))
+        assert all(s.prefill.counters.staged_jobs == 2 for s in split.stages)  # type: ignore[union-attr]
+        assert whole.stage.prefill.counters.handovers == 2  # type: ignore[union-attr]
+    finally:
+        whole.close()
+        split.close()
+        for m in models:
+            m.close()
