@@ -32,6 +32,7 @@ from .kv import KvOp
 from .runner import StageRunner
 from .runtime import ContextParams, Model
 from .stage import Stage
+from .staged_prefill import MIN_ROWS as PREFILL_TWIN_MIN_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,11 @@ class Target(Protocol):
 
     def truncate(self, n_past: int) -> None:
         """Forget every token of sequence 0 at position >= ``n_past``."""
+        ...
+
+    def settle(self) -> None:
+        """Every stage puts sequence 0 back in its BF16 cache (after a prompt ``decode``
+        computed in F16 twins: core/staged_prefill.py)."""
         ...
 
     def set_threads(self, n_threads: int) -> None:
@@ -216,9 +222,18 @@ class TargetBase(ABC):
                 pass
             raise
         self._n_past += n
+        if n >= PREFILL_TWIN_MIN_ROWS:
+            self.settle()
         if all_logits:
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1:]
+
+    def settle(self) -> None:
+        """A prompt is in: every stage hands sequence 0 back from its F16 twin now
+        (core/staged_prefill.py), so the reply's first step is not charged with it (the
+        draft floor measures plain steps). A trim of nothing reaches every stage in pipeline
+        order; a local target waits for it."""
+        self.kv(KvOp.rm(0, self._n_past))
 
     def append(self, tokens: Sequence[int], group: int) -> Ticket:
         n = len(tokens)
@@ -310,6 +325,9 @@ class LocalTarget(TargetBase):
 
     def set_threads(self, n_threads: int) -> None:
         self.runner.set_threads(n_threads)
+
+    def settle(self) -> None:
+        self.runner.submit(Stage.settle).result()
 
     def keep_kv(self, slot: int) -> bool:
         try:
