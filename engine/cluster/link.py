@@ -210,9 +210,9 @@ class NodeLink:
         self.drain_events()
         if self.handshaken and not self.auth_failed:
             return f"{self.describe()} did not answer within {timeout_s:g} s"
-        if self.auth_failed:
-            why = "it refused our CURVE keys: started with a different cluster token"
-        elif self.reachable is None:
+        if self.auth_failed:  # an answer, not a silence: no deadline in the message
+            return f"{self.describe()} refused our CURVE keys: started with a different cluster token"
+        if self.reachable is None:
             why = "nothing took the connection there: not running, or a wrong address"
         elif self.reachable is False:
             why = "it dropped the connection before CURVE completed: not a potluck worker, or another cluster token"
