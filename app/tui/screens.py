@@ -264,13 +264,16 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
         self.app.call_from_thread(self._refresh)
 
     def _hint(self, text: str) -> None:
-        self.query_one("#cluster-hint", Static).update(text)
+        for hint in self.query("#cluster-hint").results(Static):
+            hint.update(text)
 
     def _refresh(self) -> None:
-        if self._membership is None or not self.is_attached:
+        # a worker found while the screen closes: its widgets may already be gone
+        lists = list(self.query("#cluster-nodes").results(SelectionList))
+        if self._membership is None or not self.is_attached or not lists:
             return
         nodes = [n for n in self._membership.nodes() if n.compatible]
-        sl = self.query_one("#cluster-nodes", SelectionList)
+        sl = lists[0]
         chosen = set(sl.selected)
         new = {n.address: n for n in nodes}
         if new.keys() == self.found.keys():
