@@ -154,6 +154,9 @@ def test_a_cancel_reaches_a_prompt_in_the_twin(model: Model) -> None:
         with pytest.raises(GroupCancelled):
             target.wait(tickets[0])
         assert target.runner.counters.aborted == 1
+        # it was aborted in the twin: the first 100 tokens were handed back, so only that
+        # batch opened it, and nothing has handed it back since
+        assert target.stage.prefill.active  # type: ignore[union-attr]
         assert target.pos_max()[0] == 99  # the aborted batch left nothing behind
         # and the conversation goes on as if the batch never ran
         after = target.decode(PROMPT[100:200])[-1].copy()

@@ -99,9 +99,8 @@ def warm_up() -> None:
 
 @dataclass(frozen=True)
 class _Section:
-    """One KV cache's part of the state: where its stream count sits and its one filled stream."""
+    """One KV cache's part of the state: its stream count and its one filled stream."""
 
-    n_stream_at: int
     n_stream: int
     filled_at: int  # offset of the filled stream's cell_count (-1: no cells)
     filled_end: int
@@ -142,7 +141,6 @@ def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int) -> bytea
 
 def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]]) -> _Section:
     """Check one KV cache's section starting at ``at`` and note its K/V blocks."""
-    n_stream_at = at
     n_stream = _u32(state, at)
     at += 4
     filled_at = filled_end = -1
@@ -173,7 +171,7 @@ def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]])
             blocks.append((at, at + 12, n_bytes))
             at += 12 + n_bytes
         filled_end = at
-    return _Section(n_stream_at, n_stream, filled_at, filled_end, at)
+    return _Section(n_stream, filled_at, filled_end, at)
 
 
 def _relayout(state: bytearray, sections: list[_Section], n_stream: int) -> bytearray:

@@ -120,6 +120,17 @@ class Model(NativeObject):
     def size_bytes(self) -> int:
         return int(ll.llama_model_size(self.ptr))
 
+    @property
+    def plain_kv_cells(self) -> bool:
+        """An attention KV cache whose cells hold one position each: not recurrent or hybrid
+        (other state layouts), no multi-position RoPE (M-RoPE cells carry more)."""
+        multi_position = (ll.LLAMA_ROPE_TYPE_MROPE, ll.LLAMA_ROPE_TYPE_IMROPE, ll.LLAMA_ROPE_TYPE_VISION)
+        return not (
+            ll.llama_model_is_recurrent(self.ptr)
+            or ll.llama_model_is_hybrid(self.ptr)
+            or ll.llama_model_rope_type(self.ptr) in multi_position
+        )
+
     # -- vocabulary
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))

@@ -48,7 +48,7 @@ class Stage:
         # prompt chunks in an F16 twin of a BF16 cache (docs/facts.md §25)
         self.prefill: StagedPrefill | None = None
         if params.f16_prefill and StagedPrefill.applies_to(self.ctx):
-            self.prefill = StagedPrefill(model, self.ctx)
+            self.prefill = StagedPrefill(self.ctx)
 
     def check(self, job: DecodeJob) -> None:
         """Refuse a job this stage cannot run, before anything reaches llama.cpp."""
@@ -83,14 +83,9 @@ class Stage:
         else:
             self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
         ctx = self._context_for(job)
-        try:
-            ctx.run_batch(self._batch)
-        except InterruptedError:
-            if ctx is not self.ctx:
-                self.prefill.aborted()  # type: ignore[union-attr]
-            raise
+        ctx.run_batch(self._batch)  # aborted: llama.cpp drops the batch's cells, in either context
         if ctx is not self.ctx:
-            self.prefill.computed(job)  # type: ignore[union-attr]
+            self.prefill.counters.staged_jobs += 1  # type: ignore[union-attr]
         if ctx.observed:
             self._record_observed(job, ctx.observed)
         if not self.last:
@@ -103,9 +98,10 @@ class Stage:
         one is open, has handed sequence 0 back)."""
         if self.prefill is None:
             return self.ctx
-        if self.prefill.takes(job) and self.prefill.try_open():
-            assert self.prefill.twin is not None
-            return self.prefill.twin
+        if self.prefill.takes(job):
+            twin = self.prefill.open()
+            if twin is not None:
+                return twin
         self.prefill.hand_over()
         return self.ctx
 
@@ -173,11 +169,11 @@ class Stage:
         prompt is being prefilled there."""
         held = [self.ctx.seq_pos_max(s) for s in range(self.n_seq_max)]
         if self.prefill is not None and self.prefill.active:
-            held[0] = self.prefill.n_past - 1
+            held[0] = self.prefill.end() - 1
         return held
 
     def close(self) -> None:
         if self.prefill is not None:
-            self.prefill.close()
+            self.prefill.discard()
         self._batch.close()
         self.ctx.close()

@@ -18,13 +18,14 @@ and decide alike. The twin shares the main context's abort flag, so a cancel rea
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .jobs import DecodeJob
 from .kv_state import GGML_TYPE_BF16, GGML_TYPE_F16, KvStateError, convert_seq_state, warm_up
-from .runtime import Context, Model
+from .runtime import Context
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,16 @@ MIN_ROWS = 64
 class PrefillCounters:
     staged_jobs: int = 0  # batches computed in the F16 twin
     handovers: int = 0  # times sequence 0 went back to the BF16 cache
+    handover_s: float = 0.0  # time those took (state out, converted, in; the twin closed)
     refused: int = 0  # large batches kept in BF16: a state layout kv_state does not know
 
 
 class StagedPrefill:
     """The F16 twin of one BF16 :class:`Context`, open only while a prompt is prefilled."""
 
-    def __init__(self, model: Model, main: Context) -> None:
-        self.model = model
+    def __init__(self, main: Context) -> None:
         self.main = main
         self.twin: Context | None = None
-        self.n_past = 0  # tokens of sequence 0 in the twin
         self.counters = PrefillCounters()
         p = main.params
         self._n_stream = 1 if p.kv_unified else max(1, p.n_seq_max)
@@ -55,14 +55,22 @@ class StagedPrefill:
 
     @staticmethod
     def applies_to(main: Context) -> bool:
-        """A BF16 cache with flash attention whose sequence 0 can be replaced alone: one
-        sequence, or one KV stream per sequence."""
+        """A BF16 cache with flash attention whose sequence 0 can be replaced alone (one
+        sequence, or one KV stream per sequence), in a model whose KV state kv_state reads."""
         p = main.params
-        return p.kv_type == GGML_TYPE_BF16 and p.flash_attn and (p.n_seq_max <= 1 or not p.kv_unified)
+        return (
+            p.kv_type == GGML_TYPE_BF16 and p.flash_attn and (p.n_seq_max <= 1 or not p.kv_unified)
+            and main.model.plain_kv_cells
+        )
 
     @property
     def active(self) -> bool:
         return self.twin is not None
+
+    def end(self) -> int:
+        """Where sequence 0 ends: in the twin while one is open, else in the main cache."""
+        ctx = self.twin if self.twin is not None else self.main
+        return ctx.seq_pos_max(0) + 1
 
     def takes(self, job: DecodeJob) -> bool:
         """Whether ``job`` is a prompt chunk: at least :data:`MIN_ROWS` rows of sequence 0 at
@@ -70,28 +78,41 @@ class StagedPrefill:
         n = job.n_tokens
         if n < MIN_ROWS or job.seq_ids.any():
             return False
-        start = int(job.positions[0])
-        if int(job.positions[-1]) != start + n - 1 or not np.array_equal(
-            job.positions, np.arange(start, start + n, dtype=job.positions.dtype)
-        ):
-            return False
-        end = self.n_past if self.active else self.main.seq_pos_max(0) + 1
-        return start == end
+        start = self.end()
+        return bool(np.array_equal(job.positions, np.arange(start, start + n, dtype=job.positions.dtype)))
 
-    def computed(self, job: DecodeJob) -> None:
-        """``job`` ran in the twin: its rows are part of sequence 0 now."""
-        self.n_past = int(job.positions[-1]) + 1
-        self.counters.staged_jobs += 1
-
-    def aborted(self) -> None:
-        """llama.cpp removed an aborted batch's cells: the twin holds what it held before."""
-        self.n_past = self.twin.seq_pos_max(0) + 1 if self.twin is not None else 0
+    def open(self) -> Context | None:
+        """The twin (opened with sequence 0's cells on first use), or None when kv_state
+        cannot read this model's state: the batch then stays in BF16."""
+        if self.twin is not None:
+            return self.twin
+        p = self.main.params
+        _, batch_threads = self.main.threads()
+        params = replace(
+            p, kv_type=GGML_TYPE_F16, n_seq_max=1, kv_unified=True, n_threads=batch_threads,
+            single_step_threads=0, follow_load=False,
+        )
+        twin = Context(self.main.model, params, abort_flag_of=self.main)
+        try:
+            if self.main.seq_pos_max(0) >= 0:
+                twin.set_seq_state(0, convert_seq_state(self.main.seq_state(0), GGML_TYPE_F16, n_stream=1))
+        except KvStateError as e:
+            twin.close()
+            log.info("prompt prefilled in BF16: %s", e)
+            self.counters.refused += 1
+            return None
+        except BaseException:
+            twin.close()
+            raise
+        self.twin = twin
+        return twin
 
     def hand_over(self) -> None:
         """Put sequence 0 back into the BF16 cache and close the twin (frees its memory)."""
         twin = self.twin
         if twin is None:
             return
+        t0 = time.perf_counter()
         self.twin = None
         try:
             if twin.seq_pos_max(0) >= 0:
@@ -102,43 +123,10 @@ class StagedPrefill:
         finally:
             twin.close()
         self.counters.handovers += 1
+        self.counters.handover_s += time.perf_counter() - t0
 
     def discard(self) -> None:
-        """The conversation was cleared: forget the twin's cells."""
+        """The conversation was cleared, or the stage closes: forget the twin's cells."""
         if self.twin is not None:
             self.twin.close()
             self.twin = None
-        self.n_past = 0
-
-    def close(self) -> None:
-        self.discard()
-
-    def _open(self) -> None:
-        p = self.main.params
-        _, batch_threads = self.main.threads()
-        params = replace(
-            p, kv_type=GGML_TYPE_F16, n_seq_max=1, kv_unified=True, n_threads=batch_threads,
-            single_step_threads=0, follow_load=False,
-        )
-        twin = Context(self.model, params, abort_flag_of=self.main)
-        try:
-            if self.main.seq_pos_max(0) >= 0:
-                state = convert_seq_state(self.main.seq_state(0), GGML_TYPE_F16, n_stream=1)
-                twin.set_seq_state(0, state)
-        except BaseException:
-            twin.close()
-            raise
-        self.twin = twin
-        self.n_past = twin.seq_pos_max(0) + 1
-
-    def try_open(self) -> bool:
-        """Open the twin; False (and the job stays in BF16) if the cells cannot be converted."""
-        if self.twin is not None:
-            return True
-        try:
-            self._open()
-        except KvStateError as e:
-            log.info("prompt prefilled in BF16: %s", e)
-            self.counters.refused += 1
-            return False
-        return True
