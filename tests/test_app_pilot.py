@@ -5,6 +5,7 @@ Every wait polls a condition (``until``); nothing relies on a fixed pause.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from potluck.app.config import Settings, UISettings, load_settings
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
 from potluck.app.tui.screens import PickerScreen
-from potluck.app.tui.widgets import ChatLog, MessageView, StatsPanel
+from potluck.app.tui.widgets import LAYOUT_EVERY_S, ChatLog, MessageView, StatsPanel
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
@@ -445,3 +446,26 @@ async def test_streaming_parses_finished_blocks_once_and_the_rest_as_plain_text(
         await reply_done(app)
         await pilot.pause()
         assert reply.markdown.source == "Intro **bold**.\n\nStill `typing code`." and not tail.display
+
+
+@run_async
+async def test_streamed_text_and_the_reply_end_take_turns_on_the_markdown(tmp_path: Path) -> None:
+    # The pump's timer task and the app's message queue both write to a reply: two Markdown
+    # appends that overlap parse from the same line and lose a block.
+    text = "First paragraph.\n\n```py\nx = 1\n```\n\nLast words."
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        chat = app.chat_log()
+        assert chat is not None
+        view = MessageView("assistant", streaming=True)
+        await chat.mount(view)
+        view._laid_out_at = -LAYOUT_EVERY_S  # the append may parse its finished blocks now
+        await asyncio.gather(view.append(text[: text.index("Last")]), view.finish(text))
+        await pilot.pause()
+        blocks = list(view.markdown.children)
+        assert view.markdown.source == text
+        kinds = [type(b).__name__ for b in blocks]
+        assert kinds == ["MarkdownParagraph", "MarkdownFence", "MarkdownParagraph"], kinds
+        lines = text.splitlines()
+        assert [lines[b.source_range[0]] for b in blocks] == ["First paragraph.", "```py", "Last words."]

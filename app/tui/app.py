@@ -23,7 +23,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.widgets import ContentSwitcher, Footer, Label, Static
+from textual.widgets import ContentSwitcher, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
 from ...engine import EngineSpec, Message, PotluckError
@@ -49,7 +49,7 @@ from .replies import (
 )
 from .reply_handlers import ReplyHandlers
 from .stats import Figures, ReplyProgress, SpeedMeter
-from .widgets import ChatInput, ChatLog, ConversationList, MessageView, StatsPanel, finish_note
+from .widgets import ChatInput, ChatLog, ConversationList, KeysFooter, MessageView, StatsPanel, finish_note
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
     TITLE = "potluck"
     # Binding ids are KeySettings field names, so [keys] in config.toml remaps them.
     BINDINGS = [
-        _b("escape", "stop", "Stop"),
+        _b("escape", "stop", "Stop", show=False),  # the status line says "Esc stops" while it can
         _b("ctrl+r", "regenerate", "Regenerate"),
         _b("ctrl+n", "new_conversation", "New"),
         _b("f2", "rename_conversation", "Rename"),
@@ -159,7 +159,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
                     cursor_blink=self.settings.ui.cursor_blink,
                 )
             yield StatsPanel(id="stats")
-        yield Footer()
+        yield KeysFooter()
 
     async def on_mount(self) -> None:
         # The engine thread drops the GIL in every llama.cpp call and needs it back to go on;

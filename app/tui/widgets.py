@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 from rich.console import Group
 from rich.table import Table
@@ -12,7 +15,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
-from textual.widgets import ListItem, ListView, Markdown, Sparkline, Static, TextArea
+from textual.screen import Screen
+from textual.widgets import Footer, ListItem, ListView, Markdown, Sparkline, Static, TextArea
 
 from ..store import Conversation
 from .cluster import ClusterState, human_bytes
@@ -85,6 +89,10 @@ class MessageView(Vertical, can_focus=True):
         self._tail_lines = -1  # wrapped lines the streaming tail had at its last layout
         self._laid_out_at = 0.0  # when streaming last laid the screen out (monotonic)
         self._code_index = 0
+        # Streamed text arrives from the pump's timer task and the reply's end from the app's
+        # message queue: Textual's Markdown.append is not safe to overlap (two appends parse
+        # from the same line and one block is lost), so they take turns.
+        self._drawing = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
         yield Static(_ROLE_LABEL.get(self.role, self.role), classes="role")
@@ -105,6 +113,10 @@ class MessageView(Vertical, can_focus=True):
         """Add streamed text. Parsing Markdown and laying out its blocks per pump tick cost
         the engine a third of a core on a 2-core machine, so only finished blocks are parsed,
         and the screen is laid out again at most every :data:`LAYOUT_EVERY_S`."""
+        async with self._drawing:
+            await self._append(text)
+
+    async def _append(self, text: str) -> None:
         self.content += text
         due = time.monotonic() - self._laid_out_at >= LAYOUT_EVERY_S
         end = settled_end(self.content)
@@ -138,6 +150,10 @@ class MessageView(Vertical, can_focus=True):
 
     async def finish(self, final_text: str, note: str = "") -> None:
         """End streaming: the whole reply as Markdown (the engine's final text wins)."""
+        async with self._drawing:
+            await self._finish(final_text, note)
+
+    async def _finish(self, final_text: str, note: str) -> None:
         if final_text != self.content or self._rendered < len(final_text):
             if final_text.startswith(self.content[: self._rendered]) and self._rendered:
                 await self.markdown.append(final_text[self._rendered:])
@@ -147,11 +163,14 @@ class MessageView(Vertical, can_focus=True):
         self._show_tail()
         self.set_note(note)
         self.remove_class("streaming")
+        if isinstance(self.parent, ChatLog):  # the final Markdown may be what overflows the log
+            self.parent.call_after_refresh(self.parent.follow)
 
     async def restart(self) -> None:
         """Empty the reply so a regenerated one can stream into the same place."""
-        self.content, self._rendered = "", 0
-        await self.markdown.update("")
+        async with self._drawing:
+            self.content, self._rendered = "", 0
+            await self.markdown.update("")
         self._show_tail()
         self.set_note("")
         self.add_class("streaming")
@@ -238,6 +257,12 @@ class ChatInput(TextArea):
 class StatsPanel(Vertical):
     """Live speed and acceptance figures; fed by the app's sampling timer, never per token."""
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._shown: dict[str, tuple[object, int]] = {}  # per section: its key and line count
+        self._sections: list[tuple[str, list[tuple[str, str]]]] = []
+        self._cluster: tuple[ClusterState, str] | None = None
+
     def compose(self) -> ComposeResult:
         yield Static(id="stats-speed", classes="panel")
         yield Sparkline([], id="stats-spark")
@@ -249,13 +274,13 @@ class StatsPanel(Vertical):
         self.query_one("#stats-cluster", Static).display = False
 
     def show(self, f: Figures) -> None:
-        speed = _section("Speed", [
+        speed = ("Speed", [
                 ("now", fmt(f.tokens_per_s_now, ".1f", " tok/s")),
                 ("reply", fmt(f.tokens_per_s_reply, ".1f", " tok/s")),
                 ("first token", fmt(f.ttft_s, ".2f", " s")),
             ])
         self.query_one("#stats-spark", Sparkline).data = list(f.speed_series[-60:])
-        spec = _section("Speculation", [
+        spec = ("Speculation", [
                 ("strategy", f.strategy or DASH),
                 ("acceptance", fmt(f.acceptance_rate, ".2f")),
                 ("accepted/round", fmt(f.mean_accepted_len, ".2f")),
@@ -268,28 +293,25 @@ class StatsPanel(Vertical):
             ])
         used = f"{f.n_past} / {f.n_ctx}" if f.n_ctx else DASH
         pct = f" ({100 * f.n_past / f.n_ctx:.0f}%)" if f.n_ctx else ""
-        tokens = _section("Tokens", [
+        tokens = ("Tokens", [
             ("prompt", str(f.prompt_tokens)),
             ("generated", str(f.generated_tokens)),
             ("context", used + pct),
             ("", context_meter(f.n_past, f.n_ctx)),
         ])
-        self._tables = [speed, spec, tokens]
-        for widget_id, table in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._tables):
-            self._put(widget_id, table)
+        self._sections = [speed, spec, tokens]
+        for widget_id, (title, rows) in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._sections):
+            self._put(widget_id, (title, rows), len(rows), lambda t=title, r=rows: _section(t, r))
 
-    def _put(self, widget_id: str, table: Table | Group) -> None:
-        """Redraw a section only when a figure changed, and lay the screen out again only
-        when its text did (its height may have): a layout pass over a long conversation
-        costs the engine time."""
-        text = _plain(table)
-        shown = getattr(self, "_shown", {})
-        self._shown = shown
-        old = shown.get(widget_id)
-        if old == text:
+    def _put(self, widget_id: str, key: object, lines: int, render: Callable[[], Table | Group]) -> None:
+        """Redraw a section only when its figures changed (``key``), and lay the screen out
+        again only when its number of lines did: a layout pass over a long conversation
+        costs the engine time, and so does building Rich tables four times a second."""
+        old = self._shown.get(widget_id)
+        if old is not None and old[0] == key:
             return
-        shown[widget_id] = text
-        self.query_one(widget_id, Static).update(table, layout=old is None or old.count("\n") != text.count("\n"))
+        self._shown[widget_id] = (key, lines)
+        self.query_one(widget_id, Static).update(render(), layout=old is None or old[1] != lines)
 
     def show_cluster(self, c: ClusterState | None, replan_key: str = "ctrl+g") -> None:
         """The cluster section: per stage its node, layers, health and bytes per token."""
@@ -297,13 +319,16 @@ class StatsPanel(Vertical):
         if not found:
             return  # not composed yet, or being torn down
         found.first(Static).display = c is not None
-        self._cluster = None if c is None else cluster_table(c, replan_key)
-        if self._cluster is not None:
-            self._put("#stats-cluster", self._cluster)
+        self._cluster = None if c is None else (c, replan_key)
+        if c is not None:
+            table = cluster_table(c, replan_key)
+            self._put("#stats-cluster", self._cluster, _plain(table).count("\n"), lambda: table)
 
     def text(self) -> str:
         """The panels as plain text (tests and the log read figures from here)."""
-        tables = [*getattr(self, "_tables", []), *filter(None, [getattr(self, "_cluster", None)])]
+        tables: list[Table | Group] = [_section(t, r) for t, r in self._sections]
+        if self._cluster is not None:
+            tables.append(cluster_table(*self._cluster))
         return "\n".join(_plain(t) for t in tables)
 
 
@@ -372,6 +397,25 @@ def _plain(renderable: object) -> str:
     return console.export_text()
 
 
+class KeysFooter(Footer):
+    """Textual's footer, rebuilt only when the keys it shows change. Textual's own rebuilds
+    its every key widget on each bindings refresh (a reply's start and end, a focus change):
+    about 0.1 s of the UI thread on a 2-core machine, which stalls llama.cpp's threads."""
+
+    _shown: tuple[tuple[str, str, bool], ...] | None = None
+
+    def bindings_changed(self, screen: Screen) -> None:
+        shown = tuple(
+            (key, b.binding.description, b.enabled)
+            for key, b in screen.active_bindings.items() if b.binding.show
+        )
+        if shown == self._shown:
+            return
+        super().bindings_changed(screen)
+        if screen.app.app_focus and self.is_attached and screen is self.screen:
+            self._shown = shown  # Footer recomposes only in this case
+
+
 class ConversationList(ListView):
     """Conversations, most recent first; selecting one opens it."""
 
@@ -381,14 +425,23 @@ class ConversationList(ListView):
             self.conversation_id = conversation_id
 
     async def show(self, conversations: list[Conversation], active: int | None) -> None:
-        await self.clear()
-        items = [
-            ListItem(Static(c.title, markup=False), id=f"conv-{c.id}", classes="conversation")
-            for c in conversations
-        ]
-        await self.extend(items)
+        """List these; items are rebuilt only when the order changed (each send and reply
+        refreshes the list, and rebuilding a long one stalls the engine's threads)."""
+        ids = [f"conv-{c.id}" for c in conversations]
+        items = list(self.query(ListItem))
+        if [item.id for item in items] == ids:
+            for item, c in zip(items, conversations):
+                label = item.query_one(Static)
+                if str(label.content) != c.title:
+                    label.update(c.title)
+        else:
+            await self.clear()
+            await self.extend(
+                ListItem(Static(c.title, markup=False), id=i, classes="conversation")
+                for i, c in zip(ids, conversations)
+            )
         for i, c in enumerate(conversations):
-            if c.id == active:
+            if c.id == active and self.index != i:
                 self.index = i
 
     def on_list_view_selected(self, event: ListView.Selected) -> None:
