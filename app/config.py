@@ -105,8 +105,9 @@ class UISettings:
     """Any Textual theme name (``textual-dark``, ``nord``, ``gruvbox``, ...)."""
     show_panels: bool = True
     """Show the live speed / acceptance panels at start (toggle with the ``toggle_panels`` key)."""
-    stats_interval_s: float = 0.25
-    """How often the panels sample the engine's counters; 0 stops the timer (tests)."""
+    stats_interval_s: float = 0.5
+    """How often the panels sample the engine's counters; 0 stops the timer (tests). Each
+    redraw costs the engine time on a small machine (docs/facts.md §26)."""
     cursor_blink: bool = True
     """Blinking input cursor; snapshot tests turn it off."""
     export_dir: str | None = None

@@ -53,7 +53,11 @@ from .widgets import ChatInput, ChatLog, ConversationList, KeysFooter, MessageVi
 
 log = logging.getLogger(__name__)
 
-TEXT_PUMP_S = 1 / 20  # how often streamed text is drawn
+# How often streamed text is drawn. Each repaint takes the UI thread from one of llama.cpp's
+# threads on a 2-core machine, which stalls both at the next barrier: in tmux at 120x40 the
+# bundled model's reply came at 0.78x of `generate` drawing 20 times a second and laying out
+# 4, 0.82x at 10 and 2 (docs/facts.md §26).
+TEXT_PUMP_S = 1 / 10
 ENGINE_GIL_WAIT_S = 0.001  # the longest the engine thread waits for the GIL while the UI draws
 
 

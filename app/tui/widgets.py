@@ -25,7 +25,7 @@ from .stats import DASH, Figures, fmt
 
 # A streaming reply lays the screen out (a new line, a finished block) at most this often;
 # words within a line are drawn at the text pump's rate (app.TEXT_PUMP_S).
-LAYOUT_EVERY_S = 0.25
+LAYOUT_EVERY_S = 0.5
 
 _ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System"}
 
