@@ -13,7 +13,8 @@ last words, in order, on the captured screen (the chat scrolls with the reply), 
 count is the app's. The pane is polled every ``--poll-ms`` (a tmux client process each time:
 part of the cost it measures, so keep it coarse). ``--load`` repeats all with one process
 spinning a core. Prints one JSON line; the ratio is app / generate, both end to end (prompt +
-reply).
+reply); ``app_engine_decode_tok_s`` (the app's own decode speed, as its history stores it)
+against ``generate_decode_tok_s`` separates the engine's slowdown from the app's fixed costs.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def tmux(*args: str) -> str:
 
 
 def app_reply(prompt: str, max_tokens: int, threads: int, poll_s: float,
-              timeout_s: float = 300.0) -> tuple[float, int]:
-    """(seconds from Enter until the reply is stored and drawn, its tokens), in the real app
-    under tmux."""
+              timeout_s: float = 300.0) -> tuple[float, int, float]:
+    """(seconds from Enter until the reply is stored and drawn, its tokens, the engine's own
+    decode speed as the app stored it), in the real app under tmux."""
     name = f"potluck-speed-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="potluck-tmux-") as home:
         cmd = (f"POTLUCK_HOME={home} {sys.executable} -m potluck.app.cli chat --strategy plain --temp 0 "
@@ -91,7 +92,7 @@ def app_reply(prompt: str, max_tokens: int, threads: int, poll_s: float,
     screen = words(raw)
     if not any(screen[i:i + len(tail)] == tail for i in range(len(screen) - len(tail) + 1)):
         raise RuntimeError("the reply's last words were not on screen when the status said it was over")
-    return seconds, int(reply.n_tokens or 0)
+    return seconds, int(reply.n_tokens or 0), float(reply.tokens_per_s or 0.0)
 
 
 def stored_reply(home: Path) -> StoredMessage:
@@ -122,19 +123,21 @@ def main() -> int:
         return 2
     rows = []
     for busy in (False, True) if args.load else (False,):
-        app_rates, gen_rates, gen_decode = [], [], []
+        app_rates, gen_rates, gen_decode, app_decode = [], [], [], []
         with one_core_busy(busy):
             for _ in range(args.reps):
                 ref = generate(args.prompt, args.max_tokens, args.threads)
                 n = len(ref["tokens"])
                 gen_rates.append(n / (ref["ttft_s"] + ref["decode_s"]))
                 gen_decode.append(ref["tokens_per_s"])
-                seconds, n_app = app_reply(args.prompt, args.max_tokens, args.threads, args.poll_ms / 1000)
+                seconds, n_app, engine_rate = app_reply(args.prompt, args.max_tokens, args.threads, args.poll_ms / 1000)
                 app_rates.append(n_app / seconds)
+                app_decode.append(engine_rate)
         app, gen = statistics.median(app_rates), statistics.median(gen_rates)
         rows.append({"load": "one core busy" if busy else "quiet", "tokens": n,
                      "app_tok_s": round(app, 1), "generate_tok_s": round(gen, 1),
                      "generate_decode_tok_s": round(statistics.median(gen_decode), 1),
+                     "app_engine_decode_tok_s": round(statistics.median(app_decode), 1),
                      "ratio": round(app / gen, 3), "app_runs": [round(r, 1) for r in app_rates],
                      "generate_runs": [round(r, 1) for r in gen_rates]})
     print(json.dumps({"pane": f"{PANE[0]}x{PANE[1]}", "reps": args.reps, "rows": rows}))
