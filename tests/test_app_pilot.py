@@ -469,3 +469,27 @@ async def test_streamed_text_and_the_reply_end_take_turns_on_the_markdown(tmp_pa
         assert kinds == ["MarkdownParagraph", "MarkdownFence", "MarkdownParagraph"], kinds
         lines = text.splitlines()
         assert [lines[b.source_range[0]] for b in blocks] == ["First paragraph.", "```py", "Last words."]
+
+
+@run_async
+async def test_no_cyclic_garbage_collection_while_a_reply_runs(tmp_path: Path) -> None:
+    # A collection holds the GIL the engine's threads need after every llama.cpp call.
+    import gc
+
+    gate = threading.Event()
+    seen: list[bool] = []
+    steps = [Step("Hello"), Step("", gate=gate), Step(" there.")]
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession(steps)))
+    assert gc.isenabled()
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(app)
+            await send(app, pilot, "hi")
+            await until(lambda: app.reply is not None and app.reply.got_text, what="the reply to stream")
+            seen.append(gc.isenabled())
+            gate.set()
+            await reply_done(app)
+            seen.append(gc.isenabled())
+    finally:
+        gc.enable()
+    assert seen == [False, True]

@@ -10,6 +10,7 @@ mode (:mod:`.cluster_handlers`) and the other keys (:mod:`.actions`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -198,6 +199,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(getattr(self, "_switch_interval", sys.getswitchinterval()))
+        gc.enable()  # off while a reply runs (ReplyHandlers._start_reply); the app may close mid-reply
         self.close_engine()
         logging.getLogger("potluck").removeHandler(self.log_buffer)
 
