@@ -489,6 +489,7 @@ async def test_no_cyclic_garbage_collection_while_a_reply_runs(tmp_path: Path) -
             seen.append(gc.isenabled())
             gate.set()
             await reply_done(app)
+            await until(gc.isenabled, what="collections back on once the end is drawn")
             seen.append(gc.isenabled())
     finally:
         gc.enable()

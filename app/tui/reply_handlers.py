@@ -134,9 +134,15 @@ class ReplyHandlers:
         """The reply ends only once it is stored and drawn: until then a new send waits, and
         so does whoever watches ``self.reply`` (a test that then closes the app)."""
         self.reply = None
-        gc.enable()
         self.sample_stats()
         self.update_status()
+        # Collections resume once the end is on screen: the first one can be a full collection
+        # of all the reply left behind (tens of ms), and it would hold up that last paint.
+        self.call_after_refresh(self._resume_gc)
+
+    def _resume_gc(self) -> None:
+        if self.reply is None:  # not when a new reply began in between
+            gc.enable()
 
     def on_cluster_notice(self, event: ClusterNotice) -> None:
         """A worker was lost mid-reply and the head re-planned: say so, the reply goes on."""
