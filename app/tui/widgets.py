@@ -301,17 +301,19 @@ class StatsPanel(Vertical):
         ])
         self._sections = [speed, spec, tokens]
         for widget_id, (title, rows) in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._sections):
-            self._put(widget_id, (title, rows), len(rows), lambda t=title, r=rows: _section(t, r))
+            self._put(widget_id, (title, rows), lambda t=title, r=rows: (_section(t, r), len(r)))
 
-    def _put(self, widget_id: str, key: object, lines: int, render: Callable[[], Table | Group]) -> None:
-        """Redraw a section only when its figures changed (``key``), and lay the screen out
-        again only when its number of lines did: a layout pass over a long conversation
-        costs the engine time, and so does building Rich tables four times a second."""
+    def _put(self, widget_id: str, key: object, render: Callable[[], tuple[Table | Group, int]]) -> None:
+        """Redraw a section only when its figures changed (``key``): ``render`` builds it and
+        counts its lines only then. The screen is laid out again only when that count
+        changed: a layout pass over a long conversation costs the engine time, and so does
+        building Rich tables at every sample."""
         old = self._shown.get(widget_id)
         if old is not None and old[0] == key:
             return
+        table, lines = render()
         self._shown[widget_id] = (key, lines)
-        self.query_one(widget_id, Static).update(render(), layout=old is None or old[1] != lines)
+        self.query_one(widget_id, Static).update(table, layout=old is None or old[1] != lines)
 
     def show_cluster(self, c: ClusterState | None, replan_key: str = "ctrl+g") -> None:
         """The cluster section: per stage its node, layers, health and bytes per token."""
@@ -321,8 +323,7 @@ class StatsPanel(Vertical):
         found.first(Static).display = c is not None
         self._cluster = None if c is None else (c, replan_key)
         if c is not None:
-            table = cluster_table(c, replan_key)
-            self._put("#stats-cluster", self._cluster, _plain(table).count("\n"), lambda: table)
+            self._put("#stats-cluster", self._cluster, lambda: _with_lines(cluster_table(c, replan_key)))
 
     def text(self) -> str:
         """The panels as plain text (tests and the log read figures from here)."""
@@ -385,6 +386,11 @@ def _section(title: str, rows: list[tuple[str, str]]) -> Table:
     for name, value in rows:
         table.add_row(Text(name, style="dim"), value)
     return table
+
+
+def _with_lines(table: Group) -> tuple[Group, int]:
+    """A section whose notes may wrap: its lines as rendered at the panel's width."""
+    return table, _plain(table).count("\n")
 
 
 def _plain(renderable: object) -> str:

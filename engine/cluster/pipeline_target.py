@@ -22,10 +22,9 @@ import zmq
 
 from ..core.errors import PotluckError
 from ..core.events import ClusterView, Event, NodeStatus, StageView
-from ..core.jobs import DecodeJob, GroupCancelled, Ticket
+from ..core.jobs import CancelledGroups, DecodeJob, GroupCancelled, Ticket
 from ..core.kv import KvOp
 from ..core.prompt_cache import FREE_MEMORY_SHARE
-from ..core.runner import CANCELLED_KEPT
 from ..core.stage import Stage
 from ..core.target import TargetBase
 from . import wire
@@ -109,7 +108,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._awaiting = 0  # the ticket wait() is blocked on (0: none)
         self._refused: dict[int, str] = {}  # by ticket: why a stage refused it
         self._skipped: set[int] = set()  # tickets of batches of cancelled groups: skipped or aborted
-        self._cancelled: dict[int, None] = {}  # job groups cancelled, oldest first (as many as a runner keeps)
+        self._cancelled = CancelledGroups()
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
         self._owner = threading.get_ident()
@@ -362,10 +361,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
     def _flush_cancels(self) -> None:
         while self._cancel_requests:
             groups = self._cancel_requests.popleft()
-            for group in groups:
-                self._cancelled[group] = None
-            while len(self._cancelled) > CANCELLED_KEPT:
-                del self._cancelled[next(iter(self._cancelled))]
+            self._cancelled.add(groups)
             if self._broken is not None:
                 continue
             for msg in wire.cancel_messages(groups):

@@ -19,6 +19,7 @@ import zmq
 from ..core.errors import PotluckError
 from ..core.events import Event, NodeStatus, PlanChanged
 from ..core.gguf_tools import forget_parsed_headers
+from ..core.jobs import CancelledGroups
 from . import wire
 from .chain import HeadWorker, PipelineSetup, load_chain, replan
 from .join import join_links
@@ -69,7 +70,7 @@ class ChainRebuild:
     recovery_s: list[float]
     _retry_at: dict[str, float]
     _rows: dict[int, int]
-    _cancelled: dict[int, None]
+    _cancelled: CancelledGroups
     _recoveries_in_a_row: int
     _notices: list[Callable[[int], Event]]
     _broken: str | None

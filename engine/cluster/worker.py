@@ -25,7 +25,6 @@ received slices live under a quota and are re-hashed before each load.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from concurrent.futures import Future
@@ -35,8 +34,7 @@ import numpy as np
 import zmq
 
 from ..core.errors import PotluckError
-from ..core.jobs import GroupCancelled
-from ..core.runner import CANCELLED_KEPT
+from ..core.jobs import CancelledGroups, GroupCancelled
 from ..core.spec import CurveKeys
 from . import inbox, wire
 from .child import StageCrashed, StageProcess
@@ -137,7 +135,7 @@ class Worker:
         self.handback = Handback()  # finished stage work and crashes, sent on by this thread
         # job groups the owner cancelled: their jobs that arrive later go to the stage as
         # placeholders, so a cancel never depends on which of the stage's pipes is read first
-        self.cancelled: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.cancelled = CancelledGroups()
         self._poller = zmq.Poller()  # the socket, the monitor and the stage process's replies
         # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
@@ -342,10 +340,7 @@ class Worker:
         elif isinstance(msg, wire.Cancel):
             if self.stage is not None:
                 self.stage.proc.cancel(*msg.groups)  # reaches a running batch, not only queued ones
-                for group in msg.groups:
-                    self.cancelled[group] = None
-                while len(self.cancelled) > CANCELLED_KEPT:
-                    self.cancelled.popitem(last=False)
+                self.cancelled.add(msg.groups)
         else:
             raise PotluckError(f"a worker does not accept {msg.TYPE!r} messages")
 

@@ -10,7 +10,7 @@ stops costing time (PipeInfer's early cancellation).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +18,33 @@ import numpy as np
 
 class GroupCancelled(InterruptedError):
     """The job's group was cancelled before or while it computed; its KV cells are gone."""
+
+
+class CancelledGroups:
+    """Job groups cancelled lately, oldest forgotten first: a job of one of them that arrives
+    later is skipped. Bounded, since groups are short-lived and numbered upward. One kind for
+    a stage's runner, a worker (cancels and jobs come on different pipes) and a pipeline's head."""
+
+    KEPT = 4096
+
+    def __init__(self) -> None:
+        self._groups: dict[int, None] = {}  # insertion order: oldest first
+
+    def add(self, groups: Iterable[int]) -> None:
+        for group in groups:
+            self._groups[group] = None
+        while len(self._groups) > self.KEPT:
+            del self._groups[next(iter(self._groups))]
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._groups
+
+    def __iter__(self) -> Iterator[int]:
+        """Oldest first (a rebuilt chain is told them again)."""
+        return iter(self._groups)
+
+    def clear(self) -> None:
+        self._groups.clear()
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .jobs import DecodeJob, GroupCancelled
+from .jobs import CancelledGroups, DecodeJob, GroupCancelled
 from .kv import KvOp
 from .load_watch import INTERVAL_S, ThreadFollower
 from .stage import Stage
 
 log = logging.getLogger(__name__)
-
-CANCELLED_KEPT = 4096  # job groups remembered as cancelled (groups are short-lived)
 
 # What the queue holds: a batch, a KV operation, or a call on the stage in its place in the
 # order (clearing the cache for a new conversation, reading positions once earlier work ran).
@@ -57,8 +55,7 @@ class StageRunner:
         self.follow = ThreadFollower(stage.ctx, stage.ctx.params.follow_load, load_interval_s, f"potluck-{name}")
         self._queue: collections.deque[tuple[WorkItem, Future]] = collections.deque()
         self._cond = threading.Condition()
-        self._cancelled: set[int] = set()
-        self._cancel_order: collections.deque[int] = collections.deque()
+        self._cancelled = CancelledGroups()
         self._running: int | None = None  # job group of the job computing now
         # last position per sequence after the latest item, read by other threads (a status
         # request must not read llama.cpp's KV metadata while a batch is writing it)
@@ -114,12 +111,7 @@ class StageRunner:
         it is known to be cancelled too (its positions would no longer follow the cache's)."""
         groups = (group, *more)
         with self._cond:
-            for rid in groups:
-                if rid not in self._cancelled:
-                    self._cancelled.add(rid)
-                    self._cancel_order.append(rid)
-                    if len(self._cancel_order) > CANCELLED_KEPT:
-                        self._cancelled.discard(self._cancel_order.popleft())
+            self._cancelled.add(groups)
             if self._running in groups:
                 self.stage.ctx.request_abort()
 
