@@ -14,20 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from potluck.assets import default_model_path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .peers import BENCH_ARGS, rpc_addresses, rpc_servers
 
 
 def pipeline_tok_s(max_tokens: int) -> float:
@@ -41,33 +35,15 @@ def pipeline_tok_s(max_tokens: int) -> float:
 
 
 def rpc_tok_s(bin_dir: Path, model: Path, max_tokens: int) -> float:
-    ports = [free_port(), free_port()]
-    servers = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", "1", "-p", str(p)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    try:
-        for p in ports:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"ggml-rpc-server on port {p} did not listen within 30 s") from None
-                    time.sleep(0.2)
+    with rpc_servers(bin_dir, 2) as servers:
         proc = subprocess.run(
-            [str(bin_dir / "llama-bench"), "-m", str(model), "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports),
-             "-ngl", "99", "-ts", "1/1", "-t", "1", "-fa", "1", "-ctk", "bf16", "-ctv", "bf16", "--repack", "0",
-             "-p", "0", "-n", str(max_tokens), "-r", "3", "-o", "json"],
+            [str(bin_dir / "llama-bench"), "-m", str(model), "--rpc", rpc_addresses(servers), "-ngl", "99",
+             "-ts", "1/1", "-t", "1", *BENCH_ARGS, "-p", "0", "-n", str(max_tokens), "-r", "3", "-o", "json"],
             capture_output=True, text=True,
         )
-        if proc.returncode != 0:
-            raise SystemExit(f"llama-bench --rpc failed:\n{proc.stderr[-2000:]}")
-        return float(json.loads(proc.stdout)[0]["avg_ts"])
-    finally:
-        for s in servers:
-            s.terminate()
-            s.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-bench --rpc failed:\n{proc.stderr[-2000:]}")
+    return float(json.loads(proc.stdout)[0]["avg_ts"])
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.core import memory
 from potluck.engine.lab.fixtures import build_shape
 
+from .peers import BENCH_ARGS, rpc_addresses, rpc_servers
 from .procfs import process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,38 +149,20 @@ def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, n
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rpc_runs(bin_dir: Path, path: Path, groups: list[Path], n_tokens: int, n_prompt: int,
              cache: Path) -> None:
     """llama.cpp's RPC on the same model, caps and split: two servers (1 thread, tensor cache
     on), each in its own capped group; llama-bench twice, the second with a warm cache. Load
     time is the bench's wall time less its timed samples (model load and context set-up)."""
-    ports = [free_port() for _ in groups]
-    servers = [
-        subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", "1", "-p", str(port), "-c"],
-                         env=dict(os.environ, LLAMA_CACHE=str(cache / f"s{i}")), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL,
-                         preexec_fn=lambda g=g: (g / "cgroup.procs").write_text(str(os.getpid())))
-        for i, (g, port) in enumerate(zip(groups, ports))
-    ]
-    try:
-        for port in ports:
-            deadline = time.monotonic() + 30
-            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"ggml-rpc-server on port {port} did not listen within 30 s")
-                time.sleep(0.2)
-        watch = PeakWatch([s.pid for s in servers])
+    with rpc_servers(
+        bin_dir, len(groups), extra=["-c"], env=lambda i: dict(os.environ, LLAMA_CACHE=str(cache / f"s{i}")),
+        preexec=lambda i: lambda: (groups[i] / "cgroup.procs").write_text(str(os.getpid())),
+    ) as servers:
+        watch = PeakWatch([s.proc.pid for s in servers])
         for label in ("first run", "second run (cache warm)"):
             cmd = ["/usr/bin/time", "-f", "maxrss_kb %M", str(bin_dir / "llama-bench"), "-m", str(path),
-                   "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "-ts", "1/1", "-t", "1",
-                   "-fa", "on", "-ctk", "bf16", "-ctv", "bf16", "--repack", "0", "-p", str(n_prompt),
-                   "-n", str(n_tokens), "-r", "1", "--no-warmup", "-o", "json"]
+                   "--rpc", rpc_addresses(servers), "-ngl", "99", "-ts", "1/1", "-t", "1", *BENCH_ARGS,
+                   "-p", str(n_prompt), "-n", str(n_tokens), "-r", "1", "--no-warmup", "-o", "json"]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             wall = time.perf_counter() - t0
@@ -195,11 +177,7 @@ def rpc_runs(bin_dir: Path, path: Path, groups: list[Path], n_tokens: int, n_pro
                   f"{speeds['tg']:.2f} tok/s decoding, head (llama-bench) peak RSS {rss / 1024:,.0f} MB")
         peaks = watch.stop()
         for i, s in enumerate(servers):
-            print(f"rpc server {i}: peak RSS {max(peaks[s.pid].values(), default=0.0):,.0f} MB (VmHWM)")
-    finally:
-        for s in servers:
-            s.terminate()
-            s.wait()
+            print(f"rpc server {i}: peak RSS {max(peaks[s.proc.pid].values(), default=0.0):,.0f} MB (VmHWM)")
 
 
 def _child(args: list[str]) -> dict:

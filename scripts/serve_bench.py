@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import openai
 
 from potluck.app.serve.launch import start_server, stop_server
 from potluck.engine import default_threads, resolve_model
+
+from .peers import free_port
 
 QUESTIONS = [
     "Hi! Who are you?", "What is the capital of France?", "Tell me about its history.",
@@ -121,12 +122,6 @@ def measure(base_url: str, key: str, args: argparse.Namespace) -> dict[str, obje
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "warm up"}], max_tokens=4)
     return {"ttft": conversation_ttft(client, args.turns, args.max_tokens),
             "load": [concurrent(client, c, args.requests, args.max_tokens) for c in args.clients]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_baseline(python: str, model: Path, threads: int, args: argparse.Namespace) -> dict[str, object]:
