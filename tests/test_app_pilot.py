@@ -494,3 +494,20 @@ async def test_no_cyclic_garbage_collection_while_a_reply_runs(tmp_path: Path) -
     finally:
         gc.enable()
     assert seen == [False, True]
+
+
+@run_async
+async def test_a_reply_that_overflows_the_log_only_as_markdown_is_followed_to_its_end(tmp_path: Path) -> None:
+    # Streaming anchors the log once it overflows; a reply whose final Markdown is the first
+    # thing to overflow it must still end in view.
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        chat = app.chat_log()
+        assert chat is not None
+        view = MessageView("assistant", streaming=True)
+        await chat.mount(view)
+        await pilot.pause()
+        assert chat.max_scroll_y == 0 and not chat.is_anchored
+        await view.finish("\n\n".join(f"Paragraph {i}." for i in range(40)))
+        await until(lambda: chat.max_scroll_y > 0 and chat.scroll_y == chat.max_scroll_y, what="the log at its end")
