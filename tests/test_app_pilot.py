@@ -497,6 +497,41 @@ async def test_no_cyclic_garbage_collection_while_a_reply_runs(tmp_path: Path) -
 
 
 @run_async
+async def test_text_streamed_before_the_reply_is_mounted_is_drawn_once_it_is(tmp_path: Path) -> None:
+    # The engine starts before the send mounts the reply's views; a pump tick that lands in
+    # between must leave the text for the next one, not take it into a view not yet shown.
+    gate = threading.Event()
+    steps = [Step("Hello"), Step("", gate=gate), Step(" there.")]
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession(steps)))
+    ticks: list[bool] = []
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(app)
+            chat = app.chat_log()
+            assert chat is not None
+            mount_all = chat.mount_all
+
+            async def mount_after_a_tick(widgets, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                await until(lambda: app.reply is not None and bool(app.reply.pending), what="text before the mount")
+                ticks.append(app.reply.shown)
+                await app._pump_reply_text()
+                return await mount_all(widgets, *args, **kwargs)
+
+            chat.mount_all = mount_after_a_tick  # type: ignore[method-assign]
+            await send(app, pilot, "hi")
+            reply = app.reply
+            assert reply is not None
+            await until(lambda: "Hello" in reply.view.content, what="the early text drawn")
+            assert reply.view.is_attached and not reply.view.markdown.source.endswith("there.")
+            gate.set()
+            await reply_done(app)
+            assert views(app)[-1].content == "Hello there."
+    finally:
+        gate.set()
+    assert ticks == [False]
+
+
+@run_async
 async def test_a_reply_that_overflows_the_log_only_as_markdown_is_followed_to_its_end(tmp_path: Path) -> None:
     # Streaming anchors the log once it overflows; a reply whose final Markdown is the first
     # thing to overflow it must still end in view.

@@ -75,6 +75,7 @@ class Reply:
     previous_text: str = ""
     previous_note: str = ""
     got_text: bool = False
+    shown: bool = True  # its view is mounted (send starts the engine first): the pump waits
     # The panels' figures; the reply thread replaces the (immutable) snapshot per event.
     progress: ReplyProgress = field(default_factory=ReplyProgress)
     cancelled: threading.Event = field(default_factory=threading.Event)

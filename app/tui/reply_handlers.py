@@ -24,6 +24,8 @@ from .widgets import ChatInput, MessageView, finish_note
 
 log = logging.getLogger(__name__)
 
+GC_RESUME_AFTER_S = 0.3  # after a reply's end, well past its last frame's trip to the terminal
+
 
 class ReplyHandlers:
     """Send, stream, finish, fail, stop and regenerate (the app's state lives on the app)."""
@@ -84,11 +86,14 @@ class ReplyHandlers:
         assert chat is not None
         user_view = MessageView("user", text, message_id=stored.id)
         reply_view = MessageView("assistant", streaming=True)
+        reply = Reply(conv.id, self.session, reply_view, text, user_view, stored.id, shown=False)
+        # The engine starts before the views are mounted (25 ms of the UI thread): its
+        # prompt computes meanwhile, and what it streams waits in the reply until drawn.
+        self._start_reply(reply, history)
         await chat.mount_all([user_view, reply_view])
+        reply.shown = True
         chat.scroll_end(animate=False)
         chat.call_after_refresh(chat.follow)
-        reply = Reply(conv.id, self.session, reply_view, text, user_view, stored.id)
-        self._start_reply(reply, history)
         await self.refresh_conversations()
         return True
 
@@ -96,7 +101,7 @@ class ReplyHandlers:
         """Draw what the engine streamed since the last tick (a few times a second, so a
         fast engine never floods the event loop with one repaint per token)."""
         reply = self.reply
-        if reply is None:
+        if reply is None or not reply.shown:
             return
         text = reply.take()
         if text:
@@ -137,8 +142,9 @@ class ReplyHandlers:
         self.sample_stats()
         self.update_status()
         # Collections resume once the end is on screen: the first one can be a full collection
-        # of all the reply left behind (tens of ms), and it would hold up that last paint.
-        self.call_after_refresh(self._resume_gc)
+        # of all the reply left behind (tens of ms), and it would hold up that last paint
+        # (the writer thread needs the GIL to send the frame to the terminal).
+        self.set_timer(GC_RESUME_AFTER_S, self._resume_gc)
 
     def _resume_gc(self) -> None:
         if self.reply is None:  # not when a new reply began in between
