@@ -14,8 +14,9 @@ import pytest
 from potluck.app.config import Settings, UISettings, load_settings
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
-from potluck.app.tui.screens import PickerScreen
+from potluck.app.tui.screens import ClusterScreen, PickerScreen
 from potluck.app.tui.widgets import LAYOUT_EVERY_S, ChatLog, MessageView, StatsPanel
+from potluck.discovery.lan import PROTOCOL_VERSION, DiscoveredNode
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
@@ -546,3 +547,54 @@ async def test_a_reply_that_overflows_the_log_only_as_markdown_is_followed_to_it
         assert chat.max_scroll_y == 0 and not chat.is_anchored
         await view.finish("\n\n".join(f"Paragraph {i}." for i in range(40)))
         await until(lambda: chat.max_scroll_y > 0 and chat.scroll_y == chat.max_scroll_y, what="the log at its end")
+
+
+class _Found:
+    """The LAN as a cluster picker sees it, changed by the test."""
+
+    def __init__(self) -> None:
+        self.list: list[DiscoveredNode] = []
+
+    def add(self, port: int) -> str:
+        self.list.append(DiscoveredNode(f"node{port}", f"127.0.0.1:{port}", "0", PROTOCOL_VERSION, 2, 1000, 3.0))
+        return self.list[-1].address
+
+    def nodes(self) -> list[DiscoveredNode]:
+        return list(self.list)
+
+    def close(self) -> None:
+        pass
+
+
+@run_async
+async def test_a_worker_found_after_the_user_changed_the_selection_is_offered_unselected(tmp_path: Path) -> None:
+    # All workers are offered selected at first; once the user picks, one that appears later
+    # (another PC starting `potluck worker`) must not join the split unasked.
+    lan = _Found()
+
+    class Picker(ClusterScreen):
+        def _browse(self) -> None:
+            self._membership = lan  # type: ignore[assignment]
+            self.app.call_from_thread(self._refresh)
+
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        a, b = lan.add(7001), lan.add(7002)
+        picker = Picker(None, set())
+        await app.push_screen(picker)
+        from textual.widgets import SelectionList
+
+        sl = picker.query_one("#cluster-nodes", SelectionList)
+        await until(lambda: sl.option_count == 2, what="the two workers listed")
+        assert sorted(sl.selected) == [a, b]
+        c = lan.add(7003)
+        picker._refresh()
+        assert sorted(sl.selected) == [a, b, c]  # untouched: a new worker is offered too
+        sl.deselect(b)
+        await pilot.pause()
+        d = lan.add(7004)
+        picker._refresh()
+        assert sl.option_count == 4
+        assert sorted(sl.selected) == [a, c]
+        assert d not in sl.selected

@@ -236,6 +236,8 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
         self.join_timeout_s = join_timeout_s  # [cluster] join_timeout_s
         self.found: dict[str, DiscoveredNode] = {}
         self._membership: Membership | None = None
+        self._offered: set[str] = set()  # what the list last offered selected
+        self._touched = False  # the user changed that: workers found later come unselected
 
     def compose(self) -> ComposeResult:
         with Vertical(id="cluster-picker", classes="dialog"):
@@ -280,13 +282,15 @@ class ClusterScreen(ModalScreen["ClusterChoice | LocalChoice | None"]):
             return
         seen = self.found.keys()
         self.found = new
+        self._touched = self._touched or chosen != self._offered
         sl.clear_options()
         for n in nodes:
-            # a worker just found is offered selected (all of them, or those in use now);
-            # one already listed keeps what the user made of it
-            default = not self.in_use or n.address in self.in_use
+            # a worker just found is offered selected (all of them, or those in use now)
+            # until the user changes the selection; one already listed keeps what they made of it
+            default = not self._touched and (not self.in_use or n.address in self.in_use)
             pick = n.address in chosen if n.address in seen else default
             sl.add_option(Selection(node_row(n), n.address, pick))
+        self._offered = set(sl.selected)
         self._hint(
             f"{len(nodes)} worker(s) found · space toggles · order = pipeline order"
             if nodes else "no workers yet: start `potluck worker` on a PC of this LAN"
