@@ -123,7 +123,13 @@ def test_greedy_equals_plain_decoding(
         limit = MAX_TOKENS if name == "anpd" else 128
         for prompt in LONG_PROMPTS:
             session = make_session(model, strategy)
+            draft_ctx = getattr(strategy.drafter, "ctx", None)  # type: ignore[attr-defined]
+            if draft_ctx is not None:
+                draft_ctx.compute_threads.clear()
             tokens, rounds = reply(session, prompt, limit)
+            if draft_ctx is not None:  # one thread computes both models (one OpenMP team)
+                computed = session.target.stage.ctx.compute_threads  # type: ignore[attr-defined]
+                assert draft_ctx.compute_threads == computed and len(computed) == 1
             session.target.close()
             assert tokens == reference[prompt][:limit], f"{name} differs on {prompt[:30]!r}"
             drafted += sum(r.drafted for r in rounds)

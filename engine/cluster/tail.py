@@ -172,7 +172,9 @@ class HeadTail:
             if item.dropped or item.work is None:
                 continue
             last_ready = not self._queue or (self._queue[0].work is None and not self._queue[0].dropped)
-            if now and last_ready and self.runner.idle():
+            # Here only on one thread: a team of OpenMP threads on a second thread of the
+            # head would slow every batch of both by ~40 % (runtime.Context.compute_threads).
+            if now and last_ready and self.runner.follow.threads == 1 and self.runner.idle():
                 fut = self.runner.run(item.work)
                 self.ran_here += 1
             else:

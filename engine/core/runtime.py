@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,11 @@ class Context(NativeObject):
         cp.abort_callback = self._abort_cb
         cp.abort_callback_data = ctypes.cast(self._abort_flag, ctypes.c_void_p)
         self.captured: np.ndarray | None = None  # [n_tokens, n_embd] after a run
+        # Threads that ran its batches. libgomp gives every thread that starts a parallel
+        # region a team of its own, and once a process has more team threads than cores it
+        # spins only ~100 times before sleeping at each of ggml's barriers: a second computing
+        # thread made every decode ~40 % slower (docs/facts.md §27). Tests read this.
+        self.compute_threads: set[int] = set()
         # observed tensor name -> its rows of the last run, [n_tokens, width] float32
         self.observed: dict[str, np.ndarray] = {}
         self._capture_name: str | None = None
@@ -316,6 +322,7 @@ class Context(NativeObject):
         self.observed = {}
         if self._native is not None:
             self._native.clear()
+        self.compute_threads.add(threading.get_ident())
         rc = ll.llama_decode(self._ptr, batch.raw)
         if self._native is not None and rc in (0, -3):
             self.observed = self._native.rows(batch.n_tokens)

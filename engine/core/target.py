@@ -19,9 +19,9 @@ from __future__ import annotations
 import itertools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,8 @@ from .stage import Stage
 from .staged_prefill import MIN_ROWS as PREFILL_TWIN_MIN_ROWS
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A k-token batch computes each row exactly like k single-token steps only up to 48 tokens
 # (flash attention, docs/facts.md §3): verification batches must stay at or below this size.
@@ -126,6 +128,11 @@ class Target(Protocol):
         """CPU threads for this machine's decodes from the next job on (no-op for workers)."""
         ...
 
+    def on_compute_thread(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the thread that computes this target's batches here, in order after
+        the work queued before it (or on the caller's, where none computes here)."""
+        ...
+
     def node_status(self, run_id: int) -> list[NodeStatus]:
         """Health of the machines behind this target (empty on one machine)."""
         ...
@@ -170,6 +177,11 @@ class TargetBase(ABC):
 
     @abstractmethod
     def poll(self, ticket: Ticket) -> bool: ...
+
+    def on_compute_thread(self, fn: Callable[[], T]) -> T:
+        """Where another llama.cpp context of this process (a draft model) computes, so
+        that one OpenMP team serves both (Context.compute_threads). Here: the caller's."""
+        return fn()
 
     @abstractmethod
     def cancel(self, group: int, *more: int) -> None: ...
@@ -318,6 +330,9 @@ class LocalTarget(TargetBase):
     def kv(self, op: KvOp) -> None:
         self.stage.ctx.check_kv(op)
         self.runner.submit(op)
+
+    def on_compute_thread(self, fn: Callable[[], T]) -> T:
+        return self.runner.submit(lambda _stage: fn()).result()
 
     def reset(self) -> None:
         self.runner.submit(Stage.clear)

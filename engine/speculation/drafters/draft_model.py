@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,6 +20,10 @@ from ...core.load_watch import ThreadFollower
 from ...core.runtime import Context, ContextParams, Model
 from ...core.sampling import draw, probs
 from . import Draft, DraftRequest
+
+
+def _here(fn: Callable[[], object]) -> object:
+    return fn()
 
 
 def vocabulary_digest(model: Model) -> str:
@@ -66,6 +70,8 @@ class DraftModelDrafter:
         # one descheduled thread stalls every draft step at llama.cpp's barriers.
         self.follow = ThreadFollower(self.ctx, follow_load, name="potluck-draft")
         self.tokens: list[int] = []  # what the draft's KV cache holds, in order
+        # Where its llama.cpp work runs (compute_on): the target's compute thread on one machine
+        self._run: Callable[[Callable[[], object]], object] = _here
         self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
         self._rng = np.random.default_rng()  # replaced by begin() with the session's child
 
@@ -87,11 +93,17 @@ class DraftModelDrafter:
             i += 1
         return i
 
+    def compute_on(self, run: Callable[[Callable[[], object]], object]) -> None:
+        """Run this draft's llama.cpp work through ``run`` (``Target.on_compute_thread``): a
+        second thread computing in the process gave libgomp two teams, and on a 2-core machine
+        every decode of both models ran ~40 % slower, the target's too (docs/facts.md §27)."""
+        self._run = run
+
     # -- the drafter contract
     def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
         """Prefill the prompt now, so that the first round's draft time is drafting only."""
         self._rng = rng
-        self._sync(context)
+        self._run(lambda: self._sync(context))
 
     def accept(self, n_accepted: int) -> None:
         pass  # the next draft() re-syncs to the conversation, accepted tokens included
@@ -117,6 +129,9 @@ class DraftModelDrafter:
         self._logits = self.ctx.logits_row(-1)
 
     def draft(self, req: DraftRequest) -> Draft:
+        return self._run(lambda: self._draft(req))  # type: ignore[return-value]
+
+    def _draft(self, req: DraftRequest) -> Draft:
         k, context, params = req.max_tokens, req.context, req.sampling
         if k <= 0:
             return Draft([])

@@ -34,7 +34,7 @@ starts (never "as much as fits while the target runs").
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -176,6 +176,14 @@ class MajorityVote:
         return sum(
             d.step_ms * (self._misses[i] if i in self.ahead else 1.0) for i, d in enumerate(self.voters)
         )
+
+    def compute_on(self, run: Callable[[Callable[[], object]], object]) -> None:
+        """Voters that draft in turn with the target compute on its thread (draft_model.py);
+        one that drafts ahead runs beside it, on the worker."""
+        for i, voter in enumerate(self.voters):
+            bind = getattr(voter, "compute_on", None)
+            if bind is not None and i not in self.ahead:
+                bind(run)
 
     def begin(self, context: Sequence[int], rng: np.random.Generator) -> None:
         self._join()

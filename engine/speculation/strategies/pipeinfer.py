@@ -212,6 +212,9 @@ class PipeInfer(Strategy):
                    continuous=continuous, cutoff=cutoff, adaptive=adaptive, gate_backoff=backoff)
 
     def prepare(self, g: Generation) -> None:
+        if g.target.n_stages < 2:
+            self.local.prepare(g)  # one machine: ordinary speculation, its draft on the target's thread
+            return
         self.drafter.begin(g.history, g.drafter_rng())
 
     def run(self, g: Generation) -> Iterator[Round]:

@@ -163,7 +163,11 @@ class Speculative(Strategy):
 
     def prepare(self, g: Generation) -> None:
         """Let the drafter read the prompt now (a draft model prefills it) so that the
-        first round's draft time is drafting only."""
+        first round's draft time is drafting only. A draft model computes on the target's
+        thread: drafting and verifying take turns, and one OpenMP team serves both."""
+        bind = getattr(self.drafter, "compute_on", None)
+        if bind is not None:
+            bind(g.target.on_compute_thread)
         self.drafter.begin(g.history, g.drafter_rng())
 
     def reset(self) -> None:
