@@ -449,6 +449,16 @@ async def test_streaming_parses_finished_blocks_once_and_the_rest_as_plain_text(
         assert reply.markdown.source == "Intro **bold**.\n\nStill `typing code`." and not tail.display
 
 
+async def streaming_view(app: PotluckApp) -> tuple[ChatLog, MessageView]:
+    """A streaming reply's view, mounted in the loaded app's chat log (no engine behind it)."""
+    await ready(app)
+    chat = app.chat_log()
+    assert chat is not None
+    view = MessageView("assistant", streaming=True)
+    await chat.mount(view)
+    return chat, view
+
+
 @run_async
 async def test_streamed_text_and_the_reply_end_take_turns_on_the_markdown(tmp_path: Path) -> None:
     # The pump's timer task and the app's message queue both write to a reply: two Markdown
@@ -456,11 +466,7 @@ async def test_streamed_text_and_the_reply_end_take_turns_on_the_markdown(tmp_pa
     text = "First paragraph.\n\n```py\nx = 1\n```\n\nLast words."
     app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
     async with app.run_test(size=SIZE) as pilot:
-        await ready(app)
-        chat = app.chat_log()
-        assert chat is not None
-        view = MessageView("assistant", streaming=True)
-        await chat.mount(view)
+        chat, view = await streaming_view(app)
         view._laid_out_at = -LAYOUT_EVERY_S  # the append may parse its finished blocks now
         await asyncio.gather(view.append(text[: text.index("Last")]), view.finish(text))
         await pilot.pause()
@@ -538,11 +544,7 @@ async def test_a_reply_that_overflows_the_log_only_as_markdown_is_followed_to_it
     # thing to overflow it must still end in view.
     app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
     async with app.run_test(size=SIZE) as pilot:
-        await ready(app)
-        chat = app.chat_log()
-        assert chat is not None
-        view = MessageView("assistant", streaming=True)
-        await chat.mount(view)
+        chat, view = await streaming_view(app)
         await pilot.pause()
         assert chat.max_scroll_y == 0 and not chat.is_anchored
         await view.finish("\n\n".join(f"Paragraph {i}." for i in range(40)))

@@ -24,6 +24,7 @@ from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Round, Strategy
 from potluck.engine.core.target import LocalTarget
 from potluck.engine.speculation.drafters import DraftRequest
+from potluck.engine.speculation.drafters.draft_model import DraftModelDrafter
 from potluck.engine.speculation.drafters.lookup import LookupDrafter
 from potluck.engine.speculation.inflight import RowJudge
 from potluck.engine.speculation.kernels.lookup import lookup_draft, lookup_reference
@@ -422,6 +423,25 @@ def test_draft_model_drafts_ahead_and_stays_exact(
     assert sum(r.pool_hits for r in mr) > 0  # rounds served from what the worker drafted ahead
     assert sum(r.ahead_ms for r in mr) > 0 and sum(r.overlap_ms for r in mr) > 0
     assert any(v.name == "draft-model" and v.voted for r in mr for v in r.drafters)
+    session.close()
+
+
+def test_a_draft_model_voting_in_turn_computes_on_the_targets_thread(
+    model: Model, draft_path: Path, reference: dict[str, list[int]]
+) -> None:
+    # Not drafting ahead, the draft model takes turns with the target: one thread computes
+    # both, so the process has one OpenMP team (docs/facts.md §27).
+    strategy = build(model, draft_path, max_draft=4, adaptive=False, ahead=False)
+    assert isinstance(strategy, Minions)
+    draft = strategy.vote.voters[0]
+    assert isinstance(draft, DraftModelDrafter)
+    session = make_session(model, strategy)
+    prompt = PROMPTS[2]
+    tokens, rounds = reply(session, prompt, 64)
+    assert tokens == reference[prompt][:64]
+    check_counters(rounds)
+    computed = session.target.stage.ctx.compute_threads  # type: ignore[attr-defined]
+    assert draft.ctx.compute_threads == computed and len(computed) == 1
     session.close()
 
 

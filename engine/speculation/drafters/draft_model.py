@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from ...core.sampling import draw, probs
 from . import Draft, DraftRequest
 
 
-def _here(fn: Callable[[], object]) -> object:
+def _here(fn: Callable[[], Any]) -> Any:
     return fn()
 
 
@@ -71,7 +72,7 @@ class DraftModelDrafter:
         self.follow = ThreadFollower(self.ctx, follow_load, name="potluck-draft")
         self.tokens: list[int] = []  # what the draft's KV cache holds, in order
         # Where its llama.cpp work runs (compute_on): the target's compute thread on one machine
-        self._run: Callable[[Callable[[], object]], object] = _here
+        self._run: Callable[[Callable[[], Any]], Any] = _here
         self._logits: np.ndarray | None = None  # draft logits after self.tokens, if fresh
         self._rng = np.random.default_rng()  # replaced by begin() with the session's child
 
@@ -93,7 +94,7 @@ class DraftModelDrafter:
             i += 1
         return i
 
-    def compute_on(self, run: Callable[[Callable[[], object]], object]) -> None:
+    def compute_on(self, run: Callable[[Callable[[], Any]], Any]) -> None:
         """Run this draft's llama.cpp work through ``run`` (``Target.on_compute_thread``): a
         second thread computing in the process gave libgomp two teams, and on a 2-core machine
         every decode of both models ran ~40 % slower, the target's too (docs/facts.md §27)."""
@@ -129,7 +130,7 @@ class DraftModelDrafter:
         self._logits = self.ctx.logits_row(-1)
 
     def draft(self, req: DraftRequest) -> Draft:
-        return self._run(lambda: self._draft(req))  # type: ignore[return-value]
+        return self._run(lambda: self._draft(req))
 
     def _draft(self, req: DraftRequest) -> Draft:
         k, context, params = req.max_tokens, req.context, req.sampling

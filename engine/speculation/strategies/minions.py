@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -177,7 +177,7 @@ class MajorityVote:
             d.step_ms * (self._misses[i] if i in self.ahead else 1.0) for i, d in enumerate(self.voters)
         )
 
-    def compute_on(self, run: Callable[[Callable[[], object]], object]) -> None:
+    def compute_on(self, run: Callable[[Callable[[], Any]], Any]) -> None:
         """Voters that draft in turn with the target compute on its thread (draft_model.py);
         one that drafts ahead runs beside it, on the worker."""
         for i, voter in enumerate(self.voters):
