@@ -140,7 +140,10 @@ class Worker:
         # --models: whole GGUFs this worker holds, hashed once; their slices are cut here
         models = LocalModels(models_dir, self.store.folder / "models-index") if models_dir else None
         self.uploads = SliceUploads(self.store, models)
-        self._spare: StageProcess | None = StageProcess()  # warm: imports llama.cpp meanwhile
+        # A stage process that imports llama.cpp while no stage is loaded, so a load need not
+        # wait for it. Never beside a loaded stage: it holds ~170 MB, which the free memory a
+        # worker reports at join already counts once (docs/facts.md §17).
+        self._spare: StageProcess | None = StageProcess()
         # The drain (numba) loads before the worker serves anyone: in a thread beside the
         # loop it held the GIL for most of a second, and a head joining then timed this
         # link's pings at 3-13 ms instead of 0.3 (and planned around a slow link).
@@ -387,21 +390,13 @@ class Worker:
         proc, self._spare = self._spare or StageProcess(), None
         try:
             stage = load_stage(proc, path, msg, self.n_threads)
-        except StageCrashed as e:
-            self.crashes += 1
-            raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
-        finally:
-            self._spare = StageProcess()
-        if not msg.last:
-            fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
-            fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
-            try:
-                fwd.connect(msg.next_addr)
-            except zmq.ZMQError as e:
-                fwd.close(linger=0)
-                stage.close()
-                raise PotluckError(f"bad next-stage address {msg.next_addr!r}: {e}") from None
-            self.forward = fwd
+            self.forward = None if msg.last else self._connect_next(msg.next_addr, stage)
+        except BaseException as e:
+            self._spare = StageProcess()  # nothing loaded: the next load finds one warm
+            if isinstance(e, StageCrashed):
+                self.crashes += 1
+                raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
+            raise
         proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from take_replies, this thread
         self.stage = stage
         self._poller.register(proc.fileno(), zmq.POLLIN)
@@ -414,6 +409,17 @@ class Worker:
         log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
         return wire.Loaded(info.n_layer, info.n_embd, info.n_vocab, info.n_ctx, load_ms)
 
+    def _connect_next(self, address: str, stage: LoadedStage) -> zmq.Socket:
+        fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
+        fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
+        try:
+            fwd.connect(address)
+        except zmq.ZMQError as e:
+            fwd.close(linger=0)
+            stage.close()
+            raise PotluckError(f"bad next-stage address {address!r}: {e}") from None
+        return fwd
+
     def _release(self) -> None:
         if self.stage is not None:
             self.stage.proc.on_crash = None
@@ -421,6 +427,7 @@ class Worker:
             self.stage.close()  # ends its process: nothing more reaches the queue
             self.stage = None
             log.info("stage released; waiting for a head")
+            self._spare = self._spare or StageProcess()
         self.handback.forget_finished()
         if self.forward is not None:
             self.forward.close(linger=0)
