@@ -29,17 +29,19 @@ def _proc(tmp: Path, cgroup: str, mounts: list[str], available: int = 20 * GIB) 
     return proc
 
 
-def _v1_group(d: Path, limit: int, usage: int, cache: int, shmem: int = 0) -> None:
+def _v1_group(d: Path, limit: int, usage: int, cache: int, shmem: int = 0, mapped: int = 0) -> None:
     _write(d / "memory.limit_in_bytes", f"{limit}\n")
     _write(d / "memory.usage_in_bytes", f"{usage}\n")
-    _write(d / "memory.stat", f"cache {cache}\nrss 1\ntotal_cache {cache}\ntotal_shmem {shmem}\n")
+    _write(d / "memory.stat", f"cache {cache}\nrss 1\nmapped_file {mapped}\ntotal_cache {cache}\n"
+                              f"total_shmem {shmem}\ntotal_mapped_file {mapped}\n")
 
 
-def _v2_group(d: Path, limit: str, usage: int, file: int, high: str = "max", shmem: int = 0) -> None:
+def _v2_group(d: Path, limit: str, usage: int, file: int, high: str = "max", shmem: int = 0,
+              mapped: int = 0) -> None:
     _write(d / "memory.max", limit + "\n")
     _write(d / "memory.high", high + "\n")
     _write(d / "memory.current", f"{usage}\n")
-    _write(d / "memory.stat", f"anon {usage - file}\nfile {file}\nshmem {shmem}\n")
+    _write(d / "memory.stat", f"anon {usage - file}\nfile {file}\nfile_mapped {mapped}\nshmem {shmem}\n")
 
 
 def test_v1_hybrid_nested_group_leaves_page_cache_out(tmp_path: Path) -> None:
@@ -49,7 +51,7 @@ def test_v1_hybrid_nested_group_leaves_page_cache_out(tmp_path: Path) -> None:
     unified.mkdir(parents=True)
     _write(unified / "cgroup.controllers", "\n")  # no memory controller there
     _v1_group(mem, memory._V1_UNLIMITED * 2, 10 * GIB, 2 * GIB)  # the root: unlimited
-    _v1_group(mem / "svc", 4 * GIB, 3 * GIB, 2 * GIB + 512 * MIB, shmem=512 * MIB)
+    _v1_group(mem / "svc", 4 * GIB, 3 * GIB, 2 * GIB + 768 * MIB, shmem=512 * MIB, mapped=256 * MIB)
     _v1_group(mem / "svc" / "worker", 8 * GIB, 2 * GIB, 1 * GIB)  # looser than its parent
     proc = _proc(tmp_path, "4:memory:/svc/worker\n1:cpu:/\n0::/\n", [
         f"35 31 0:32 / {mem} rw,relatime - cgroup cgroup rw,memory",
@@ -58,7 +60,8 @@ def test_v1_hybrid_nested_group_leaves_page_cache_out(tmp_path: Path) -> None:
     ])
     r = memory.read_memory(proc)
     assert [lv.path for lv in r.levels] == [mem / "svc" / "worker", mem / "svc"]
-    # svc: 4 GiB limit, 3 GiB used of which 2.5 GiB page cache but 0.5 GiB shmem (not reclaimable)
+    # svc: 4 GiB limit, 3 GiB used of which 2.75 GiB page cache, but 0.5 GiB is shmem and
+    # 0.25 GiB is mapped by processes (code, a loaded stage's weights): neither is reclaimable
     assert r.levels[1].used_bytes == 3 * GIB - 2 * GIB
     assert r.levels[0].free_bytes == 8 * GIB - 1 * GIB
     assert r.free_bytes == 3 * GIB == memory.free_memory_bytes(proc)  # the parent binds
@@ -69,7 +72,8 @@ def test_v2_container_and_systemd_memory_high(tmp_path: Path) -> None:
     cg = tmp_path / "sys"
     _write(cg / "cgroup.controllers", "cpu memory io\n")  # the root has no memory.max
     _v2_group(cg / "system.slice", "max", 6 * GIB, 4 * GIB)
-    _v2_group(cg / "system.slice" / "potluck.service", str(8 * GIB), 5 * GIB, 4 * GIB, high=str(2 * GIB))
+    _v2_group(cg / "system.slice" / "potluck.service", str(8 * GIB), 5 * GIB, 4 * GIB + 256 * MIB,
+              high=str(2 * GIB), mapped=256 * MIB)
     proc = _proc(tmp_path, "0::/system.slice/potluck.service\n", [
         f"30 23 0:26 / {cg} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate",
     ])

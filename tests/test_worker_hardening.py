@@ -488,15 +488,19 @@ def test_a_malicious_worker_cannot_crash_the_head(
 # --------------------------------------------------------------------------- native crashes
 
 
+def _children(worker_pid: int) -> list[int]:
+    return [int(pid) for task in Path(f"/proc/{worker_pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()]
+
+
 def _stage_child(worker_pid: int) -> int:
     """The worker's child process that has a slice mapped (the stage, not the warm spare)."""
-    for task in Path(f"/proc/{worker_pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                if ".gguf" in Path(f"/proc/{pid}/maps").read_text():
-                    return int(pid)
-            except OSError:
-                continue
+    for pid in _children(worker_pid):
+        try:
+            if ".gguf" in Path(f"/proc/{pid}/maps").read_text():
+                return pid
+        except OSError:
+            continue
     raise AssertionError("no stage process found")
 
 
@@ -507,6 +511,8 @@ def test_a_crashing_stage_is_reported_and_the_worker_serves_the_next_head(
     try:
         prompt = model.tokenize(PROMPT)
         target.decode(prompt[:4])
+        # no warm spare beside a loaded stage: its memory is what a capped worker lacks
+        assert _children(worker.proc.pid) == [_stage_child(worker.proc.pid)]
         os.kill(_stage_child(worker.proc.pid), signal.SIGSEGV)  # as a memory fault in llama.cpp would
         deadline = time.monotonic() + 10
         while "killed by SIGSEGV" not in worker.log() and time.monotonic() < deadline:
@@ -517,6 +523,10 @@ def test_a_crashing_stage_is_reported_and_the_worker_serves_the_next_head(
     finally:
         target.close()
     assert worker.alive()
+    deadline = time.monotonic() + 10  # the stage released: a spare warms up for the next head
+    while len(_children(worker.proc.pid)) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_children(worker.proc.pid)) == 1
     target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
     try:
         with local_target(model) as local:
@@ -629,7 +639,7 @@ def test_gemma_default_plan_over_two_workers_is_exact(tmp_path: Path, keys: Curv
 
 def test_planner_never_makes_a_slice_without_a_sliding_window_layer() -> None:
     swa = tuple((i + 1) % 6 != 0 for i in range(18))  # Gemma 3: layers 5, 11, 17 are global
-    costs = LayerCosts("gemma3", (100,) * 18, 10, 1000, 64, swa)
+    costs = LayerCosts("gemma3", (100,) * 18, 50, 50, 10, 1000, 64, swa)
     nodes = [NodeInfo("a", "a:1", 10_000, 1.0), NodeInfo("b", "b:1", 10_000, 100.0)]
     for n_nodes in (2, 3):
         plan = plan_split(costs, (nodes * 2)[:n_nodes], 64)

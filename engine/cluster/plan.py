@@ -60,6 +60,8 @@ class LayerCosts:
 
     arch: str
     layer_bytes: tuple[int, ...]  # [n_layer] weight bytes per layer
+    embd_bytes: int  # token_embd (first stage)
+    head_bytes: int  # output_norm + output (last stage; tied models reuse token_embd)
     kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer
     n_vocab: int = 0  # tokens in the GGUF's own vocabulary (the head checks results against it)
     n_embd: int = 0
@@ -154,10 +156,19 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
 
     n_layer = num("block_count", 0)
     per_layer = [0] * n_layer
+    embd = head = 0
     for t in r.tensors:
         m = _BLK.match(t.name)
-        if m and int(m.group(1)) < n_layer:
-            per_layer[int(m.group(1))] += int(t.n_bytes)
+        if m:
+            i = int(m.group(1))
+            if i < n_layer:
+                per_layer[i] += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            embd = int(t.n_bytes)
+        else:
+            head += int(t.n_bytes)
+    if "output.weight" not in {t.name for t in r.tensors}:
+        head += embd  # tied embeddings: the last stage reads token_embd as its output head
     n_embd = num("embedding_length", 0)
     n_head = num("attention.head_count", 1) or 1
     n_head_kv = num("attention.head_count_kv", n_head) or n_head
@@ -170,7 +181,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
         from ..core.gguf_tools import gemma3_swa_pattern
 
         swa = tuple(gemma3_swa_pattern(r, arch, range(n_layer)))
-    return LayerCosts(arch, tuple(per_layer), kv, n_vocab, n_embd, swa)
+    return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa)
 
 
 def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
@@ -214,17 +225,19 @@ def stage_bytes(
     """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model; ``n_ctx``: its KV
     cells (every stream), ``seq_cells``: one sequence's (default ``n_ctx``).
 
-    Every slice holds the token embeddings and an output matrix besides its layers (llama.cpp
-    needs both to load), but neither is a working set: the output matrix is a stub of zeros
-    that is never read nor repacked (gguf_tools.layer_layout), and the embeddings are read a
-    row a token. Both stay mapped file pages, which a cgroup's limit reclaims like any page
-    cache (core/memory.py leaves page cache out of a worker's usage too), so only the layers'
-    weights count (docs/facts.md §17: at 8b, 239 MB a worker).
+    Every slice holds the token embeddings and an output matrix besides its layers (they are
+    needed to load). A stage's output matrix is a stub of zeros that is never read nor
+    repacked (gguf_tools.layer_layout), and a worker's embeddings are read a row a token, yet
+    both count: the figure keeps that much room for what a stage reads from its mapped file
+    every token besides its repacked weights, and the page cache the kernel is slow to give
+    back. Without them a 60 % cap of the 8b shape was planned, and one stage kept 2 MB of its
+    file mapped where it reads about 60 MB a token: it paged at 1.3-1.8 tok/s against 5.0-5.3
+    at 70 % (docs/facts.md §17).
 
     While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
     its own buffers) and, at the hand-over, sequence 0's state as bytes
     (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
-    weights = _range_bytes(costs, lo, hi)
+    weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
     kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
     runtime = stage_runtime_bytes(costs.n_vocab, costs.n_embd, n_batch)
     seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)

@@ -5,18 +5,23 @@ MemAvailable ignores the memory limit of a container, a systemd service (``Memor
 any other cgroup a spare machine runs its services in; a stage sized by it is killed by the
 kernel's OOM killer, not refused. So free memory is read at every level of the process's
 memory cgroup up to the root of the mounted hierarchy: at each level ``limit - usage that
-cannot be reclaimed``, where the reclaimable part is page cache (file pages less shmem).
-Page cache stays out because a worker's own slice is mmapped: its pages count as usage of
-the worker's cgroup, yet the kernel drops them under pressure, and counting them would make
-a worker report nothing free after its first load.
+cannot be reclaimed``, where the reclaimable part is page cache that no process maps (file
+pages less shmem and mapped files). Unmapped page cache stays out: a worker's received or
+released slice is charged to its cgroup, yet the kernel drops it under pressure, and
+counting it would make a worker report nothing free after its first load. Mapped file pages
+count as used: they are the running processes' working set (the interpreter's and llama.cpp's
+code where a worker is the first to load it, a loaded stage's weights), and reclaiming them
+makes every token fault them back in (docs/facts.md §17: a capped stage squeezed out of its
+mapped file paged at a third of its speed).
 
 Layouts read (``/proc/self/cgroup`` joined with ``/proc/self/mountinfo``):
 
 - cgroup v2 (unified): ``0::/path``; files ``memory.max``, ``memory.high`` (systemd's
   ``MemoryHigh=``: reclaim is forced above it, so it bounds what is usable too),
-  ``memory.current`` and ``memory.stat`` (``file``, ``shmem``);
+  ``memory.current`` and ``memory.stat`` (``file``, ``shmem``, ``file_mapped``);
 - cgroup v1: ``N:memory:/path``; files ``memory.limit_in_bytes``, ``memory.usage_in_bytes``
-  and ``memory.stat`` (``total_cache``, ``total_shmem``: hierarchical, as usage is);
+  and ``memory.stat`` (``total_cache``, ``total_shmem``, ``total_mapped_file``: hierarchical,
+  as usage is);
 - hybrid machines (v1 memory controller beside an empty unified hierarchy, so the ``0::/``
   line leads to no memory files): both are read and the smallest figure wins.
 
@@ -156,12 +161,13 @@ def _level(d: Path, version: int) -> CgroupLevel | None:
         limits = [_int(_read(d / "memory.max")), _int(_read(d / "memory.high"))]
         usage = _int(_read(d / "memory.current"))
         stat = _stat(d / "memory.stat")
-        cache = stat.get("file", 0) - stat.get("shmem", 0)
+        cache = stat.get("file", 0) - stat.get("shmem", 0) - stat.get("file_mapped", 0)
     else:
         limits = [_int(_read(d / "memory.limit_in_bytes"))]
         usage = _int(_read(d / "memory.usage_in_bytes"))
         stat = _stat(d / "memory.stat")
-        cache = stat.get("total_cache", stat.get("cache", 0)) - stat.get("total_shmem", stat.get("shmem", 0))
+        cache = (stat.get("total_cache", stat.get("cache", 0)) - stat.get("total_shmem", stat.get("shmem", 0))
+                 - stat.get("total_mapped_file", stat.get("mapped_file", 0)))
     limit = min((v for v in limits if v is not None and v < _V1_UNLIMITED), default=None)
     if limit is None:
         return None
