@@ -35,6 +35,7 @@ from pathlib import Path
 from potluck.app.loopback import spawn_worker, stop_worker
 from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.core import memory
+from potluck.engine.core.errors import PotluckError
 from potluck.engine.lab.fixtures import build_shape
 
 from .peers import BENCH_ARGS, rpc_addresses, rpc_servers
@@ -207,8 +208,12 @@ def main() -> None:
                           "peak_rss_mb": peak_rss_mb(os.getpid())}))
         return
     if args.mode == "head":
-        print(json.dumps(head_run(args.model, args.addresses.split(","), os.environ["POTLUCK_TOKEN"],
-                                  args.tokens, args.ctx, args.batch, ["plain", "pipeinfer"])))
+        try:
+            run = head_run(args.model, args.addresses.split(","), os.environ["POTLUCK_TOKEN"],
+                           args.tokens, args.ctx, args.batch, ["plain", "pipeinfer"])
+        except PotluckError as e:  # a refused plan, an unreachable worker: one line, as the CLI says it
+            raise SystemExit(f"potluck: error: {e}") from None
+        print(json.dumps(run))
         return
 
     path = build_shape(args.shape)
@@ -241,7 +246,9 @@ def main() -> None:
                                    "--addresses", ",".join(addresses)], cwd=ROOT, capture_output=True, text=True,
                                   env=env, check=False)
             if proc.returncode != 0:
-                raise SystemExit(f"head failed:\n{proc.stderr[-3000:]}")
+                last = proc.stderr.strip().splitlines()[-1:] or [""]
+                raise SystemExit(last[0] if last[0].startswith("potluck: error:") else
+                                 f"head failed:\n{proc.stderr[-3000:]}")
             run = json.loads(proc.stdout.strip().splitlines()[-1])
             if "plain" not in run:
                 raise SystemExit(f"head output without replies: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
