@@ -113,33 +113,6 @@ def test_a_cost_line_that_forbids_drafting_is_probed_again(
     strategy.close()
 
 
-def test_a_draft_models_probe_drafts_by_prompt_lookup(
-    model: Model, weak_draft: Path, reference: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`sd` blocked by its cost line: the probe re-times a batch with prompt-lookup drafts, so
-    the draft model does not first read every token it missed (a catch-up prefill)."""
-    from potluck.engine.speculation.adaptive import DraftBreakEven
-    from potluck.engine.speculation.strategies import speculative
-    from potluck.engine.speculation.strategies.speculative import Speculative
-
-    monkeypatch.setattr(speculative, "PROBE_EVERY", 16)
-    strategy = build("sd", model, weak_draft)
-    assert isinstance(strategy, Speculative) and strategy.probe_drafter is not None
-    strategy.costs = None  # keep the poisoned line out of the shared cost file
-    strategy.break_even = DraftBreakEven()
-    strategy.break_even.load({1: [10.0] * 12, 2: [3000.0] * 12, 4: [9000.0] * 12})
-    calls: list[str] = []
-    for who, drafter in (("model", strategy.drafter), ("probe", strategy.probe_drafter)):
-        monkeypatch.setattr(drafter, "draft", lambda req, d=drafter.draft, who=who: calls.append(who) or d(req))
-    prompt = LONG_PROMPTS[1]  # the code rewrite: prompt lookup has guesses
-    session = make_session(model, strategy)
-    tokens, rounds = reply(session, prompt, 48)
-    session.target.close()
-    assert tokens == reference[prompt][:48]
-    assert calls and calls[0] == "probe" and sum(r.drafted for r in rounds) > 0
-    strategy.close()
-
-
 def test_greedy_equals_plain_decoding(
     model: Model, weak_draft: Path, reference: dict[str, list[int]]
 ) -> None:

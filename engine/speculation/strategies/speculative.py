@@ -43,8 +43,7 @@ if TYPE_CHECKING:
     from ...core.spec import EngineSpec
 
 
-# A cost line that forbids drafting is re-checked by a short draft every PROBE_EVERY rounds
-# (the probe drafter's, when the strategy has one).
+# A cost line that forbids drafting is re-checked by a short draft every PROBE_EVERY rounds.
 PROBE_EVERY = 64
 PROBE_LEN = 3
 
@@ -63,13 +62,8 @@ class Speculative(Strategy):
         adaptive: bool = True,
         costs: SavedLine | None = None,
         gate_backoff: int = DraftGate().backoff,
-        probe_drafter: Drafter | None = None,
     ) -> None:
         self.drafter = drafter
-        # A probe only re-times a verify batch, and any draft does for that. A draft model
-        # would first read every token since it last drafted (about 100 ms after 64 rounds of
-        # the bundled model's), so its probes draft by prompt lookup instead (docs/facts.md §27).
-        self.probe_drafter = probe_drafter
         self.length_config = length
         self.adaptive = adaptive
         self.length = SpeculationLength(length)
@@ -160,8 +154,7 @@ class Speculative(Strategy):
             if self._blocked < PROBE_EVERY:
                 k = 0
             else:
-                self._blocked = 0
-                return min(k, PROBE_LEN), 0.0, self.probe_drafter or self.drafter
+                self._blocked, min_accept_p, k = 0, 0.0, min(k, PROBE_LEN)
         return k, min_accept_p, self.drafter
 
     def learn(self, drafter: Drafter, drafted: int, accepted: int) -> None:
@@ -176,20 +169,14 @@ class Speculative(Strategy):
         if bind is not None:
             bind(g.target.on_compute_thread)
         self.drafter.begin(g.history, g.drafter_rng())
-        if self.probe_drafter is not None:
-            self.probe_drafter.begin(g.history, g.drafter_rng())
 
     def reset(self) -> None:
         self.drafter.reset()
-        if self.probe_drafter is not None:
-            self.probe_drafter.reset()
         self.length = SpeculationLength(self.length_config)
         self.gate = DraftGate(backoff=self.gate_backoff)
 
     def close(self) -> None:
         self.drafter.close()
-        if self.probe_drafter is not None:
-            self.probe_drafter.close()
 
 
 def _rows_after_drafts(
@@ -211,7 +198,6 @@ class DraftModelSpeculative(Speculative):
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         from ..drafters.draft_model import DraftModelDrafter
-        from ..drafters.ngram import NgramDrafter
 
         cls.check_options(spec.strategy_options)
         s_max = int_option(spec, "max_draft", 12, 1, MAX_EXACT_BATCH - 1)
@@ -232,7 +218,7 @@ class DraftModelSpeculative(Speculative):
         length = LengthConfig(s_init=s_init, s_max=s_max)
         # a draft model pays a catch-up prefill to resume: once drafting loses, not this reply
         return cls(drafter, length, adaptive=adaptive, costs=saved_costs(target_model, spec),
-                   gate_backoff=UNTIL_REPLY_END, probe_drafter=NgramDrafter())
+                   gate_backoff=UNTIL_REPLY_END)
 
 
 class NgramSpeculative(Speculative):
