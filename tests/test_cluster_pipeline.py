@@ -14,10 +14,11 @@ from potluck.discovery.auth import keys_from_token
 from potluck.discovery.lan import browse
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.pipeline_target import PipelineTarget
+from potluck.engine.cluster.plan import layer_costs
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished
-from potluck.engine.core.gguf_tools import merge_layer_ranges
+from potluck.engine.core.gguf_tools import STAGE_VOCAB, merge_layer_ranges
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -124,6 +125,7 @@ def test_three_stages_of_a_60_layer_target_exact(
     deep_path = merge_layer_ranges(model_path, tmp_path_factory.mktemp("deep") / "deep60.gguf", [(0, 29), (0, 29)])
     with Model(deep_path) as deep:
         assert deep.n_layer == 60
+        n_vocab = deep.n_vocab
         target = pipeline(deep_path, workers, slice_cache, split=[0, 17, 41, 60])
         try:
             assert [lk.layers for lk in target.links] == [(0, 17), (17, 41), (41, 59)]
@@ -131,6 +133,10 @@ def test_three_stages_of_a_60_layer_target_exact(
             assert converse(deep, target, "plain", None) == reference(deep)
         finally:
             target.close()
+    # the stages after the first read hidden states and hand hidden states on: no vocabulary
+    slices = slice_cache.slices(deep_path, [0, 17, 41, 59])
+    vocab = [layer_costs(sl.layout.write_to(tmp_path_factory.mktemp("sl") / "s.gguf")).n_vocab for sl in slices]
+    assert vocab == [n_vocab, STAGE_VOCAB, STAGE_VOCAB]
 
 
 def test_gemma3_split_off_the_sliding_window_period_exact(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import PotluckError
+from ..core.gguf_tools import STAGE_VOCAB
 from ..core.validate import N_BATCH
 
 # llama.cpp's CPU compute buffer for one ubatch of n rows, measured from its own log
@@ -237,9 +238,13 @@ def stage_bytes(
     While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
     its own buffers) and, at the hand-over, sequence 0's state as bytes
     (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
-    weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
+    # A stage between the first and the last is sliced without a vocabulary
+    # (gguf_tools.STAGE_VOCAB): tiny embeddings and output stub, tiny logits buffers.
+    # A slice's own costs (a worker checking a load) already say so: it is all of its layers.
+    vocab_free = 0 < lo and hi < costs.n_layer
+    weights = _range_bytes(costs, lo, hi) + (0 if vocab_free else costs.embd_bytes + costs.head_bytes)
     kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
-    runtime = stage_runtime_bytes(costs.n_vocab, costs.n_embd, n_batch)
+    runtime = stage_runtime_bytes(STAGE_VOCAB if vocab_free else costs.n_vocab, costs.n_embd, n_batch)
     seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
     prefill_twin = 2 * kv_cell * seq + runtime
     return weights + kv_cell * n_ctx + runtime + prefill_twin

@@ -130,12 +130,17 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _copy_fields(reader, writer, arch: str, n_layer_new: int, layer_map: Sequence[int]) -> None:
+def _copy_fields(
+    reader, writer, arch: str, n_layer_new: int, layer_map: Sequence[int], *, vocab: bool = True
+) -> None:
+    """``vocab=False``: leave the tokenizer and the vocabulary size out."""
     import gguf
 
     for field in reader.fields.values():
         name = field.name
         if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if not vocab and (name.startswith("tokenizer.") or name == f"{arch}.vocab_size"):
             continue
         vtype = field.types[0]
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -251,12 +256,16 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
 
 
 STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked layout in llama.cpp's CPU backend
+# The vocabulary of a stage between the first and the last: it reads no token ids and computes
+# no logits, so its slice says "none" with this many dummy tokens (llama.cpp's vocab type NONE)
+STAGE_VOCAB = 32
 
 
-def _stub_output(t) -> tuple[tuple[int, int], int] | None:
-    """(numpy byte shape, bytes) of ``t`` (the output matrix) as Q4_1 zeros, or None where its
-    rows are not whole Q4_1 blocks."""
-    n_in, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
+def _stub_output(t, rows: int | None = None) -> tuple[tuple[int, int], int] | None:
+    """(numpy byte shape, bytes) of ``t`` (the output matrix) as Q4_1 zeros, ``rows`` rows
+    (None: as many as ``t``), or None where its rows are not whole Q4_1 blocks."""
+    n_in = int(t.shape[0])
+    rows = int(np.prod(t.shape[1:])) if rows is None else rows
     per, nbytes = STUB_OUTPUT_BLOCK
     if n_in % per:
         return None
@@ -297,20 +306,39 @@ def _layout_of_version(
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
     stub = {}  # name -> (byte shape, bytes): tensors written as Q4_1 zeros
+    # A stage between the first and the last reads hidden states and hands hidden states on:
+    # with the whole vocabulary, llama.cpp would give each of its contexts a logits buffer and
+    # an output-layer compute buffer of n_batch x n_vocab floats it never uses (docs/facts.md §17).
+    vocab_free = stage and min(layer_map) > 0 and max(layer_map) < n_layer - 1
     if stage and max(layer_map) < n_layer - 1:
         tensors = dict(ordered)
+        embd = tensors.get("token_embd.weight")
         # tied embeddings: llama.cpp would repack a duplicate of the embeddings as the output;
         # an explicit output matrix of their shape takes its place
-        output = tensors.get("output.weight", tensors.get("token_embd.weight"))
-        form = _stub_output(output) if output is not None else None
+        output = tensors.get("output.weight", embd)
+        n_vocab = int(embd.shape[1]) if embd is not None else -1
+        # a tensor other than these two sized by the vocabulary (an output bias) keeps it whole
+        vocab_free = vocab_free and not any(
+            not _BLK.match(n) and n not in ("token_embd.weight", "output.weight") and n_vocab in tuple(t.shape)
+            for n, t in ordered
+        )
+        rows = STAGE_VOCAB if vocab_free else None
+        form = _stub_output(output, rows) if output is not None else None
+        embd_form = _stub_output(embd, rows) if vocab_free and embd is not None else None
+        vocab_free = vocab_free and form is not None and embd_form is not None
         if form is not None:
             if "output.weight" not in tensors:
                 ordered.append(("output.weight", output))
             stub["output.weight"] = form
+            if vocab_free:
+                stub["token_embd.weight"] = embd_form
     with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
         header_path = Path(tmp) / "header.gguf"
         w = gguf.GGUFWriter(str(header_path), arch=arch, use_temp_file=False)
-        _copy_fields(r, w, arch, len(layer_map), layer_map)
+        _copy_fields(r, w, arch, len(layer_map), layer_map, vocab=not vocab_free)
+        if vocab_free:
+            w.add_tokenizer_model("none")
+            w.add_vocab_size(STAGE_VOCAB)
         if arch == "gemma3":
             key = f"{arch}.attention.sliding_window_pattern"
             _drop_kv(w, key)
