@@ -226,23 +226,24 @@ def stage_bytes(
     """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model; ``n_ctx``: its KV
     cells (every stream), ``seq_cells``: one sequence's (default ``n_ctx``).
 
-    Every slice holds the token embeddings and an output matrix besides its layers (they are
-    needed to load). A stage's output matrix is a stub of zeros that is never read nor
-    repacked (gguf_tools.layer_layout), and a worker's embeddings are read a row a token, yet
-    both count: the figure keeps that much room for what a stage reads from its mapped file
-    every token besides its repacked weights, and the page cache the kernel is slow to give
-    back. Without them a 60 % cap of the 8b shape was planned, and one stage kept 2 MB of its
-    file mapped where it reads about 60 MB a token: it paged at 1.3-1.8 tok/s against 5.0-5.3
-    at 70 % (docs/facts.md §17).
+    Every stage also counts the model's embeddings and output matrix, though none keeps them
+    in memory: a first stage's slice maps its embeddings and reads a row a token, its output
+    matrix is a stub of zeros never read (gguf_tools.layer_layout), and the stages after it
+    are sliced with neither. That much room is what a stage needed besides its weights, KV
+    cache and buffers (what it reads from its mapped file every token, the page cache the
+    kernel is slow to give back): planned without it, a 60 % cap of the 8b shape ran with one
+    stage keeping 2 MB of its file mapped where it reads about 60 MB a token, and it paged at
+    1.3-1.8 tok/s against 5.0-5.3 at 70 % (docs/facts.md §17). A worker checking a load counts
+    its slice as it is, so its figure is never above the plan's.
 
     While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
     its own buffers) and, at the hand-over, sequence 0's state as bytes
     (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
     # A stage between the first and the last is sliced without a vocabulary
-    # (gguf_tools.STAGE_VOCAB): tiny embeddings and output stub, tiny logits buffers.
-    # A slice's own costs (a worker checking a load) already say so: it is all of its layers.
+    # (gguf_tools.STAGE_VOCAB): its logits buffers are tiny. A slice's own costs (a worker
+    # checking a load) already say so: it is all of its layers.
     vocab_free = 0 < lo and hi < costs.n_layer
-    weights = _range_bytes(costs, lo, hi) + (0 if vocab_free else costs.embd_bytes + costs.head_bytes)
+    weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
     kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
     runtime = stage_runtime_bytes(STAGE_VOCAB if vocab_free else costs.n_vocab, costs.n_embd, n_batch)
     seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
