@@ -28,6 +28,7 @@ from zeroconf import (
     Zeroconf,
     current_time_millis,
 )
+from zeroconf import Error as ZeroconfError
 
 from ..engine.cluster.profile import NodeProfile
 from ..engine.cluster.wire import PROTOCOL_VERSION
@@ -212,7 +213,12 @@ class Membership:
         threading.Thread(target=self._resolve, args=(service_type, name), daemon=True).start()
 
     def _resolve(self, service_type: str, name: str) -> None:
-        info = self._zc.get_service_info(service_type, name, timeout=3000)
+        try:
+            info = self._zc.get_service_info(service_type, name, timeout=3000)
+        except ZeroconfError as e:  # its event loop held up past the timeout (a busy machine), or closed
+            log.info("could not resolve zeroconf record %s (%s); waiting for its next announcement",
+                     name, type(e).__name__)
+            return
         if info is None:
             return
         for address in claimed_addresses(self._zc, name, info):

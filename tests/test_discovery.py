@@ -66,6 +66,30 @@ def test_advertised_workers_are_found_and_leave() -> None:
             ad.close()
 
 
+def test_a_record_that_cannot_be_resolved_on_a_busy_machine_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """zeroconf raises EventLoopBlocked when its loop is held up past the timeout (a busy
+    machine): the resolving thread logs and waits for the next announcement, no traceback."""
+    import logging
+
+    from zeroconf import EventLoopBlocked
+
+    from potluck.discovery.lan import SERVICE_TYPE
+
+    watcher = Membership(interfaces=LOOPBACK)
+    try:
+        def blocked(*a: object, **k: object) -> None:
+            raise EventLoopBlocked
+
+        monkeypatch.setattr(watcher._zc, "get_service_info", blocked)
+        with caplog.at_level(logging.INFO, logger="potluck.discovery.lan"):
+            watcher._resolve(SERVICE_TYPE, f"busy.{SERVICE_TYPE}")
+        assert any("could not resolve" in r.getMessage() for r in caplog.records)
+    finally:
+        watcher.close()
+
+
 def test_token_and_nodes_commands(tmp_home, capsys: pytest.CaptureFixture[str]) -> None:
     from potluck.app.cli import main
 
