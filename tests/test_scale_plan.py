@@ -27,6 +27,7 @@ from potluck.engine.cluster.plan import (
 )
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.gguf_tools import STAGE_VOCAB, layer_layout
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.lab.fixtures import build_shape
 
@@ -53,6 +54,20 @@ def test_a_capped_worker_gets_fewer_layers() -> None:
     longer = plan_split(c, [NodeInfo("a", "a:1", cap, 1.0), NodeInfo("b", "b:1", 8000, 1.0)], n_ctx=65536)
     held = {s.node.name: s.hi - s.lo for s in longer.stages}
     assert held.get("a", 0) < 4 and sum(held.values()) == 15
+
+
+def test_a_stage_without_a_vocabulary_counts_its_small_buffers(model_path: Path, tmp_path: Path) -> None:
+    """A stage between the first and the last is sliced without a vocabulary: the plan counts
+    its logits and output-layer buffers at STAGE_VOCAB tokens (its own and its prefill twin's),
+    and the worker's check over the slice itself is never above the plan."""
+    c = one_b()
+    first, middle = stage_bytes(c, 0, 4, 4096, 512), stage_bytes(c, 4, 8, 4096, 512)
+    vocab_part = stage_runtime_bytes(c.n_vocab, c.n_embd, 512) - stage_runtime_bytes(STAGE_VOCAB, c.n_embd, 512)
+    assert first - middle == 2 * vocab_part > 100 * MB
+    whole = layer_costs(model_path)
+    sliced = layer_costs(layer_layout(model_path, range(10, 20), stage=True).write_to(tmp_path / "mid.gguf"))
+    assert sliced.n_vocab == STAGE_VOCAB and sliced.n_layer == 10
+    assert stage_bytes(sliced, 0, 10, 1024, 64) <= stage_bytes(whole, 10, 20, 1024, 64)
 
 
 def test_a_split_that_fits_nowhere_is_one_line() -> None:
