@@ -247,7 +247,10 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
     Unless it holds the model's last layer it never computes the output matrix, which is
     then written as zeros of a type llama.cpp does not repack (Q4_1): mapped and never read,
     it costs the stage no memory, where a Q4_0 one was copied into memory of its own on
-    machines with extra buffer types (docs/facts.md §17).
+    machines with extra buffer types (docs/facts.md §17). A stage that holds neither the first
+    layer nor the last reads no token ids and computes no logits: its slice has no vocabulary
+    (tokenizer "none", :data:`STAGE_VOCAB` dummy tokens, embeddings and output as stubs of
+    that many rows), so llama.cpp does not size its buffers by the model's vocabulary.
     """
     src = Path(src)
     st = src.stat()
