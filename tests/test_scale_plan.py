@@ -9,7 +9,9 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,7 +29,7 @@ from potluck.engine.cluster.plan import (
 )
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.errors import PotluckError
-from potluck.engine.core.gguf_tools import STAGE_VOCAB, layer_layout
+from potluck.engine.core.gguf_tools import STAGE_VOCAB, layer_layout, middle_stage_vocab
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.lab.fixtures import build_shape
 
@@ -68,6 +70,13 @@ def test_a_stage_without_a_vocabulary_counts_its_small_buffers(model_path: Path,
     sliced = layer_costs(layer_layout(model_path, range(10, 20), stage=True).write_to(tmp_path / "mid.gguf"))
     assert sliced.n_vocab == STAGE_VOCAB and sliced.n_layer == 10
     assert stage_bytes(sliced, 0, 10, 1024, 64) <= stage_bytes(whole, 10, 20, 1024, 64)
+    # a model with another tensor sized by its vocabulary (an output bias) keeps it whole:
+    # the slicer says so, and the plan counts the whole vocabulary's buffers
+    tensor = SimpleNamespace
+    embd = tensor(name="token_embd.weight", shape=(2048, 49152))
+    assert middle_stage_vocab([embd, tensor(name="blk.0.attn_q.weight", shape=(2048, 2048))]) == STAGE_VOCAB
+    assert middle_stage_vocab([embd, tensor(name="output.bias", shape=(49152,))]) == 0
+    assert stage_bytes(replace(c, middle_vocab=0), 4, 8, 4096, 512) == first
 
 
 def test_a_split_that_fits_nowhere_is_one_line() -> None:

@@ -67,6 +67,9 @@ class LayerCosts:
     n_vocab: int = 0  # tokens in the GGUF's own vocabulary (the head checks results against it)
     n_embd: int = 0
     swa: tuple[bool, ...] | None = None  # per layer: sliding-window (archs with a pattern only)
+    # tokens a stage between the first and the last is sliced with (0: the whole vocabulary;
+    # gguf_tools.middle_stage_vocab)
+    middle_vocab: int = STAGE_VOCAB
 
     @property
     def n_layer(self) -> int:
@@ -143,7 +146,7 @@ def layer_costs(path: Path) -> LayerCosts:
 
 @functools.lru_cache(maxsize=16)
 def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
-    from ..core.gguf_tools import open_reader
+    from ..core.gguf_tools import middle_stage_vocab, open_reader
 
     r = open_reader(path)
     arch = str(r.fields["general.architecture"].contents())
@@ -182,7 +185,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
         from ..core.gguf_tools import gemma3_swa_pattern
 
         swa = tuple(gemma3_swa_pattern(r, arch, range(n_layer)))
-    return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa)
+    return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa, middle_stage_vocab(r.tensors))
 
 
 def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
@@ -239,13 +242,14 @@ def stage_bytes(
     While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
     its own buffers) and, at the hand-over, sequence 0's state as bytes
     (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
-    # A stage between the first and the last is sliced without a vocabulary
-    # (gguf_tools.STAGE_VOCAB): its logits buffers are tiny. A slice's own costs (a worker
-    # checking a load) already say so: it is all of its layers.
-    vocab_free = 0 < lo and hi < costs.n_layer
+    # A stage between the first and the last is sliced without a vocabulary where the model
+    # allows it: its logits buffers are then tiny. A slice's own costs (a worker checking a
+    # load) already say so: it is all of its layers.
+    middle = 0 < lo and hi < costs.n_layer
+    n_vocab = costs.middle_vocab if middle and costs.middle_vocab else costs.n_vocab
     weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
     kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
-    runtime = stage_runtime_bytes(STAGE_VOCAB if vocab_free else costs.n_vocab, costs.n_embd, n_batch)
+    runtime = stage_runtime_bytes(n_vocab, costs.n_embd, n_batch)
     seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
     prefill_twin = 2 * kv_cell * seq + runtime
     return weights + kv_cell * n_ctx + runtime + prefill_twin

@@ -248,9 +248,10 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
     then written as zeros of a type llama.cpp does not repack (Q4_1): mapped and never read,
     it costs the stage no memory, where a Q4_0 one was copied into memory of its own on
     machines with extra buffer types (docs/facts.md §17). A stage that holds neither the first
-    layer nor the last reads no token ids and computes no logits: its slice has no vocabulary
-    (tokenizer "none", :data:`STAGE_VOCAB` dummy tokens, embeddings and output as stubs of
-    that many rows), so llama.cpp does not size its buffers by the model's vocabulary.
+    layer nor the last reads no token ids and computes no logits: where the model allows
+    (:func:`middle_stage_vocab`) its slice has no vocabulary (tokenizer "none",
+    :data:`STAGE_VOCAB` dummy tokens, embeddings and output as stubs of that many rows), so
+    llama.cpp does not size its buffers by the model's vocabulary.
     """
     src = Path(src)
     st = src.stat()
@@ -262,6 +263,23 @@ STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked la
 # The vocabulary of a stage between the first and the last: it reads no token ids and computes
 # no logits, so its slice says "none" with this many dummy tokens (llama.cpp's vocab type NONE)
 STAGE_VOCAB = 32
+
+
+def middle_stage_vocab(tensors) -> int:  # tensors: the model's gguf ReaderTensors
+    """Tokens a stage between the first and the last is sliced with: :data:`STAGE_VOCAB`, or
+    0 (the whole vocabulary) where the model cannot do without it: embeddings that are not
+    whole Q4_1 rows (the stubs' type), or another tensor outside the layers sized by the
+    vocabulary (an output bias). The slicer and the planner both ask this."""
+    by_name = {t.name: t for t in tensors}
+    embd = by_name.get("token_embd.weight")
+    if embd is None or _stub_output(embd, STAGE_VOCAB) is None:
+        return 0
+    n_vocab = int(embd.shape[1])
+    sized_by_vocab = [
+        n for n, t in by_name.items()
+        if not _BLK.match(n) and n not in ("token_embd.weight", "output.weight") and n_vocab in tuple(t.shape)
+    ]
+    return 0 if sized_by_vocab else STAGE_VOCAB
 
 
 def _stub_output(t, rows: int | None = None) -> tuple[tuple[int, int], int] | None:
@@ -312,29 +330,21 @@ def _layout_of_version(
     # A stage between the first and the last reads hidden states and hands hidden states on:
     # with the whole vocabulary, llama.cpp would give each of its contexts a logits buffer and
     # an output-layer compute buffer of n_batch x n_vocab floats it never uses (docs/facts.md §17).
-    vocab_free = stage and min(layer_map) > 0 and max(layer_map) < n_layer - 1
+    middle = stage and min(layer_map) > 0 and max(layer_map) < n_layer - 1
+    vocab_free = middle and middle_stage_vocab(r.tensors) > 0
     if stage and max(layer_map) < n_layer - 1:
         tensors = dict(ordered)
-        embd = tensors.get("token_embd.weight")
         # tied embeddings: llama.cpp would repack a duplicate of the embeddings as the output;
         # an explicit output matrix of their shape takes its place
-        output = tensors.get("output.weight", embd)
-        n_vocab = int(embd.shape[1]) if embd is not None else -1
-        # a tensor other than these two sized by the vocabulary (an output bias) keeps it whole
-        vocab_free = vocab_free and not any(
-            not _BLK.match(n) and n not in ("token_embd.weight", "output.weight") and n_vocab in tuple(t.shape)
-            for n, t in ordered
-        )
+        output = tensors.get("output.weight", tensors.get("token_embd.weight"))
         rows = STAGE_VOCAB if vocab_free else None
         form = _stub_output(output, rows) if output is not None else None
-        embd_form = _stub_output(embd, rows) if vocab_free and embd is not None else None
-        vocab_free = vocab_free and form is not None and embd_form is not None
         if form is not None:
             if "output.weight" not in tensors:
                 ordered.append(("output.weight", output))
             stub["output.weight"] = form
-            if vocab_free:
-                stub["token_embd.weight"] = embd_form
+        if vocab_free:  # same width as the output (checked by middle_stage_vocab)
+            stub["token_embd.weight"] = _stub_output(tensors["token_embd.weight"], rows)
     with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
         header_path = Path(tmp) / "header.gguf"
         w = gguf.GGUFWriter(str(header_path), arch=arch, use_temp_file=False)
