@@ -367,8 +367,8 @@ class Worker:
         self.owner_seen = time.monotonic()
         log.info("head %s joined", msg.head_id)
         p = self.profile
-        # the free figure the head plans with: heap a past slice transfer left behind goes back
-        # first (14 MB of it cost a 62 % cap of the 8b shape its second plan, docs/facts.md §17)
+        # the free figure the head plans with: heap a past slice transfer freed goes back to
+        # the system first (8-15 MB after an 8b stage's transfer, docs/facts.md §17)
         inbox.give_back_freed_memory()
         welcome = wire.Welcome(
             p.node_id, self.version, p.cores, free_memory_mb(), p.speed, "idle", self.max_msg_bytes
@@ -394,7 +394,7 @@ class Worker:
         try:
             stage = load_stage(proc, path, msg, self.n_threads)
             self.forward = None if msg.last else self._connect_next(msg.next_addr, stage)
-        except BaseException as e:
+        except Exception as e:
             self._spare = StageProcess()  # nothing loaded: the next load finds one warm
             if isinstance(e, StageCrashed):
                 self.crashes += 1
