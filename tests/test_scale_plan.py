@@ -16,9 +16,11 @@ from types import SimpleNamespace
 import pytest
 
 from potluck.discovery.auth import keys_from_token
+from potluck.engine.cluster.child import StageProcess, StageSpec
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.plan import (
     HEADROOM_MB,
+    PAGE_BYTES,
     LayerCosts,
     NodeInfo,
     layer_costs,
@@ -29,7 +31,7 @@ from potluck.engine.cluster.plan import (
 )
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.errors import PotluckError
-from potluck.engine.core.gguf_tools import STAGE_VOCAB, layer_layout, middle_stage_vocab
+from potluck.engine.core.gguf_tools import STAGE_VOCAB, layer_layout, middle_stage_vocab, slice_layers
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.lab.fixtures import build_shape
 
@@ -41,7 +43,7 @@ MB = 1 << 20
 
 def one_b() -> LayerCosts:
     """The 1b shape's sizes (16 layers of 34 MB, a tied 56 MB embedding, 49,152 tokens)."""
-    return LayerCosts("llama", tuple([34 * MB] * 16), 56 * MB, 56 * MB, 2 * 8 * 64 * 2, 49152, 2048)
+    return LayerCosts("llama", tuple([34 * MB] * 16), 56 * MB, 2 * 8 * 64 * 2, 49152, 2048)
 
 
 def test_a_capped_worker_gets_fewer_layers() -> None:
@@ -65,7 +67,8 @@ def test_a_stage_without_a_vocabulary_counts_its_small_buffers(model_path: Path,
     c = one_b()
     first, middle = stage_bytes(c, 0, 4, 4096, 512), stage_bytes(c, 4, 8, 4096, 512)
     vocab_part = stage_runtime_bytes(c.n_vocab, c.n_embd, 512) - stage_runtime_bytes(STAGE_VOCAB, c.n_embd, 512)
-    assert first - middle == 2 * vocab_part > 100 * MB
+    rows_read = (4096 - STAGE_VOCAB) * PAGE_BYTES  # a page an embedding row, a row a cell at most
+    assert first - middle == 2 * vocab_part + rows_read and vocab_part > 50 * MB
     whole = layer_costs(model_path)
     sliced = layer_costs(layer_layout(model_path, range(10, 20), stage=True).write_to(tmp_path / "mid.gguf"))
     assert sliced.n_vocab == STAGE_VOCAB and sliced.n_layer == 10
@@ -77,6 +80,25 @@ def test_a_stage_without_a_vocabulary_counts_its_small_buffers(model_path: Path,
     assert middle_stage_vocab([embd, tensor(name="blk.0.attn_q.weight", shape=(2048, 2048))]) == STAGE_VOCAB
     assert middle_stage_vocab([embd, tensor(name="output.bias", shape=(49152,))]) == 0
     assert stage_bytes(replace(c, middle_vocab=0), 4, 8, 4096, 512) == first
+
+
+def test_a_stage_process_reads_its_slice_by_rows(model_path: Path, tmp_path: Path) -> None:
+    """A stage tells the kernel it reads its mapped slice at random (MADV_RANDOM: smaps shows
+    ``rr``), so a fault for one embedding row reads a page, not a read-around window that
+    pushes out its working set under a memory cap (docs/facts.md §17)."""
+    path = slice_layers(model_path, tmp_path / "s.gguf", 0, 4)
+    proc = StageProcess()
+    try:
+        proc.load(StageSpec(str(path), "0" * 64, True, 256, 32, 1, True, 1), 300)
+        smaps = Path(f"/proc/{proc.proc.pid}/smaps").read_text()
+        flags = [
+            next(ln for ln in block.splitlines() if ln.startswith("VmFlags:")).split()[1:]
+            for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps)
+            if block.splitlines()[0].endswith(str(path.resolve()))
+        ]
+        assert flags and all("rr" in f for f in flags), flags
+    finally:
+        proc.close()
 
 
 def test_a_split_that_fits_nowhere_is_one_line() -> None:

@@ -42,6 +42,7 @@ COMPUTE_MARGIN_BYTES = 16 << 20  # graph inputs (KQ mask, positions) and allocat
 # (socket and hashing buffers): measured 20+ MB on an 8b stage of 2.2 GB, whose load was then
 # refused by 20 MB. Plans keep this much of each worker's figure free.
 HEADROOM_MB = 64
+PAGE_BYTES = 4096  # what reading one embedding row maps
 # A speed score (profile.measure_speed: GFLOP/s of one core's multiply-adds, times threads) in
 # weight bytes a decode step streams per second: llama-bench tg32 of the 1b shape (604 MB) ran
 # 10.8 tok/s at 1 thread (score 3.5) and 20.6 at 2 (7.1), the 8b shape 3.6 at 2 (docs/facts.md
@@ -61,8 +62,7 @@ class LayerCosts:
 
     arch: str
     layer_bytes: tuple[int, ...]  # [n_layer] weight bytes per layer
-    embd_bytes: int  # token_embd (first stage)
-    head_bytes: int  # output_norm + output (last stage; tied models reuse token_embd)
+    embd_bytes: int  # token_embd (a first stage reads a row a token)
     kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer
     n_vocab: int = 0  # tokens in the GGUF's own vocabulary (the head checks results against it)
     n_embd: int = 0
@@ -160,7 +160,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
 
     n_layer = num("block_count", 0)
     per_layer = [0] * n_layer
-    embd = head = 0
+    embd = 0
     for t in r.tensors:
         m = _BLK.match(t.name)
         if m:
@@ -169,10 +169,6 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
                 per_layer[i] += int(t.n_bytes)
         elif t.name == "token_embd.weight":
             embd = int(t.n_bytes)
-        else:
-            head += int(t.n_bytes)
-    if "output.weight" not in {t.name for t in r.tensors}:
-        head += embd  # tied embeddings: the last stage reads token_embd as its output head
     n_embd = num("embedding_length", 0)
     n_head = num("attention.head_count", 1) or 1
     n_head_kv = num("attention.head_count_kv", n_head) or n_head
@@ -185,7 +181,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
         from ..core.gguf_tools import gemma3_swa_pattern
 
         swa = tuple(gemma3_swa_pattern(r, arch, range(n_layer)))
-    return LayerCosts(arch, tuple(per_layer), embd, head, kv, n_vocab, n_embd, swa, middle_stage_vocab(r.tensors))
+    return LayerCosts(arch, tuple(per_layer), embd, kv, n_vocab, n_embd, swa, middle_stage_vocab(r.tensors))
 
 
 def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
@@ -229,28 +225,30 @@ def stage_bytes(
     """Memory a worker needs for layers ``[lo, hi)`` of ``costs``' model; ``n_ctx``: its KV
     cells (every stream), ``seq_cells``: one sequence's (default ``n_ctx``).
 
-    Every stage also counts the model's embeddings and output matrix, though none keeps them
-    in memory: a first stage's slice maps its embeddings and reads a row a token, its output
-    matrix is a stub of zeros never read (gguf_tools.layer_layout), and the stages after it
-    are sliced with neither. That much room is what a stage needed besides its weights, KV
-    cache and buffers (what it reads from its mapped file every token, the page cache the
-    kernel is slow to give back): planned without it, a 60 % cap of the 8b shape ran with one
-    stage keeping 2 MB of its file mapped where it reads about 60 MB a token, and it paged at
-    1.3-1.8 tok/s against 5.0-5.3 at 70 % (docs/facts.md §17). A worker checking a load counts
-    its slice as it is, so its figure is never above the plan's.
+    Its layers' weights count once, whether llama.cpp repacks them into the stage's own memory
+    or reads them from the mapped file every token. Of the embeddings it counts the rows a
+    context can read (a page each, at most one per cell): a first stage maps them and reads a
+    row a token, a stage after it holds stubs. The output matrix counts nothing: a stage never
+    computes it (its capture stops the graph first; gguf_tools.layer_layout writes it as
+    zeros). Planning the whole embeddings and output in besides made a 60 % cap of the 8b
+    shape refuse; what had paged when they were left out was the kernel's read-around, which
+    a stage now turns off (core.memory.advise_random_reads, docs/facts.md §17). A worker
+    checking a load counts its slice as it is, so its figure is never above the plan's.
 
     While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
     its own buffers) and, at the hand-over, sequence 0's state as bytes
     (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
     # A stage between the first and the last is sliced without a vocabulary where the model
-    # allows it: its logits buffers are then tiny. A slice's own costs (a worker checking a
-    # load) already say so: it is all of its layers.
+    # allows it: its logits buffers and embeddings are then tiny. A slice's own costs (a worker
+    # checking a load) already say so: it is all of its layers.
     middle = 0 < lo and hi < costs.n_layer
     n_vocab = costs.middle_vocab if middle and costs.middle_vocab else costs.n_vocab
-    weights = _range_bytes(costs, lo, hi) + costs.embd_bytes + costs.head_bytes
+    seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
+    row_bytes = costs.embd_bytes // max(costs.n_vocab, 1)
+    embd_read = min(n_vocab, n_ctx) * max(row_bytes, PAGE_BYTES)
+    weights = _range_bytes(costs, lo, hi) + embd_read
     kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
     runtime = stage_runtime_bytes(n_vocab, costs.n_embd, n_batch)
-    seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
     prefill_twin = 2 * kv_cell * seq + runtime
     return weights + kv_cell * n_ctx + runtime + prefill_twin
 

@@ -27,10 +27,15 @@ Layouts read (``/proc/self/cgroup`` joined with ``/proc/self/mountinfo``):
 
 A container whose cgroup namespace shows ``/`` while its mount root is its own group is
 handled by the mount root: a path outside the mount's root maps to the mount point itself.
+
+Also here: :func:`advise_random_reads`, how a stage keeps its mapped slice from crowding
+out its own working set under such a limit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,3 +219,35 @@ def free_memory_bytes(proc: Path = PROC) -> int:
 
 def free_memory_mb(proc: Path = PROC) -> int:
     return free_memory_bytes(proc) >> 20
+
+
+def advise_random_reads(path: Path, proc: Path = PROC) -> int:
+    """Tell the kernel that this process reads its mappings of ``path`` at random
+    (``MADV_RANDOM``), so that a page fault there reads that page only; returns the bytes
+    advised (0 where there is no /proc or no madvise).
+
+    A pipeline stage reads its slice by rows: an embedding row a token, while its layers'
+    weights were repacked into its own memory at load (docs/facts.md §17). Left to the
+    default, every fault reads a whole read-around window (``read_ahead_kb``: 8 MB on this
+    VM's disk, up to 16 MB a fault), and under a memory cap each window pushed out the pages
+    the next token needed: a capped 8b stage read ~1 GB/s from disk and decoded at a third of
+    its speed. Where the weights stay mapped instead (no repacking), they are read whole
+    every token and stay resident if the plan fits, so the advice changes nothing there."""
+    advice = getattr(mmap, "MADV_RANDOM", None)
+    try:
+        maps = (proc / "self" / "maps").read_text()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    if advice is None:
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    target = str(Path(path).resolve())
+    advised = 0
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # range perms offset dev inode path
+        if len(fields) == 6 and fields[5] == target:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if madvise(lo, hi - lo, advice) == 0:
+                advised += hi - lo
+    return advised
