@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .cluster.profile import measure_profile
     from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
     from .core import paths, validate
-    from .core.backend import check_gguf_file, default_threads
+    from .core.backend import check_gguf_file
     from .core.chat import Message
     from .core.errors import ContextFullError, DecodeError, ModelError, PotluckError
     from .core.events import (
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         TokenText,
     )
     from .core.gguf_tools import describe as describe_gguf
+    from .core.load_watch import default_threads
     from .core.prompt_cache import PromptCache, PromptCacheStats
     from .core.runtime import Model
     from .core.sampling import SamplingParams
@@ -60,7 +61,7 @@ _WHERE = {
     "paths": ".core.paths",
     "validate": ".core.validate",
     "check_gguf_file": ".core.backend:check_gguf_file",
-    "default_threads": ".core.backend:default_threads",
+    "default_threads": ".core.load_watch:default_threads",
     "Message": ".core.chat:Message",
     "ContextFullError": ".core.errors:ContextFullError",
     "DecodeError": ".core.errors:DecodeError",

@@ -56,7 +56,8 @@ def _prefill(ctx, tokens: Sequence[int], n_batch: int) -> float:
 
 
 def run_mode(model_path: Path | None, mode: str, depth: int, steps: int, n_threads: int, seed: int = 0) -> ModeResult:
-    from potluck.engine.core.runtime import GGML_TYPE_BF16, GGML_TYPE_F16, Context, ContextParams, Model
+    from potluck.engine.core.kv_state import GGML_TYPE_BF16, GGML_TYPE_F16
+    from potluck.engine.core.runtime import Context, ContextParams, Model
     from potluck.engine.loader import resolve_model
 
     kv = {"bf16": GGML_TYPE_BF16, "f16": GGML_TYPE_F16, "f32": 0}[mode.split("-")[0]]  # 0: GGML_TYPE_F32

@@ -12,8 +12,9 @@ import pytest
 from potluck.engine.core.chat import Message
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.kv_state import GGML_TYPE_BF16
 from potluck.engine.core.plain import Plain
-from potluck.engine.core.runtime import GGML_TYPE_BF16, ContextParams, Model
+from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec

@@ -16,8 +16,9 @@ import pytest
 from potluck.engine.core import validate as limits
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished
+from potluck.engine.core.kv_state import GGML_TYPE_F16
 from potluck.engine.core.plain import Plain
-from potluck.engine.core.runtime import GGML_TYPE_F16, Context, ContextParams, Model
+from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.lab.benchmark import load_prompts
 from potluck.engine.loader import open_session, target_params

@@ -82,10 +82,6 @@ def default_extra_bufts() -> bool:
     return not cpu_has_amx()
 
 
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
 def check_gguf_file(path: Path) -> None:
     """Fail early, in one line, on the common ways a model path is wrong."""
     if not path.exists():

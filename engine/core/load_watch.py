@@ -45,6 +45,11 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def default_threads() -> int:
+    """Threads when none were chosen: one a core this process may use."""
+    return max(1, len(usable_cpus()))
+
+
 def read_times(cpus: list[int], proc: Path = PROC) -> CpuTimes | None:
     """Now's counters; None where /proc does not have them (not Linux)."""
     try:

@@ -37,13 +37,14 @@ from .backend import (
     check_gguf_file,
     clear_llama_errors,
     default_extra_bufts,
-    default_threads,
     init_backend,
     last_llama_error,
 )
 from .batch import Batch
 from .errors import DecodeError, ModelError
 from .kv import KvOp
+from .kv_state import GGML_TYPE_BF16
+from .load_watch import default_threads
 from .native import NativeObject
 from .observe import ObservedBuffers, native_observer
 
@@ -171,10 +172,6 @@ class Model(NativeObject):
 
 
 # --------------------------------------------------------------------------- context
-
-
-GGML_TYPE_F16 = 1
-GGML_TYPE_BF16 = 30
 
 
 def _libc_strlen_address() -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .runtime import GGML_TYPE_BF16, GGML_TYPE_F16
+from .kv_state import GGML_TYPE_BF16, GGML_TYPE_F16
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.backend import default_extra_bufts, default_threads
+from ..core.backend import default_extra_bufts
+from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams
 
 KV_TYPE = ContextParams().kv_type

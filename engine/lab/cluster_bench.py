@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..cluster.head import PipelineTarget, open_pipeline
-from ..core.backend import default_threads
 from ..core.errors import PotluckError
 from ..core.events import Finished
+from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams, Model
 from ..core.sampling import SamplingParams
 from ..core.session import Session

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.backend import default_threads
+from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams, Model
 from ..core.target import LocalTarget
 

@@ -72,7 +72,7 @@ def load_draft_model(target_model: Model, spec: EngineSpec) -> Model:
 def saved_costs(target_model: Model, spec: EngineSpec) -> SavedLine:
     """Where this target's verify-cost line is kept (engine/speculation/costs.py): per KV type too, since
     F16 and BF16 caches cost differently."""
-    from ...core.backend import default_threads
+    from ...core.load_watch import default_threads
     from ...core.spec import KV_TYPES
 
     where = "cluster:" + ",".join(spec.cluster.nodes) if spec.cluster else "local"

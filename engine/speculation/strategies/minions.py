@@ -390,7 +390,7 @@ class Minions(Speculative):
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
-        from ...core.backend import default_threads
+        from ...core.load_watch import default_threads
         from ..drafters.draft_model import DraftModelDrafter
         from ..drafters.lookup import LookupDrafter
         from ..drafters.ngram import NgramDrafter

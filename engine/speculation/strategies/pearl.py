@@ -246,7 +246,7 @@ class Pearl(Strategy):
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
-        from ...core.backend import default_threads
+        from ...core.load_watch import default_threads
         from ..drafters.ngram import NgramDrafter
         from .kit import bool_option, int_option, load_draft_model
 
