@@ -226,13 +226,16 @@ def advise_random_reads(path: Path, proc: Path = PROC) -> int:
     (``MADV_RANDOM``), so that a page fault there reads that page only; returns the bytes
     advised (0 where there is no /proc or no madvise).
 
-    A pipeline stage reads its slice by rows: an embedding row a token, while its layers'
-    weights were repacked into its own memory at load (docs/facts.md §17). Left to the
-    default, every fault reads a whole read-around window (``read_ahead_kb``: 8 MB on this
-    VM's disk, up to 16 MB a fault), and under a memory cap each window pushed out the pages
-    the next token needed: a capped 8b stage read ~1 GB/s from disk and decoded at a third of
-    its speed. Where the weights stay mapped instead (no repacking), they are read whole
-    every token and stay resident if the plan fits, so the advice changes nothing there."""
+    A pipeline stage's weights are mostly repacked into its own memory at load; what it still
+    reads from its mapped slice every token is small and scattered: the norm weights (a page
+    or so each, between the repacked matrices) and an embedding row. Under a memory cap those
+    pages are evicted like any other, and with the default advice each refault read a whole
+    read-around window (``read_ahead_kb``: 8 MB on this VM's disk; 16 MB a fault measured) of
+    dead repacked data, which pushed out the next norm: a capped 8b stage read ~1 GB/s from
+    disk, 30 faults a token, and decoded at a third of its speed (docs/facts.md §17). Advising
+    only the embeddings and output did not help; the whole mapping did. Where the weights stay
+    mapped (no repacking) they are read whole every token and stay resident if the plan fits,
+    so the advice changes nothing there."""
     advice = getattr(mmap, "MADV_RANDOM", None)
     try:
         maps = (proc / "self" / "maps").read_text()
