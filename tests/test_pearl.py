@@ -32,8 +32,8 @@ from .test_spec_strategies import (
     TRIALS,
     broken_residual,
     chi2_pvalue,
-    first_tokens,
     reply,
+    verified_tokens,
 )
 
 THREADS = 2
@@ -122,11 +122,11 @@ def test_sampled_pearl_token_follows_target_distribution(
     model: Model, weak_draft: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
     strategy = build(model, weak_draft, adaptive=False)
-    tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
+    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS, drafts_first=True)
     assert chi2_pvalue(tokens, p) > ALPHA
     # the same with a verifier that resamples from p after a rejection must fail
     monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
-    tokens, p = first_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
+    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS, drafts_first=True)
     assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()
 

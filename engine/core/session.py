@@ -253,7 +253,7 @@ class Session:
             is_eog=self.model.is_eog,
             cancel=self._cancel,
         )
-        self.strategy.prepare(g)  # e.g. a draft model's own prompt processing (counts as prefill)
+        self.strategy.prepare(g)  # counts as prompt processing (Strategy.prepare)
         t_prefill = time.perf_counter()
 
         out: list[int] = []

@@ -105,11 +105,10 @@ class Strategy(ABC):
         return self.name
 
     def prepare(self, g: Generation) -> None:
-        """Process the prompt before decoding starts (a draft model's prefill); optional.
-
-        Called by the session after the target's prefill, so the time counts as prompt
-        processing (time to first token), not as decoding, as in llama.cpp's examples.
-        """
+        """Get ready for a reply after the target's prefill; optional. What runs here delays
+        the first token (it counts as prompt processing), so the speculative strategies
+        leave their drafter's reading of the prompt for after it; PEARL and PipeInfer
+        prefill their draft model here."""
 
     @abstractmethod
     def run(self, g: Generation) -> Iterator[Round]:

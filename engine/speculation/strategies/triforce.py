@@ -126,6 +126,10 @@ class TriForce(Speculative):
             self.short.prepare(g)
             return
         self.counters.long_replies += 1
+
+    def start_drafting(self, g: Generation) -> None:
+        """After the first token (:meth:`Speculative.prepare`): the retrieval drafter takes
+        the target, its N-grams read the conversation."""
         self.retrieval.start(g.target, g.history, g.drafter_rng())
 
     def run(self, g: Generation) -> Iterator[Round]:
