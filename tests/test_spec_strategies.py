@@ -271,6 +271,7 @@ def test_the_first_token_does_not_wait_for_the_draft_model(model: Model, weak_dr
     assert first.drafted == 0 and drafter.tokens == []  # out before the draft read anything
     second = next_round(g, rounds)
     assert second.drafted > 0 and drafter.tokens[: len(prompt) + 1] == g.history[: len(prompt) + 1]
+    assert first.prompt_ms == 0.0 and second.prompt_ms > 0.0  # its prefill, counted as prompt processing
     rounds.close()
     target.close()
     strategy.close()

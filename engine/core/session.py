@@ -262,6 +262,7 @@ class Session:
         reason = "length"
         drafted = accepted = rounds = 0
         first_token_at = 0.0
+        drafter_prompt_s = 0.0  # a drafter's prompt processing after the first token (Round.prompt_ms)
         try:
             for rnd in self.strategy.run(g):
                 kept: list[int] = []
@@ -278,6 +279,7 @@ class Session:
                 rounds += 1
                 drafted += rnd.drafted
                 accepted += rnd.accepted
+                drafter_prompt_s += rnd.prompt_ms / 1e3
                 first_token_at = first_token_at or time.perf_counter()
                 yield from target.notices(run_id)
                 yield RoundStats(
@@ -318,8 +320,10 @@ class Session:
             self._covered = rendered + self.model.detokenize(out, special=True)
         t_end = time.perf_counter()
         ttft = (first_token_at or t_end) - t_start
-        decode_s = t_end - t_prefill
-        prefill_s = t_prefill - t_start
+        # prompt processing is both models' (the target's before the first token, a drafter's
+        # after it), decoding the rest; the first token's time is what it was
+        decode_s = t_end - t_prefill - drafter_prompt_s
+        prefill_s = t_prefill - t_start + drafter_prompt_s
         yield from target.notices(run_id)
         yield from target.node_status(run_id)
         yield Finished(

@@ -41,6 +41,9 @@ class Round:
     verify_ms: float = 0.0  # busy verifying during the round
     overlap_ms: float = 0.0  # both at once (strategies that draft while the target verifies)
     drafters: tuple[DrafterStanding, ...] = ()  # each voting drafter's standing (minions)
+    # the drafter reading the conversation before this round (a draft model's prefill, after
+    # the first token): prompt processing, as llama.cpp's speculative example counts it
+    prompt_ms: float = 0.0
 
 
 @dataclass

@@ -89,6 +89,7 @@ class Speculative(Strategy):
         head_logits = g.first_logits  # target logits after g.history while nothing is pending
         judge = RowJudge(sampler, g.history)
         self.gate.new_reply()
+        prompt_ms = 0.0  # the drafter's reading of the conversation, reported with the next round
 
         while True:
             # 1. how far to speculate, how likely a draft token must be, and who drafts; the
@@ -129,11 +130,15 @@ class Speculative(Strategy):
                 draft_len=k,
                 draft_ms=draft_ms,
                 verify_ms=verify_ms,
+                prompt_ms=prompt_ms,
             )
             if g.done or g.remaining <= 0:
                 return
+            prompt_ms = 0.0
             if not pending:  # the first token is out (the session has it in g.history)
+                t = time.perf_counter()
                 self.start_drafting(g)
+                prompt_ms = (time.perf_counter() - t) * 1e3
             pending = [tokens[-1]]
 
     def plan(self, g: Generation, pending: list[int]) -> tuple[int, float, Drafter]:
@@ -176,7 +181,7 @@ class Speculative(Strategy):
 
     def start_drafting(self, g: Generation) -> None:
         """Let the drafter read the conversation so far (a draft model prefills it), after
-        the first round."""
+        the first round; its time is reported as prompt processing (``Round.prompt_ms``)."""
         self.drafter.begin(g.history, g.drafter_rng())
 
     def reset(self) -> None:
