@@ -122,11 +122,11 @@ def test_sampled_pearl_token_follows_target_distribution(
     model: Model, weak_draft: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
     strategy = build(model, weak_draft, adaptive=False)
-    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS, drafts_first=True)
+    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
     assert chi2_pvalue(tokens, p) > ALPHA
     # the same with a verifier that resamples from p after a rejection must fail
     monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
-    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS, drafts_first=True)
+    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS["sd"], TRIALS)
     assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()
 

@@ -192,38 +192,31 @@ def next_round(g: Generation, rounds: Iterator) -> object:
 
 
 def verified_tokens(
-    model: Model, strategy: Strategy, text: str, trials: int, *, drafts_first: bool = False
+    model: Model, strategy: Strategy, text: str, trials: int
 ) -> tuple[list[int], np.ndarray]:
     """The first token the verifier chose right after the prompt ``text`` in each of
-    ``trials`` replies (one seed each), and the target's exact p there.
-
-    The speculative strategies' first round only samples the prompt's own logits (nothing
-    drafted: speculation never delays the first token), so each reply starts from the prompt
-    less its last token, with logits that give that token for sure, and the second round
-    verifies the drafts after the whole prompt. PEARL (``drafts_first``) drafts from its
-    first round: its replies start after the whole prompt."""
+    ``trials`` replies (one seed each), and the target's exact p there. A first round only
+    samples the prompt's own logits (nothing drafted: speculation never delays the first
+    token), so each reply starts from the prompt less its last token, with logits that give
+    that token for sure, and the second round verifies drafts after the whole prompt."""
     target = LocalTarget(model, ContextParams(n_ctx=256, n_threads=THREADS))
-    prompt = model.tokenize(text, add_special=True)
-    *head, last = prompt
-    after_prompt = target.decode(prompt)[-1].copy()
-    start, logits = prompt, after_prompt
-    if not drafts_first:
-        start, logits = head, np.full_like(after_prompt, -100.0)
-        logits[last] = 100.0
+    *head, last = model.tokenize(text, add_special=True)
+    p = probs(target.decode([*head, last])[-1].copy(), SAMPLED)
+    certain = np.full(model.n_vocab, -100.0, dtype=np.float32)
+    certain[last] = 100.0
     out = []
     for seed in range(trials):
-        target.truncate(len(start))
-        g = generation(target, start, logits, seed, model)
+        target.truncate(len(head))
+        g = generation(target, head, certain, seed, model)
         strategy.prepare(g)
         rounds = strategy.run(g)
-        if not drafts_first:
-            assert next_round(g, rounds).tokens == [last]  # undrafted, from the given logits
+        assert next_round(g, rounds).tokens == [last]  # undrafted, from the given logits
         rnd = next_round(g, rounds)
         assert rnd.drafted > 0  # the verifier, not plain sampling, chose this token
         out.append(rnd.tokens[0])
         rounds.close()
     target.close()
-    return out, probs(after_prompt, SAMPLED)
+    return out, p
 
 
 def chi2_pvalue(tokens: list[int], p: np.ndarray) -> float:

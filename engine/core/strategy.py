@@ -110,8 +110,8 @@ class Strategy(ABC):
     def prepare(self, g: Generation) -> None:
         """Get ready for a reply after the target's prefill; optional. What runs here delays
         the first token (it counts as prompt processing), so the speculative strategies
-        leave their drafter's reading of the prompt for after it; PEARL and PipeInfer
-        prefill their draft model here."""
+        and PEARL leave their drafter's reading of the prompt for after it; PipeInfer on
+        several machines prefills its drafter here."""
 
     @abstractmethod
     def run(self, g: Generation) -> Iterator[Round]:

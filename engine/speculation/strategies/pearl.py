@@ -282,8 +282,9 @@ class Pearl(Strategy):
                    max_window=window, adaptive=adaptive, gate_backoff=UNTIL_REPLY_END)
 
     def prepare(self, g: Generation) -> None:
+        """The drafter reads the conversation only once the first token is out (it comes
+        from the prompt's own logits), as in :class:`.speculative.Speculative`."""
         self._rng = g.drafter_rng()
-        self.drafter.begin(g.history, self._rng)
 
     def run(self, g: Generation) -> Iterator[Round]:
         self.gate.new_reply()
@@ -307,6 +308,9 @@ class Pearl(Strategy):
         book = InFlightBook(target, len(history), g.first_logits)
         judge = RowJudge(sampler, history)
         parallel = False
+        first = len(history)  # the first token's position: sampled from the prompt's logits
+        begun = False  # whether the drafter has read the conversation (after the first token)
+        prompt_ms = 0.0  # its reading, reported with the next round as prompt processing
         last = prev_done = time.perf_counter()
 
         def collect() -> tuple[float, float]:
@@ -332,28 +336,35 @@ class Pearl(Strategy):
         try:
             while True:
                 p = len(history)  # the position decided next
-                window = self.window() if self.parallel else 0
+                window = self.window() if self.parallel and p > first else 0
                 # 1. mode: parallel while drafting may pay, plain decoding on all cores otherwise
                 if (window > 0) != parallel:
                     settle(p)
                     parallel = window > 0
                     if parallel:
-                        target.set_threads(self.target_threads)
                         assert self._rng is not None
+                        if not begun:
+                            t = time.perf_counter()
+                            self.drafter.begin(history, self._rng)
+                            prompt_ms, begun = (time.perf_counter() - t) * 1e3, True
+                        target.set_threads(self.target_threads)
                         self.ahead.start(history, params, self._rng, g.seeds.spawn(1)[0])
                     else:
                         self.ahead.pause()
                         target.set_threads(self.n_threads)
                 if not parallel:
                     t0 = time.perf_counter()
-                    if p not in book.rows:  # accepted tokens the cache lacks (at least the last one)
+                    decoded = p not in book.rows
+                    if decoded:  # accepted tokens the cache lacks (at least the last one)
                         target.truncate(min(target.n_past, p - 1))
                         book.rows = {p: target.decode(history[target.n_past : p])[-1]}
                     token = judge.own_token(book.rows[p], ())
                     ms = (time.perf_counter() - t0) * 1e3
-                    self.gate.record(0, 1, ms)
+                    if decoded:  # the first token decodes nothing: it times no step
+                        self.gate.record(0, 1, ms)
                     last = time.perf_counter()
-                    yield Round(tokens=[token], verify_ms=ms)
+                    yield Round(tokens=[token], verify_ms=ms, prompt_ms=prompt_ms)
+                    prompt_ms = 0.0
                     if g.done or g.remaining <= 0:
                         return
                     book.rows = {}
@@ -408,7 +419,9 @@ class Pearl(Strategy):
                     draft_ms=draft_ms,
                     verify_ms=verify_ms,
                     overlap_ms=overlap_ms,
+                    prompt_ms=prompt_ms,
                 )
+                prompt_ms = 0.0
                 if g.done or g.remaining <= 0:
                     return
                 # the conversation now ends with `emitted`: move the draft and the caches after it
