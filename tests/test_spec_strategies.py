@@ -250,10 +250,13 @@ def test_sampled_token_follows_target_distribution(
     strategy.close()
 
 
-def test_the_first_token_does_not_wait_for_the_draft_model(model: Model, weak_draft: Path) -> None:
+@pytest.mark.parametrize("name", ["sd", "pearl"])
+def test_the_first_token_does_not_wait_for_the_draft_model(name: str, model: Model, weak_draft: Path) -> None:
     """The first token is sampled from the prompt's own logits before the draft model reads
     the prompt (its prefill added 50-60 % to the time to first token); it catches up after."""
-    strategy = build("sd", model, weak_draft, max_draft=2, adaptive=False)
+    spec = EngineSpec(strategy=name, draft=weak_draft, n_ctx=2048, n_threads=2,  # PEARL needs 2
+                      strategy_options={"max_draft": 2, "adaptive": False})
+    strategy = get_strategy_class(name).build(model, spec)
     target = LocalTarget(model, ContextParams(n_ctx=256, n_threads=THREADS))
     prompt = model.tokenize(RAW_PROMPTS["sd"], add_special=True)
     g = generation(target, prompt, target.decode(prompt)[-1].copy(), 0, model)

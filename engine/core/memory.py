@@ -11,8 +11,7 @@ released slice is charged to its cgroup, yet the kernel drops it under pressure,
 counting it would make a worker report nothing free after its first load. Mapped file pages
 count as used: they are the running processes' working set (the interpreter's and llama.cpp's
 code where a worker is the first to load it, a loaded stage's weights), and reclaiming them
-makes every token fault them back in (docs/facts.md §17: a capped stage squeezed out of its
-mapped file paged at a third of its speed).
+makes every token fault them back in.
 
 Layouts read (``/proc/self/cgroup`` joined with ``/proc/self/mountinfo``):
 
@@ -237,12 +236,12 @@ def advise_random_reads(path: Path, proc: Path = PROC) -> int:
     mapped (no repacking) they are read whole every token and stay resident if the plan fits,
     so the advice changes nothing there."""
     advice = getattr(mmap, "MADV_RANDOM", None)
+    if advice is None:
+        return 0
     try:
         maps = (proc / "self" / "maps").read_text()
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
-        return 0
-    if advice is None:
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     target = str(Path(path).resolve())

@@ -143,9 +143,10 @@ class TriForce(Speculative):
         level: a retrieval-cache draft costs a target step (the drafter's ``step_ms``), an
         N-gram draft nothing. Where verifying a row costs nearly a whole step (compute-bound
         batches, docs/facts.md §6) no retrieval draft can pay: the N-grams then draft alone
-        (anpd). The first round, with nothing pending, only samples the prompt's token."""
+        (anpd). Never asked for the first round: that one only samples the prompt's token
+        (:meth:`Speculative.prepare`)."""
         drafter: Drafter = self.retrieval
-        if self.adaptive and pending:
+        if self.adaptive:
             step_ms = self.retrieval.step_ms
             min_accept_p = self.break_even.threshold(step_ms)
             if min_accept_p >= 1.0:
@@ -154,7 +155,7 @@ class TriForce(Speculative):
             row_ms = fit[1] + (0.0 if drafter is self.ngram else step_ms) if fit else None
             s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
         else:
-            s, min_accept_p = (self.length_config.s_max if pending else 0), 0.0
+            s, min_accept_p = self.length_config.s_max, 0.0
         k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
         return (0 if min_accept_p >= 1.0 else k), min_accept_p, drafter
 
