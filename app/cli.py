@@ -16,7 +16,7 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from ..engine import PotluckError
+from ..engine import PotluckError, PrintableFormatter
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
 COMMANDS = ["chat", "generate", "serve", "models", "perf", "locate", "worker", "nodes", "token", "bench", "simulate"]
@@ -74,7 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = [a for a in argv if a not in _VERBOSE][:1]
     args = build_parser(named[0] if named and named[0] in COMMANDS else None).parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else (logging.INFO if args.verbose == 1 else logging.DEBUG)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     command = args.command
     module = import_module(f"potluck.app.commands.{command}")
     try:

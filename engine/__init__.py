@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     )
     from .core.gguf_tools import describe as describe_gguf
     from .core.load_watch import default_threads
+    from .core.printable import PrintableFormatter, printable
     from .core.prompt_cache import PromptCache, PromptCacheStats
     from .core.runtime import Model
     from .core.sampling import SamplingParams
@@ -62,6 +63,8 @@ _WHERE = {
     "validate": ".core.validate",
     "check_gguf_file": ".core.backend:check_gguf_file",
     "default_threads": ".core.load_watch:default_threads",
+    "printable": ".core.printable:printable",
+    "PrintableFormatter": ".core.printable:PrintableFormatter",
     "Message": ".core.chat:Message",
     "ContextFullError": ".core.errors:ContextFullError",
     "DecodeError": ".core.errors:DecodeError",
@@ -136,6 +139,7 @@ __all__ = [
     "NodeStatus",
     "PlanChanged",
     "PotluckError",
+    "PrintableFormatter",
     "PromptCache",
     "PromptCacheStats",
     "ReplyStarted",
@@ -153,6 +157,7 @@ __all__ = [
     "measure_profile",
     "open_session",
     "paths",
+    "printable",
     "resolve_model",
     "strategy_fits",
     "strategy_names",

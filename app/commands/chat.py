@@ -9,7 +9,16 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from ...engine import EngineSpec, check_gguf_file, open_session, paths, resolve_model, strategy_fits, validate
+from ...engine import (
+    EngineSpec,
+    PrintableFormatter,
+    check_gguf_file,
+    open_session,
+    paths,
+    resolve_model,
+    strategy_fits,
+    validate,
+)
 from .common import (
     CLUSTER_OVERRIDES,
     add_cluster_args,
@@ -73,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     handler = logging.FileHandler(paths.log_file(), encoding="utf-8")
     handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("potluck")
     root.addHandler(handler)
     root.setLevel(min(root.getEffectiveLevel(), logging.INFO))

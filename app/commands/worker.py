@@ -8,7 +8,16 @@ import signal
 import sys
 from pathlib import Path
 
-from ...engine import DEFAULT_CACHE_QUOTA_MB, PotluckError, Worker, default_threads, measure_profile, paths, validate
+from ...engine import (
+    DEFAULT_CACHE_QUOTA_MB,
+    PotluckError,
+    PrintableFormatter,
+    Worker,
+    default_threads,
+    measure_profile,
+    paths,
+    validate,
+)
 from ..cli import potluck_version
 from .common import cluster_keys
 
@@ -50,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # a worker's log lines (joins, loads, refusals) are its output
         logging.getLogger("potluck").setLevel(logging.INFO)
     for handler in logging.getLogger().handlers:  # a long-running service: when each line happened
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     keys = cluster_keys(args)
     if args.cache_quota_mb < 1:
         raise PotluckError("--cache-quota-mb must be at least 1")

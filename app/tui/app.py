@@ -27,7 +27,7 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
-from ...engine import EngineSpec, Message, PotluckError
+from ...engine import EngineSpec, Message, PotluckError, PrintableFormatter
 from ..config import Settings
 from ..store import Conversation, Store, StoredMessage
 from .actions import ConversationActions, spec_from_settings
@@ -69,7 +69,7 @@ class LogBuffer(logging.Handler):
         super().__init__(logging.WARNING)
         self.lines: list[str] = []
         self.capacity = capacity
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record))

@@ -38,6 +38,7 @@ import numpy as np
 from ..core.errors import PotluckError
 from ..core.jobs import DecodeJob, GroupCancelled
 from ..core.kv import KvOp
+from ..core.printable import PrintableFormatter
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +298,9 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
     """Load the stage, then compute work items from ``fd`` in order on this thread until
     ``close`` or the worker goes away (the end of the connection); a second thread reads
     ``control_fd`` (cancel, status), so those reach a running batch."""
-    logging.basicConfig(level=logging.WARNING, format="potluck stage: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("potluck stage: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     conn, control = Connection(fd), Connection(control_fd)
     from ..core import runner, runtime, stage  # noqa: F401 - llama.cpp loads while the worker waits for a load
     from ..core.observe import native_observer
