@@ -156,8 +156,11 @@ class ServerSettings:
     api_key_file: str | None = None
     """File (mode 0600) holding the API key clients send as ``Authorization: Bearer KEY``;
     ``$POTLUCK_API_KEY`` also works. Unset with neither: no key (loopback only)."""
+    parallel: int = 4
+    """Conversations decoded together, each in its own KV cache (llama-server's ``-np``); their
+    steps share one batch. 1: one request at a time."""
     max_queue: int = 8
-    """Requests waiting beside the running one; past it a request gets 429 with Retry-After."""
+    """Requests waiting beside the running ones; past it a request gets 429 with Retry-After."""
     max_body_kb: int = 1024
     """Largest request body."""
     body_timeout_s: float = 30.0

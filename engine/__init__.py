@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         TokenText,
     )
     from .core.gguf_tools import describe as describe_gguf
+    from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt_cache import PromptCache, PromptCacheStats
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
-    from .loader import checked_spec, open_session, resolve_model, strategy_fits
+    from .loader import checked_spec, lanes_for, open_lanes, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
     PLAIN: str
@@ -81,6 +82,7 @@ _WHERE = {
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
     "describe_gguf": ".core.gguf_tools:describe",
+    "Lanes": ".core.lanes:Lanes",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
     "Model": ".core.runtime:Model",
@@ -93,6 +95,8 @@ _WHERE = {
     "EngineSpec": ".core.spec:EngineSpec",
     "checked_spec": ".loader:checked_spec",
     "open_session": ".loader:open_session",
+    "open_lanes": ".loader:open_lanes",
+    "lanes_for": ".loader:lanes_for",
     "resolve_model": ".loader:resolve_model",
     "strategy_fits": ".loader:strategy_fits",
     "STRATEGIES": ".speculation.strategies.registry:STRATEGIES",
@@ -133,6 +137,7 @@ __all__ = [
     "EngineSpec",
     "Event",
     "Finished",
+    "Lanes",
     "Message",
     "Model",
     "ModelError",
@@ -154,7 +159,9 @@ __all__ = [
     "default_threads",
     "describe_gguf",
     "get_strategy_class",
+    "lanes_for",
     "measure_profile",
+    "open_lanes",
     "open_session",
     "paths",
     "printable",

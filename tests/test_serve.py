@@ -310,11 +310,15 @@ def test_hang_up_during_a_long_prompt_is_noticed_before_decoding(server: Running
 
 
 def test_past_the_queue_a_request_gets_429_with_retry_after(server: RunningServer, client: openai.OpenAI) -> None:
-    words = " ".join(uuid.uuid4().hex[:6] for _ in range(350))  # ~2100 tokens: the engine is busy a while
-    conn, r = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}],
-                                   "max_tokens": 2000})
-    r.fp.readline()
-    wait_for(lambda: server.health()["queue"]["running"])
+    lanes = server.health()["lanes"]
+    assert lanes == 4  # [server] parallel's default
+    busy = []
+    for i in range(lanes):  # every lane decodes a long reply
+        conn, r = open_stream(server, {"messages": [{"role": "user", "content": f"Write a long story, part {i}."}],
+                                       "max_tokens": 2000})
+        r.fp.readline()
+        busy.append(conn)
+    wait_for(lambda: server.health()["queue"]["running"] == lanes)
     results: list[str] = []
     waiting = [threading.Thread(target=lambda: results.append(client.chat.completions.create(
         model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices[0].finish_reason))
@@ -325,7 +329,8 @@ def test_past_the_queue_a_request_gets_429_with_retry_after(server: RunningServe
     status, body, headers = raw_request(server, json.dumps(
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode())
     assert status == 429 and int(headers["Retry-After"]) >= 1 and body["error"]["type"] == "rate_limit_error"
-    hang_up(conn)
+    for conn in busy:
+        hang_up(conn)
     for t in waiting:
         t.join(600)
     assert len(results) == MAX_QUEUE

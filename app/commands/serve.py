@@ -1,4 +1,5 @@
-"""`potluck serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over one session.
+"""`potluck serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over lanes of sessions
+that decode their conversations together.
 
 Settings come from config.toml ([model], [sampling] for omitted request options, [server]);
 the options given here override them for this run. Everything that can be checked without the
@@ -16,13 +17,15 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model
+from ...engine import Lanes, PotluckError, PromptCache, check_gguf_file, lanes_for, open_lanes, resolve_model
 from ..serve.engine_thread import EngineThread
 from ..serve.guard import Guard, read_api_key
 from ..serve.http import ServeState, build_app
 from .common import CLUSTER_OVERRIDES, add_cluster_args, check_cluster_args, settings_with_overrides, with_cluster
 
 log = logging.getLogger("potluck.serve")
+
+MAX_PARALLEL = 64  # lanes: llama.cpp keeps at most 256 sequences in a context, and each lane's KV cache is whole
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
 _OVERRIDES = {
@@ -34,6 +37,7 @@ _OVERRIDES = {
     "host": ("server", "host"),
     "port": ("server", "port"),
     "api_key_file": ("server", "api_key_file"),
+    "parallel": ("server", "parallel"),
     **CLUSTER_OVERRIDES,
 }
 
@@ -53,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1; any other needs an API key)")
     p.add_argument("--port", type=int, help="TCP port (default 8080; 0: any free port)")
     p.add_argument("--api-key-file", help="file (mode 0600) with the API key clients must send (or $POTLUCK_API_KEY)")
+    p.add_argument("-np", "--parallel", type=int,
+                   help="conversations decoded together in one batch (default: [server] parallel, 4; 1: one at a time)")
     add_cluster_args(p)
     p.set_defaults(**dict.fromkeys(_OVERRIDES))
 
@@ -70,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
             or server.request_timeout_s <= 0 or server.prompt_cache_mb < 0 or server.cached_conversations < 1:
         raise PotluckError("config: [server] max_queue, max_body_kb, cached_conversations and the timeouts must be "
                            "positive, prompt_cache_mb at least 0")
+    if not 1 <= server.parallel <= MAX_PARALLEL:
+        raise PotluckError(f"--parallel ([server] parallel) must be 1..{MAX_PARALLEL}, got {server.parallel}")
     if server.cached_conversations > PromptCache.MAX_CONVERSATIONS:
         raise PotluckError(f"config: [server] cached_conversations must be at most {PromptCache.MAX_CONVERSATIONS}, "
                            f"got {server.cached_conversations}")
@@ -84,10 +92,15 @@ def run(args: argparse.Namespace) -> int:
 
     cache = PromptCache.within_free_memory(server.prompt_cache_mb * 1_000_000, server.cached_conversations)
 
-    def opener() -> Session:  # on the engine thread: in cluster mode the sockets belong to it
-        session = open_session(with_cluster(spec, args, settings.cluster))
-        session.use_prompt_cache(cache)  # in cluster mode within what the workers can keep
-        return session
+    def opener() -> Lanes:  # on the engine thread: in cluster mode the sockets belong to it
+        full = with_cluster(spec, args, settings.cluster)
+        n_lanes, why = lanes_for(full, server.parallel)
+        if why:
+            log.warning("serving one conversation at a time: %s", why)
+        lanes = open_lanes(full, n_lanes)
+        for session in lanes.sessions:
+            session.use_prompt_cache(cache)  # in cluster mode within what the workers can keep
+        return lanes
 
     engine = EngineThread(opener, server.max_queue)
     state = ServeState(engine, model_path.stem, spec.n_ctx, settings.sampling, server)

@@ -93,6 +93,7 @@ class BatchingCounters:
     lane_jobs: int = 0  # lanes' jobs those batches carried
     rows: int = 0  # rows of those batches
     shared_rows: int = 0  # rows of the shared ones
+    shared_verify: int = 0  # shared batches in which two conversations or more sent several rows (verify batches)
     prompt_chunks: int = 0  # prompt chunks sent on their own
     kv_ops: int = 0
     calls: int = 0  # kept conversations saved, restored or dropped
@@ -131,6 +132,11 @@ class LaneHub:
         lane's job before they go."""
         with self._cond:
             self._active[lane] = active
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """End a :meth:`step`'s idle wait now (a request arrived for the owner thread)."""
+        with self._cond:
             self._cond.notify_all()
 
     def active_lanes(self) -> int:
@@ -318,6 +324,7 @@ class LaneHub:
         if lanes > 1:
             c.shared += 1
             c.shared_rows += rows
+            c.shared_verify += sum(j.n_tokens > 1 for j in jobs) > 1  # type: ignore[union-attr]
         if len(jobs) == 1:
             return jobs[0]  # type: ignore[return-value]
         return DecodeJob(

@@ -105,6 +105,11 @@ class Session:
         if prefill is not None:
             self.target.cancel(prefill)
 
+    def held_text(self) -> str:
+        """The rendered conversation whose tokens the context holds ("" after a cancelled
+        prompt): a server gives a request to the lane whose held text it continues furthest."""
+        return self._covered
+
     @property
     def conversation_tokens(self) -> int:
         return len(self._tokens)

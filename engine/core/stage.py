@@ -75,14 +75,15 @@ class Stage:
         """Hidden states [n, n_embd] f32 (not last) or logits [n_outputs, vocab] f32 (last),
         owned by the caller. ``InterruptedError`` if aborted (llama.cpp dropped the cells)."""
         positions = job.positions.tolist()
-        seq_ids = [[s] for s in job.seq_ids.tolist()]
+        ctx = self._context_for(job)
+        # the twin holds the job's one sequence as its sequence 0
+        seq_ids = [[s] for s in job.seq_ids.tolist()] if ctx is self.ctx else 0
         # A capturing stage must mark every row as output, or its last layer keeps only those.
         flags: list[bool] | str = job.outputs.tolist() if self.last else "all"
         if self.first:
             self._batch.set_tokens(job.inputs.tolist(), positions, seq_ids, flags)
         else:
             self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
-        ctx = self._context_for(job)
         ctx.run_batch(self._batch)  # aborted: llama.cpp drops the batch's cells, in either context
         if ctx is not self.ctx:
             self.prefill.counters.staged_jobs += 1  # type: ignore[union-attr]

@@ -1,0 +1,200 @@
+"""Several conversations decoded together (engine/core/lanes.py): the rows of different
+conversations in one batch compute exactly what each computes alone, and every lane's answer
+is plain decoding's (greedy) or its own seeded sample, whatever the other lanes do. Counters
+prove that the rows really shared batches (docs/facts.md §29)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.engine import EngineSpec, Finished, Lanes, Message, PromptCache, SamplingParams, open_lanes, open_session
+from potluck.engine.core.batch import Batch
+from potluck.engine.core.runtime import Context, ContextParams, Model
+
+from .support.prompts import LONG_PROMPTS, PROMPTS
+from .support.references import plain_conversation, plain_reply
+
+N_CTX = 2048
+TOKENS = 24
+
+
+def together(lanes: Lanes, asks: Sequence[tuple[int, Sequence[Message] | None, str | None, SamplingParams, int]]
+             ) -> list[Finished]:
+    """Each ask (lane, history, prompt, sampling, max tokens) answered on its lane's thread at the
+    same time, the hub stepped here, as the server's owner thread does."""
+    out: list[Finished | None] = [None] * len(asks)
+    errors: list[BaseException] = []
+
+    def answer(i: int) -> None:
+        lane, history, prompt, sampling, n = asks[i]
+        session = lanes.sessions[lane]
+        try:
+            if history is not None:
+                session.load_messages(list(history))
+            *_, fin = session.generate(prompt, sampling, n)
+            assert isinstance(fin, Finished)
+            out[i] = fin
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            lanes.hub.activate(lane, False)
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(len(asks))]
+    for (lane, *_), t in zip(asks, threads):
+        lanes.hub.activate(lane)
+        t.start()
+    while any(t.is_alive() for t in threads):
+        lanes.hub.step(0.05)
+    if errors:
+        raise errors[0]
+    return out  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def plain_lanes() -> Iterator[Lanes]:
+    lanes = open_lanes(EngineSpec(strategy="plain", n_ctx=N_CTX, n_threads=2), 4)
+    yield lanes
+    lanes.close()
+
+
+def fresh(lanes: Lanes) -> None:
+    for s in lanes.sessions:
+        s.load_messages([])
+
+
+def test_rows_of_several_conversations_in_one_batch_equal_each_alone(model: Model) -> None:
+    """Logits, not just tokens: four conversations in their own KV streams, uneven rows per
+    conversation and per step (llama.cpp splits such a batch into several ubatches), a batch
+    of more rows than a verify batch ever takes, against each conversation alone."""
+    prompts = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in PROMPTS[:4]]
+    toks = [model.tokenize(p) for p in prompts]
+    steps = 60
+    alone = []
+    for t in toks:
+        with Context(model, ContextParams(n_ctx=512, n_batch=128, n_threads=2)) as ctx:
+            ctx.run_tokens(t, 0)
+            rows, seq = [ctx.logits_row(-1).copy()], []
+            for i in range(steps):
+                seq.append(int(np.argmax(rows[-1])))
+                ctx.run_tokens([seq[-1]], len(t) + i)
+                rows.append(ctx.logits_row(-1).copy())
+        alone.append((seq, rows))
+    params = ContextParams(n_ctx=512, n_batch=128, n_seq_max=4, n_threads=2, kv_unified=False)
+    with Context(model, params) as ctx, Batch(128, n_seq_max=1) as batch:
+        for s, t in enumerate(toks):
+            ctx.run_tokens(t, 0, seq_id=s)
+        done = [0] * 4
+        widest = worst = 0.0
+        step = 0
+        while min(done) < steps:
+            step += 1
+            # 1..30 rows a conversation: 60 rows in the widest batch
+            width = [min(steps - done[s], 1 if step % 4 == s else 1 + (11 * s + 7 * step) % 30) for s in range(4)]
+            ids = [alone[s][0][done[s] + j] for s in range(4) for j in range(width[s])]
+            pos = [len(toks[s]) + done[s] + j for s in range(4) for j in range(width[s])]
+            seqs = [[s] for s in range(4) for _ in range(width[s])]
+            batch.set_tokens(ids, pos, seqs, "all")
+            ctx.run_batch(batch)
+            got = ctx.logits(len(ids))
+            r = 0
+            for s in range(4):
+                for j in range(width[s]):
+                    worst = max(worst, float(np.abs(got[r] - alone[s][1][done[s] + j + 1]).max()))
+                    r += 1
+                done[s] += width[s]
+            widest = max(widest, len(ids))
+    assert widest > 48
+    assert worst == 0.0
+
+
+def test_four_conversations_share_every_step_and_each_equals_plain(model: Model, plain_lanes: Lanes) -> None:
+    fresh(plain_lanes)
+    before = plain_lanes.hub.counters.batches
+    got = together(plain_lanes, [(i, None, p, SamplingParams(), TOKENS) for i, p in enumerate(PROMPTS[:4])])
+    for p, fin in zip(PROMPTS[:4], got):
+        assert list(fin.tokens) == plain_reply(model, p, TOKENS, n_ctx=N_CTX)
+    c = plain_lanes.hub.counters
+    assert c.most_lanes == 4 and c.shared >= 1
+    assert c.batches - before < sum(len(f.tokens) for f in got) / 2  # steps were shared, not taken in turn
+
+
+def test_a_seeded_sample_on_a_lane_repeats_the_sample_alone(plain_lanes: Lanes) -> None:
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=4321)
+    alone = open_session(EngineSpec(strategy="plain", n_ctx=N_CTX, n_threads=1))
+    try:
+        *_, want = alone.generate(PROMPTS[1], sampled, TOKENS)
+    finally:
+        alone.close()
+    fresh(plain_lanes)
+    got = together(plain_lanes, [(0, None, PROMPTS[0], SamplingParams(), TOKENS),
+                                 (1, None, PROMPTS[1], sampled, TOKENS),
+                                 (2, None, PROMPTS[2], SamplingParams(temperature=0.7, seed=1), TOKENS)])
+    assert isinstance(want, Finished) and got[1].text == want.text
+
+
+def test_a_long_prompt_beside_decoding_lanes_is_exact(model: Model, plain_lanes: Lanes) -> None:
+    """A prompt of two chunks (the first computed in the F16 twin) enters while three lanes
+    decode: the twin keeps its sequence across their batches, so every position is computed
+    as alone."""
+    long_prompt = "Summarize this log:\n" + "\n".join(
+        f"{i:03d} worker-{i % 7} joined the chain at layer {i % 30} after {i * 13 % 97} ms" for i in range(40))
+    fresh(plain_lanes)
+    stage = plain_lanes.hub.target.stage  # type: ignore[attr-defined]
+    staged = stage.prefill.counters.staged_jobs
+    chunks = plain_lanes.hub.counters.prompt_chunks
+    asks = [(i, None, p, SamplingParams(), 48) for i, p in enumerate(PROMPTS[:3])] + \
+        [(3, None, long_prompt, SamplingParams(), 16)]
+    got = together(plain_lanes, asks)
+    assert got[3].prompt_tokens > 512
+    for (_, _, p, _, n), fin in zip(asks, got):
+        assert list(fin.tokens) == plain_reply(model, p, n, n_ctx=N_CTX)
+    assert stage.prefill.counters.staged_jobs > staged
+    assert plain_lanes.hub.counters.prompt_chunks > chunks
+
+
+@pytest.mark.parametrize("strategy", ["anpd", "sd"])
+def test_verify_batches_of_several_conversations_share_a_batch(model: Model, weak_draft: Path, strategy: str) -> None:
+    """Speculation on every lane, drafting every round (adaptive off): verify batches of
+    several conversations go to the target together and every answer is plain decoding's."""
+    spec = EngineSpec(strategy=strategy, n_ctx=N_CTX, n_threads=2, draft=weak_draft if strategy == "sd" else None,
+                      strategy_options={"adaptive": False, "max_draft": 6})
+    prompts = [*LONG_PROMPTS[1:3], "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+               PROMPTS[1]]
+    lanes = open_lanes(spec, 4)
+    try:
+        got = together(lanes, [(i, None, p, SamplingParams(), 40) for i, p in enumerate(prompts)])
+        c = lanes.hub.counters
+    finally:
+        lanes.close()
+    for p, fin in zip(prompts, got):
+        assert list(fin.tokens) == plain_reply(model, p, 40, n_ctx=N_CTX)
+    assert sum(f.drafted for f in got) > 0 and sum(f.accepted for f in got) > 0
+    assert c.shared_verify > 0  # a batch held two conversations' verify batches
+    assert c.most_lanes == 4
+
+
+def test_a_kept_conversation_continues_exactly_on_another_lane(model: Model, plain_lanes: Lanes) -> None:
+    """Turn 1 on lane 1; lane 1 takes another conversation (turn 1 goes to the prompt cache);
+    turn 2 comes back on lane 2: its cells are put into lane 2's stream, and the reply is the
+    one a single session gives turn by turn."""
+    turns = ["Name a river.", "How long is it?"]
+    want = plain_conversation(model, turns, [TOKENS, TOKENS], n_ctx=N_CTX)
+    cache = PromptCache(256 * 10**6, 8)
+    for s in plain_lanes.sessions:
+        s.use_prompt_cache(cache)
+    try:
+        fresh(plain_lanes)
+        (first,) = together(plain_lanes, [(1, None, turns[0], SamplingParams(), TOKENS)])
+        together(plain_lanes, [(1, [], PROMPTS[3], SamplingParams(), TOKENS)])
+        history = [Message("user", turns[0]), Message("assistant", first.text)]
+        (second,) = together(plain_lanes, [(2, history, turns[1], SamplingParams(), TOKENS)])
+    finally:
+        for s in plain_lanes.sessions:
+            s.prompt_cache = None
+    assert [list(first.tokens), list(second.tokens)] == want
+    assert cache.stats().restored == 1 and second.prompt_tokens - second.prefill_tokens > len(first.tokens)
