@@ -195,12 +195,16 @@ def test_seeded_sampled_request_repeats(client: openai.OpenAI) -> None:
     assert a == b != other
 
 
-def test_four_clients_at_once_each_exact(client: openai.OpenAI, reference: Callable[[], Session]) -> None:
+def test_four_clients_at_once_each_exact(server: RunningServer, client: openai.OpenAI,
+                                         reference: Callable[[], Session]) -> None:
+    """Four official clients at once: their steps share batches (the counters say so) and
+    each gets exactly the text it gets alone."""
     prompts = ["What is a cat?", "Say hello.", "What is 2+2?", "Name a planet."]
     got: dict[str, str] = {}
+    before = server.health()["batching"]
 
     def ask(p: str) -> None:
-        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}], max_tokens=16)
+        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}], max_tokens=32)
         got[p] = r.choices[0].message.content
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
@@ -208,8 +212,10 @@ def test_four_clients_at_once_each_exact(client: openai.OpenAI, reference: Calla
         t.start()
     for t in threads:
         t.join(600)
+    after = server.health()["batching"]
     for p in prompts:
-        assert got[p] == finished(reference().generate(p, SamplingParams(), 16)).text
+        assert got[p] == finished(reference().generate(p, SamplingParams(), 32)).text
+    assert after["shared"] > before["shared"] and after["most_lanes"] >= 2
 
 
 def test_completions_endpoint_takes_raw_text(server: RunningServer, client: openai.OpenAI,

@@ -74,7 +74,7 @@ class ChainRebuild:
     _recoveries_in_a_row: int
     _notices: list[Callable[[int], Event]]
     _broken: str | None
-    _kept_logs: dict[int, TransactionLog]
+    _kept_logs: dict[int, tuple[TransactionLog, int]]
 
     def regroup(self) -> None:
         """Between replies: take in workers that joined (or came back) since the plan was

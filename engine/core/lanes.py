@@ -16,9 +16,10 @@ for queues in the hub, in each lane's order:
   lane after lane (their sequence ids ascending: llama.cpp's ubatch split takes consecutive
   sequences with equal rows together), and each lane gets its own rows back.
 
-A pipeline of ``n_stages`` stages gets up to ``n_stages`` such batches in flight, each holding
-a share of the lanes, so that every stage computes a different conversation's micro-batch
-while the others compute theirs (PipeInfer's bubble, filled with other conversations).
+A pipeline of ``n_stages`` stages gets up to ``n_stages + 1`` such batches in flight, each
+holding a share of the lanes, so that every stage computes a different conversation's
+micro-batch while the others compute theirs (the pipeline's bubble, filled with other
+conversations instead of PipeInfer's guesses).
 
 Exactness (docs/facts.md §29): with a BF16 cache every row is computed on flash attention's
 one_chunk path, which walks the cells of the row's own KV stream in order and skips masked
@@ -94,6 +95,7 @@ class BatchingCounters:
     rows: int = 0  # rows of those batches
     shared_rows: int = 0  # rows of the shared ones
     shared_verify: int = 0  # shared batches in which two conversations or more sent several rows (verify batches)
+    most_in_flight: int = 0  # the most such batches in flight at once (a pipeline's micro-batches)
     prompt_chunks: int = 0  # prompt chunks sent on their own
     kv_ops: int = 0
     calls: int = 0  # kept conversations saved, restored or dropped
@@ -235,7 +237,12 @@ class LaneHub:
                    for lane, (a, w) in enumerate(zip(self._active, self._waiting)))
 
     def _depth(self) -> int:
-        return max(1, self.target.n_stages)
+        """Batches of lanes' steps in flight at once: one on one machine (the next one would
+        only queue behind it, and more lanes join it if it waits); on a pipeline one a stage
+        and one more, which waits at the first stage while the head samples (PipeInfer keeps
+        n_stages + 1 runs in flight too)."""
+        n = self.target.n_stages
+        return 1 if n <= 1 else n + 1
 
     def _due(self) -> list[tuple[str, list[_Item]]]:
         """What to send now, in order (the lock taken here)."""
@@ -259,7 +266,9 @@ class LaneHub:
                     due.append(("chunk", [queue.popleft()]))
             merged = sum(not s.prompt_chunk for s in self._sent)
             if ready and not self._busy({i.lane for i in ready}):
-                per_batch = -(-max(1, sum(self._active)) // self._depth())
+                # one machine: every lane in one batch; a pipeline: lanes spread over enough
+                # micro-batches to keep every stage busy, as large as that allows
+                per_batch = max(1, sum(self._active) // self._depth())
                 while ready and merged < self._depth():
                     batch = self._fill(ready, per_batch)
                     for item in batch:
@@ -310,6 +319,9 @@ class LaneHub:
         self._sent.append(_Sent(ticket, parts, kind == "chunk"))
         if kind == "chunk":
             self.counters.prompt_chunks += 1
+        else:
+            in_flight = sum(not s.prompt_chunk for s in self._sent)
+            self.counters.most_in_flight = max(self.counters.most_in_flight, in_flight)
 
     def _merge(self, items: list[_Item]) -> DecodeJob:
         jobs = [i.work for i in items]
