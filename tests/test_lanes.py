@@ -5,8 +5,7 @@ prove that the rows really shared batches (docs/facts.md §29)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,43 +15,12 @@ from potluck.engine import EngineSpec, Finished, Lanes, Message, PromptCache, Sa
 from potluck.engine.core.batch import Batch
 from potluck.engine.core.runtime import Context, ContextParams, Model
 
+from .support.lanes import Ask, together
 from .support.prompts import LONG_PROMPTS, PROMPTS
 from .support.references import plain_conversation, plain_reply
 
 N_CTX = 2048
 TOKENS = 24
-
-
-def together(lanes: Lanes, asks: Sequence[tuple[int, Sequence[Message] | None, str | None, SamplingParams, int]]
-             ) -> list[Finished]:
-    """Each ask (lane, history, prompt, sampling, max tokens) answered on its lane's thread at the
-    same time, the hub stepped here, as the server's owner thread does."""
-    out: list[Finished | None] = [None] * len(asks)
-    errors: list[BaseException] = []
-
-    def answer(i: int) -> None:
-        lane, history, prompt, sampling, n = asks[i]
-        session = lanes.sessions[lane]
-        try:
-            if history is not None:
-                session.load_messages(list(history))
-            *_, fin = session.generate(prompt, sampling, n)
-            assert isinstance(fin, Finished)
-            out[i] = fin
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            lanes.hub.activate(lane, False)
-
-    threads = [threading.Thread(target=answer, args=(i,)) for i in range(len(asks))]
-    for (lane, *_), t in zip(asks, threads):
-        lanes.hub.activate(lane)
-        t.start()
-    while any(t.is_alive() for t in threads):
-        lanes.hub.step(0.05)
-    if errors:
-        raise errors[0]
-    return out  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +83,7 @@ def test_rows_of_several_conversations_in_one_batch_equal_each_alone(model: Mode
 def test_four_conversations_share_every_step_and_each_equals_plain(model: Model, plain_lanes: Lanes) -> None:
     fresh(plain_lanes)
     before = plain_lanes.hub.counters.batches
-    got = together(plain_lanes, [(i, None, p, SamplingParams(), TOKENS) for i, p in enumerate(PROMPTS[:4])])
+    got = [r[0] for r in together(plain_lanes, [Ask(i, [p]) for i, p in enumerate(PROMPTS[:4])])]
     for p, fin in zip(PROMPTS[:4], got):
         assert list(fin.tokens) == plain_reply(model, p, TOKENS, n_ctx=N_CTX)
     c = plain_lanes.hub.counters
@@ -131,10 +99,9 @@ def test_a_seeded_sample_on_a_lane_repeats_the_sample_alone(plain_lanes: Lanes) 
     finally:
         alone.close()
     fresh(plain_lanes)
-    got = together(plain_lanes, [(0, None, PROMPTS[0], SamplingParams(), TOKENS),
-                                 (1, None, PROMPTS[1], sampled, TOKENS),
-                                 (2, None, PROMPTS[2], SamplingParams(temperature=0.7, seed=1), TOKENS)])
-    assert isinstance(want, Finished) and got[1].text == want.text
+    got = together(plain_lanes, [Ask(0, [PROMPTS[0]]), Ask(1, [PROMPTS[1]], sampled),
+                                 Ask(2, [PROMPTS[2]], SamplingParams(temperature=0.7, seed=1))])
+    assert isinstance(want, Finished) and got[1][0].text == want.text
 
 
 def test_a_long_prompt_beside_decoding_lanes_is_exact(model: Model, plain_lanes: Lanes) -> None:
@@ -147,12 +114,11 @@ def test_a_long_prompt_beside_decoding_lanes_is_exact(model: Model, plain_lanes:
     stage = plain_lanes.hub.target.stage  # type: ignore[attr-defined]
     staged = stage.prefill.counters.staged_jobs
     chunks = plain_lanes.hub.counters.prompt_chunks
-    asks = [(i, None, p, SamplingParams(), 48) for i, p in enumerate(PROMPTS[:3])] + \
-        [(3, None, long_prompt, SamplingParams(), 16)]
-    got = together(plain_lanes, asks)
+    asks = [Ask(i, [p], max_tokens=48) for i, p in enumerate(PROMPTS[:3])] + [Ask(3, [long_prompt], max_tokens=16)]
+    got = [r[0] for r in together(plain_lanes, asks)]
     assert got[3].prompt_tokens > 512
-    for (_, _, p, _, n), fin in zip(asks, got):
-        assert list(fin.tokens) == plain_reply(model, p, n, n_ctx=N_CTX)
+    for ask, fin in zip(asks, got):
+        assert list(fin.tokens) == plain_reply(model, ask.turns[0], ask.max_tokens, n_ctx=N_CTX)
     assert stage.prefill.counters.staged_jobs > staged
     assert plain_lanes.hub.counters.prompt_chunks > chunks
 
@@ -167,7 +133,7 @@ def test_verify_batches_of_several_conversations_share_a_batch(model: Model, wea
                PROMPTS[1]]
     lanes = open_lanes(spec, 4)
     try:
-        got = together(lanes, [(i, None, p, SamplingParams(), 40) for i, p in enumerate(prompts)])
+        got = [r[0] for r in together(lanes, [Ask(i, [p], max_tokens=40) for i, p in enumerate(prompts)])]
         c = lanes.hub.counters
     finally:
         lanes.close()
@@ -189,10 +155,10 @@ def test_a_kept_conversation_continues_exactly_on_another_lane(model: Model, pla
         s.use_prompt_cache(cache)
     try:
         fresh(plain_lanes)
-        (first,) = together(plain_lanes, [(1, None, turns[0], SamplingParams(), TOKENS)])
-        together(plain_lanes, [(1, [], PROMPTS[3], SamplingParams(), TOKENS)])
+        ((first,),) = together(plain_lanes, [Ask(1, [turns[0]])])
+        together(plain_lanes, [Ask(1, [PROMPTS[3]], history=[])])
         history = [Message("user", turns[0]), Message("assistant", first.text)]
-        (second,) = together(plain_lanes, [(2, history, turns[1], SamplingParams(), TOKENS)])
+        ((second,),) = together(plain_lanes, [Ask(2, [turns[1]], history=history)])
     finally:
         for s in plain_lanes.sessions:
             s.prompt_cache = None
