@@ -236,6 +236,10 @@ class EngineThread:
                 with self._cond:
                     if self._stop and not self._running:
                         return
+                    idle = not self._running and bool(self._queue)
+                if idle:  # between replies: a cluster may take in workers that joined
+                    lanes.hub.regroup()
+                with self._cond:
                     self._admit()
                 lanes.hub.step(self.IDLE_WAIT_S)
         finally:
@@ -265,8 +269,11 @@ class EngineThread:
         free = [i for i in range(self.n_lanes) if i not in self._running]
         req = job.request
         sessions = self.lanes.sessions
-        text = req.prompt if req.kind != "chat" else sessions[0].format.render(list(req.messages),
-                                                                                 add_generation_prompt=True)
+        try:
+            text = req.prompt if req.kind != "chat" else sessions[0].format.render(list(req.messages),
+                                                                                     add_generation_prompt=True)
+        except Exception:  # the lane's session says what is wrong with it, in one line
+            text = ""
         return max(free, key=lambda i: (shared_chars(sessions[i].held_text(), text), -self._last_used[i]))
 
     # -- a lane's thread

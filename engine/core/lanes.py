@@ -96,6 +96,7 @@ class BatchingCounters:
     shared_rows: int = 0  # rows of the shared ones
     shared_verify: int = 0  # shared batches in which two conversations or more sent several rows (verify batches)
     most_in_flight: int = 0  # the most such batches in flight at once (a pipeline's micro-batches)
+    overlapped: int = 0  # batches sent while another was in flight (the stages computed both at once)
     prompt_chunks: int = 0  # prompt chunks sent on their own
     kv_ops: int = 0
     calls: int = 0  # kept conversations saved, restored or dropped
@@ -215,6 +216,15 @@ class LaneHub:
         with self._cond:
             return not self._sent and not any(self._queues)
 
+    def regroup(self) -> None:
+        """Between replies, with no lane decoding: let the target take in machines that joined
+        (a cluster's workers back from a loss), as a session does before each reply alone."""
+        with self._cond:
+            if any(self._active) or self._sent or any(self._queues):
+                return
+        self.target.regroup()
+        self._collect_notices()
+
     def close(self) -> None:
         """Refuse new work, fail what is queued, and close the target."""
         with self._cond:
@@ -322,6 +332,7 @@ class LaneHub:
         else:
             in_flight = sum(not s.prompt_chunk for s in self._sent)
             self.counters.most_in_flight = max(self.counters.most_in_flight, in_flight)
+            self.counters.overlapped += in_flight > 1
 
     def _merge(self, items: list[_Item]) -> DecodeJob:
         jobs = [i.work for i in items]
