@@ -112,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.conversations:
         if args.trends:
             raise PotluckError("simulate: --conversations and --trends are separate tables; pick one")
-        counts = [int(x) for x in parse_floats(args.conversations, "--conversations")]
-        lanes = simulate_lanes(cfg, counts)
+        lanes = simulate_lanes(cfg, parse_counts(args.conversations))
         if args.json:
             print(json.dumps(lanes))
         else:
@@ -202,6 +201,13 @@ def parse_floats(text: str, flag: str) -> list[float]:
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise PotluckError(f"simulate: {flag} takes positive numbers, got {text!r}")
     return values
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PotluckError(f"simulate: --conversations takes whole numbers separated by commas, got {text!r}") from None
 
 
 def parse_batch_cost(text: str) -> tuple[tuple[int, float], ...]:
