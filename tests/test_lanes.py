@@ -164,3 +164,35 @@ def test_a_kept_conversation_continues_exactly_on_another_lane(model: Model, pla
             s.prompt_cache = None
     assert [list(first.tokens), list(second.tokens)] == want
     assert cache.stats().restored == 1 and second.prompt_tokens - second.prefill_tokens > len(first.tokens)
+
+
+def test_a_prompt_in_the_twin_stays_there_across_other_conversations_batches(model: Model) -> None:
+    """A lane's prompt chunks may reach the target with another lane's batch between them (the
+    hub forwards what each lane posts as it comes). The F16 twin keeps its sequence meanwhile:
+    handed back between the chunks, its F16 cells would be rounded to BF16 and back, and the
+    second chunk would compute other numbers than alone."""
+    from potluck.engine.core.jobs import DecodeJob
+    from potluck.engine.core.target import LocalTarget
+
+    text = "Summarize this log:\n" + "\n".join(f"{i:03d} worker-{i % 7} joined at layer {i % 30}" for i in range(30))
+    toks = model.tokenize(text)
+    first, second = toks[:160], toks[160:]
+    assert len(second) >= 64  # both chunks are computed in the twin
+    other = model.tokenize("Hello there, how are you today?")
+
+    def last_logits(streams: int, between: bool) -> tuple[np.ndarray, int]:
+        t = LocalTarget(model, ContextParams(n_ctx=512, n_seq_max=streams, kv_unified=streams == 1, n_threads=2))
+        try:
+            seq = streams - 1
+            t.wait(t.submit(DecodeJob.tokens(1, first, 0, seq_id=seq)))
+            if between:
+                t.wait(t.submit(DecodeJob.tokens(2, other, 0, seq_id=0)))
+            out = t.wait(t.submit(DecodeJob.tokens(3, second, len(first), seq_id=seq)))
+            return out, t.stage.prefill.counters.handovers
+        finally:
+            t.close()
+
+    alone, _ = last_logits(1, between=False)
+    shared, handovers = last_logits(2, between=True)
+    assert handovers == 0  # the other sequence's batch left the twin open
+    assert np.array_equal(alone, shared)
