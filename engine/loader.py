@@ -113,7 +113,8 @@ def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
     try:
         limits.context_fits_model(model, spec.n_ctx)
         if spec.cluster is None:
-            limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences * n_lanes)
+            hint = "lower --ctx" if n_lanes == 1 else f"lower --ctx, or --parallel ({n_lanes} conversations at once)"
+            limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences * n_lanes, hint)
         if spec.system:
             limits.prompt_fits(len(model.tokenize(spec.system)), spec.n_ctx, "the system prompt")
         target = _open_target(model, spec, strategy_cls, n_lanes)

@@ -196,3 +196,35 @@ def test_a_prompt_in_the_twin_stays_there_across_other_conversations_batches(mod
     shared, handovers = last_logits(2, between=True)
     assert handovers == 0  # the other sequence's batch left the twin open
     assert np.array_equal(alone, shared)
+
+
+def test_a_batch_waits_for_busy_lanes_and_a_cancel_reaches_a_waiting_job(model: Model) -> None:
+    """The hub's rules on a real target: a lane's step waits while another decoding lane is
+    still busy (its row may join); cancelling the waiting step settles it at once, never
+    computed; a lane decoding alone is sent at once."""
+    from potluck.engine.core.jobs import DecodeJob, GroupCancelled
+    from potluck.engine.core.lanes import LaneHub
+    from potluck.engine.core.target import LocalTarget
+
+    target = LocalTarget(model, ContextParams(n_ctx=256, n_seq_max=2, kv_unified=False, n_threads=1))
+    hub = LaneHub(target, 2)
+    try:
+        lane0, lane1 = hub.lanes
+        hub.activate(0)
+        hub.activate(1)  # busy: it has posted nothing yet
+        toks = model.tokenize("Hello")
+        ticket = lane0.submit(DecodeJob.tokens(lane0.new_group(), toks, 0))
+        for _ in range(3):
+            hub.step(0.01)
+        assert not lane0.poll(ticket) and hub.counters.batches == 0
+        lane0.cancel(ticket.group)
+        with pytest.raises(GroupCancelled):
+            lane0.wait(ticket)
+        hub.activate(1, False)  # lane 0 decodes alone now: its step goes at once
+        again = lane0.submit(DecodeJob.tokens(lane0.new_group(), toks, 0))
+        while not lane0.poll(again):
+            hub.step(0.01)
+        assert lane0.wait(again).shape == (1, model.n_vocab) and hub.counters.batches == 1
+        assert target.runner.counters.finished == 1  # the cancelled step never reached llama.cpp
+    finally:
+        hub.close()

@@ -241,7 +241,12 @@ class EngineThread:
                     lanes.hub.regroup()
                 with self._cond:
                     self._admit()
-                lanes.hub.step(self.IDLE_WAIT_S)
+                try:
+                    lanes.hub.step(self.IDLE_WAIT_S)
+                except Exception as e:  # the lanes got their errors; the server lives on
+                    log.exception("the engine's hub failed")
+                    self.error = f"internal error: {type(e).__name__}"
+                    time.sleep(0.1)
         finally:
             with self._cond:
                 self._stop = True

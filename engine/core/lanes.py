@@ -360,12 +360,19 @@ class LaneHub:
 
     def _file_ready(self) -> bool:
         filed = False
-        while self._sent and self.target.poll(self._sent[0].ticket):
+        while self._sent and self._arrived(self._sent[0].ticket):
             self._file(self._sent.popleft())
             filed = True
         if filed:
             self._collect_notices()
         return filed
+
+    def _arrived(self, ticket: Ticket) -> bool:
+        """Whether waiting for ``ticket`` returns at once (a broken pipeline's error does too)."""
+        try:
+            return self.target.poll(ticket)
+        except Exception:
+            return True
 
     def _file(self, sent: _Sent) -> None:
         """Wait for ``sent`` and give each lane its rows (or the error)."""
