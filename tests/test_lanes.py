@@ -25,7 +25,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def plain_lanes() -> Iterator[Lanes]:
-    lanes = open_lanes(EngineSpec(strategy="plain", n_ctx=N_CTX, n_threads=2), 4)
+    lanes = open_lanes(EngineSpec(strategy="plain", n_ctx=N_CTX, n_threads=1), 4)
     yield lanes
     lanes.close()
 
@@ -38,13 +38,15 @@ def fresh(lanes: Lanes) -> None:
 def test_rows_of_several_conversations_in_one_batch_equal_each_alone(model: Model) -> None:
     """Logits, not just tokens: four conversations in their own KV streams, uneven rows per
     conversation and per step (llama.cpp splits such a batch into several ubatches), a batch
-    of more rows than a verify batch ever takes, against each conversation alone."""
+    of more rows than a verify batch ever takes, against each conversation alone. One thread,
+    the cheapest on a busy machine: rows do not depend on the thread count with a BF16 cache
+    (docs/facts.md §3; two threads gave 0.0 as well, §29)."""
     prompts = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in PROMPTS[:4]]
     toks = [model.tokenize(p) for p in prompts]
     steps = 60
     alone = []
     for t in toks:
-        with Context(model, ContextParams(n_ctx=512, n_batch=128, n_threads=2)) as ctx:
+        with Context(model, ContextParams(n_ctx=512, n_batch=128, n_threads=1)) as ctx:
             ctx.run_tokens(t, 0)
             rows, seq = [ctx.logits_row(-1).copy()], []
             for i in range(steps):
@@ -52,7 +54,7 @@ def test_rows_of_several_conversations_in_one_batch_equal_each_alone(model: Mode
                 ctx.run_tokens([seq[-1]], len(t) + i)
                 rows.append(ctx.logits_row(-1).copy())
         alone.append((seq, rows))
-    params = ContextParams(n_ctx=512, n_batch=128, n_seq_max=4, n_threads=2, kv_unified=False)
+    params = ContextParams(n_ctx=512, n_batch=128, n_seq_max=4, n_threads=1, kv_unified=False)
     with Context(model, params) as ctx, Batch(128, n_seq_max=1) as batch:
         for s, t in enumerate(toks):
             ctx.run_tokens(t, 0, seq_id=s)
@@ -127,7 +129,7 @@ def test_a_long_prompt_beside_decoding_lanes_is_exact(model: Model, plain_lanes:
 def test_verify_batches_of_several_conversations_share_a_batch(model: Model, weak_draft: Path, strategy: str) -> None:
     """Speculation on every lane, drafting every round (adaptive off): verify batches of
     several conversations go to the target together and every answer is plain decoding's."""
-    spec = EngineSpec(strategy=strategy, n_ctx=N_CTX, n_threads=2, draft=weak_draft if strategy == "sd" else None,
+    spec = EngineSpec(strategy=strategy, n_ctx=N_CTX, n_threads=1, draft=weak_draft if strategy == "sd" else None,
                       strategy_options={"adaptive": False, "max_draft": 6})
     prompts = [*LONG_PROMPTS[1:3], "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
                PROMPTS[1]]
@@ -181,7 +183,7 @@ def test_a_prompt_in_the_twin_stays_there_across_other_conversations_batches(mod
     other = model.tokenize("Hello there, how are you today?")
 
     def last_logits(streams: int, between: bool) -> tuple[np.ndarray, int]:
-        t = LocalTarget(model, ContextParams(n_ctx=512, n_seq_max=streams, kv_unified=streams == 1, n_threads=2))
+        t = LocalTarget(model, ContextParams(n_ctx=512, n_seq_max=streams, kv_unified=streams == 1, n_threads=1))
         try:
             seq = streams - 1
             t.wait(t.submit(DecodeJob.tokens(1, first, 0, seq_id=seq)))

@@ -10,7 +10,9 @@ for queues in the hub, in each lane's order:
 
 - a KV operation or a call (keep or restore a conversation) goes to the target at once;
 - a prompt chunk (``PREFILL_TWIN_MIN_ROWS`` rows or more) goes on its own, one lane's prompt at
-  a time, so that each chunk is computed exactly as alone (the F16 twin holds one sequence);
+  a time, so that each chunk is computed exactly as alone (the F16 twin holds one sequence),
+  and one chunk at a time: the other lanes' batches go between its chunks (a long prompt
+  delays their next token by a chunk, not by the whole prompt);
 - every other job (a plain step, a verify batch, a short prompt) waits until no lane that is
   decoding is still busy (sampling, drafting), then the waiting lanes' jobs go as ONE batch,
   lane after lane (their sequence ids ascending: llama.cpp's ubatch split takes consecutive
@@ -258,6 +260,7 @@ class LaneHub:
         """What to send now, in order (the lock taken here)."""
         due: list[tuple[str, list[_Item]]] = []
         ready: list[_Item] = []
+        chunk_out = False  # a prompt chunk goes in this pass
         with self._cond:
             for lane, queue in enumerate(self._queues):
                 while queue:
@@ -270,9 +273,12 @@ class LaneHub:
                         self._prefilling = None if self._prefilling == lane else self._prefilling
                         ready.append(item)
                         break
-                    if self._prefilling not in (None, lane):
+                    # one prompt at a time, one chunk of it at a time: the other lanes' steps
+                    # go between its chunks instead of waiting for the whole prompt
+                    if self._prefilling not in (None, lane) or chunk_out or any(s.prompt_chunk for s in self._sent):
                         break
                     self._prefilling = lane
+                    chunk_out = True
                     due.append(("chunk", [queue.popleft()]))
             merged = sum(not s.prompt_chunk for s in self._sent)
             if ready and not self._busy({i.lane for i in ready}):
