@@ -125,6 +125,9 @@ class LaneHub:
         self._cancelled = CancelledGroups()
         self._notices: list[Event] = []  # what the target reported (a lost worker), for every lane
         self._closed = False
+        # bumped under the lock whenever a lane's state or queue changes: the owner thread
+        # sleeps only if nothing changed since it last looked (no wake-up is lost)
+        self._changes = 0
         self.lanes = [LaneTarget(self, i) for i in range(n_lanes)]
 
     # -- any thread
@@ -137,16 +140,12 @@ class LaneHub:
         lane's job before they go."""
         with self._cond:
             self._active[lane] = active
-            self._cond.notify_all()
+            self._changed()
 
     def wake(self) -> None:
         """End a :meth:`step`'s idle wait now (a request arrived for the owner thread)."""
         with self._cond:
-            self._cond.notify_all()
-
-    def active_lanes(self) -> int:
-        with self._cond:
-            return sum(self._active)
+            self._changed()
 
     def cancel(self, groups: Sequence[int]) -> None:
         """Skip the groups' jobs still queued here and abort a prompt chunk of theirs in flight.
@@ -158,7 +157,7 @@ class LaneHub:
                     queue.remove(item)
                     self._resolve(item, GroupCancelled(f"job group {item.work.group} was cancelled"))  # type: ignore[union-attr]
             in_flight = [s.ticket.group for s in self._sent if s.prompt_chunk and s.ticket.group in groups]
-            self._cond.notify_all()
+            self._changed()
         if in_flight:
             self.target.cancel(*in_flight)
 
@@ -173,7 +172,7 @@ class LaneHub:
                 item.future.set_exception(GroupCancelled(f"job group {work.group} was cancelled"))
                 return item.future
             self._queues[lane].append(item)
-            self._cond.notify_all()
+            self._changed()
         return item.future
 
     def wait_for(self, lane: int, future: Future) -> object:
@@ -182,7 +181,7 @@ class LaneHub:
         with self._cond:
             if not future.done():
                 self._waiting[lane] = future
-                self._cond.notify_all()
+                self._changed()
         return future.result()
 
     def call(self, lane: int, fn: Callable[[Target], T]) -> T:
@@ -197,26 +196,23 @@ class LaneHub:
     def step(self, timeout_s: float) -> None:
         """Send what is due, file what came back; with nothing to do, wait up to ``timeout_s``
         (only while nothing is in flight: a result ends the wait)."""
-        due = self._due()
+        seen, due = self._due()
         for kind, items in due:
             self._send(kind, items)
         filed = self._file_ready()
         if due or filed:
             return
         with self._cond:
-            busy = self._busy(set())
+            if self._changes != seen:
+                return  # a lane posted or waited meanwhile: look again
             if not self._sent:
                 self._cond.wait(timeout_s)
                 return
-            if busy:
+            if self._busy(set()):
                 self._cond.wait(POLL_S)
                 return
-        self._file(self._sent.popleft())  # only a result can change anything now: wait for it
-
-    def idle(self) -> bool:
-        """Nothing queued, nothing in flight."""
-        with self._cond:
-            return not self._sent and not any(self._queues)
+            oldest = self._sent[0]
+        self._file(oldest)  # only a result can change anything now: wait for it
 
     def regroup(self) -> None:
         """Between replies, with no lane decoding: let the target take in machines that joined
@@ -235,10 +231,7 @@ class LaneHub:
                 while queue:
                     self._resolve(queue.popleft(), GroupCancelled("the server is shutting down"))
         while self._sent:
-            try:
-                self._file(self._sent.popleft())
-            except PotluckError:
-                pass
+            self._file(self._sent[0])
         self.target.close()
 
     # -- internals (the lock held where said)
@@ -256,12 +249,18 @@ class LaneHub:
         n = self.target.n_stages
         return 1 if n <= 1 else n + 1
 
-    def _due(self) -> list[tuple[str, list[_Item]]]:
-        """What to send now, in order (the lock taken here)."""
+    def _changed(self) -> None:
+        """A lane's state or queue changed (the lock held): wake the owner thread."""
+        self._changes += 1
+        self._cond.notify_all()
+
+    def _due(self) -> tuple[int, list[tuple[str, list[_Item]]]]:
+        """The change count seen, and what to send now, in order (the lock taken here)."""
         due: list[tuple[str, list[_Item]]] = []
         ready: list[_Item] = []
         chunk_out = False  # a prompt chunk goes in this pass
         with self._cond:
+            seen = self._changes
             for lane, queue in enumerate(self._queues):
                 while queue:
                     item = queue[0]
@@ -291,7 +290,7 @@ class LaneHub:
                         self._queues[item.lane].popleft()
                     due.append(("batch", batch))
                     merged += 1
-        return due
+        return seen, due
 
     def _fill(self, ready: list[_Item], per_batch: int) -> list[_Item]:
         """The next batch from the ready jobs (lane order): at most ``per_batch`` lanes and
@@ -332,11 +331,12 @@ class LaneHub:
             n = item.work.n_outputs  # type: ignore[union-attr]
             parts.append((item, row, row + n))
             row += n
-        self._sent.append(_Sent(ticket, parts, kind == "chunk"))
+        with self._cond:  # cancel() reads it from other threads
+            self._sent.append(_Sent(ticket, parts, kind == "chunk"))
+            in_flight = sum(not s.prompt_chunk for s in self._sent)
         if kind == "chunk":
             self.counters.prompt_chunks += 1
         else:
-            in_flight = sum(not s.prompt_chunk for s in self._sent)
             self.counters.most_in_flight = max(self.counters.most_in_flight, in_flight)
             self.counters.overlapped += in_flight > 1
 
@@ -367,7 +367,7 @@ class LaneHub:
     def _file_ready(self) -> bool:
         filed = False
         while self._sent and self._arrived(self._sent[0].ticket):
-            self._file(self._sent.popleft())
+            self._file(self._sent[0])
             filed = True
         if filed:
             self._collect_notices()
@@ -387,6 +387,7 @@ class LaneHub:
         except Exception as e:
             rows = e
         with self._cond:
+            self._sent.remove(sent)
             for item, a, b in sent.parts:
                 self._resolve(item, rows if isinstance(rows, BaseException) else rows[a:b])
         self._collect_notices()
