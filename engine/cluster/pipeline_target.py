@@ -81,6 +81,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._zctx = zctx
         self.links = list(links)
         self.tail = tail  # the model's last layer(s) and the output layer, here
+        self.recurrent = tail.model.recurrent  # every stage's slice is of the same architecture
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -237,6 +238,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self.log = kept.copy()
         self._deliver_kv(KvOp.load(slot))
         self._n_past = n_past
+        self._spans.clear()
         return True
 
     def drop_kv(self, slot: int) -> None:
@@ -261,15 +263,16 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self.log.reset()
         self._deliver(lambda: self._send_op(wire.Reset, Stage.clear))
         self._n_past = 0
+        self._spans.clear()
 
     def truncate(self, n_past: int) -> None:
         if n_past >= self._n_past:
             return
         if self._broken is None:
             try:
-                self.kv(KvOp.rm(0, n_past))
+                n_past = self._cut(n_past)
             except NodeFailedError:
-                pass  # recorded as the failure; the bookkeeping below still holds for the session
+                n_past = self._cut_point(n_past)  # recorded as the failure; the session's bookkeeping holds
         self._n_past = n_past
 
     def close(self) -> None:

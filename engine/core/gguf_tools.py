@@ -27,7 +27,28 @@ from .errors import ModelError, PotluckError
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Architectures whose layer split we verified exact (tests compare against the whole model).
-SPLITTABLE_ARCHS = {"llama", "gemma3", "qwen2", "qwen3"}
+SPLITTABLE_ARCHS = {"llama", "gemma3", "qwen2", "qwen3", "qwen35moe"}
+
+
+def recurrent_layers(reader, arch: str) -> list[bool]:
+    """Qwen3.5 (and Qwen3-Next): per trunk layer, by original index, whether it is a Gated
+    DeltaNet layer (recurrent state) rather than full attention. llama.cpp reads the explicit
+    array ``attention.recurrent_layers`` first, else every ``full_attention_interval``-th layer
+    (default 4) attends; layers after the trunk (next-token blocks) attend."""
+    n = reader_n_layer(reader, arch) - trunk_extra_layers(reader, arch)
+    f = reader.fields.get(f"{arch}.attention.recurrent_layers")
+    if f is not None:
+        return [bool(v) for v in _field_value(f)][:n]  # type: ignore[union-attr]
+    f = reader.fields.get(f"{arch}.full_attention_interval")
+    period = int(_field_value(f)) if f is not None else 4  # type: ignore[call-overload]
+    return [(i + 1) % period != 0 for i in range(n)]
+
+
+def trunk_extra_layers(reader, arch: str) -> int:
+    """``blk.N`` blocks after the trunk (multi-token prediction, ``nextn_predict_layers``):
+    never part of a slice."""
+    f = reader.fields.get(f"{arch}.nextn_predict_layers")
+    return int(_field_value(f)) if f is not None else 0  # type: ignore[call-overload]
 
 
 def _fast_reader_class():
@@ -311,9 +332,16 @@ def _layout_of_version(
             f"cannot split {src.name}: architecture {arch!r} is not verified for exact layer "
             f"splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
         )
-    n_layer = reader_n_layer(r, arch)
+    n_layer = reader_n_layer(r, arch) - trunk_extra_layers(r, arch)
     if not layer_map or min(layer_map) < 0 or max(layer_map) >= n_layer:
         raise PotluckError(f"layer map {list(layer_map)[:8]}... is outside 0..{n_layer - 1}")
+    recurrent = recurrent_layers(r, arch) if arch == "qwen35moe" else None
+    if recurrent is not None and len({recurrent[i] for i in layer_map}) < 2:
+        # llama.cpp's hybrid memory has no buffer for the missing kind and aborts the process
+        raise PotluckError(
+            f"cannot split {src.name} at layers {min(layer_map)}-{max(layer_map)}: a {arch} slice needs at "
+            "least one full-attention layer and one recurrent (Gated DeltaNet) layer"
+        )
     by_layer: dict[int, list] = {}
     others: list = []
     for t in r.tensors:
@@ -356,6 +384,14 @@ def _layout_of_version(
             key = f"{arch}.attention.sliding_window_pattern"
             _drop_kv(w, key)
             w.add_array(key, gemma3_swa_pattern(r, arch, layer_map))
+        if recurrent is not None:
+            key = f"{arch}.attention.recurrent_layers"
+            _drop_kv(w, key)
+            w.add_array(key, [recurrent[i] for i in layer_map])
+        if trunk_extra_layers(r, arch):
+            key = f"{arch}.nextn_predict_layers"
+            _drop_kv(w, key)
+            w.add_uint32(key, 0)
         for name, t in ordered:
             if name in stub:
                 shape, nbytes = stub[name]

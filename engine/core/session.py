@@ -212,6 +212,7 @@ class Session:
         reused = common_prefix_len(self._tokens[: target.n_past], tokens)
         reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits
         target.truncate(reused)
+        reused = target.n_past  # a recurrent state may be cut back further (Target.truncate)
         # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
         self._tokens = tokens[:reused]
         self._covered = ""
