@@ -136,8 +136,9 @@ def _layer_plan(s: HybridShape, i: int, *, mtp: bool = False) -> list[Spec]:
             (blk + "ssm_norm.weight", (s.ssm_head_dim,), ("const", 1.0)),
             (blk + "ssm_out.weight", (e, s.value_dim), ("q4", s.value_dim ** -0.5)),
         ]
+    router = "normal" if s.router == "f32" else "q4"
     out += [
-        (blk + "ffn_gate_inp.weight", (s.n_expert, e), ("normal" if s.router == "f32" else "q4", ROUTER_LOGIT_STD * e ** -0.5)),
+        (blk + "ffn_gate_inp.weight", (s.n_expert, e), (router, ROUTER_LOGIT_STD * e ** -0.5)),
         (blk + "ffn_gate_exps.weight", (s.n_expert, s.n_ff_exp, e), ("q4", e ** -0.5)),
         (blk + "ffn_up_exps.weight", (s.n_expert, s.n_ff_exp, e), ("q4", e ** -0.5)),
         (blk + "ffn_down_exps.weight", (s.n_expert, e, s.n_ff_exp), ("q4", s.n_ff_exp ** -0.5)),
