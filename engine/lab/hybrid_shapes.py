@@ -57,6 +57,10 @@ class HybridShape:
     # single step through ggml's dot product, whose sums round differently: batches are then
     # not bit-identical to single steps (docs/facts.md §30), and no speculation is exact
     router: str = "f32"
+    tied: bool = False  # the output matrix is token_embd (small Qwen3.5s) or its own (the MoEs)
+    # scale of what each layer adds to the residual stream: below 1, the input token's own
+    # embedding (and what attention copies) still shows in the logits at the end
+    residual_gain: float = 1.0
     full_attention_interval: int = 4
     n_mtp: int = 1  # MTP blocks after the trunk (mtp_num_hidden_layers)
     rope_base: float = 10_000_000.0
@@ -89,8 +93,10 @@ HYBRID_SHAPES: dict[str, HybridShape] = {
     # Qwen/Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B, the same shape)
     "qwen35moe-35b-a3b": HybridShape(40, 2048, 16, 2, 256, 16, 32, 128, 4, 256, 8, 512, 512),
     # the suite's: three full-attention layers (3, 7, 11) among nine recurrent ones, an MTP block,
-    # a quantized router so that batches compute like single steps (the exactness it tests)
-    "qwen35moe-small": HybridShape(12, 256, 4, 2, 64, 2, 4, 64, 4, 8, 2, 128, 128, router="q4_0"),
+    # a quantized router so that batches compute like single steps (the exactness it tests),
+    # tied embeddings and a weak residual (its greedy replies repeat tokens: N-gram drafts happen)
+    "qwen35moe-small": HybridShape(12, 256, 4, 2, 64, 2, 4, 64, 4, 8, 2, 128, 128, router="q4_0", tied=True,
+                                    residual_gain=0.3),
 }
 
 
@@ -106,7 +112,7 @@ Spec = tuple[str, tuple[int, ...], tuple[str, object]]
 
 
 def _layer_plan(s: HybridShape, i: int, *, mtp: bool = False) -> list[Spec]:
-    e = s.n_embd
+    e, g = s.n_embd, s.residual_gain
     blk = f"blk.{i}."
     out: list[Spec] = [
         (blk + "attn_norm.weight", (e,), ("const", 1.0)),
@@ -119,7 +125,7 @@ def _layer_plan(s: HybridShape, i: int, *, mtp: bool = False) -> list[Spec]:
             (blk + "attn_q.weight", (2 * q, e), ("q4", qk)),  # query and its output gate
             (blk + "attn_k.weight", (kv, e), ("q4", qk)),
             (blk + "attn_v.weight", (kv, e), ("q4", e ** -0.5)),
-            (blk + "attn_output.weight", (e, q), ("q4", q ** -0.5)),
+            (blk + "attn_output.weight", (e, q), ("q4", g * q ** -0.5)),
             (blk + "attn_q_norm.weight", (s.head_dim,), ("const", QK_GAIN)),
             (blk + "attn_k_norm.weight", (s.head_dim,), ("const", QK_GAIN)),
         ]
@@ -134,18 +140,18 @@ def _layer_plan(s: HybridShape, i: int, *, mtp: bool = False) -> list[Spec]:
             (blk + "ssm_beta.weight", (s.n_v_heads, e), ("q4", e ** -0.5)),
             (blk + "ssm_alpha.weight", (s.n_v_heads, e), ("q4", e ** -0.5)),
             (blk + "ssm_norm.weight", (s.ssm_head_dim,), ("const", 1.0)),
-            (blk + "ssm_out.weight", (e, s.value_dim), ("q4", s.value_dim ** -0.5)),
+            (blk + "ssm_out.weight", (e, s.value_dim), ("q4", g * s.value_dim ** -0.5)),
         ]
     router = "normal" if s.router == "f32" else "q4"
     out += [
         (blk + "ffn_gate_inp.weight", (s.n_expert, e), (router, ROUTER_LOGIT_STD * e ** -0.5)),
         (blk + "ffn_gate_exps.weight", (s.n_expert, s.n_ff_exp, e), ("q4", e ** -0.5)),
         (blk + "ffn_up_exps.weight", (s.n_expert, s.n_ff_exp, e), ("q4", e ** -0.5)),
-        (blk + "ffn_down_exps.weight", (s.n_expert, e, s.n_ff_exp), ("q4", s.n_ff_exp ** -0.5)),
+        (blk + "ffn_down_exps.weight", (s.n_expert, e, s.n_ff_exp), ("q4", g * s.n_ff_exp ** -0.5)),
         (blk + "ffn_gate_inp_shexp.weight", (e,), ("normal", e ** -0.5)),
         (blk + "ffn_gate_shexp.weight", (s.n_ff_shexp, e), ("q4", e ** -0.5)),
         (blk + "ffn_up_shexp.weight", (s.n_ff_shexp, e), ("q4", e ** -0.5)),
-        (blk + "ffn_down_shexp.weight", (e, s.n_ff_shexp), ("q4", s.n_ff_shexp ** -0.5)),
+        (blk + "ffn_down_shexp.weight", (e, s.n_ff_shexp), ("q4", g * s.n_ff_shexp ** -0.5)),
     ]
     if mtp:  # the next-token block: its own norms and the projection of [embedding, hidden]
         out += [
@@ -163,7 +169,8 @@ def tensor_plan(s: HybridShape, n_vocab: int) -> list[Spec]:
     for i in range(s.n_layer, s.n_layer + s.n_mtp):
         plan += _layer_plan(s, i, mtp=True)
     plan.append(("output_norm.weight", (s.n_embd,), ("const", 1.0)))
-    plan.append(("output.weight", (n_vocab, s.n_embd), ("q4", LOGIT_STD / math.sqrt(s.n_embd))))
+    if not s.tied:
+        plan.append(("output.weight", (n_vocab, s.n_embd), ("q4", LOGIT_STD / math.sqrt(s.n_embd))))
     return plan
 
 
