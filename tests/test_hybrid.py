@@ -1,5 +1,6 @@
 """A hybrid recurrent model (qwen35moe: Qwen3.5's Gated DeltaNet and full-attention layers,
-each with routed experts) splits exactly and speculates exactly.
+each with routed experts) speculates exactly, on one machine and split (its splits are
+checked at the logits level with every architecture's in tests/test_archs_exact.py).
 
 A recurrent layer's state cannot drop its last k positions the way a KV cache frees cells:
 every strategy's rejected drafts go back through the stage's rollback (llama.cpp's snapshots
@@ -40,8 +41,7 @@ PROMPTS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
     "List three prime numbers and say why each is prime.",
 ]
-TWO = ((0, 5), (5, 12))
-THREE = ((0, 4), (4, 9), (9, 12))
+THREE = ((0, 4), (4, 9), (9, 12))  # (tests/test_archs_exact.py checks the splits at the logits)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def draft_path(target_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def slices(target_path: Path, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("slices")
     made = {cuts: [Model(slice_layers(target_path, out / f"{lo}-{hi}.gguf", lo, hi)) for lo, hi in cuts]
-            for cuts in (TWO, THREE)}
+            for cuts in (THREE,)}
     yield made
     for models in made.values():
         for m in models:
@@ -109,32 +109,9 @@ def test_fixture_is_a_hybrid_with_varied_routing(model: Model) -> None:
         target.close()
 
 
-@pytest.mark.parametrize("cuts", [TWO, THREE], ids=["2-stages", "3-stages"])
-def test_split_is_exact(model: Model, slices, cuts) -> None:
-    """Slices over 2 and 3 stages give the whole file's logits, prompt and incremental steps."""
-    whole, split = LocalTarget(model, params()), SplitTarget(slices[cuts], params())
-    try:
-        for prompt in PROMPTS:
-            whole.truncate(0)
-            split.truncate(0)
-            tokens = model.tokenize(prompt)
-            ref = whole.decode(tokens, all_logits=True).copy()
-            assert np.array_equal(ref, split.decode(tokens, all_logits=True))
-            tok, seen = int(np.argmax(ref[-1])), []
-            for _ in range(16):
-                step = whole.decode([tok])[0].copy()
-                assert np.array_equal(step, split.decode([tok])[0])
-                seen.append(tok)
-                tok = int(np.argmax(step))
-            assert len(set(seen)) >= 8, seen
-    finally:
-        split.close()
-        whole.close()
-
-
 def test_slice_without_both_layer_kinds_is_refused(target_path: Path, tmp_path: Path) -> None:
     """llama.cpp's hybrid memory aborts the process on a slice with no attention layer."""
-    with pytest.raises(PotluckError, match="at least one full-attention layer and one recurrent"):
+    with pytest.raises(PotluckError, match="not both a full-attention layer and a recurrent"):
         slice_layers(target_path, tmp_path / "s.gguf", 4, 7)
 
 

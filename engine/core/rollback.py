@@ -43,6 +43,7 @@ SNAPSHOT_TOKENS = 8
 # reach. The head asks for no more than KEEP_BATCHES of its own batches back (core/target.py).
 KEPT_CHECKPOINTS = 16
 KEEP_BATCHES = KEPT_CHECKPOINTS // 2
+MAX_RESTORE_ATTEMPTS = 3
 
 
 @dataclass
@@ -90,6 +91,9 @@ class RecurrentRollback:
         self._rows: deque[_Rows] = deque()  # batches since the oldest checkpoint, in order
         self._checkpoints: dict[int, bytearray] = {}  # position -> state after positions < it
         self._pending = False  # a snapshot rollback the next decode has still to read
+        # where llama.cpp's last batch of sequence 0 began: its snapshots reach no further back
+        # (a replay computes a part of a kept batch; a restore leaves no valid snapshot at all)
+        self._snapshots_from = 0
         self.forget()
 
     # -- what the stage tells it
@@ -100,6 +104,7 @@ class RecurrentRollback:
                 f"sequence 0 continues at position {int(job.positions[0])}, not where it ends ({self._rows[-1].end})"
             )
         self._pending = False  # the decode read it
+        self._snapshots_from = int(job.positions[0])
         self._rows.append(_Rows(job, job.n_tokens))
         t = time.perf_counter()
         self._checkpoints[self.end] = self.ctx.recurrent_state(0)
@@ -138,7 +143,7 @@ class RecurrentRollback:
         last = self._rows[-1] if self._rows else None
         n_back = self.end - p0
         if (
-            last is not None and last.pos0 < p0 and n_back <= self.ctx.n_rs_seq and not self._pending
+            last is not None and self._snapshots_from < p0 and n_back <= self.ctx.n_rs_seq and not self._pending
             and self.ctx.seq_rm(0, p0, -1)
         ):
             last.n = p0 - last.pos0
@@ -166,6 +171,7 @@ class RecurrentRollback:
         its state there is the one checkpoint."""
         self._rows.clear()
         self._pending = False
+        self._snapshots_from = pos  # none
         self._checkpoints = {pos: self.ctx.recurrent_state(0)}
 
     # -- internals
@@ -175,26 +181,46 @@ class RecurrentRollback:
 
     def _restore(self, p0: int) -> None:
         """Sequence 0 as it was after position ``p0 - 1``: the newest checkpoint at or before
-        it, the attention cells after that dropped, the kept rows up to ``p0`` computed again."""
+        it, the attention cells after that dropped, the kept rows up to ``p0`` computed again.
+
+        A cancel meant for a batch can leave the context's abort flag set after that batch
+        finished (or set it again while this runs): the kept rows are never a cancelled run's,
+        so the flag is cleared and an interrupted restore starts over from its checkpoint."""
         t = time.perf_counter()
+        for attempt in range(MAX_RESTORE_ATTEMPTS):
+            self.ctx.clear_abort()
+            try:
+                self._restore_once(p0)
+                break
+            except InterruptedError:
+                if attempt == MAX_RESTORE_ATTEMPTS - 1:
+                    why = "sequence 0's recurrent state could not be put back: every replay was aborted"
+                    raise PotluckError(why) from None
+        self.counters.restores += 1
+        self.counters.restore_ms += (time.perf_counter() - t) * 1e3
+
+    def _restore_once(self, p0: int) -> None:
         base = max(p for p in self._checkpoints if p <= p0)
         self.ctx.set_recurrent_state(0, self._checkpoints[base])
         if not self.ctx.seq_rm(0, base, -1):
             raise PotluckError(f"llama.cpp refused to drop sequence 0's cells from position {base}")
         self._pending = False
-        self._drop_checkpoints_after(base)
+        self._snapshots_from = p0  # none valid until a replay
         kept: deque[_Rows] = deque()
+        replayed = 0
         for rows in self._rows:
             if rows.pos0 >= p0:
                 break
-            rows.n = min(rows.n, p0 - rows.pos0)
-            kept.append(rows)
+            n = min(rows.n, p0 - rows.pos0)
             lo = max(0, base - rows.pos0)
-            if lo < rows.n:
-                self.replay(rows.job.rows(lo, rows.n))
-                self.counters.replayed_rows += rows.n - lo
+            if lo < n:
+                self.replay(rows.job.rows(lo, n))
+                self._snapshots_from = rows.pos0 + lo
+                replayed += n - lo
+            kept.append(_Rows(rows.job, n))
+        # only now, all rows replayed: an interrupted attempt left the window as it was
         self._rows = kept
+        self._drop_checkpoints_after(base)
         if p0 > base:
             self._checkpoints[p0] = self.ctx.recurrent_state(0)
-        self.counters.restores += 1
-        self.counters.restore_ms += (time.perf_counter() - t) * 1e3
+        self.counters.replayed_rows += replayed
