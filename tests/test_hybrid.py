@@ -221,3 +221,40 @@ def test_strategy_is_exact_with_rollbacks(
 def test_triforce_is_refused_in_one_line(model: Model) -> None:
     with pytest.raises(PotluckError, match="triforce.*recurrent"):
         build("triforce", model, None)
+
+
+def test_prompt_cache_brings_conversations_back_exactly(model: Model) -> None:
+    """serve's prompt cache: two conversations take turns; each comes back from its kept
+    state (recurrent state included) and answers as plain decoding does."""
+    from potluck.engine import Message, PromptCache
+    from potluck.engine.core.plain import Plain
+
+    def fresh() -> Session:
+        return Session(model, LocalTarget(model, params()), Plain())
+
+    def turns(s: Session, first: str) -> list[list[int]]:
+        return [list(generate(s, text).tokens) for text in (first, "And then?")]
+
+    a, b = PROMPTS
+    refs = {}
+    for p in (a, b):
+        ref = fresh()
+        try:
+            refs[p] = turns(ref, p)
+        finally:
+            ref.close()
+    s = fresh()
+    cache = PromptCache(max_bytes=1 << 30, max_conversations=4)
+    s.use_prompt_cache(cache)
+    try:
+        history: dict[str, list[Message]] = {}
+        got: dict[str, list[list[int]]] = {a: [], b: []}
+        for p in (a, b, a, b):  # each conversation's first turn, then its second
+            s.load_messages(history.get(p, []))
+            done = generate(s, p if p not in history else "And then?")
+            got[p].append(list(done.tokens))
+            history[p] = list(s.messages)
+        assert got == refs
+        assert cache.stats().restored >= 2
+    finally:
+        s.close()

@@ -194,7 +194,9 @@ class Session:
                 for gone in cache.keep(KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes)):
                     target.drop_kv(gone.slot)
         kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv))
-        if kept is not None and n > in_context:
+        # a recurrent state comes back at its end only: a shorter shared part would be read again
+        usable = kept is not None and (not target.recurrent or n == kept.n_kv)
+        if kept is not None and usable and n > in_context:
             if target.restore_kv(kept.slot, kept.n_kv):
                 cache.restored(kept)
                 self._tokens, self._covered = list(kept.tokens), kept.covered

@@ -51,6 +51,7 @@ class Target(Protocol):
     n_batch: int
     n_seq_max: int
     n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
+    recurrent: bool  # layers with a recurrent state: see truncate
 
     # -- job groups
     def new_group(self) -> int:
