@@ -184,6 +184,7 @@ def build(name: str, model: Model, draft: Path | None, **options: object):
     return get_strategy_class(name).build(model, spec)
 
 
+# on one machine pipeinfer runs as ordinary speculation and auto as sd: slow (-m slow) there
 STRATEGIES = [
     ("sd", True, {"max_draft": 4}),
     ("anpd", False, {}),
@@ -194,8 +195,14 @@ STRATEGIES = [
 ]
 
 
-@pytest.mark.parametrize("name,with_draft,options", STRATEGIES, ids=[s[0] for s in STRATEGIES])
-@pytest.mark.parametrize("where", ["one-machine", "3-stages"])
+RUNS = [
+    pytest.param(name, draft, options, where, id=f"{where}-{name}",
+                 marks=[pytest.mark.slow] if where == "3-stages" or name in ("pipeinfer", "auto") else [])
+    for where in ("one-machine", "3-stages") for name, draft, options in STRATEGIES
+]
+
+
+@pytest.mark.parametrize("name,with_draft,options,where", RUNS)
 def test_strategy_is_exact_with_rollbacks(
     model: Model, draft_path: Path, slices, reference, name: str, with_draft: bool, options: dict, where: str
 ) -> None:
