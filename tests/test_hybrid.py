@@ -10,6 +10,7 @@ that the tokens are plain decoding's."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -265,3 +266,24 @@ def test_prompt_cache_brings_conversations_back_exactly(model: Model) -> None:
         assert cache.stats().restored >= 2
     finally:
         s.close()
+
+
+def test_planner_counts_the_recurrent_state_and_its_copies(target_path: Path, model: Model) -> None:
+    """A recurrent layer costs its state (llama.cpp's, its snapshots, the checkpoints) instead
+    of KV cells per token; the figure is the state llama.cpp really saves."""
+    from potluck.engine.cluster.plan import layer_costs, stage_bytes
+    from potluck.engine.core.rollback import ROLLBACK_STATES
+
+    costs = layer_costs(target_path)
+    assert costs.state_bytes is not None and costs.state_bytes[3] == 0 and costs.state_bytes[0] > 0
+    target = LocalTarget(model, params())
+    try:
+        target.decode(model.tokenize(PROMPTS[0]))
+        saved = target.on_compute_thread(lambda: len(target.stage.ctx.recurrent_state(0)))
+    finally:
+        target.close()
+    assert sum(costs.state_bytes) <= saved < sum(costs.state_bytes) * 1.01  # plus a small header
+    # layers 0-3: three recurrent, one attention; as a dense model they would be four of cells
+    dense = stage_bytes(dataclasses.replace(costs, state_bytes=None), 0, 4, N_CTX)
+    cells = 3 * costs.kv_bytes_per_token_layer * N_CTX * 3  # the cache and its F16 prefill twin
+    assert stage_bytes(costs, 0, 4, N_CTX) - dense == ROLLBACK_STATES * sum(costs.state_bytes[:4]) - cells

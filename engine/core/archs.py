@@ -206,6 +206,19 @@ def recurrent_layers(h: Header) -> tuple[bool, ...]:
     return tuple((i + 1) % period != 0 for i in range(n))
 
 
+def recurrent_state_bytes(h: Header) -> tuple[int, ...] | None:
+    """Per trunk layer, one sequence's recurrent state (a Gated DeltaNet layer's conv window
+    of ``conv_kernel - 1`` inputs and its state matrix per value head, F32), 0 for an
+    attention layer; None for a model without recurrent layers."""
+    arch = ARCHS.get(h.arch)
+    if arch is None or "recurrent" not in arch.cache:
+        return None
+    head, k_heads, v_heads = h.int_of("ssm.state_size"), h.int_of("ssm.group_count"), h.int_of("ssm.time_step_rank")
+    conv_channels = 2 * head * k_heads + h.int_of("ssm.inner_size")
+    state = 4 * ((h.int_of("ssm.conv_kernel") - 1) * conv_channels + head * head * v_heads)
+    return tuple(state if recurrent else 0 for recurrent in recurrent_layers(h))
+
+
 def _recurrent_pattern(h: Header, layer_map: Sequence[int]) -> dict[str, object]:
     """A slice's own pattern: layer j is its original layer ``layer_map[j]``."""
     pattern = recurrent_layers(h)

@@ -30,10 +30,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import PotluckError
 from .jobs import DecodeJob
-from .runtime import Context
+
+if TYPE_CHECKING:  # the planner reads this module's constants without loading llama.cpp
+    from .runtime import Context
 
 # Tokens of the last batch llama.cpp keeps snapshots for (its n_rs_seq): a verify batch of up to
 # this many drafts plus the pending token rolls back for free. Each costs a state copy per
@@ -44,6 +47,9 @@ SNAPSHOT_TOKENS = 8
 KEPT_CHECKPOINTS = 16
 KEEP_BATCHES = KEPT_CHECKPOINTS // 2
 MAX_RESTORE_ATTEMPTS = 3
+# copies of a sequence's recurrent state a stage holds: llama.cpp's current one and snapshots,
+# and the checkpoints (the planner counts them: cluster/plan.py)
+ROLLBACK_STATES = 1 + SNAPSHOT_TOKENS + KEPT_CHECKPOINTS
 
 
 @dataclass
