@@ -27,7 +27,7 @@ from ...assets import default_model_path
 from ..core.errors import ModelError
 from ..core.gguf_tools import copy_fields, open_reader
 from ..core.paths import fixtures_dir
-from .fixtures import LOGIT_STD, Q4_0_BLOCK, Q4_0_BYTES, QK_GAIN, random_q4_0
+from .fixtures import LOGIT_STD, QK_GAIN, _tensor_info, _tensor_values
 
 log = logging.getLogger(__name__)
 
@@ -202,18 +202,13 @@ def _add_hparams(w, s: HybridShape, n_vocab: int) -> None:  # noqa: ANN001 - ggu
     w.add_vocab_size(n_vocab)
 
 
-def _tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, object]) -> np.ndarray:
+def _values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, object]) -> np.ndarray:
+    """The shared builder's fills, and ``("neg_uniform", (lo, hi))``: a decay rate -A per head."""
     kind, arg = fill
-    if kind == "q4":
-        *lead, rows, cols = dims
-        n = int(np.prod(lead)) if lead else 1
-        return random_q4_0(rng, n * rows, cols, float(arg)).reshape(*lead, rows, -1)  # type: ignore[arg-type]
-    if kind == "const":
-        return np.full(dims, float(arg), dtype=np.float32)  # type: ignore[arg-type]
-    if kind == "normal":
-        return (rng.standard_normal(dims) * float(arg)).astype(np.float32)  # type: ignore[arg-type]
-    lo, hi = arg  # type: ignore[misc]
-    return (-rng.uniform(lo, hi, size=dims)).astype(np.float32)
+    if kind == "neg_uniform":
+        lo, hi = arg  # type: ignore[misc]
+        return (-rng.uniform(lo, hi, size=dims)).astype(np.float32)
+    return _tensor_values(rng, dims, fill)  # type: ignore[arg-type]
 
 
 def build_hybrid_shape(
@@ -247,20 +242,13 @@ def build_hybrid_shape(
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     copy_fields(reader, w, "tokenizer.")
     plan = tensor_plan(s, n_vocab)
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    for tname, dims, (kind, _) in plan:
-        if kind == "q4":
-            *lead, rows, cols = dims
-            n_bytes = int(np.prod(lead or [1])) * rows * cols // Q4_0_BLOCK * Q4_0_BYTES
-            shape = (*lead, rows, cols // Q4_0_BLOCK * Q4_0_BYTES)
-            w.add_tensor_info(tname, shape, np.dtype(np.uint8), n_bytes, q4)
-        else:
-            w.add_tensor_info(tname, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+    for tname, dims, fill in plan:
+        _tensor_info(w, tname, dims, fill)  # type: ignore[arg-type]
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for i, (_, dims, fill) in enumerate(plan):
-        w.write_tensor_data(_tensor_values(np.random.default_rng([seed, i]), dims, fill))
+        w.write_tensor_data(_values(np.random.default_rng([seed, i]), dims, fill))
     w.close()
     tmp.replace(dst)
     return dst
