@@ -6,7 +6,6 @@ A mixin of :class:`~.app.PotluckApp` (the app's state lives on the app itself).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -157,8 +156,7 @@ class ConversationActions:
             current = read_model_info(spec.model)
             models.insert(0, current)
         kept = self.settings.model.draft  # offered again even while the strategy ignores it
-        kept_key = str(Path(os.path.expanduser(kept))) if kept else None
-        draft = next((m for m in models if kept_key and m.key == kept_key), None)
+        draft = next((m for m in models if m.is_file(kept)), None)
         pick = await self.push_screen_wait(
             PickerScreen(models, self.strategies, Pick(current, draft, spec.strategy))
         )
@@ -173,8 +171,10 @@ class ConversationActions:
     def apply_pick(self, pick: Pick) -> None:
         """Load the picked combination; remember it in config.toml once it loads."""
         m = self.settings.model
-        model_path = str(pick.model.path) if pick.model.path else None
-        draft_path = str(pick.draft.path) if pick.draft and pick.draft.path else None
+        model_path = str(pick.model.path) if pick.model.path else None  # None: the bundled model
+        # The bundled model as a draft is named by its file: an unset draft means none.
+        draft_file = pick.draft.file if pick.draft else None
+        draft_path = str(draft_file) if draft_file else None
         self.settings = replace(
             self.settings,
             model=replace(m, path=model_path, draft=draft_path, strategy=pick.strategy),

@@ -53,6 +53,20 @@ class ModelInfo:
     def key(self) -> str:
         return str(self.path) if self.path is not None else ""
 
+    @property
+    def file(self) -> Path | None:
+        """The GGUF on disk (the bundled model's too): what a draft setting names."""
+        return self.path if self.path is not None else default_model_path()
+
+    def is_file(self, path: str | Path | None) -> bool:
+        """Whether ``path`` (a setting, maybe with ``~``) names this model's file."""
+        if path is None or self.file is None:
+            return False
+        try:
+            return Path(path).expanduser().resolve() == self.file.resolve()
+        except OSError:
+            return False
+
 
 def _read_str(f: BinaryIO) -> bytes:
     (n,) = struct.unpack("<Q", f.read(8))

@@ -83,35 +83,47 @@ class PickerScreen(ModalScreen[Pick | None]):
         if self.strategy not in choices.strategies:
             self.strategy = choices.strategies[0] if choices.strategies else ""
 
-        def fill(list_id: str, rows: list[tuple[str, str, str]], selected: str) -> None:
+        # Option ids are positions, never model keys: the bundled model's key is "" like
+        # "(no draft)", and two equal ids make Textual's OptionList raise DuplicateID.
+        def fill(list_id: str, rows: list[tuple[str, str]], selected: int) -> None:
             ol = self.query_one(list_id, OptionList)
             ol.clear_options()
             ol.add_options(
-                [Option(("● " if key == selected else "  ") + text, id=key or "-") for key, text, _ in rows]
+                [Option(("● " if i == selected else "  ") + text, id=row_id) for i, (row_id, text) in enumerate(rows)]
             )
-            keys = [key for key, _, _ in rows]
-            if selected in keys:
-                ol.highlighted = keys.index(selected)
+            if 0 <= selected < len(rows):
+                ol.highlighted = selected
 
-        fill("#pick-model", [(m.key, m.label, "") for m in self.models], self.model.key)
-        drafts = [("", NO_DRAFT, "")] + [(d.key, d.label, "") for d in choices.drafts]
-        fill("#pick-draft", drafts, self.draft.key if self.draft else "")
+        self._rows_model = list(self.models)
+        fill(
+            "#pick-model",
+            [(f"model-{i}", m.label) for i, m in enumerate(self._rows_model)],
+            _index_of(self._rows_model, self.model),
+        )
+        self._rows_draft = [None, *choices.drafts]
+        fill(
+            "#pick-draft",
+            [("draft-none", NO_DRAFT)] + [(f"draft-{i}", d.label) for i, d in enumerate(choices.drafts, 1)],
+            _index_of(self._rows_draft, self.draft),
+        )
+        self._rows_strategy = list(choices.strategies)
         strategy_rows = [
-            (name, f"{name} — {self.strategies[name].description}", "") for name in choices.strategies
+            (f"strategy-{i}", f"{name} — {self.strategies[name].description}")
+            for i, name in enumerate(self._rows_strategy)
         ]
-        fill("#pick-strategy", strategy_rows, self.strategy)
+        fill("#pick-strategy", strategy_rows, _index_of(self._rows_strategy, self.strategy))
         hidden = [f"not offered: {line}" for line in choices.hidden]
         hidden += [f"unreadable: {m.name}: {m.error}" for m in self.unreadable]
         self.query_one("#picker-hidden", Static).update("\n".join(hidden))
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        key = "" if event.option.id in (None, "-") else str(event.option.id)
+        i = event.option_index
         if event.option_list.id == "pick-model":
-            self.model = next(m for m in self.models if m.key == key)
+            self.model = self._rows_model[i]
         elif event.option_list.id == "pick-draft":
-            self.draft = next((m for m in self.models if m.key == key), None) if key else None
+            self.draft = self._rows_draft[i]
         else:
-            self.strategy = key
+            self.strategy = self._rows_strategy[i]
         self._refresh_lists()
         self.focus_next()
 
@@ -129,6 +141,14 @@ class PickerScreen(ModalScreen[Pick | None]):
             self.notify("no strategy works with this model", severity="error")
             return
         self.dismiss(Pick(self.model, self.draft, self.strategy))
+
+
+def _index_of(rows: list, wanted: object) -> int:
+    """Where ``wanted`` is among a list's rows (models compare by key, None by itself), or -1."""
+    def key(row: object) -> object:
+        return ("none",) if row is None else getattr(row, "key", row)
+
+    return next((i for i, row in enumerate(rows) if key(row) == key(wanted)), -1)
 
 
 class TextPromptScreen(ModalScreen[str | None]):
