@@ -139,6 +139,18 @@ class KeySettings:
     copy_code: str = "f5"
     export: str = "ctrl+s"
     log: str = "ctrl+l"
+    help: str = "f1"
+    """The keys, and what the app can do (``?`` too, outside the input)."""
+    settings: str = "f6"
+    """This conversation's sampling, reply length, seed and strategy; the context size."""
+    search: str = "ctrl+f"
+    """Search every conversation."""
+    previous_answer: str = "alt+left"
+    """The last reply's earlier version (regenerated answers are kept); on a focused message, its own."""
+    next_answer: str = "alt+right"
+    edit_prompt: str = "alt+e"
+    """Put the last prompt back in the input: sending it resends the conversation from there."""
+    quit: str = "ctrl+q"
 
     def keymap(self) -> dict[str, str]:
         """Binding id -> keys, the form ``App.set_keymap`` takes."""

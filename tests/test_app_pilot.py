@@ -160,7 +160,7 @@ async def test_escape_stops_mid_reply_and_keeps_the_partial_text(tmp_path: Path)
 
 
 @run_async
-async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
+async def test_regenerate_keeps_every_answer_and_steps_between_them(tmp_path: Path) -> None:
     answers = iter(["first answer", "second answer"])
     factory = FakeFactory(lambda spec: ScriptedSession(lambda _u, _m: words(next(answers))))
     app = make_app(tmp_path, factory)
@@ -172,11 +172,19 @@ async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
         await until(lambda: app.reply is not None or views(app)[-1].content == "second answer")
         await reply_done(app)
         assert [v.content for v in views(app)] == ["question", "second answer"]
+        assert views(app)[-1].variant == (2, 2)
         stored = app.store.messages(app.active)  # type: ignore[union-attr, arg-type]
         assert [m.content for m in stored] == ["question", "second answer"]
         session = factory.sessions[0]
         assert session.prompts == ["question", None]  # regenerate answers the same history
-        assert [m.content for m in session.loaded[-1]] == ["question", "first answer"]
+        assert [m.content for m in session.loaded[-1]] == ["question"]
+        # Both answers are kept: step back to the first and forward again.
+        await pilot.press("alt+left")
+        await until(lambda: views(app)[-1].content == "first answer", what="the earlier answer")
+        assert views(app)[-1].variant == (1, 2)
+        assert [m.content for m in app.store.messages(app.active)] == ["question", "first answer"]  # type: ignore[union-attr, arg-type]
+        await pilot.press("alt+right")
+        await until(lambda: views(app)[-1].content == "second answer", what="the later answer")
 
 
 @run_async

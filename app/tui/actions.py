@@ -10,13 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import EngineSpec, PotluckError, checked_spec, get_strategy_class, validate
+from ...engine import EngineSpec, PotluckError, paths
 from ..config import Settings, save_settings
-from ..store import Conversation, Store
+from ..store import Conversation, SearchHit, Store
 from .catalog import ModelInfo, StrategyClass, read_model_info
+from .commands import help_sections
 from .export import code_blocks, conversation_markdown, export_path
 from .replies import Reply
-from .screens import ConfirmScreen, LogScreen, Pick, PickerScreen, TextPromptScreen
+from .screens import ConfirmScreen, HelpScreen, LogScreen, Pick, PickerScreen, SearchScreen, TextPromptScreen
+from .settings import ChatSettings, SettingsScreen, spec_from_settings
 from .widgets import ConversationList, MessageView
 
 NEW_TITLE = "New chat"
@@ -26,25 +28,6 @@ def title_from(text: str) -> str:
     """A new conversation's title: the first line of its first message, cut to 40 characters."""
     line = text.strip().splitlines()[0] if text.strip() else NEW_TITLE
     return line if len(line) <= 40 else line[:39] + "…"
-
-
-def spec_from_settings(settings: Settings) -> EngineSpec:
-    """The chat's engine spec, checked by engine.limits (PotluckError: one line to show).
-
-    The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
-    m = settings.model
-    cls = get_strategy_class(m.strategy)  # an unknown name: one line
-    draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
-    return checked_spec(
-        EngineSpec(
-            model=validate.path("[model] path", m.path),
-            strategy=m.strategy,
-            draft=draft,
-            n_ctx=m.n_ctx,
-            n_threads=m.n_threads,
-            system=m.system or None,  # loading refuses one longer than the context
-        )
-    )
 
 
 class ConversationActions:
@@ -184,11 +167,7 @@ class ConversationActions:
         except PotluckError as e:
             self.report_error(str(e))
             return
-        if self.settings_path is not None:
-            try:
-                save_settings(self.settings, self.settings_path)
-            except OSError as e:
-                self.report_error(f"could not save the settings: {e}")
+        self.save_choice()
         self.start_loading(spec)
 
     # ------------------------------------------------------------------ copy / export / log
@@ -248,3 +227,74 @@ class ConversationActions:
 
     def action_log(self) -> None:
         self.push_screen(LogScreen(list(self.log_buffer.lines)))
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(help_sections(self.settings.keys)))
+
+    def action_search(self) -> None:
+        assert self.store is not None
+        store = self.store
+
+        async def done(hit: SearchHit | None) -> None:
+            if hit is None or self.store is None:
+                return
+            if self.reply is not None and hit.conversation_id == self.reply.conversation_id:
+                await self.open_conversation(hit.conversation_id)  # its path cannot change mid-reply
+                return
+            self.store.select(hit.message_id)  # the branch that holds the hit, if an older one
+            await self.open_conversation(hit.conversation_id)
+            await self.show_path(hit.conversation_id, focus=hit.message_id)
+
+        self.push_screen(SearchScreen(store.search), done)
+
+    def action_settings(self) -> None:
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        if conv is None:
+            return
+        has_draft = bool(self.settings.model.draft)
+
+        async def done(result: ChatSettings | None) -> None:
+            if result is None or self.store is None:
+                return
+            self.store.set_params(conv.id, result.params)
+            self.update_status()
+            if result.n_ctx != self.spec.n_ctx:
+                self.change_context(result.n_ctx)
+            else:
+                self.notify("settings saved; they apply from the next reply")
+
+        self.push_screen(
+            SettingsScreen(conv.title, conv.params, self.settings, self.spec.n_ctx, self.strategies, has_draft), done
+        )
+
+    def change_context(self, n_ctx: int) -> None:
+        """Reload the model with another context size (free memory is checked at load: a size
+        that does not fit is refused in one line and the loaded model stays)."""
+        if self.reply is not None:
+            self.notify("wait for the reply (or Esc) before changing the context", severity="warning")
+            return
+        self.settings = replace(self.settings, model=replace(self.settings.model, n_ctx=n_ctx))
+        self.notify(f"reloading the model with a context of {n_ctx:,} tokens…")
+        self.start_loading(replace(self.spec, n_ctx=n_ctx))
+        self.save_choice()
+
+    def save_choice(self) -> None:
+        """Remember the model choices in config.toml (its comments and layout are kept)."""
+        if self.settings_path is None:
+            return
+        try:
+            save_settings(self.settings, self.settings_path)
+        except OSError as e:
+            self.report_error(f"could not save the settings: {e}")
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Textual's screenshot command saves to Downloads, and fails where there is none:
+        then the data directory's screenshots folder."""
+        if path is None:
+            from platformdirs import user_downloads_dir
+
+            downloads = Path(user_downloads_dir())
+            path = str(downloads if downloads.is_dir() else paths.screenshots_dir())
+        super().action_screenshot(filename, path)  # type: ignore[misc]

@@ -20,6 +20,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -27,10 +28,10 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
-from ...engine import EngineSpec, Message, PotluckError, PrintableFormatter
+from ...engine import EngineSpec, PotluckError, PrintableFormatter
 from ..config import Settings
-from ..store import Conversation, Store, StoredMessage
-from .actions import ConversationActions, spec_from_settings
+from ..store import Store
+from .actions import ConversationActions
 from .catalog import ModelInfo, StrategyClass, gather_models
 from .cluster import (
     ClusterChoice,
@@ -41,6 +42,8 @@ from .cluster import (
     traffic,
 )
 from .cluster_handlers import ClusterHandlers
+from .commands import AppCommands
+from .context import context_note
 from .replies import (
     ChatSession,
     Reply,
@@ -49,8 +52,18 @@ from .replies import (
     load_in_thread,
 )
 from .reply_handlers import ReplyHandlers
+from .settings import conversation_sampling, sampling_summary, spec_from_settings
 from .stats import Figures, ReplyProgress, SpeedMeter
-from .widgets import ChatInput, ChatLog, ConversationList, KeysFooter, MessageView, StatsPanel, finish_note
+from .widgets import (
+    ChatInput,
+    ChatLog,
+    ConversationList,
+    FirstSteps,
+    KeysFooter,
+    MessageView,
+    StatsPanel,
+    finish_note,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +95,27 @@ def _b(keys: str, action: str, description: str, show: bool = True, **kw: object
 
 class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None]):
     CSS_PATH = str(asset("potluck.tcss"))
+    COMMANDS = App.COMMANDS | {AppCommands}
     TITLE = "potluck"
     # Binding ids are KeySettings field names, so [keys] in config.toml remaps them.
+    # The footer shows the first ones that fit; F1 lists them all (HelpScreen).
     BINDINGS = [
-        _b("escape", "stop", "Stop", show=False),  # the status line says "Esc stops" while it can
-        _b("ctrl+r", "regenerate", "Regenerate"),
+        _b("ctrl+q", "quit", "Quit", priority=True),
+        _b("escape", "stop", "Stop/Input"),  # stops a reply; otherwise back to the input
+        _b("f1", "help", "Help"),
+        _b("ctrl+o", "picker", "Model"),
+        _b("f6", "settings", "Settings", priority=True),  # over the input's select-line
+        _b("ctrl+r", "regenerate", "Regen"),
         _b("ctrl+n", "new_conversation", "New"),
+        _b("ctrl+f", "search", "Search"),
+        _b("alt+left", "previous_answer", "Older", show=False),
+        _b("alt+right", "next_answer", "Newer", show=False),
+        _b("alt+e", "edit_prompt", "Edit", show=False),
         _b("f2", "rename_conversation", "Rename"),
         _b("f8", "delete_conversation", "Delete"),
         _b("ctrl+pageup,alt+up", "previous_conversation", "Previous", show=False),
         _b("ctrl+pagedown,alt+down", "next_conversation", "Next", show=False),
         _b("f4", "system_prompt", "System"),
-        _b("ctrl+o", "picker", "Model"),
         _b("f9", "cluster", "Cluster"),
         _b("ctrl+g", "replan", "Re-plan", show=False),
         _b("ctrl+t", "toggle_panels", "Panels"),
@@ -102,6 +124,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         _b("ctrl+s", "export", "Export"),
         _b("ctrl+l", "log", "Log"),
     ]
+    # Below these widths the side panels fold away (the chat keeps the screen).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (130, "-wide")]
 
     def __init__(
         self,
@@ -143,6 +167,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         self.log_buffer = LogBuffer()
         self.store: Store | None = None
         self.active: int | None = None
+        self.queued: tuple[int, int] | None = None
+        self.editing: int | None = None
         self._engine_idle = threading.Event()
         self._engine_idle.set()
         self._closed = False
@@ -258,15 +284,27 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         elif self.loading:
             state = "loading model…"
         elif self.session is None:
-            state = "no model (ctrl+o picks one)" if self.load_error else "starting…"
+            state = f"no model ({self._key('picker')} picks one)" if self.load_error else "starting…"
+        elif self.editing is not None:
+            state = "editing a sent prompt: Enter resends from there, Esc cancels"
         else:
             state = "ready"
+        if self.queued is not None and self.loading:
+            state += " · your message waits"
+        line = f"{state} · {self._model_label()} · {self._sampling_label()}"
         for status in self._main.query("#status").results(Static):  # none while the app closes
-            status.update(f"{state} · {self._model_label()}")
+            status.update(line)
 
-    def _history(self, conv: Conversation, messages: list[StoredMessage]) -> list[Message]:
-        out = [Message("system", conv.system)] if conv.system else []
-        return out + [Message(m.role, m.content) for m in messages]
+    def _sampling_label(self) -> str:
+        """The sampling the active conversation's next reply uses (config.toml's, or its own)."""
+        conv = self.store.conversation(self.active) if self.store and self.active is not None else None
+        sampling = conversation_sampling(self.settings.sampling, conv.params) if conv else self.settings.sampling
+        return sampling_summary(sampling)
+
+    def _key(self, action: str) -> str:
+        """The key of an action as the user set it (the first of several)."""
+        keys = getattr(self.settings.keys, action, "")
+        return keys.split(",")[0].strip() if keys else action
 
     async def refresh_conversations(self) -> None:
         assert self.store is not None
@@ -281,17 +319,47 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         if chat is None:
             chat = ChatLog(conversation_id)
             await switcher.mount(chat)
-            views = [
-                MessageView(m.role, m.content, message_id=m.id, note=finish_note(m.finish_reason))
-                for m in self.store.messages(conversation_id)
-            ]
-            if views:
-                await chat.mount_all(views)
+            await self._fill(chat)
         switcher.current = chat.id
         self.active = conversation_id
+        if self.editing is not None:
+            self.editing = None
+            self.input.clear()
         await self.refresh_conversations()
         chat.scroll_end(animate=False)
         chat.call_after_refresh(chat.follow)
+        self.update_status()
+
+    async def _fill(self, chat: ChatLog, focus: int | None = None) -> None:
+        """Mount the active path's messages, and the line where the last cut began."""
+        assert self.store is not None
+        path = self.store.messages(chat.conversation_id)
+        views = [
+            MessageView(
+                m.role, m.content, message_id=m.id, note=finish_note(m.finish_reason), variant=(m.variant, m.variants)
+            )
+            for m in path
+        ]
+        if not views:
+            views = [FirstSteps(self.settings.keys)]
+        await chat.mount_all(views)
+        last = next((m for m in reversed(path) if m.role == "assistant"), None)
+        if last is not None and last.context_from is not None:
+            dropped = next((i for i, m in enumerate(path) if m.id == last.context_from), 0)
+            await chat.show_context(last.context_from, context_note(dropped, self.spec.n_ctx))
+        for view in chat.messages():
+            if focus is not None and view.message_id == focus:
+                view.focus()
+
+    async def show_path(self, conversation_id: int, focus: int | None = None) -> None:
+        """Redraw a conversation after its active path changed (another answer, an edit)."""
+        chat = self.chat_log(conversation_id)
+        if chat is None:
+            return
+        await chat.remove_children()
+        await self._fill(chat, focus)
+        if focus is None:
+            chat.scroll_end(animate=False)
         self.update_status()
 
     # ------------------------------------------------------------------ engine: loading
@@ -329,6 +397,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         if event.error is not None:
             self.load_error = event.error
             self.report_error(f"could not load the model: {event.error}")
+            self.queued_failed(event.error)
         elif event.session is not None:
             if self.cluster_state is not None:
                 view = event.session.cluster_view()
@@ -342,6 +411,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             self.sample_stats()
         self.show_cluster()
         self.update_status()
+        if self.session is not None and self.queued is not None:
+            self.call_later(self.answer_queued)
 
     # ------------------------------------------------------------------ panels
     def sample_stats(self, now: float | None = None) -> None:
@@ -368,10 +439,18 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         panel.display = not panel.display
 
     # ------------------------------------------------------------------ actions
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "stop":
-            return self.reply is not None
-        return True
+    def on_key(self, event: events.Key) -> None:
+        """Keys no widget took: ``?`` opens the help; a printable key typed outside the input
+        goes to the input (after Shift+Tab into the messages, letters were silently lost)."""
+        if self.screen is not self._main or event.key in self.screen.active_bindings:
+            return  # a key the focused widget binds (y, b, e on a message) is its own
+        if event.character == "?":
+            event.stop()
+            self.action_help()
+        elif event.is_printable and event.character and not isinstance(self.focused, ChatInput):
+            event.stop()
+            self.input.focus()
+            self.input.insert(event.character)
 
 
 

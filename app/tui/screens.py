@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, RichLog, SelectionList, Static, TextArea
 from textual.widgets.option_list import Option
@@ -15,6 +15,7 @@ from textual.widgets.selection_list import Selection
 
 from ...discovery.lan import DiscoveredNode, Membership
 from ...engine import JOIN_TIMEOUT_S
+from ..store import SearchHit
 from .catalog import ModelInfo, StrategyClass, compatible_choices
 from .cluster import ClusterChoice
 
@@ -346,3 +347,79 @@ CLUSTER_HEADER = "      " + f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':
 
 def node_row(n: DiscoveredNode) -> str:
     return f"{n.node_id[:9]:<10}{n.address:<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}"
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key of the app (F1, or ``?`` outside the input), grouped by where it works."""
+
+    BINDINGS = [Binding("escape,f1,q", "dismiss(None)", "Close")]
+
+    def __init__(self, sections: list[tuple[str, list[tuple[str, str]]]]) -> None:
+        super().__init__(classes="modal")
+        self.sections = sections
+
+    def compose(self) -> ComposeResult:
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for title, rows in self.sections:
+            table.add_row(Text(title, style="bold underline"), "")
+            for keys, what in rows:
+                table.add_row(keys, what)
+            table.add_row("", "")
+        with Vertical(id="help", classes="dialog"):
+            yield Label("Keys", classes="title")
+            with VerticalScroll(id="help-keys"):
+                yield Static(table)
+            yield Static("Esc closes · ctrl+p searches every command", classes="hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-keys").focus()
+
+
+class SearchScreen(ModalScreen["SearchHit | None"]):
+    """Search every conversation (FTS5); Enter on a hit opens it there."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Close"), Binding("down", "to_hits", "Hits", show=False)]
+
+    def __init__(self, search: Callable[[str], list[SearchHit]]) -> None:
+        super().__init__(classes="modal")
+        self.search = search
+        self.hits: list[SearchHit] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="search", classes="dialog"):
+            yield Label("Search every conversation", classes="title")
+            yield Input(placeholder="words to find", id="search-text")
+            yield OptionList(id="search-hits")
+            yield Static("type to search · ↓ to the hits · Enter opens · Esc closes", id="search-hint", classes="hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#search-text", Input).focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.hits = self.search(event.value)
+        hits = self.query_one("#search-hits", OptionList)
+        hits.clear_options()
+        hits.add_options(
+            [Option(f"{h.title[:30]} · {'you' if h.role == 'user' else 'reply'}: {h.snippet}") for h in self.hits]
+        )
+        n = len(self.hits)
+        hint = f"{n} message{'s' if n != 1 else ''} · ↓ to the hits · Enter opens" if event.value.strip() else ""
+        self.query_one("#search-hint", Static).update(hint or "type to search · Esc closes")
+
+    def on_input_submitted(self) -> None:
+        if self.hits:
+            self.dismiss(self.hits[0])
+
+    def action_to_hits(self) -> None:
+        hits = self.query_one("#search-hits", OptionList)
+        if hits.option_count:
+            hits.focus()
+            hits.highlighted = 0
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self.hits[event.option_index])

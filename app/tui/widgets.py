@@ -62,6 +62,9 @@ class MessageView(Vertical, can_focus=True):
     BINDINGS = [
         Binding("y", "copy_message", "Copy message"),
         Binding("b", "copy_code", "Copy code block"),
+        Binding("e", "edit", "Edit and resend"),
+        Binding("left", "app.previous_answer", "Earlier version", show=False),
+        Binding("right", "app.next_answer", "Later version", show=False),
     ]
 
     class CopyRequested(Message):
@@ -69,6 +72,11 @@ class MessageView(Vertical, can_focus=True):
             super().__init__()
             self.text = text
             self.what = what
+
+    class EditRequested(Message):
+        def __init__(self, message_id: int) -> None:
+            super().__init__()
+            self.message_id = message_id
 
     def __init__(
         self,
@@ -78,9 +86,11 @@ class MessageView(Vertical, can_focus=True):
         message_id: int | None = None,
         note: str = "",
         streaming: bool = False,
+        variant: tuple[int, int] = (1, 1),
     ) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
+        self.variant = variant  # (this version, versions): regenerated answers, edited prompts
         self.content = content
         self.message_id = message_id
         self._note = note
@@ -94,8 +104,18 @@ class MessageView(Vertical, can_focus=True):
         # from the same line and one block is lost), so they take turns.
         self._drawing = asyncio.Lock()
 
+    def _role_text(self) -> str:
+        label = _ROLE_LABEL.get(self.role, self.role)
+        i, n = self.variant
+        return f"{label}  ‹ {i}/{n} ›" if n > 1 else label
+
+    def set_variants(self, i: int, n: int) -> None:
+        self.variant = (i, n)
+        for role in self.query(".role").results(Static):
+            role.update(self._role_text())
+
     def compose(self) -> ComposeResult:
-        yield Static(_ROLE_LABEL.get(self.role, self.role), classes="role")
+        yield Static(self._role_text(), classes="role", markup=False)
         yield Markdown(self.content, classes="body")
         yield Static("", classes="tail", markup=False)
         yield Static(self._note, classes="note")
@@ -182,6 +202,12 @@ class MessageView(Vertical, can_focus=True):
         label.display = bool(note)
         self.set_class(note.startswith("stopped"), "stopped")
 
+    def action_edit(self) -> None:
+        if self.role == "user" and self.message_id is not None:
+            self.post_message(self.EditRequested(self.message_id))
+        else:
+            self.notify("only your own messages can be edited (ctrl+r writes another answer)", severity="warning")
+
     def action_copy_message(self) -> None:
         self.post_message(self.CopyRequested(self.content, "message"))
 
@@ -224,6 +250,30 @@ class ChatLog(VerticalScroll):
 
     def messages(self) -> list[MessageView]:
         return list(self.query(MessageView))
+
+    async def show_context(self, first_id: int | None, note: str) -> None:
+        """Mark where what the model was last sent begins: the messages before it are shown
+        dimmed, under a line that says why (the context was full)."""
+        for old in self.query(".context-note"):
+            await old.remove()
+        before = True
+        for view in self.messages():
+            if view.message_id == first_id:
+                before = False
+                await self.mount(Static(f"── {note} ──", classes="context-note", markup=False), before=view)
+            view.set_class(before and first_id is not None, "outside")
+
+
+class FirstSteps(Static):
+    """What an empty conversation says: how to start, where the keys are."""
+
+    def __init__(self, keys: Any) -> None:
+        super().__init__(
+            f"Type a message below and press Enter to chat with the model.\n"
+            f"{keys.help.split(',')[0].upper()} lists every key · {keys.picker.split(',')[0]} picks a model · "
+            f"{keys.settings.split(',')[0].upper()} this chat's settings",
+            classes="first-steps", markup=False,
+        )
 
 
 class ChatInput(TextArea):
