@@ -65,6 +65,7 @@ class ScriptedSession:
         self.loaded: list[list[Message]] = []
         self.fresh: list[bool] = []  # per load: whether the prompt is computed whole
         self.prompts: list[str | None] = []
+        self.sampling: list[SamplingParams] = []
         self.closed = False
         self.running = threading.Event()
         self.run_id = 0  # the latest reply's
@@ -97,6 +98,7 @@ class ScriptedSession:
         if user is not None:
             self.messages.append(Message("user", user))
         self.prompts.append(user)
+        self.sampling.append(sampling)
         return self._run(self.script(user, list(self.messages)))
 
     def regenerate(

@@ -217,6 +217,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         first = conversations[0] if conversations else self._create_conversation()
         await self.open_conversation(first.id)
         self._main.query_one(ChatInput).focus()
+        self.input.recall = lambda: self.store.recent_prompts() if self.store else []
         self.sample_stats()
         if self.settings.ui.stats_interval_s > 0:
             self.set_interval(self.settings.ui.stats_interval_s, self.sample_stats)

@@ -289,8 +289,32 @@ class ChatInput(TextArea):
         self._send = {k.strip() for k in send_keys.split(",") if k.strip()}
         self._newline = {k.strip() for k in newline_keys.split(",") if k.strip()}
         self.cursor_blink = cursor_blink
+        # Up in an empty input recalls the last prompts, newest first (as a shell does); the
+        # app sets where they come from. Down walks back; an edit ends the walk.
+        self.recall: Callable[[], list[str]] = list
+        self._recalled: list[str] = []
+        self._recall_at = -1
+
+    def _recall_step(self, delta: int) -> bool:
+        walking = self._recall_at >= 0 and self._recalled and self.text == self._recalled[self._recall_at]
+        if not walking:
+            if delta < 0 or self.text:
+                return False
+            self._recalled, self._recall_at = self.recall(), -1
+        at = self._recall_at + delta
+        if at >= len(self._recalled):
+            return True  # the oldest: stay
+        self._recall_at = at
+        self.text = self._recalled[at] if at >= 0 else ""
+        self.move_cursor(self.document.end)
+        return True
 
     async def _on_key(self, event: events.Key) -> None:
+        if event.key in ("up", "down") and self.cursor_location[0] in (0, self.document.line_count - 1):
+            if self._recall_step(1 if event.key == "up" else -1):
+                event.stop()
+                event.prevent_default()
+                return
         if event.key in self._send:
             event.stop()
             event.prevent_default()
