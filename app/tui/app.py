@@ -104,7 +104,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         _b("escape", "stop", "Stop/Input"),  # stops a reply; otherwise back to the input
         _b("f1", "help", "Help"),
         _b("ctrl+o", "picker", "Model"),
-        _b("f6", "settings", "Settings", priority=True),  # over the input's select-line
+        _b("f6", "settings", "Settings"),
         _b("ctrl+r", "regenerate", "Regen"),
         _b("ctrl+n", "new_conversation", "New"),
         _b("ctrl+f", "search", "Search"),
@@ -125,7 +125,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         _b("ctrl+l", "log", "Log"),
     ]
     # Below these widths the side panels fold away (the chat keeps the screen).
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (130, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
     def __init__(
         self,
@@ -206,7 +207,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             self.theme = self.settings.ui.theme
         else:
             log.warning("unknown theme %r in the settings; using the default", self.settings.ui.theme)
-        self._main.query_one(StatsPanel).display = self.settings.ui.show_panels
+        self._main.set_class(not self.settings.ui.show_panels, "-hide-panels")
         try:
             self.store = Store.open(self.history_path)
         except PotluckError as e:
@@ -265,7 +266,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
 
     def _model_label(self) -> str:
         spec = self.spec
-        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME.split(" (")[0] + " (bundled)"
+        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME
         draft = f" + draft {spec.draft.name}" if spec.draft else ""
         where = ""
         if self.cluster_state is not None and self.cluster_state.stages:
@@ -436,8 +437,12 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             pass  # the screen is being torn down
 
     def action_toggle_panels(self) -> None:
-        panel = self._main.query_one(StatsPanel)
-        panel.display = not panel.display
+        """Show or hide the side panels (below 100 columns they are folded away until asked)."""
+        main = self._main
+        if main.has_class("-narrow"):
+            main.toggle_class("-show-panels")
+        else:
+            main.toggle_class("-hide-panels")
 
     # ------------------------------------------------------------------ actions
     def on_key(self, event: events.Key) -> None:

@@ -135,7 +135,9 @@ def read_model_info(path: Path | None) -> ModelInfo:
         name = DEFAULT_MODEL_NAME if path is None else real.name
         return ModelInfo(path, name, error=str(e) or type(e).__name__)
     arch = str(values.get("general.architecture", "?"))
-    name = DEFAULT_MODEL_NAME if path is None else str(values.get("general.name") or real.stem)
+    # By file name, as the user knows it: a GGUF's internal name is often a training run's
+    # ("Smollm2 135M 8k Lc100K Mix1 Ep2" is the bundled model's).
+    name = DEFAULT_MODEL_NAME if path is None else real.name
     return ModelInfo(
         path=None if path is None else real,
         name=name,

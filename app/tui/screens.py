@@ -56,17 +56,18 @@ class PickerScreen(ModalScreen[Pick | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="picker", classes="dialog"):
             yield Label("Model and decoding strategy", classes="title")
-            with Horizontal(id="picker-lists"):
-                with Vertical():
-                    yield Label("Model")
-                    yield OptionList(id="pick-model")
-                with Vertical():
-                    yield Label("Draft (same vocabulary)")
-                    yield OptionList(id="pick-draft")
-                with Vertical():
-                    yield Label("Strategy")
-                    yield OptionList(id="pick-strategy")
-            yield Static(id="picker-hidden", classes="hint")
+            with VerticalScroll(classes="dialog-body"):
+                with Horizontal(id="picker-lists"):
+                    with Vertical():
+                        yield Label("Model")
+                        yield OptionList(id="pick-model")
+                    with Vertical():
+                        yield Label("Draft (same vocabulary)")
+                        yield OptionList(id="pick-draft")
+                    with Vertical():
+                        yield Label("Strategy")
+                        yield OptionList(id="pick-strategy")
+                yield Static(id="picker-hidden", classes="hint")
             with Horizontal(classes="buttons"):
                 yield Button("Cluster… (F9)", id="cluster")
                 yield Button("Apply", variant="primary", id="apply")

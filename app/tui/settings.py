@@ -119,7 +119,7 @@ class SettingsScreen(ModalScreen["ChatSettings | None"]):
         d = self.defaults.sampling
         with Vertical(id="settings", classes="dialog"):
             yield Label(f"Settings · {self.title_text}", classes="title")
-            with VerticalScroll(id="settings-form"):
+            with VerticalScroll(id="settings-form", classes="dialog-body"):
                 for name, (label, kind) in FIELDS.items():
                     value = getattr(self.params, name)
                     default = getattr(d, name)
