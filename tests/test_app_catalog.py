@@ -55,7 +55,7 @@ def test_unreadable_files_carry_their_error(tmp_path: Path) -> None:
     notgguf = tmp_path / "x.gguf"
     notgguf.write_text("hello")
     assert read_model_info(notgguf).error == "not a GGUF file"
-    infos = gather_models(None, None, [str(tmp_path)])
+    infos = gather_models(None, None, [str(tmp_path)], found=[])
     assert {i.name for i in infos if i.error} >= {"bad.gguf", "x.gguf"}
 
 
