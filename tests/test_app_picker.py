@@ -70,3 +70,26 @@ async def test_the_bundled_model_as_a_draft_opens_the_picker_and_applies(tmp_pat
         again = app.screen
         assert again.model.key == BIG.key and again.draft is not None and again.draft.path is None  # type: ignore[attr-defined]
         await pilot.press("escape")
+
+
+@run_async
+async def test_the_picker_opens_any_gguf_by_path(tmp_path: Path, model_path: Path) -> None:
+    factory = FakeFactory(lambda spec: ScriptedSession(words("ok")))
+    app = make_app(tmp_path, factory, model_catalog=lambda: [BUNDLED], strategies={"plain": _Plain, "sd": _Spec})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await pilot.press("ctrl+o")
+        await until(lambda: isinstance(app.screen, PickerScreen), what="the picker")
+        picker = app.screen
+        field = picker.query_one("#pick-path")
+        field.focus()
+        field.value = str(tmp_path / "missing.gguf")  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        assert picker.model is BUNDLED  # type: ignore[attr-defined]
+        field.value = str(model_path)  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await until(lambda: picker.model.path == model_path, what="the file as the target")  # type: ignore[attr-defined]
+        assert picker.model.name == model_path.name and picker.model.n_layer == 30  # type: ignore[attr-defined]
+        await pilot.press("ctrl+s")
+        await until(lambda: len(factory.sessions) == 2 and not app.loading, what="the reload")
+        assert factory.specs[-1].model == model_path

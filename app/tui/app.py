@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 # 4, 0.82x at 10 and 2 (docs/facts.md §26).
 TEXT_PUMP_S = 1 / 10
 ENGINE_GIL_WAIT_S = 0.001  # the longest the engine thread waits for the GIL while the UI draws
+READING_SHOWN_FROM = 256  # prompt tokens: a shorter prompt is read before anyone looks
 
 
 class LogBuffer(logging.Handler):
@@ -169,6 +170,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         self.store: Store | None = None
         self.active: int | None = None
         self.queued: tuple[int, int] | None = None
+        self._shown_reading = False
         self.editing: int | None = None
         self._engine_idle = threading.Event()
         self._engine_idle.set()
@@ -277,7 +279,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         """Show what the engine is doing; called whenever that changes."""
         self.refresh_bindings()  # check_action's answer for Esc depends on self.reply
         if self.reply is not None:
-            state = "generating… (Esc stops)"
+            reading = self._reading_prompt()
+            state = f"reading the prompt: {reading:,} tokens… (Esc stops)" if reading else "generating… (Esc stops)"
         elif self.loading and self.cluster_state is not None and self.cluster_state.transfer:
             what, done, total = self.cluster_state.transfer
             state = f"sending {what}: {100 * done / total if total else 100:.0f}% of {total / 1e6:,.1f} MB…"
@@ -296,6 +299,14 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         line = f"{state} · {self._model_label()} · {self._sampling_label()}"
         for status in self._main.query("#status").results(Static):  # none while the app closes
             status.update(line)
+
+    def _reading_prompt(self) -> int:
+        """Tokens of the prompt the engine is reading now, when there are enough to wait for."""
+        p = self.reply.progress if self.reply is not None else None
+        if p is None or not p.running or p.first_token_at or p.rounds:
+            return 0
+        todo = p.prompt_tokens - p.n_past
+        return todo if todo >= READING_SHOWN_FROM else 0
 
     def _sampling_label(self) -> str:
         """The sampling the active conversation's next reply uses (config.toml's, or its own)."""
@@ -422,6 +433,10 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         panels = self._main.query(StatsPanel)
         if not panels:
             return  # shutting down
+        reading = self._reading_prompt() > 0
+        if reading != self._shown_reading:  # the prompt's reading began or ended: say so
+            self._shown_reading = reading
+            self.update_status()
         if self.session is None:
             figures = Figures()
         else:

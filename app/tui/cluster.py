@@ -69,8 +69,9 @@ class StageRow:
 
     @property
     def layer_text(self) -> str:
+        """As the split plan writes them: first layer, then the one after the last."""
         lo, hi = self.layers
-        return f"{lo}-{hi - 1}" if hi > lo else "-"
+        return f"{lo}-{hi}" if hi > lo else "-"
 
 
 @dataclass(frozen=True)

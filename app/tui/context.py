@@ -52,6 +52,8 @@ def fit_history(
 
     Raises PotluckError when even the last user message does not fit the context."""
     head = [system] if system is not None else []
+    if not turns:
+        return Fit(head, 0, count(head))
     starts = [i for i, m in enumerate(turns) if m.role == "user" and i >= start] or [len(turns) - 1]
 
     def sent(i: int) -> list[Message]:

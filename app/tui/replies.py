@@ -212,6 +212,8 @@ def fit_reply(reply: Reply) -> Fit:  # worker thread
     session, sampling = reply.session, reply.sampling
     room = reply_room(session.n_ctx, sampling.max_tokens)
     count = session.count_tokens
+    if not reply.turns and reply.user_text is not None:  # a bare reply: its prompt alone
+        reply.turns, reply.turn_ids = [Message("user", reply.user_text)], [None]
     whole = fit_history(reply.system, reply.turns, count, session.n_ctx, room)
     if whole.first == 0 or reply.start == 0:
         return whole

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -16,7 +17,7 @@ from textual.widgets.selection_list import Selection
 from ...discovery.lan import DiscoveredNode, Membership
 from ...engine import JOIN_TIMEOUT_S
 from ..store import SearchHit
-from .catalog import ModelInfo, StrategyClass, compatible_choices
+from .catalog import ModelInfo, StrategyClass, compatible_choices, read_model_info
 from .cluster import ClusterChoice
 
 NO_DRAFT = "(no draft)"
@@ -68,6 +69,7 @@ class PickerScreen(ModalScreen[Pick | None]):
                         yield Label("Strategy")
                         yield OptionList(id="pick-strategy")
                 yield Static(id="picker-hidden", classes="hint")
+            yield Input(placeholder="or open a GGUF by path: ~/models/model.gguf (Enter)", id="pick-path")
             with Horizontal(classes="buttons"):
                 yield Button("Cluster… (F9)", id="cluster")
                 yield Button("Apply", variant="primary", id="apply")
@@ -128,6 +130,28 @@ class PickerScreen(ModalScreen[Pick | None]):
             self.strategy = self._rows_strategy[i]
         self._refresh_lists()
         self.focus_next()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """A GGUF by path: read its header (fast, no weights) and make it the target."""
+        event.stop()
+        text = event.value.strip()
+        if not text:
+            return
+        path = Path(text).expanduser()
+        if not path.is_file():
+            self.notify(f"no such file: {path}", severity="error")
+            return
+        info = read_model_info(path)
+        if info.error:
+            self.notify(f"{path.name}: {info.error}", severity="error")
+            return
+        known = next((m for m in self.models if m.key == info.key), None)
+        if known is None:
+            self.models.append(info)
+        self.model = known or info
+        event.input.value = ""
+        self._refresh_lists()
+        self.query_one("#pick-model", OptionList).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "apply":

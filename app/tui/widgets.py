@@ -362,6 +362,7 @@ class StatsPanel(Vertical):
         self.query_one("#stats-spark", Sparkline).data = list(f.speed_series[-60:])
         spec = ("Speculation", [
                 ("strategy", f.strategy or DASH),
+                *([("", f.gain)] if f.gain else []),
                 ("acceptance", fmt(f.acceptance_rate, ".2f")),
                 ("accepted/round", fmt(f.mean_accepted_len, ".2f")),
                 ("draft length", fmt(f.draft_len, "d")),
@@ -429,13 +430,14 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
     parts: list[Table | Text] = [grid([(Text("Cluster", style="bold"), title)])]
     for i, r in enumerate(c.stages, 1):
         parts.append(grid([
-            (Text(f"{i} {r.node[:8]} L{r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
+            (Text(f"{i} {r.node[:8]} layers {r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
             (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
         ]))
-        parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
+        here = " (this machine)" if r.address.startswith(("127.", "localhost", "[::1]")) else ""
+        parts.append(Text(f"  {r.address}{here}", style="dim", overflow="ellipsis", no_wrap=True))
     if c.head_layers is not None:  # the last layer(s) and the output layer run on the head
         lo, hi = c.head_layers
-        parts.append(grid([(Text(f"head L{lo}-{hi - 1} + output"), Text("this machine", style="dim"))]))
+        parts.append(grid([(Text(f"head layers {lo}-{hi} + output"), Text("this machine", style="dim"))]))
     if c.sent_bytes or c.cached_bytes:
         parts.append(grid([(Text("slices sent", style="dim"), human_bytes(c.sent_bytes))]))
     if c.cached_bytes:
@@ -464,7 +466,10 @@ def _section(title: str, rows: list[tuple[str, str]]) -> Table:
     table.add_column(justify="right")
     table.add_row(Text(title, style="bold"), "")
     for name, value in rows:
-        table.add_row(Text(name, style="dim"), value)
+        if name:
+            table.add_row(Text(name, style="dim"), value)
+        else:  # a line of its own, over both columns' width (a one-line verdict, a bar)
+            table.add_row(Text(value), "")
     return table
 
 
