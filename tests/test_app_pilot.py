@@ -252,9 +252,11 @@ async def test_export_writes_markdown(tmp_path: Path) -> None:
         await pilot.press("ctrl+s")
         files = list((tmp_path / "exports").glob("*.md"))
         assert len(files) == 1
-        assert files[0].read_text() == (
-            "# Export test\n\n## You\n\nExport test\n\n## Assistant\n\n**bold** answer\n"
-        )
+        text = files[0].read_text()
+        head, body = text.split("**System prompt:** none\n\n")
+        assert head.startswith("# Export test\n\n*Exported 20") and "model SmolLM2-135M-Instruct (bundled)" in head
+        assert "· auto ·" in head and "temp 0.8" in head  # the strategy and the sampling in use
+        assert body == "## You\n\nExport test\n\n## Assistant\n\n**bold** answer\n"
 
 
 @run_async

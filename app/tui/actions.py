@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 from ...engine import EngineSpec, PotluckError, paths
@@ -218,7 +219,11 @@ class ConversationActions:
         path = export_path(self.export_dir, conv)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(conversation_markdown(conv, self.store.messages(conv.id)), "utf-8")
+            text = conversation_markdown(
+                conv, self.store.messages(conv.id), model=self._model_label(), sampling=self._sampling_label(),
+                exported_at=datetime.now(),
+            )
+            path.write_text(text, "utf-8")
         except OSError as e:
             self.report_error(f"could not export: {e}")
             return None
