@@ -170,6 +170,7 @@ async def test_edit_a_sent_message_and_resend_from_there(tmp_path: Path) -> None
         await reply_done(app)
         first = views(app)[0]
         first.focus()
+        await until(lambda: app.focused is first, what="the focus")
         await pilot.press("e")
         await until(lambda: app.input.text == "first" and app.editing is not None, what="the prompt in the input")
         assert "editing" in status(app)
@@ -181,6 +182,7 @@ async def test_edit_a_sent_message_and_resend_from_there(tmp_path: Path) -> None
         assert views(app)[0].variant == (2, 2)
         # the old branch is kept: step back to it on the edited message
         views(app)[0].focus()
+        await until(lambda: app.focused is views(app)[0], what="the focus")
         await pilot.press("left")
         await until(lambda: [v.content for v in views(app)] == ["first", "A1", "second", "A2"], what="the old branch")
 
@@ -273,10 +275,12 @@ async def test_help_palette_first_steps_esc_and_typing_outside_the_input(tmp_pat
         await pilot.press("escape")
         assert isinstance(app.focused, ChatInput)
         views(app)[-1].focus()
+        await until(lambda: app.focused is views(app)[-1], what="the focus")
         await pilot.press("h", "i")
         assert isinstance(app.focused, ChatInput) and app.input.text == "hi"
         app.input.text = ""
         views(app)[-1].focus()
+        await until(lambda: app.focused is views(app)[-1], what="the focus")
         await pilot.press("question_mark")
         await until(lambda: isinstance(app.screen, HelpScreen), what="? opens the help")
         await pilot.press("escape")

@@ -275,6 +275,7 @@ async def test_copy_reply_and_code_block(tmp_path: Path) -> None:
         await pilot.press("f5")
         assert app.clipboard == "print(2)"
         views(app)[-1].focus()
+        await until(lambda: app.focused is views(app)[-1], what="the focus")
         await pilot.press("b")  # a focused message cycles through its code blocks
         assert app.clipboard == "ls -la"
         await pilot.press("y")

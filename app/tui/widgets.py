@@ -362,7 +362,7 @@ class StatsPanel(Vertical):
         self.query_one("#stats-spark", Sparkline).data = list(f.speed_series[-60:])
         spec = ("Speculation", [
                 ("strategy", f.strategy or DASH),
-                *([("", f.gain)] if f.gain else []),
+                *([(LINE, f.gain)] if f.gain else []),
                 ("acceptance", fmt(f.acceptance_rate, ".2f")),
                 ("accepted/round", fmt(f.mean_accepted_len, ".2f")),
                 ("draft length", fmt(f.draft_len, "d")),
@@ -378,7 +378,7 @@ class StatsPanel(Vertical):
             ("prompt", str(f.prompt_tokens)),
             ("generated", str(f.generated_tokens)),
             ("context", used + pct),
-            ("", context_meter(f.n_past, f.n_ctx)),
+            (LINE, context_meter(f.n_past, f.n_ctx)),
         ])
         self._sections = [speed, spec, tokens]
         for widget_id, (title, rows) in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._sections):
@@ -460,17 +460,24 @@ def context_meter(n_past: int, n_ctx: int, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def _section(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table.grid(padding=(0, 1), expand=True)
-    table.add_column(ratio=1)
-    table.add_column(justify="right")
-    table.add_row(Text(title, style="bold"), "")
+LINE = "\n"  # a row's name that makes its value a line of its own (a one-line verdict)
+
+
+def _section(title: str, rows: list[tuple[str, str]]) -> Table | Group:
+    def grid() -> Table:
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(ratio=1)
+        table.add_column(justify="right")
+        return table
+
+    parts: list[Table | Text] = [grid()]
+    parts[0].add_row(Text(title, style="bold"), "")  # type: ignore[union-attr]
     for name, value in rows:
-        if name:
-            table.add_row(Text(name, style="dim"), value)
-        else:  # a line of its own, over both columns' width (a one-line verdict, a bar)
-            table.add_row(Text(value), "")
-    return table
+        if name == LINE:
+            parts += [Text(value, no_wrap=True, overflow="ellipsis"), grid()]
+        else:
+            parts[-1].add_row(Text(name, style="dim"), value)  # type: ignore[union-attr]
+    return parts[0] if len(parts) == 1 else Group(*parts)
 
 
 def _with_lines(table: Group) -> tuple[Group, int]:
