@@ -93,3 +93,18 @@ async def test_the_picker_opens_any_gguf_by_path(tmp_path: Path, model_path: Pat
         await pilot.press("ctrl+s")
         await until(lambda: len(factory.sessions) == 2 and not app.loading, what="the reload")
         assert factory.specs[-1].model == model_path
+
+
+@run_async
+async def test_file_names_with_markup_brackets_are_shown_as_they_are(tmp_path: Path) -> None:
+    odd = ModelInfo(Path("/models/[/red] odd [b].gguf"), "[/red] odd [b].gguf", "llama", 2, 49152, vocab="smol")
+    factory = FakeFactory(lambda spec: ScriptedSession(words("ok")))
+    app = make_app(tmp_path, factory, model_catalog=lambda: [BUNDLED, odd], strategies={"plain": _Plain})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await pilot.press("ctrl+o")
+        await until(lambda: isinstance(app.screen, PickerScreen), what="the picker")
+        ol = app.screen.query_one("#pick-model")
+        shown = [str(ol.get_option_at_index(i).prompt) for i in range(ol.option_count)]  # type: ignore[attr-defined]
+        assert any("[/red] odd [b].gguf" in s for s in shown), shown
+        await pilot.press("escape")

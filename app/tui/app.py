@@ -185,7 +185,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
                 yield Label("Conversations", classes="title")
                 yield ConversationList(id="conversations")
             with Vertical(id="center"):
-                yield Static(id="status")
+                yield Static(id="status", markup=False)  # it names model files: never markup
                 yield ContentSwitcher(id="chats")
                 yield ChatInput(
                     send_keys=keys.send,

@@ -289,12 +289,15 @@ class ReplyHandlers:
             self.show_cluster()
         assert self.store is not None
         if reply.user_text is not None and not reply.got_text:
-            # Nothing was generated: undo the send and give the text back for editing.
+            # Nothing was generated: undo the send and give the text back for editing (an
+            # edit undone shows the version it was made from again).
             if reply.user_message_id is not None:
                 self.store.delete_message(reply.user_message_id)
             for view in (reply.user_view, reply.view):
                 if view is not None and view.is_attached:
                     await view.remove()
+            if reply.user_view is not None and reply.user_view.variant[1] > 1:
+                await self.show_path(reply.conversation_id)
             if not self.input.text:
                 self.input.text = reply.user_text
         elif reply.user_text is None and not reply.got_text:

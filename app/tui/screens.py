@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -15,7 +16,7 @@ from textual.widgets.option_list import Option
 from textual.widgets.selection_list import Selection
 
 from ...discovery.lan import DiscoveredNode, Membership
-from ...engine import JOIN_TIMEOUT_S
+from ...engine import JOIN_TIMEOUT_S, printable
 from ..store import SearchHit
 from .catalog import ModelInfo, StrategyClass, compatible_choices, read_model_info
 from .cluster import ClusterChoice
@@ -93,7 +94,10 @@ class PickerScreen(ModalScreen[Pick | None]):
             ol = self.query_one(list_id, OptionList)
             ol.clear_options()
             ol.add_options(
-                [Option(("● " if i == selected else "  ") + text, id=row_id) for i, (row_id, text) in enumerate(rows)]
+                [  # file names may hold markup's brackets: plain text
+                    Option(Text(("● " if i == selected else "  ") + printable(text)), id=row_id)
+                    for i, (row_id, text) in enumerate(rows)
+                ]
             )
             if 0 <= selected < len(rows):
                 ol.highlighted = selected
@@ -429,9 +433,10 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
         self.hits = self.search(event.value)
         hits = self.query_one("#search-hits", OptionList)
         hits.clear_options()
-        hits.add_options(
-            [Option(f"{h.title[:30]} · {'you' if h.role == 'user' else 'reply'}: {h.snippet}") for h in self.hits]
-        )
+        hits.add_options([  # the text is the model's and the user's: shown as it is, never as markup
+            Option(Text(printable(f"{h.title[:30]} · {'you' if h.role == 'user' else 'reply'}: {h.snippet}")))
+            for h in self.hits
+        ])
         n = len(self.hits)
         hint = f"{n} message{'s' if n != 1 else ''} · ↓ to the hits · Enter opens" if event.value.strip() else ""
         self.query_one("#search-hint", Static).update(hint or "type to search · Esc closes")
