@@ -109,8 +109,8 @@ def run(out: Path) -> None:
         me.shot("one-more-turn")
         me.keys("M-e")  # edit the last prompt
         me.wait("the edit", lambda s: "editing" in s, 30)
-        me.keys("C-a", "C-k")  # TextArea: to the line's start, delete to its end
-        me.keys("In one sentence: what is the sun made of?", literal=True)
+        me.keys("End")
+        me.keys(" Answer in one sentence.", literal=True)
         me.shot("editing-a-sent-prompt")
         me.keys("Enter")
         me.wait("the resent reply", lambda s: "generating" in s or "reading the prompt" in s, 60)

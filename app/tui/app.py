@@ -109,9 +109,11 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         _b("ctrl+r", "regenerate", "Regen"),
         _b("ctrl+n", "new_conversation", "New"),
         _b("ctrl+f", "search", "Search"),
-        _b("alt+left", "previous_answer", "Older", show=False),
-        _b("alt+right", "next_answer", "Newer", show=False),
-        _b("alt+e", "edit_prompt", "Edit", show=False),
+        # priority: in a real terminal alt+e arrives with the character "e", which the input
+        # would take as text before the app saw the binding
+        _b("alt+left", "previous_answer", "Older", show=False, priority=True),
+        _b("alt+right", "next_answer", "Newer", show=False, priority=True),
+        _b("alt+e", "edit_prompt", "Edit", show=False, priority=True),
         _b("f2", "rename_conversation", "Rename"),
         _b("f8", "delete_conversation", "Delete"),
         _b("ctrl+pageup,alt+up", "previous_conversation", "Previous", show=False),
@@ -359,7 +361,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         last = next((m for m in reversed(path) if m.role == "assistant"), None)
         if last is not None and last.context_from is not None:
             dropped = next((i for i, m in enumerate(path) if m.id == last.context_from), 0)
-            await chat.show_context(last.context_from, context_note(dropped, self.spec.n_ctx))
+            await chat.show_context(last.context_from, context_note(dropped, self.spec.n_ctx, self._key("settings")))
         for view in chat.messages():
             if focus is not None and view.message_id == focus:
                 view.focus()

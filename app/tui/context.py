@@ -45,6 +45,7 @@ def fit_history(
     n_ctx: int,
     room: int,
     start: int = 0,
+    settings_key: str = "F6",
 ) -> Fit:
     """The messages to send: ``turns[start:]`` if they leave ``room`` tokens for the reply,
     else fewer, from a later user message, down to :data:`CUT_TO` of the context. ``count``
@@ -79,12 +80,12 @@ def fit_history(
         what = "your message" if len(turns) - first == 1 else "the latest turn"
         raise PotluckError(
             f"{what} is {tokens} tokens with the system prompt but the context holds {n_ctx}; "
-            "shorten it or raise the context (ctrl+e, Settings)"
+            f"shorten it or raise the context ({settings_key}, Settings)"
         )
     return Fit(sent(first), first, tokens)
 
 
-def context_note(dropped: int, n_ctx: int) -> str:
+def context_note(dropped: int, n_ctx: int, settings_key: str) -> str:
     """The line the conversation shows where what is sent begins."""
     s = "" if dropped == 1 else "s"
-    return f"{dropped} earlier message{s} not sent: the context holds {n_ctx:,} tokens (ctrl+e raises it)"
+    return f"{dropped} earlier message{s} not sent: the context holds {n_ctx:,} tokens ({settings_key} raises it)"

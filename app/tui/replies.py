@@ -86,6 +86,7 @@ class Reply:
     start: int = 0
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     fit: Fit | None = None  # set by the reply thread before it generates
+    settings_key: str = "F6"  # named when the prompt alone is too long for the context
     previous_text: str = ""
     previous_note: str = ""
     got_text: bool = False
@@ -214,10 +215,11 @@ def fit_reply(reply: Reply) -> Fit:  # worker thread
     count = session.count_tokens
     if not reply.turns and reply.user_text is not None:  # a bare reply: its prompt alone
         reply.turns, reply.turn_ids = [Message("user", reply.user_text)], [None]
-    whole = fit_history(reply.system, reply.turns, count, session.n_ctx, room)
+    key = reply.settings_key
+    whole = fit_history(reply.system, reply.turns, count, session.n_ctx, room, settings_key=key)
     if whole.first == 0 or reply.start == 0:
         return whole
-    return fit_history(reply.system, reply.turns, count, session.n_ctx, room, start=reply.start)
+    return fit_history(reply.system, reply.turns, count, session.n_ctx, room, start=reply.start, settings_key=key)
 
 
 def reply_in_thread(

@@ -74,6 +74,7 @@ class ReplyHandlers:
             turn_ids=list(ids),
             start=start,
             sampling=conversation_sampling(self.settings.sampling, conv.params),
+            settings_key=self._key("settings"),
             **kw,  # type: ignore[arg-type]
         )
 
@@ -226,7 +227,7 @@ class ReplyHandlers:
         chat = self.chat_log(reply.conversation_id)
         first = reply.context_from
         if chat is not None and first is not None:
-            await chat.show_context(first, context_note(event.fit.dropped, reply.session.n_ctx))
+            await chat.show_context(first, context_note(event.fit.dropped, reply.session.n_ctx, self._key("settings")))
 
     async def on_reply_finished(self, event: ReplyFinished) -> None:
         reply, f = event.reply, event.finished

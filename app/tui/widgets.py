@@ -278,11 +278,10 @@ class FirstSteps(Static):
 
 class ChatInput(TextArea):
     """Multi-line message input: the send key submits, the newline keys insert a line break.
-    F6 and F7 (TextArea's select line / select all) are left to the app: F6 opens the settings."""
+    F6 (TextArea's select line) is left to the app: it opens the settings."""
 
     BINDINGS = [
         Binding("f6", "app.settings", "Settings", show=False),
-        Binding("f7", "app.search", "Search", show=False),
     ]
 
     class Submitted(Message):
