@@ -20,7 +20,7 @@ from potluck.app.tui.settings import SettingsScreen
 from potluck.app.tui.widgets import ChatInput, FirstSteps, MessageView
 from potluck.engine.core.chat import Message
 
-from .app_fakes import FakeFactory, ScriptedSession, run_async, until, words
+from .app_fakes import FakeFactory, ScriptedSession, Step, run_async, until, words
 from .test_app_pilot import SIZE, make_app, ready, reply_done, send, views
 
 QUIET = Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0))
@@ -316,3 +316,39 @@ async def test_the_screenshot_falls_back_to_the_data_directory(tmp_path: Path, m
             await pilot.pause()
     finally:
         paths.override_home(None)
+
+
+# ---------------------------------------------------------------- item 7: the cluster view
+@run_async
+async def test_a_lost_worker_shows_lost_and_recovering_at_once(tmp_path: Path) -> None:
+    from potluck.app.tui.cluster import ClusterState, stages_of
+    from potluck.engine.core.events import ClusterView, StageView
+
+    gate = threading.Event()
+    stages = (StageView("aaaa1111", "10.0.0.1:5733", (0, 15), 0), StageView("bbbb2222", "10.0.0.2:5733", (15, 29), 0))
+
+    class ClusterSession(ScriptedSession):
+        health: tuple[tuple[str, str, str], ...] = ()
+
+        def cluster_view(self) -> ClusterView:  # type: ignore[override]
+            return ClusterView(stages, (29, 30), 0, self.health)
+
+    steps = words("first words") + [Step("", gate=gate)] + words(" and the rest")
+    factory = FakeFactory(lambda spec: ClusterSession(steps))
+    settings = Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0.05))
+    app = make_app(tmp_path, factory, settings=settings)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        # as a chain loaded over two workers leaves it (cluster mode's loading needs a LAN)
+        app.cluster_state = ClusterState().loaded(stages_of(factory.sessions[0].cluster_view()), (29, 30))
+        await send(app, pilot, "hello")
+        await until(lambda: app.reply is not None and app.reply.got_text, what="the reply to stream")
+        session = factory.sessions[0]
+        # the head found the loss and rebuilds (its reply thread is busy): no event comes yet
+        session.health = (("bbbb2222", "lost", "disconnected"), ("aaaa1111", "recovering", "rebuilding"))
+        await until(lambda: "lost" in app.query_one("#stats").text(), what="lost, at once")  # type: ignore[attr-defined]
+        text = app.query_one("#stats").text()  # type: ignore[attr-defined]
+        assert "recovering" in text and "ok" not in text.split("Cluster")[1].split("per token")[0]
+        await until(lambda: "recovering" in status(app), what="the status line")
+        gate.set()
+        await reply_done(app)

@@ -283,6 +283,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         if self.reply is not None:
             reading = self._reading_prompt()
             state = f"reading the prompt: {reading:,} tokens… (Esc stops)" if reading else "generating… (Esc stops)"
+            if self.cluster_state is not None and self.cluster_state.recovering:
+                state = "a worker was lost: recovering… (Esc stops)"
         elif self.loading and self.cluster_state is not None and self.cluster_state.transfer:
             what, done, total = self.cluster_state.transfer
             state = f"sending {what}: {100 * done / total if total else 100:.0f}% of {total / 1e6:,.1f} MB…"
@@ -445,8 +447,14 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             progress = self.reply.progress if self.reply is not None else self.progress
             figures = self.meter.sample(progress, self.clock() if now is None else now)
         if self.cluster_state is not None and self.session is not None:
-            now = traffic(self.session.cluster_view() if self.session else None)
-            self.cluster_state = self.cluster_state.with_bytes(bytes_per_token(now, self._traffic_at_load))
+            view = self.session.cluster_view()
+            now = traffic(view)
+            was = self.cluster_state
+            self.cluster_state = was.with_bytes(bytes_per_token(now, self._traffic_at_load))
+            if view is not None and view.health and self.reply is not None:
+                self.cluster_state = self.cluster_state.with_health(view.health)
+                if self.cluster_state.recovering != was.recovering:
+                    self.update_status()
             self.show_cluster()
         try:
             panels.first().show(figures)
