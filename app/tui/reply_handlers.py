@@ -413,6 +413,7 @@ class ReplyHandlers:
             return
         self.editing = chosen.id
         self.input.text = chosen.content
+        self.input.move_cursor(self.input.document.end)  # to go on writing, as a recalled prompt
         self.input.focus()
         self.update_status()
 
