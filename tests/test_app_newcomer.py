@@ -352,3 +352,22 @@ async def test_a_lost_worker_shows_lost_and_recovering_at_once(tmp_path: Path) -
         await until(lambda: "recovering" in status(app), what="the status line")
         gate.set()
         await reply_done(app)
+
+
+@run_async
+async def test_a_long_prompt_shows_how_much_of_it_is_read(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    class Reading(ScriptedSession):
+        def prompt_progress(self) -> tuple[int, int]:
+            return (512, 1500) if not gate.is_set() else (0, 0)
+
+    factory = FakeFactory(lambda spec: Reading([Step("", gate=gate)] + words("done")))
+    app = make_app(tmp_path, factory, settings=Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0.05)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, " ".join(["word"] * 400))
+        await until(lambda: "reading the prompt: 512 of 1,500 tokens" in status(app), what="the prompt's progress")
+        gate.set()
+        await reply_done(app)
+        await until(lambda: "ready" in status(app), what="the status back at ready")

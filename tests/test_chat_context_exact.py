@@ -69,3 +69,33 @@ async def test_a_cut_conversation_gets_a_fresh_sessions_reply(model_path: Path, 
             fresh.load_messages([], fresh=True)
     finally:
         fresh.close()
+
+
+def test_a_sessions_prompt_progress_counts_its_batches(model_path: Path) -> None:
+    import threading
+    import time
+
+    session = open_session(EngineSpec(n_ctx=2048, n_threads=2, strategy="plain"))
+    try:
+        seen: list[tuple[int, int]] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seen.append(session.prompt_progress())
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            list(session.generate(" ".join(question(t) for t in TOPICS * 3), GREEDY, 1))  # ~860 tokens
+        finally:
+            done.set()
+            watcher.join()
+        total = next(t for _, t in seen if t)
+        assert total > 512  # two batches of 512
+        reads = sorted({d for d, t in seen if t})
+        assert reads[0] == 0 and any(0 < d < total for d in reads), reads  # part of it, before the end
+        assert session.prompt_progress() == (0, 0)  # nothing is being read now
+    finally:
+        session.close()

@@ -172,7 +172,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         self.store: Store | None = None
         self.active: int | None = None
         self.queued: tuple[int, int] | None = None
-        self._shown_reading = False
+        self._shown_reading: tuple[int, int] | None = None
         self.editing: int | None = None
         self._engine_idle = threading.Event()
         self._engine_idle.set()
@@ -282,7 +282,12 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         self.refresh_bindings()  # check_action's answer for Esc depends on self.reply
         if self.reply is not None:
             reading = self._reading_prompt()
-            state = f"reading the prompt: {reading:,} tokens… (Esc stops)" if reading else "generating… (Esc stops)"
+            if reading is None:
+                state = "generating… (Esc stops)"
+            elif reading[0]:
+                state = f"reading the prompt: {reading[0]:,} of {reading[1]:,} tokens… (Esc stops)"
+            else:
+                state = f"reading the prompt: {reading[1]:,} tokens… (Esc stops)"
             if self.cluster_state is not None and self.cluster_state.recovering:
                 state = "a worker was lost: recovering… (Esc stops)"
         elif self.loading and self.cluster_state is not None and self.cluster_state.transfer:
@@ -304,13 +309,18 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         for status in self._main.query("#status").results(Static):  # none while the app closes
             status.update(line)
 
-    def _reading_prompt(self) -> int:
-        """Tokens of the prompt the engine is reading now, when there are enough to wait for."""
+    def _reading_prompt(self) -> tuple[int, int] | None:
+        """(tokens read, tokens to read) of the prompt the engine is reading now, when there
+        are enough to wait for; read is 0 where the session cannot say (cluster heads, fakes)."""
         p = self.reply.progress if self.reply is not None else None
         if p is None or not p.running or p.first_token_at or p.rounds:
-            return 0
+            return None
         todo = p.prompt_tokens - p.n_past
-        return todo if todo >= READING_SHOWN_FROM else 0
+        if todo < READING_SHOWN_FROM:
+            return None
+        progress = getattr(self.reply.session, "prompt_progress", None) if self.reply else None
+        done, total = progress() if progress is not None else (0, 0)
+        return (done, total) if total else (0, todo)
 
     def _sampling_label(self) -> str:
         """The sampling the active conversation's next reply uses (config.toml's, or its own)."""
@@ -437,8 +447,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         panels = self._main.query(StatsPanel)
         if not panels:
             return  # shutting down
-        reading = self._reading_prompt() > 0
-        if reading != self._shown_reading:  # the prompt's reading began or ended: say so
+        reading = self._reading_prompt()
+        if reading != self._shown_reading:  # the prompt's reading began, went on or ended: say so
             self._shown_reading = reading
             self.update_status()
         if self.session is None:

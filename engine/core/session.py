@@ -118,6 +118,11 @@ class Session:
         if prefill is not None:
             self.target.cancel(prefill)
 
+    def prompt_progress(self) -> tuple[int, int]:
+        """(tokens of the prompt read, tokens to read) while a reply's prompt is processed;
+        safe from any thread (the app's status line polls it). (0, 0) otherwise."""
+        return self.target.decode_progress if self._prefill_group is not None else (0, 0)
+
     @property
     def conversation_tokens(self) -> int:
         return len(self._tokens)
