@@ -164,3 +164,16 @@ def test_the_gain_line_compares_with_plain_decoding_measured_here() -> None:
     sd = fold([(2.0, ReplyStarted(2, "sd", 10, 10, 1024)), (2.1, RoundStats(2, 4, 4, 5, 4, 1.0, 2.0, 15)),
                (3.0, finished(2, tokens_per_s=80.0))])
     assert meter.sample(sd, now=3.0).gain == "1.60× plain (50 tok/s here)"
+
+
+def test_the_heads_own_stage_is_this_machine_and_layers_read_as_the_plan_writes_them() -> None:
+    from potluck.app.tui.cluster import ClusterState, StageRow
+    from potluck.app.tui.widgets import _plain, cluster_table
+
+    state = ClusterState(stages=(
+        StageRow("ebe6b179", "192.168.1.20:5733", (0, 14)),
+        StageRow("5f0c1d2e", "127.0.0.1:40123", (14, 29)),  # the head's fallback worker joins on loopback
+    ), head_layers=(29, 30))
+    text = _plain(cluster_table(state, "ctrl+g"))
+    assert "layers 0-14" in text and "layers 14-29" in text and "head layers 29-30" in text  # as `plan` prints
+    assert "127.0.0.1:40123 (this machine)" in text and "192.168.1.20:5733 (this" not in text

@@ -121,7 +121,8 @@ class Session:
     def prompt_progress(self) -> tuple[int, int]:
         """(tokens of the prompt read, tokens to read) while a reply's prompt is processed;
         safe from any thread (the app's status line polls it). (0, 0) otherwise."""
-        return self.target.decode_progress if self._prefill_group is not None else (0, 0)
+        progress = getattr(self.target, "decode_progress", (0, 0))  # a target of its own may not count
+        return progress if self._prefill_group is not None else (0, 0)
 
     @property
     def conversation_tokens(self) -> int:
