@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Input, Label, OptionList, RichLog, SelectionList, Static, TextArea
 from textual.widgets.option_list import Option
 from textual.widgets.selection_list import Selection
@@ -22,6 +22,14 @@ from .catalog import ModelInfo, StrategyClass, compatible_choices, read_model_in
 from .cluster import ClusterChoice
 
 NO_DRAFT = "(no draft)"
+
+
+def steady_cursors(screen: Screen) -> None:
+    """A dialog's text fields blink as the chat's input does ([ui] cursor_blink: the snapshot
+    tests turn it off, or a field drew its cursor or not by the clock)."""
+    blink = getattr(getattr(screen.app, "settings", None), "ui", None)
+    for field in screen.query("Input, TextArea"):
+        field.cursor_blink = blink.cursor_blink if blink is not None else True  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class PickerScreen(ModalScreen[Pick | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        steady_cursors(self)
         self._refresh_lists()
         self.query_one("#pick-model", OptionList).focus()
 
@@ -205,6 +214,7 @@ class TextPromptScreen(ModalScreen[str | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        steady_cursors(self)
         self.query_one("#prompt-text").focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -427,6 +437,7 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
             yield Static("type to search · ↓ to the hits · Enter opens · Esc closes", id="search-hint", classes="hint")
 
     def on_mount(self) -> None:
+        steady_cursors(self)
         self.query_one("#search-text", Input).focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:

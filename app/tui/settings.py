@@ -19,6 +19,7 @@ from ...engine import EngineSpec, PotluckError, checked_spec, get_strategy_class
 from ..config import SamplingSettings, Settings
 from ..store import ConversationParams
 from .catalog import StrategyClass
+from .screens import steady_cursors
 
 
 def spec_from_settings(settings: Settings) -> EngineSpec:
@@ -150,6 +151,7 @@ class SettingsScreen(ModalScreen["ChatSettings | None"]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        steady_cursors(self)
         self.query_one("#set-temperature", Input).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
