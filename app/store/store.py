@@ -45,6 +45,8 @@ class ConversationParams:
     top_p: float | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     max_tokens: int | None = None
     seed: int | None = None
     strategy: str | None = None

@@ -48,6 +48,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "top_p": ("Top-p (1 = off)", "number"),
     "min_p": ("Min-p (0 = off)", "number"),
     "repeat_penalty": ("Repeat penalty (1 = off)", "number"),
+    "frequency_penalty": ("Frequency penalty (0 = off)", "number"),
+    "presence_penalty": ("Presence penalty (0 = off)", "number"),
     "max_tokens": ("Max tokens per reply", "integer"),
     "seed": ("Seed (empty = a new one each reply)", "integer"),
 }
