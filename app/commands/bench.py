@@ -70,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
         "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
-        help="the target's KV cache: bf16 (default) or f16 (faster prefill, 1-token steps on one thread)",
+        help="the target's KV cache: bf16 (default; prompts prefilled at F16's speed) or f16 (1-token steps "
+        "on one thread)",
     )
     p.add_argument(
         "--option",

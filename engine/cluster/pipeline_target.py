@@ -112,6 +112,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._cancelled = CancelledGroups()
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
+        self._health: tuple[tuple[str, str, str], ...] = ()
         self._owner = threading.get_ident()
         self._cancel_requests: collections.deque[tuple[int, ...]] = collections.deque()
         self._broken: str | None = None
@@ -306,7 +307,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
             StageView(lk.node_id or lk.address, lk.address, tuple(lk.layers or (0, 0)), lk.bytes_out + lk.bytes_in)
             for lk in self.links
         )
-        return ClusterView(stages, self.head_layers, self.stats.tokens)
+        return ClusterView(stages, self.head_layers, self.stats.tokens, self._health)
 
     def busy_ms(self) -> list[float]:
         """Computing time so far of each worker's stage in chain order, then the head's own

@@ -81,9 +81,22 @@ class Session:
         if text:
             self.messages.insert(0, Message("system", text))
 
-    def load_messages(self, messages: Sequence[Message]) -> None:
-        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
+    def load_messages(self, messages: Sequence[Message], *, fresh: bool = False) -> None:
+        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it
+        matches. ``fresh``: the next prompt is computed whole, as a new session computes it (the
+        app sends a conversation cut to fit the context so: its reply is a fresh session's)."""
         self.messages = list(messages)
+        if fresh:
+            self._tokens, self._covered = [], ""
+
+    @property
+    def n_ctx(self) -> int:
+        return self.target.n_ctx
+
+    def count_tokens(self, messages: Sequence[Message]) -> int:
+        """The tokens ``messages`` take as a prompt, the chat template and the reply's opening
+        included: what a caller fits into :attr:`n_ctx` before it sends."""
+        return len(self._tokenize(self.format.render(messages, add_generation_prompt=True), at_start=True))
 
     def use_prompt_cache(self, cache: PromptCache) -> None:
         """Keep recent conversations' KV in ``cache`` (an HTTP server's clients take turns),
@@ -106,6 +119,12 @@ class Session:
         prefill = self._prefill_group
         if prefill is not None:
             self.target.cancel(prefill)
+
+    def prompt_progress(self) -> tuple[int, int]:
+        """(tokens of the prompt read, tokens to read) while a reply's prompt is processed;
+        safe from any thread (the app's status line polls it). (0, 0) otherwise."""
+        progress = getattr(self.target, "decode_progress", (0, 0))  # a target of its own may not count
+        return progress if self._prefill_group is not None else (0, 0)
 
     @property
     def conversation_tokens(self) -> int:

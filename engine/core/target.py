@@ -173,6 +173,9 @@ class TargetBase(ABC):
         self._n_past = 0
         self._groups = itertools.count(1)
         self._spans: deque[list[int]] = deque(maxlen=KEEP_BATCHES)  # [pos0, n] of sequence 0's last batches
+        # (tokens computed, tokens in all) of the decode running now, one n_batch job at a time:
+        # read from other threads (the chat's status line while a long prompt is read)
+        self.decode_progress: tuple[int, int] = (0, 0)
 
     def new_group(self) -> int:
         return next(self._groups)
@@ -225,9 +228,11 @@ class TargetBase(ABC):
             tickets.append(self.submit(DecodeJob.tokens(group, chunk, self._n_past + i, outputs=outputs)))
             self._spans.append([self._n_past + i, len(chunk)])
         rows: list[np.ndarray] = []
+        self.decode_progress = (0, n)
         try:
             for t in tickets:
                 rows.append(self.wait(t))
+                self.decode_progress = (min(n, len(rows) * self.n_batch), n)
         except BaseException:
             # Cancelled or failed mid-prompt: settle the group's other jobs, then drop whatever
             # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
