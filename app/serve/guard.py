@@ -92,9 +92,10 @@ def read_api_keys(path: str | os.PathLike[str] | None, given: str | None = None)
     if given is not None and path is not None:
         raise PotluckError("pass either --api-key or --api-key-file, not both")
     if given is not None:
+        key = check_key(given.strip(), "--api-key")
         log.warning("--api-key shows the key to every user of this machine (ps, /proc/PID/cmdline); "
                     f"pass it in ${KEY_ENV} or a file given with --api-key-file (chmod 600)")
-        return {DEFAULT_KEY_NAME: check_key(given.strip(), "--api-key")}
+        return {DEFAULT_KEY_NAME: key}
     if path is not None:
         p = Path(path).expanduser()
         try:

@@ -30,7 +30,7 @@ from ...engine import ContextFullError, PotluckError, Prompt, printable
 from ..config import SamplingSettings, ServerSettings
 from .engine_thread import EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
-from .protocol import ApiError, GenerationRequest, parse_request
+from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request
 
 log = logging.getLogger("potluck.serve")
 
@@ -261,7 +261,7 @@ def parse_json(raw: bytes) -> object:
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})") from None
     try:
-        return json.loads(text, parse_constant=lambda c: _refuse_constant(c))
+        return json.loads(text, parse_constant=_refuse_constant, parse_int=_integer)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
                        ) from None
@@ -271,6 +271,12 @@ def parse_json(raw: bytes) -> object:
 
 def _refuse_constant(name: str) -> object:
     raise ApiError(400, f"the request body is not valid JSON ({name} is not a JSON number)")
+
+
+def _integer(digits: str) -> int | HugeInteger:
+    """Python refuses to read integers past 4,300 digits: a longer one stays a :class:`HugeInteger`,
+    which the field's own check refuses by name."""
+    return HugeInteger(len(digits.lstrip("-"))) if len(digits) > MAX_INT_DIGITS else int(digits)
 
 
 def build_app(state: ServeState, guard: Guard) -> Starlette:

@@ -39,15 +39,16 @@ class RunningServer:
 
 
 def start_server(home: Path, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
-                 timeout_s: float = START_TIMEOUT_S, api_key: str | None = None) -> RunningServer:
+                 timeout_s: float = START_TIMEOUT_S, api_key: str | None = None,
+                 wrapper: Sequence[str] = ()) -> RunningServer:
     """Start ``potluck serve --port 0 ARGS`` with ``home`` as POTLUCK_HOME (its config.toml) and
     return once the model is loaded (/health "ready"); ``api_key``: one the server takes, for
-    :meth:`RunningServer.health`."""
+    :meth:`RunningServer.health`; ``wrapper``: a command that runs it (``prlimit --nofile=256``)."""
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "serve.log"
     full_env = {**os.environ, "POTLUCK_HOME": str(home), **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "potluck.app.cli", "serve", "--port", "0", *args],
+        proc = subprocess.Popen([*wrapper, sys.executable, "-m", "potluck.app.cli", "serve", "--port", "0", *args],
                                 stdout=subprocess.DEVNULL, stderr=log, env=full_env, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     base_url = None

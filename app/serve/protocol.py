@@ -53,6 +53,19 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
+MAX_INT_DIGITS = 1000
+"""Longer integers in a body are not read (Python refuses past 4,300 digits): they stay a
+:class:`HugeInteger`, refused by the field that holds one."""
+
+
+@dataclass(frozen=True)
+class HugeInteger:
+    digits: int
+
+    def __str__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A checked chat or completions request (``messages`` for chat, ``prompt`` for completions)."""
@@ -178,6 +191,8 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, HugeInteger):
+        raise bad(key, f"is out of range ({value})")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(key, f"must be a number, got {_short(value)}")
     try:
@@ -193,6 +208,8 @@ def _whole(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, HugeInteger):
+        raise bad(key, f"is out of range ({value})")
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(key, f"must be an integer, got {_short(value)}")
     return value
@@ -200,6 +217,8 @@ def _whole(body: dict[str, Any], key: str) -> int | None:
 
 def _short(value: object) -> str:
     """A value for an error message: a 5,000-digit integer as its size, anything else cut."""
+    if isinstance(value, HugeInteger):
+        return str(value)
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**18:
         return f"an integer of {len(str(abs(value)))} digits"
     text = repr(value)
@@ -219,8 +238,8 @@ def _sampling(body: dict[str, Any], defaults: SamplingSettings) -> SamplingParam
             given[key] = value
     if given.get("temperature", 0.0) > 2.0:
         raise bad("temperature", "must be from 0 to 2")
-    if given.get("top_k", 0) > 1 << 31:
-        raise bad("top_k", "is larger than any vocabulary; 0 turns it off")
+    if not 0 <= given.get("top_k", 0) <= 1 << 31:
+        raise bad("top_k", f"must be from 0 (off) to the vocabulary's size, got {_short(given['top_k'])}")
     try:
         return validate.sampling(replace(defaults.params(), **given))
     except PotluckError as e:  # its messages name the CLI flags: --top-p for top_p
@@ -240,10 +259,9 @@ def _max_tokens(body: dict[str, Any], default: int | None, keys: tuple[str, ...]
         chosen = (key, value)
     if chosen is None:
         return default
-    try:
-        return validate.max_tokens(chosen[1])
-    except PotluckError as e:
-        raise bad(chosen[0], str(e)) from None
+    if chosen[1] <= 0:
+        raise bad(chosen[0], f"must be a positive integer, got {_short(chosen[1])}")
+    return chosen[1]
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
