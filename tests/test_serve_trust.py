@@ -271,3 +271,46 @@ def test_slowloris_neither_starves_others_nor_floods_the_log(server: RunningServ
         for s in trickle:
             s.close()
     assert len(server.log()) - log_before < 100_000
+
+
+def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_tokenized() -> None:
+    """A request waiting for its tokens never holds the engine: one that arrives after it and
+    is tokenized first runs first (the engine thread with a scripted session, no model)."""
+    from potluck.app.serve.engine_thread import EngineThread, Job
+    from potluck.app.serve.protocol import GenerationRequest
+    from potluck.engine import Finished, ReplyStarted, SamplingParams
+
+    ran: list[str] = []
+
+    class Scripted:
+        class target:  # noqa: N801 - the attribute the engine thread reads
+            n_ctx = 64
+
+        def answer(self, prompt: object, sampling: object, max_tokens: int, *, owner: str) -> Iterator[object]:
+            ran.append(str(prompt))
+            yield ReplyStarted(1, "plain", 1, 1, 64)
+            yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+        def cancel(self, run_id: int | None = None) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    async def main() -> None:
+        engine = EngineThread(Scripted, max_queue=4)  # type: ignore[arg-type]
+        engine.start()
+        engine.loaded.wait(10)
+        loop = asyncio.get_running_loop()
+        big, small = (Job(GenerationRequest("chat", SamplingParams(), 1), loop) for _ in range(2))
+        engine.submit(big)  # first in line, still being tokenized
+        engine.submit(small)
+        engine.ready(small, "small")  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(small.events.get(), 10))[0] == "done"
+        assert ran == ["small"] and not big.finished.is_set()
+        engine.ready(big, "big")  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(big.events.get(), 10))[0] == "done"
+        assert ran == ["small", "big"]
+        engine.stop()
+
+    asyncio.run(main())
