@@ -29,6 +29,7 @@ from ..config import SamplingSettings
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_NAME_CHARS = 256
+COMPLETION_MAX_TOKENS = 16  # the completions API's default reply length, as OpenAI's
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
@@ -372,6 +373,8 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
         raise bad("model", "must be a string")
     stream, include_usage = _stream(body)
     keys = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
+    if kind == "completion" and max_tokens is None:
+        max_tokens = COMPLETION_MAX_TOKENS  # raw text seldom ends: OpenAI's legacy default
     return GenerationRequest(
         kind=kind,
         sampling=_sampling(body, defaults),
