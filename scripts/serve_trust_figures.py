@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import socket
@@ -75,20 +76,25 @@ def keepalive(args: argparse.Namespace) -> dict[str, object]:
             "mean_ms": round(statistics.fmean(times), 2)}
 
 
-def first_token_s(server: RunningServer) -> float:
-    """A bystander's streamed one-token reply: seconds to its first content chunk."""
-    conn = connect(server)
+def first_token_s(server: RunningServer, timeout_s: float = 120.0) -> float:
+    """A bystander's streamed one-token reply: seconds to its first content chunk (inf: none
+    within ``timeout_s``)."""
+    url = urlsplit(server.base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     t = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(
-        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}),
-        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    r = conn.getresponse()
-    while line := r.fp.readline():
-        if line.startswith(b"data:") and b'"content"' in line and b'"content":""' not in line:
-            break
-    elapsed = time.perf_counter() - t
-    conn.close()
-    return elapsed
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        r = conn.getresponse()
+        while line := r.fp.readline():
+            if line.startswith(b"data:") and b'"content"' in line and b'"content":""' not in line:
+                break
+        return time.perf_counter() - t
+    except OSError:  # timed out, refused or reset
+        return math.inf
+    finally:
+        conn.close()
 
 
 def flood_special_tokens(server: RunningServer, stop: threading.Event, sent: Counter[int]) -> None:
@@ -135,6 +141,8 @@ def slowloris(server: RunningServer, stop: threading.Event, sent: Counter[int], 
 def bystander(args: argparse.Namespace) -> list[dict[str, object]]:
     out = []
     for attack in ("special-token flood", "slowloris"):
+        if args.attack not in (attack, "both"):
+            continue
         with tempfile.TemporaryDirectory() as home:
             wrapper = ["prlimit", "--nofile=1024:1024"] if attack == "slowloris" else None
             server = serve(Path(home), args.old_src, wrapper)
@@ -161,6 +169,7 @@ def bystander(args: argparse.Namespace) -> list[dict[str, object]]:
             out.append({"figure": f"bystander time to first token during {attack} (s)",
                         "quiet_p50_s": round(statistics.median(quiet), 3), "rounds": len(loaded),
                         "p50_s": round(statistics.median(loaded), 3), "max_s": round(max(loaded), 3),
+                        "unanswered_within_s": {"120": sum(math.isinf(x) for x in loaded)},
                         "attacker": dict(sent), "log_bytes_during": len(server.log()) - log_before})
     return out
 
@@ -217,6 +226,7 @@ def main() -> None:
     parser.add_argument("--old-src", help="run the server from this source tree (PYTHONPATH holding potluck/)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--attack", choices=["special-token flood", "slowloris", "both"], default="both")
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
