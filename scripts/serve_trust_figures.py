@@ -87,10 +87,12 @@ def first_token_s(server: RunningServer, timeout_s: float = 120.0) -> float:
             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}),
             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
         r = conn.getresponse()
+        if r.status != 200:  # refused or failed: not an answer
+            return math.inf
         while line := r.fp.readline():
             if line.startswith(b"data:") and b'"content"' in line and b'"content":""' not in line:
-                break
-        return time.perf_counter() - t
+                return time.perf_counter() - t
+        return math.inf
     except OSError:  # timed out, refused or reset
         return math.inf
     finally:
@@ -169,7 +171,7 @@ def bystander(args: argparse.Namespace) -> list[dict[str, object]]:
             out.append({"figure": f"bystander time to first token during {attack} (s)",
                         "quiet_p50_s": round(statistics.median(quiet), 3), "rounds": len(loaded),
                         "p50_s": round(statistics.median(loaded), 3), "max_s": round(max(loaded), 3),
-                        "unanswered_within_s": {"120": sum(math.isinf(x) for x in loaded)},
+                        "unanswered_in_120_s_or_failed": sum(math.isinf(x) for x in loaded),
                         "attacker": dict(sent), "log_bytes_during": len(server.log()) - log_before})
     return out
 
