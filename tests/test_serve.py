@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from potluck.app.serve.launch import RunningServer, start_server, stop_server
+from potluck.app.serve.launch import RunningServer
 from potluck.engine import EngineSpec, Finished, Message, SamplingParams, Session, open_session
 
 from .support.conversations import interleave_turns
+from .support.serving import serving
 
 KEY = "potluck-test-Zr8sKq2vLm5xT9wB"
 MAX_QUEUE = 3
@@ -37,19 +38,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     key_file = home / "api-key"
     key_file.write_text(KEY)
     key_file.chmod(0o600)
-    (home / "config").mkdir()
-    (home / "config" / "config.toml").write_text(
-        # greedy unless a request asks otherwise (the shipped default is llama.cpp's 0.8)
+    config = (  # greedy unless a request asks otherwise (the shipped default is llama.cpp's 0.8)
         '[sampling]\ntemperature = 0.0\n'
         f'[server]\napi_key_file = "{key_file}"\nmax_queue = {MAX_QUEUE}\nmax_body_kb = 256\n'
         'allowed_origins = ["http://notebook.example:8888"]\n'
     )
-    running = start_server(home, api_key=KEY)
-    try:
+    with serving(home, config, api_key=KEY) as running:
         yield running
-    finally:
-        stop_server(running.proc)
-    assert "Traceback" not in running.log()
 
 
 @pytest.fixture(scope="module")

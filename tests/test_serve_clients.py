@@ -16,8 +16,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from potluck.app.serve.launch import RunningServer, start_server, stop_server
+from potluck.app.serve.launch import RunningServer
 from potluck.engine import EngineSpec, Finished, Message, SamplingParams, open_session
+
+from .support.serving import serving
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must not reach for the network
 
@@ -34,16 +36,10 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    home = tmp_path_factory.mktemp("serve-clients")
-    (home / "config").mkdir()
-    (home / "config" / "config.toml").write_text(
-        f'[sampling]\ntemperature = 0.0\n[server]\nallowed_origins = ["{ORIGIN}"]\n')
-    running = start_server(home, ["--api-key", KEY, "--ctx", str(CTX), "--max-queue", "12"], api_key=KEY)
-    try:
+    config = f'[sampling]\ntemperature = 0.0\n[server]\nallowed_origins = ["{ORIGIN}"]\n'
+    args = ["--api-key", KEY, "--ctx", str(CTX), "--max-queue", "12"]
+    with serving(tmp_path_factory.mktemp("serve-clients"), config, args, api_key=KEY) as running:
         yield running
-    finally:
-        stop_server(running.proc)
-    assert "Traceback" not in running.log()
 
 
 @pytest.fixture(scope="module")

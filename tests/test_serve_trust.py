@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from potluck.app.serve.connections import listening_socket
-from potluck.app.serve.launch import RunningServer, start_server, stop_server
+from potluck.app.serve.launch import RunningServer
+
+from .support.serving import serving
 
 ALICE = "alice-Zr8sKq2vLm5xT9wBp3"
 BOB = "bob-Hq4nWd7cRt2yLx6vMk9"
@@ -38,19 +40,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     keys = home / "keys"
     keys.write_text(f"# household keys\nalice {ALICE}\nbob {BOB}\n")
     keys.chmod(0o600)
-    (home / "config").mkdir()
-    (home / "config" / "config.toml").write_text(
-        '[sampling]\ntemperature = 0.0\n'
-        f'[server]\napi_key_file = "{keys}"\nmax_body_kb = 1100\nheader_timeout_s = 2.0\n'
-        f'connections_per_address = {PER_ADDRESS}\n'
-    )
-    running = start_server(home, api_key=ALICE, wrapper=["prlimit", f"--nofile={FILE_LIMIT}:{FILE_LIMIT}"])
-    try:
+    config = ('[sampling]\ntemperature = 0.0\n'
+              f'[server]\napi_key_file = "{keys}"\nmax_body_kb = 1100\nheader_timeout_s = 2.0\n'
+              f'connections_per_address = {PER_ADDRESS}\n')
+    with serving(home, config, api_key=ALICE, wrapper=["prlimit", f"--nofile={FILE_LIMIT}:{FILE_LIMIT}"]) as running:
         yield running
-    finally:
-        stop_server(running.proc)
-    log = running.log()
-    assert "Traceback" not in log and "\x1b" not in log
+    assert "\x1b" not in running.log()
 
 
 def client(server: RunningServer, key: str) -> openai.OpenAI:

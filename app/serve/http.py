@@ -392,29 +392,36 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-class OriginMiddleware:
-    """Host and Origin (the DNS-rebinding guard), before anything else reads the request."""
+class GuardStep:
+    """A middleware that answers a request itself with :meth:`check`'s error, or passes it on."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], guard: Guard) -> None:
         self.app = app
         self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = _headers(scope)
-        error = None
-        if not self.guard.host_allowed(headers.get("host")):
-            error = ApiError(403, "this Host is not allowed (a DNS-rebinding guard); add it to [server] allowed_hosts",
-                             kind="permission_error")
-        elif not self.guard.origin_allowed(headers.get("origin")):
-            error = ApiError(403, "requests from this web origin are not allowed; add it to [server] allowed_origins",
-                             kind="permission_error")
+        error = self.check(scope) if scope["type"] == "http" else None
         if error is not None:
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def check(self, scope: Scope) -> ApiError | None:
+        raise NotImplementedError
+
+
+class OriginMiddleware(GuardStep):
+    """Host and Origin (the DNS-rebinding guard), before anything else reads the request."""
+
+    def check(self, scope: Scope) -> ApiError | None:
+        headers = _headers(scope)
+        if not self.guard.host_allowed(headers.get("host")):
+            return ApiError(403, "this Host is not allowed (a DNS-rebinding guard); add it to [server] allowed_hosts",
+                            kind="permission_error")
+        if not self.guard.origin_allowed(headers.get("origin")):
+            return ApiError(403, "requests from this web origin are not allowed; add it to [server] allowed_origins",
+                            kind="permission_error")
+        return None
 
 
 class GuardCORSMiddleware(CORSMiddleware):
@@ -429,38 +436,27 @@ class GuardCORSMiddleware(CORSMiddleware):
         return self.guard.origin_allowed(origin)
 
 
-class KeyMiddleware:
+class KeyMiddleware(GuardStep):
     """The API key: its name goes into the scope (``potluck.key``; "" without keys, None for a
     missing or wrong one, which only /health answers, saying ready or not). An address that
     keeps sending wrong keys waits a second a try, its keys not even compared meanwhile."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], guard: Guard) -> None:
-        self.app = app
-        self.guard = guard
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def check(self, scope: Scope) -> ApiError | None:
         address = (scope.get("client") or ("",))[0]
         authorization = _headers(scope).get("authorization")
-        wait_s = self.guard.throttle.wait_s(address) if self.guard.api_keys and authorization else 0.0
+        keyed = bool(self.guard.api_keys and authorization)
+        wait_s = self.guard.throttle.wait_s(address) if keyed else 0.0
         name = self.guard.key_name(authorization) if wait_s == 0 else None
-        if name is None and authorization and self.guard.api_keys and wait_s == 0:
+        if name is None and keyed and wait_s == 0:
             self.guard.throttle.failed(address)
         scope["potluck.key"] = name
-        error = None
         if wait_s > 0:
-            error = ApiError(429, "too many wrong API keys from this address; wait and retry",
-                             kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait_s)))})
-        elif name is None and scope["path"] != "/health":
-            error = ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                             kind="authentication_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
-        if error is not None:
-            await error_response(error)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+            return ApiError(429, "too many wrong API keys from this address; wait and retry",
+                            kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait_s)))})
+        if name is None and scope["path"] != "/health":
+            return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                            kind="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return None
 
 
 class LogMiddleware:
