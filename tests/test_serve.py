@@ -330,7 +330,7 @@ def test_past_the_queue_a_request_gets_429_with_retry_after(server: RunningServe
 
 def test_refused_options_are_named(client: openai.OpenAI) -> None:
     base = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    for extra, name in [({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    for extra, name in [({"n": 2}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
                         ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}},
                                                            "response_format"),
                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:

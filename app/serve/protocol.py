@@ -107,8 +107,7 @@ _COMMON: dict[str, object] = {
     "model": USED,  # any name: the server holds one model
     "stream": USED, "stream_options": USED, "stop": USED, "max_tokens": USED, "seed": USED,
     "temperature": USED, "top_p": USED, "top_k": USED, "min_p": USED, "repeat_penalty": USED,
-    "frequency_penalty": Neutral((0,), "frequency penalties are not supported yet"),
-    "presence_penalty": Neutral((0,), "presence penalties are not supported yet"),
+    "frequency_penalty": USED, "presence_penalty": USED,
     "n": Neutral((1,), _ONE_CHOICE),
     "best_of": Neutral((1,), _ONE_CHOICE),
     "logprobs": Neutral((False, 0), _NO_LOGPROBS),
@@ -229,7 +228,7 @@ def _short(value: object) -> str:
 def _sampling(body: dict[str, Any], defaults: SamplingSettings) -> SamplingParams:
     """Omitted options take config.toml's [sampling] values; the engine's checks decide the rest."""
     given: dict[str, Any] = {}
-    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
         value = _number(body, key)
         if value is not None:
             given[key] = value
