@@ -43,12 +43,13 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
+    from .core.prompt import Prompt
     from .core.prompt_cache import PromptCache, PromptCacheStats
     from .core.runtime import Model
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
-    from .loader import checked_spec, lanes_for, open_lanes, open_session, resolve_model, strategy_fits
+    from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
     PLAIN: str
@@ -83,6 +84,7 @@ _WHERE = {
     "TokenText": ".core.events:TokenText",
     "describe_gguf": ".core.gguf_tools:describe",
     "Lanes": ".core.lanes:Lanes",
+    "Prompt": ".core.prompt:Prompt",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
     "Model": ".core.runtime:Model",
@@ -96,7 +98,6 @@ _WHERE = {
     "checked_spec": ".loader:checked_spec",
     "open_session": ".loader:open_session",
     "open_lanes": ".loader:open_lanes",
-    "lanes_for": ".loader:lanes_for",
     "resolve_model": ".loader:resolve_model",
     "strategy_fits": ".loader:strategy_fits",
     "STRATEGIES": ".speculation.strategies.registry:STRATEGIES",
@@ -145,6 +146,7 @@ __all__ = [
     "PlanChanged",
     "PotluckError",
     "PrintableFormatter",
+    "Prompt",
     "PromptCache",
     "PromptCacheStats",
     "ReplyStarted",
@@ -159,7 +161,6 @@ __all__ = [
     "default_threads",
     "describe_gguf",
     "get_strategy_class",
-    "lanes_for",
     "measure_profile",
     "open_lanes",
     "open_session",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,8 @@ from .core.session import Session
 from .core.spec import KV_TYPES, EngineSpec
 from .core.target import LocalTarget, Target
 from .speculation.strategies.registry import STRATEGIES, get_strategy_class
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .core.strategy import Strategy
@@ -62,8 +65,9 @@ def resolve_model(path: Path | str | None) -> Path:
     return found
 
 
-def lanes_for(spec: EngineSpec, wanted: int) -> tuple[int, str]:
-    """How many conversations ``spec`` can decode together (core/lanes.py), and why not more."""
+def lanes_for(spec: EngineSpec, wanted: int, model: Model | None = None) -> tuple[int, str]:
+    """How many conversations ``spec`` (and ``model``, once loaded) can decode together
+    (core/lanes.py), and why not more."""
     cls = get_strategy_class(spec.strategy)
     if wanted <= 1:
         return 1, ""
@@ -72,19 +76,20 @@ def lanes_for(spec: EngineSpec, wanted: int) -> tuple[int, str]:
                    "target batches in flight or read the target's own tensors); plain, sd, anpd and auto batch")
     if spec.kv_cache != "bf16":
         return 1, f"--kv {spec.kv_cache} decodes one conversation at a time (rows of a shared batch are exact in bf16)"
+    if model is not None and model.recurrent:
+        return 1, (f"{model.arch} keeps a recurrent state, which can be rolled back for one conversation only "
+                   "(core/rollback.py): it decodes one conversation at a time")
     return wanted, ""
 
 
-def open_lanes(spec: EngineSpec, n_lanes: int) -> Lanes:
-    """``n_lanes`` sessions over one target, each conversation in its own KV streams, decoded
-    together (core/lanes.py): what a server opens. Check :func:`lanes_for` first."""
+def open_lanes(spec: EngineSpec, wanted: int) -> Lanes:
+    """Up to ``wanted`` sessions over one target, each conversation in its own KV streams,
+    decoded together (core/lanes.py): what a server opens. One lane where :func:`lanes_for`
+    says why not more (logged)."""
     spec = checked_spec(spec)
     strategy_cls = get_strategy_class(spec.strategy)
-    n, why = lanes_for(spec, n_lanes)
-    if n != n_lanes:
-        raise PotluckError(f"{n_lanes} lanes asked for: {why}")
-    model, target, strategies = _open_parts(spec, strategy_cls, n_lanes)
-    hub = LaneHub(target, n_lanes, strategy_cls.n_sequences)
+    model, target, strategies = _open_parts(spec, strategy_cls, wanted)
+    hub = LaneHub(target, len(strategies), strategy_cls.n_sequences)
     sessions = [Session(model, lane, strategy, system=spec.system) for lane, strategy in zip(hub.lanes, strategies)]
     return Lanes(hub, sessions)
 
@@ -105,12 +110,16 @@ def open_session(spec: EngineSpec) -> Session:
 
 def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
                 ) -> tuple[Model, Target, list[Strategy]]:
-    """The model, a target with ``n_lanes`` times the strategy's sequences, and one strategy a lane."""
+    """The model, a target with ``n_lanes`` times the strategy's sequences (fewer lanes where
+    :func:`lanes_for` says why), and one strategy a lane."""
     model = Model(
         resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts, vocab_only=spec.cluster is not None
     )
     strategies: list[Strategy] = []
     try:
+        n_lanes, why = lanes_for(spec, n_lanes, model)
+        if why:
+            log.warning("one conversation at a time: %s", why)
         limits.context_fits_model(model, spec.n_ctx)
         if spec.cluster is None:
             hint = "lower --ctx" if n_lanes == 1 else f"lower --ctx, or --parallel ({n_lanes} conversations at once)"

@@ -1,7 +1,7 @@
 """Several conversations decoded together (engine/core/lanes.py): the rows of different
 conversations in one batch compute exactly what each computes alone, and every lane's answer
 is plain decoding's (greedy) or its own seeded sample, whatever the other lanes do. Counters
-prove that the rows really shared batches (docs/facts.md §29)."""
+prove that the rows really shared batches (docs/facts.md §32)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_rows_of_several_conversations_in_one_batch_equal_each_alone(model: Mode
     conversation and per step (llama.cpp splits such a batch into several ubatches), a batch
     of more rows than a verify batch ever takes, against each conversation alone. One thread,
     the cheapest on a busy machine: rows do not depend on the thread count with a BF16 cache
-    (docs/facts.md §3; two threads gave 0.0 as well, §29)."""
+    (docs/facts.md §3; two threads gave 0.0 as well, §32)."""
     prompts = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in PROMPTS[:4]]
     toks = [model.tokenize(p) for p in prompts]
     steps = 60
@@ -230,3 +230,106 @@ def test_a_batch_waits_for_busy_lanes_and_a_cancel_reaches_a_waiting_job(model: 
         assert target.runner.counters.finished == 1  # the cancelled step never reached llama.cpp
     finally:
         hub.close()
+
+
+def test_a_recurrent_model_gets_one_lane_that_rolls_back_as_alone() -> None:
+    """A hybrid recurrent model (qwen35moe) rolls back sequence 0's state only
+    (core/rollback.py): asked for four lanes it gets one, which knows it is recurrent, so
+    anpd's rejected drafts go back through the stage's rollback and the reply is plain
+    decoding's."""
+    from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
+
+    path = build_hybrid_shape("qwen35moe-small")
+    prompt = "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat."
+    with Model(path) as model:
+        expected = plain_reply(model, prompt, 48, n_ctx=512)
+    spec = EngineSpec(model=path, strategy="anpd", strategy_options={"adaptive": False}, n_ctx=512, n_threads=1)
+    lanes = open_lanes(spec, 4)
+    try:
+        assert len(lanes.sessions) == 1 and lanes.sessions[0].target.recurrent
+        ((reply,),) = together(lanes, [Ask(0, [prompt], SamplingParams(temperature=0.0), 48)])
+        assert list(reply.tokens) == expected
+        assert reply.drafted > reply.accepted  # drafts were rejected, and rolled back
+        c = lanes.hub.target.stage.rollback.counters  # type: ignore[attr-defined]
+        assert c.snapshot_rollbacks + c.restores > 0, c
+    finally:
+        lanes.close()
+
+
+def test_a_request_never_takes_the_lane_of_another_keys_conversation() -> None:
+    """The server hands a request to the free lane whose conversation it continues, counting
+    only its own API key's: another key's request that begins with the same text goes to the
+    least recently used lane instead, so the owner's next turn still finds its conversation
+    there (the reuse itself is refused per key in Session; this is the lane choice). The
+    engine thread with scripted lanes, no model."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from potluck.app.serve.engine_thread import EngineThread, Job
+    from potluck.app.serve.protocol import GenerationRequest
+    from potluck.engine import ReplyStarted
+
+    ran: list[tuple[int, str]] = []
+
+    class Scripted:
+        class target:  # noqa: N801 - the attribute the engine thread reads
+            n_ctx = 64
+
+        class model:  # noqa: N801 - Lanes.close closes it
+            @staticmethod
+            def close() -> None:
+                pass
+
+        def __init__(self, lane: int) -> None:
+            self.lane, self.owner, self.covered = lane, "", ""
+
+        def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *, owner: str):
+            ran.append((self.lane, owner))
+            self.owner, self.covered = owner, prompt.text
+            yield ReplyStarted(1, "plain", 1, 1, 64)
+            yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+        def held_text(self, owner: str = "") -> str:
+            return self.covered if owner == self.owner else ""
+
+        def cancel(self, run_id: int | None = None) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    class Hub:  # nothing to batch: the owner thread only looks again
+        def step(self, wait_s: float) -> None:
+            time.sleep(0.01)
+
+        def activate(self, lane: int, active: bool = True) -> None:
+            pass
+
+        def wake(self) -> None:
+            pass
+
+        def regroup(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    async def ask(engine: EngineThread, owner: str, text: str) -> None:
+        job = Job(GenerationRequest("chat", SamplingParams(), 1), asyncio.get_running_loop(), owner=owner)
+        engine.submit(job)
+        engine.ready(job, SimpleNamespace(text=text))  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(job.events.get(), 10))[0] == "done"
+
+    async def main() -> None:
+        engine = EngineThread(lambda: Lanes(Hub(), [Scripted(0), Scripted(1)]), max_queue=4)  # type: ignore[arg-type, list-item]
+        engine.start()
+        engine.loaded.wait(10)
+        await ask(engine, "carol", "Carol's question")  # lane 0
+        await ask(engine, "alice", "The door PIN is 493817. Hello!")  # lane 1, the least recently used
+        await ask(engine, "bob", "The door PIN is 493817. Hello!")  # not alice's lane 1: lane 0
+        await ask(engine, "alice", "The door PIN is 493817. Hello! And more")  # her own lane 1
+        engine.stop()
+
+    asyncio.run(main())
+    assert ran == [(0, "carol"), (1, "alice"), (0, "bob"), (1, "alice")]

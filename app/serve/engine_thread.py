@@ -6,9 +6,12 @@ conversations decoded together, each on its own session) and owns their shared t
 hands each waiting request to a free lane in arrival order (first come, first served), and
 in between it runs the lanes' hub, which sends the lanes' steps to the target as one batch.
 Each lane's thread runs its request's reply, and every answer is what the request would get
-alone. Past the bound a request is refused at once (the HTTP layer answers 429). A job
-cancelled while it waits leaves the queue; one cancelled while it runs is stopped through its
-session's cancel, which also aborts a prompt being processed mid-batch.
+alone. Past the bound a request is refused at once (the HTTP layer answers 429). A job takes
+its place in the queue when it arrives, but a lane takes it only once its prompt is tokenized,
+which the HTTP side does on another thread: a huge prompt never holds the engine while it is
+tokenized, and requests that arrive behind it run first. A job cancelled while it waits
+leaves the queue; one cancelled while it runs is stopped through its session's cancel, which
+also aborts a prompt being processed mid-batch.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ...engine import (
     NodeStatus,
     PlanChanged,
     PotluckError,
+    Prompt,
     PromptCache,
     ReplyStarted,
     Session,
@@ -80,8 +84,10 @@ class StopScanner:
 class Job:
     """One request on its way through the engine; its events arrive on ``events`` in the event loop."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, owner: str = "") -> None:
         self.request = request
+        self.owner = owner  # the API key's name: kept conversations are reused only for it
+        self.prompt: Prompt | None = None  # set once tokenized (EngineThread.ready)
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -106,12 +112,16 @@ class QueueFull(Exception):
 
 
 def shared_chars(a: str, b: str) -> int:
-    """How many leading characters ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """How many leading characters ``a`` and ``b`` share: a binary search of slice compares,
+    so a long conversation costs the owner thread a few C-speed passes, not a Python loop."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class EngineThread:
@@ -128,7 +138,7 @@ class EngineThread:
         self.nodes: dict[str, NodeStatus] = {}  # cluster mode: each stage's health at the last report
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
-             "refused_busy", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
+             "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
         self._opener = opener
         self._queue: deque[Job] = deque()
         self._running: dict[int, Job] = {}  # lane -> the job it runs
@@ -145,11 +155,17 @@ class EngineThread:
         return len(self.lanes.sessions) if self.lanes is not None else 1
 
     @property
+    def session(self) -> Session | None:
+        """A lane's session (None while loading), for what every lane shares: the model's
+        prompts (thread-safe: the HTTP side tokenizes with them), the prompt cache, the cluster."""
+        return self.lanes.sessions[0] if self.lanes is not None else None
+
+    @property
     def prompt_cache(self) -> PromptCache | None:
-        return self.lanes.sessions[0].prompt_cache if self.lanes is not None else None
+        return self.session.prompt_cache if self.session is not None else None
 
     def cluster_view(self) -> ClusterView | None:
-        return self.lanes.sessions[0].cluster_view() if self.lanes is not None else None
+        return self.session.cluster_view() if self.session is not None else None
 
     def batching(self) -> dict[str, int] | None:
         """What the lanes' hub sent (None while loading): proof that conversations shared batches."""
@@ -169,6 +185,20 @@ class EngineThread:
             self._queue.append(job)
             self._cond.notify_all()
         self._wake()
+
+    def ready(self, job: Job, prompt: Prompt) -> None:
+        """``job``'s prompt is tokenized: the engine may take it."""
+        with self._cond:
+            job.prompt = prompt
+            self._cond.notify_all()
+        self._wake()  # the owner thread may sleep in the hub
+
+    def withdraw(self, job: Job) -> None:
+        """``job`` will never be ready (its prompt was refused): give its place back."""
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                self.counters["refused_prompt"] += 1
 
     def cancel(self, job: Job) -> None:
         """Stop ``job`` at once: out of the queue if it waits, through its session if it runs."""
@@ -236,7 +266,7 @@ class EngineThread:
                 with self._cond:
                     if self._stop and not self._running:
                         return
-                    idle = not self._running and bool(self._queue)
+                    idle = not self._running and self._first_ready() is not None
                 if idle:  # between replies: a cluster may take in workers that joined
                     lanes.hub.regroup()
                 with self._cond:
@@ -259,8 +289,8 @@ class EngineThread:
     def _admit(self) -> None:
         """Hand waiting jobs to free lanes, oldest first (the lock held)."""
         assert self.lanes is not None
-        while self._queue and not self._stop and len(self._running) < self.n_lanes:
-            job = self._queue.popleft()
+        while not self._stop and len(self._running) < self.n_lanes and (job := self._first_ready()) is not None:
+            self._queue.remove(job)
             lane = self._pick_lane(job)
             self._running[lane] = job
             self._last_used[lane] = time.monotonic()
@@ -268,18 +298,16 @@ class EngineThread:
             self._cond.notify_all()
 
     def _pick_lane(self, job: Job) -> int:
-        """The free lane whose conversation the request continues furthest; else the one
-        used least recently (its conversation goes to the prompt cache)."""
-        assert self.lanes is not None
+        """The free lane whose conversation the request continues furthest (only its own API
+        key's conversation counts); else the one used least recently (its conversation goes to
+        the prompt cache)."""
+        assert self.lanes is not None and job.prompt is not None
         free = [i for i in range(self.n_lanes) if i not in self._running]
-        req = job.request
-        sessions = self.lanes.sessions
-        try:
-            text = req.prompt if req.kind != "chat" else sessions[0].format.render(list(req.messages),
-                                                                                     add_generation_prompt=True)
-        except Exception:  # the lane's session says what is wrong with it, in one line
-            text = ""
-        return max(free, key=lambda i: (shared_chars(sessions[i].held_text(), text), -self._last_used[i]))
+        text, sessions = job.prompt.text, self.lanes.sessions
+        return max(free, key=lambda i: (shared_chars(sessions[i].held_text(job.owner), text), -self._last_used[i]))
+
+    def _first_ready(self) -> Job | None:
+        return next((job for job in self._queue if job.prompt is not None), None)
 
     # -- a lane's thread
     def _lane(self, lane: int) -> None:
@@ -303,14 +331,13 @@ class EngineThread:
                 hub.activate(lane, False)
 
     def _run(self, session: Session, job: Job) -> None:
+        assert job.prompt is not None
         req = job.request
         started = False
         try:
-            if req.kind == "chat":
-                session.load_messages(list(req.messages))
-                events = session.generate(None, req.sampling, req.max_tokens)
-            else:
-                events = session.complete(req.prompt, req.sampling, req.max_tokens)
+            # no max_tokens: to the end of the reply, or of the context (finish_reason "length")
+            max_tokens = req.max_tokens if req.max_tokens is not None else session.target.n_ctx
+            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner)
             scanner = StopScanner(req.stop)
             stopped = False
             finished: Finished | None = None

@@ -22,7 +22,7 @@ Two things keep it near the conversation's size:
   the log over, as ``reset`` does.
 
 With one KV stream per sequence (several conversations decoded together, core/lanes.py) a
-sequence's cells depend on its own rows only (docs/facts.md §4, §29), so the log is also kept
+sequence's cells depend on its own rows only (docs/facts.md §4, §32), so the log is also kept
 by sequence: an ``rm`` that empties a sequence drops that sequence's rows from every batch
 (a batch of several conversations keeps the others' rows; one whose result is still awaited
 stays whole), and a kept conversation's log is its sequence's rows and operations alone,
@@ -197,7 +197,7 @@ def _touches(op: KvOp, seq: int) -> bool:
 
 def _rows(job: DecodeJob, mask: np.ndarray) -> DecodeJob:
     """The rows of ``job`` where ``mask`` holds, as a job of its own (a batch shared by several
-    conversations, cut to one of them: each row computes alone, docs/facts.md §29)."""
+    conversations, cut to one of them: each row computes alone, docs/facts.md §32)."""
     outputs = job.outputs[mask]
     if not outputs.any():  # a stage refuses a batch without an output row; which rows return changes no cell
         outputs[-1] = True

@@ -23,7 +23,7 @@ holding a share of the lanes, so that every stage computes a different conversat
 micro-batch while the others compute theirs (the pipeline's bubble, filled with other
 conversations instead of PipeInfer's guesses).
 
-Exactness (docs/facts.md §29): with a BF16 cache every row is computed on flash attention's
+Exactness (docs/facts.md §32): with a BF16 cache every row is computed on flash attention's
 one_chunk path, which walks the cells of the row's own KV stream in order and skips masked
 cells, so a row gives the same logits whatever other sequences' rows share its batch and
 however many cells the batch's widest stream pads the view to; each conversation's cells sit
@@ -425,6 +425,9 @@ class LaneTarget(TargetBase):
         self.n_batch = shared.n_batch
         self.n_seq_max = hub.lane_width
         self.n_stages = shared.n_stages
+        # a recurrent model has one lane (loader.lanes_for), which sends its jobs unmerged:
+        # its truncate keeps to what the stages' rollback can restore, as the target's would
+        self.recurrent = shared.recurrent
         self._futures: dict[int, Future] = {}
         self._tickets = itertools.count(1)
         self._notices_seen = 0
@@ -476,6 +479,7 @@ class LaneTarget(TargetBase):
         restored = self.hub.call(self.lane, lambda t: t.restore_kv(slot, n_past, self.base + seq))
         if restored and seq == 0:
             self._n_past = n_past
+            self._spans.clear()
         return restored
 
     def drop_kv(self, slot: int) -> None:
