@@ -193,6 +193,38 @@ def check_layer_map(h: Header, layer_map: Sequence[int]) -> None:
 
 # --------------------------------------------------------------------------- the table
 
+# llama.cpp's expert gating functions (llama-hparams.h)
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+# slice lengths llama.cpp's deepseek2 loader takes for a "lite" model (DeepSeek-V2-Lite and
+# kin: no low-rank query), whatever the file says (models/deepseek2.cpp, load_arch_hparams)
+_DEEPSEEK2_LITE_LAYERS = (26, 27)
+_DEEPSEEK2_LITE_48_VOCAB = 128256
+
+
+def _deepseek2_keys(h: Header, layer_map: Sequence[int]) -> dict[str, object]:
+    """What llama.cpp would decide from the whole model's layer count, written out: a Lite
+    model's query rank of 0 (read only when the count is not a Lite one's), and the gating
+    function (a missing one defaults by layer count and vocabulary)."""
+    out: dict[str, object] = {}
+    if h.get("attention.q_lora_rank") is None:
+        out["attention.q_lora_rank"] = 0
+    if h.get("expert_gating_func") is None:
+        glm_lite = h.n_layer in (47, 48) and h.n_vocab == 154880
+        out["expert_gating_func"] = GATING_SIGMOID if glm_lite else GATING_SOFTMAX
+    return out
+
+
+def _deepseek2_slice_problem(h: Header, lo: int, hi: int) -> str | None:
+    """A model with a low-rank query cannot be cut into slices of a Lite model's layer count:
+    llama.cpp would not read the rank and look for a plain query projection."""
+    n = hi - lo
+    if not h.int_of("attention.q_lora_rank"):
+        return None
+    if n in _DEEPSEEK2_LITE_LAYERS or (n == 48 and h.n_vocab == _DEEPSEEK2_LITE_48_VOCAB):
+        return f"are {n} layers, which llama.cpp's deepseek2 loader takes for a Lite model (no low-rank query)"
+    return None
+
+
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
@@ -202,6 +234,19 @@ ARCHS: dict[str, Arch] = {
         Arch("gemma3", swa_default_period=6, swa_needs_window=True),
         Arch("qwen2"),  # q/k/v biases
         Arch("qwen3"),  # per-head q/k norms, an explicit head width
+        # Qwen3 MoE (30B-A3B, 235B-A22B): Qwen3's attention, then routed experts only
+        Arch("qwen3moe"),
+        # gpt-oss (20b, 120b): even layers slide (window 128), odd ones are global; attention
+        # sinks, biases everywhere, MXFP4 experts: none of it depends on a layer's index but the
+        # windows
+        Arch("gpt-oss", swa_default_period=2),
+        # DeepSeek V2/V3 and kin (Kimi K2, GLM-4.7-Flash): multi-head latent attention (a cell
+        # is one compressed K, no V), leading dense layers, shared experts, an MTP block after
+        # the trunk; decisions llama.cpp makes from the layer count are written out
+        Arch("deepseek2", dense_lead=True, slice_keys=_deepseek2_keys, slice_problem=_deepseek2_slice_problem),
+        # Phi-3 and Phi-4: fused q/k/v and gate/up; LongRoPE factors picked by the context size
+        # (the same on every stage: each has the conversation's n_ctx)
+        Arch("phi3"),
     )
 }
 
@@ -279,9 +324,11 @@ def layer_bytes(h: Header) -> tuple[list[int], list[int]]:
 
 
 def kv_bytes_per_token_layer(h: Header) -> int:
-    """A layer's KV cache for one token (BF16 K and V, the widest layer's)."""
+    """A layer's KV cache for one token (BF16 K and V, the widest layer's). Multi-head latent
+    attention (``key_length_mla`` set) keeps K only: V is a view of it (llama-kv-cache.cpp)."""
     n_embd = h.int_of("embedding_length")
     n_head = h.int_of("attention.head_count", 1) or 1
     n_head_kv = h.int_of("attention.head_count_kv", n_head) or n_head
-    head_dim = h.int_of("attention.key_length", n_embd // n_head)
-    return 2 * n_head_kv * head_dim * 2
+    k_width = h.int_of("attention.key_length", n_embd // n_head)
+    v_width = 0 if h.int_of("attention.key_length_mla") else h.int_of("attention.value_length", n_embd // n_head)
+    return 2 * n_head_kv * (k_width + v_width)

@@ -133,6 +133,12 @@ class Model(NativeObject):
             or ll.llama_model_rope_type(self.ptr) in multi_position
         )
 
+    @property
+    def kv_values(self) -> bool:
+        """Whether a KV cell keeps a V row beside its K: not with multi-head latent attention
+        (DeepSeek's MLA: ``key_length_mla`` set), whose V is a view of the compressed K."""
+        return not self.meta(f"{self.arch}.attention.key_length_mla")
+
     # -- vocabulary
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))

@@ -1,0 +1,95 @@
+"""The per-architecture rules of engine/core/archs.py, read off slices' headers and the planner
+(no llama.cpp): what a slice rewrites, which slices are refused, how layers count. The slices'
+exactness is tests/test_archs_exact.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.cluster.plan import layer_costs, manual_plan, slice_problem
+from potluck.engine.core import archs
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.gguf_tools import describe, layer_layout, open_reader, write_layers
+from potluck.engine.lab.fixtures import SHAPES, build_shape
+
+
+def header_of(path: Path) -> archs.Header:
+    return archs.read_header(open_reader(path))
+
+
+def sliced(path: Path, layer_map: list[int], tmp_path: Path) -> archs.Header:
+    return header_of(write_layers(path, tmp_path / f"s{layer_map[0]}-{len(layer_map)}.gguf", layer_map))
+
+
+def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> None:
+    """llama.cpp's default pattern (period 2) says even layers slide: a slice starting at an
+    odd layer carries the explicit array, and one without a sliding layer is never planned."""
+    path = build_shape("gpt-oss-small")
+    h = header_of(path)
+    assert archs.ARCHS["gpt-oss"].swa_layers(h) == (True, False, True, False, True, False)
+    s = sliced(path, [1, 2, 3], tmp_path)
+    assert s.get("attention.sliding_window_pattern") == [False, True, False]
+    costs = layer_costs(path)
+    assert slice_problem(costs, 1, 2) == "hold no sliding-window layer, which llama.cpp cannot load"
+    with pytest.raises(PotluckError, match="layers 3-4 hold no sliding-window layer"):
+        manual_plan(costs, [], [0, 3], 256)
+
+
+def test_deepseek2_slices_count_their_own_dense_layers_and_leave_the_mtp_block_out(tmp_path: Path) -> None:
+    path = build_shape("deepseek2-small")
+    h = header_of(path)
+    assert (h.n_layer_all, h.n_nextn, h.n_layer) == (5, 1, 4)  # an MTP block after 4 trunk layers
+    assert describe(path)["n_layer"] == 4
+    first, later = sliced(path, [0, 1], tmp_path), sliced(path, [2, 3], tmp_path)
+    assert first.get("leading_dense_block_count") == 1 and later.get("leading_dense_block_count") == 0
+    for s in (first, later):
+        assert s.n_layer_all == 2 and s.n_nextn == 0
+        assert not any(".nextn." in name for name in s.tensor_bytes)
+    with pytest.raises(PotluckError, match="is outside 0..3"):
+        layer_layout(path, [3, 4])  # the MTP block is not a layer to split
+    with pytest.raises(PotluckError, match="dense layers .* must come before its expert layers"):
+        layer_layout(path, [1, 0])
+
+
+def test_deepseek2_decisions_from_the_layer_count_are_written_out_or_refused() -> None:
+    """llama.cpp takes a 26- or 27-layer deepseek2 for a Lite model (no low-rank query) and
+    defaults the gating function by layer count: a slice must not change either."""
+    values = {"general.architecture": "deepseek2", "deepseek2.block_count": 61}
+    full = archs.Header("deepseek2", {**values, "deepseek2.attention.q_lora_rank": 1536}, n_vocab=129280)
+    lite = archs.Header("deepseek2", {**values, "deepseek2.block_count": 27}, n_vocab=102400)
+    entry = archs.ARCHS["deepseek2"]
+    rules = archs.slice_rules(full)
+    assert rules.why_not(0, 27) is not None and rules.why_not(1, 27) is not None
+    assert rules.why_not(0, 28) is None and archs.slice_rules(lite).why_not(0, 26) is None
+    assert entry.rewrites(full, range(30))["expert_gating_func"] == archs.GATING_SOFTMAX
+    assert "attention.q_lora_rank" not in entry.rewrites(full, range(30))
+    assert entry.rewrites(lite, range(10))["attention.q_lora_rank"] == 0
+
+
+def test_memory_counts_every_expert_time_only_those_a_token_uses() -> None:
+    """A mixture's layer: all experts resident, a token reads expert_used_count of
+    expert_count of them (shared experts and the rest whole)."""
+    for name in ("qwen3moe-small", "gpt-oss-small", "deepseek2-small"):
+        s, h = SHAPES[name], header_of(build_shape(name))
+        memory, time = archs.layer_bytes(h)
+        i = s.n_layer - 1
+        routed = sum(b for t, b in h.tensor_bytes.items() if t.startswith(f"blk.{i}.ffn_") and "_exps." in t)
+        assert routed > 0 and memory[i] - time[i] == routed - routed * s.n_expert_used // s.n_expert, name
+        costs = layer_costs(build_shape(name))
+        assert costs.layer_bytes == tuple(memory) and costs.time_bytes == tuple(time)
+    dense = layer_costs(build_shape("qwen3-small"))
+    assert dense.time_bytes is None  # a dense model reads every byte
+
+
+def test_mla_cells_keep_k_only() -> None:
+    h = header_of(build_shape("deepseek2-small"))
+    s = SHAPES["deepseek2-small"]
+    assert archs.kv_bytes_per_token_layer(h) == 2 * (s.kv_lora_rank + s.rope_dim)
+
+
+def test_an_architecture_outside_the_table_is_refused_naming_those_in_it() -> None:
+    h = archs.Header("bloom", {"general.architecture": "bloom"})
+    why = archs.unsplittable_reason(h)
+    assert why is not None and "'bloom'" in why and all(a in why for a in archs.ARCHS)
