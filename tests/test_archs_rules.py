@@ -93,3 +93,12 @@ def test_an_architecture_outside_the_table_is_refused_naming_those_in_it() -> No
     h = archs.Header("bloom", {"general.architecture": "bloom"})
     why = archs.unsplittable_reason(h)
     assert why is not None and "'bloom'" in why and all(a in why for a in archs.ARCHS)
+
+
+def test_gemma3_27b_is_refused_its_attention_scale_depends_on_the_layer_count() -> None:
+    values = {"gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128}
+    g27 = archs.Header("gemma3", {**values, "gemma3.block_count": 62})
+    assert "attention scale" in (archs.unsplittable_reason(g27) or "")
+    other = archs.Header("gemma3", {**values, "gemma3.block_count": 80})
+    assert archs.unsplittable_reason(other) is None
+    assert archs.slice_rules(other).why_not(0, 62) is not None and archs.slice_rules(other).why_not(0, 61) is None

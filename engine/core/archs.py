@@ -225,13 +225,38 @@ def _deepseek2_slice_problem(h: Header, lo: int, hi: int) -> str | None:
     return None
 
 
+# llama.cpp scales Gemma 3's attention by 1/sqrt(n_embd / n_head) for its 27B, which it knows by
+# the layer count, and by 1/sqrt(head width) otherwise (models/gemma3.cpp)
+_GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_scales_differ(h: Header) -> bool:
+    n_embd, n_head = h.int_of("embedding_length"), h.int_of("attention.head_count", 1) or 1
+    return n_embd // n_head != h.int_of("attention.key_length", n_embd // n_head)
+
+
+def _gemma3_problem(h: Header) -> str | None:
+    if h.n_layer == _GEMMA3_27B_LAYERS and _gemma3_scales_differ(h):
+        return ("llama.cpp picks Gemma 3 27B's attention scale by its layer count (62), which no slice "
+                "has, so a split would not compute the same model")
+    return None
+
+
+def _gemma3_slice_problem(h: Header, lo: int, hi: int) -> str | None:
+    if hi - lo == _GEMMA3_27B_LAYERS and _gemma3_scales_differ(h):
+        return "are 62 layers, which llama.cpp takes for Gemma 3 27B (another attention scale)"
+    return None
+
+
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
         # Llama 2/3, Mistral, SmolLM2 (and Mixtral: experts in the same layer names)
         Arch("llama"),
         # Gemma 3: five sliding-window layers, then a global one (each with its own rope base)
-        Arch("gemma3", swa_default_period=6, swa_needs_window=True),
+        # (27B: see _gemma3_problem)
+        Arch("gemma3", swa_default_period=6, swa_needs_window=True, slice_problem=_gemma3_slice_problem,
+             model_problem=_gemma3_problem),
         Arch("qwen2"),  # q/k/v biases
         Arch("qwen3"),  # per-head q/k norms, an explicit head width
         # Qwen3 MoE (30B-A3B, 235B-A22B): Qwen3's attention, then routed experts only
