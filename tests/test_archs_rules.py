@@ -102,3 +102,29 @@ def test_gemma3_27b_is_refused_its_attention_scale_depends_on_the_layer_count() 
     other = archs.Header("gemma3", {**values, "gemma3.block_count": 80})
     assert archs.unsplittable_reason(other) is None
     assert archs.slice_rules(other).why_not(0, 62) is not None and archs.slice_rules(other).why_not(0, 61) is None
+
+
+def test_potluck_models_says_whether_a_file_splits_and_why_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gguf
+
+    from potluck.app.cli import main
+
+    glm = tmp_path / "glm.gguf"
+    w = gguf.GGUFWriter(str(glm), arch="glm4moe")
+    w.add_block_count(1)
+    w.add_expert_count(128)
+    w.add_expert_used_count(8)
+    w.add_uint32("glm4moe.expert_shared_count", 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    assert main(["models", str(build_shape("gpt-oss-small")), str(glm)]) == 0
+    out = capsys.readouterr().out
+    oss, glm_part = out.split("gpt-oss-small", 1)[1].split("glm.gguf", 1)
+    assert "arch gpt-oss, 6 layers" in oss and "2 of 8 experts a token" in oss
+    assert "split over machines (--nodes): yes" in oss
+    assert "8 of 128 experts + 1 shared a token" in glm_part
+    assert "split over machines (--nodes): no: architecture 'glm4moe': llama.cpp's GLM-4.5 graph aborts" in glm_part

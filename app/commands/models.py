@@ -12,7 +12,9 @@ from ...engine import describe_gguf as describe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list the bundled model and describe GGUF files")
+    p = sub.add_parser(
+        "models", help="list the bundled model and describe GGUF files (layers, experts, whether --nodes splits them)"
+    )
     p.add_argument("files", nargs="*", type=Path, help="GGUF files to describe")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
@@ -38,9 +40,16 @@ def run(args: argparse.Namespace) -> int:
         if "error" in row:
             print(f"{mark} {row['name']}: {row['error']}")
             continue
+        experts = ""
+        if row["n_expert"]:
+            shared = f" + {row['n_expert_shared']} shared" if row["n_expert_shared"] else ""
+            experts = f", {row['n_expert_used']} of {row['n_expert']} experts{shared} a token"
+        why = row["split_problem"]
+        split = "yes" if why is None else f"no: {why}"
         print(
             f"{mark} {row['name']}\n    {row['path']}\n"
             f"    arch {row['arch']}, {row['n_layer']} layers, n_embd {row['n_embd']}, "
-            f"vocab {row['n_vocab']}, {row['size_mb']:.0f} MB"
+            f"vocab {row['n_vocab']}, {row['size_mb']:.0f} MB{experts}\n"
+            f"    split over machines (--nodes): {split}"
         )
     return 1 if any("error" in r for r in rows) else 0

@@ -276,8 +276,14 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-def arch_of(name: str) -> Arch | None:
-    return ARCHS.get(name)
+# Architectures read and found unsplittable with the llama.cpp potluck runs, and why
+REFUSED: dict[str, str] = {
+    # models/glm4-moe.cpp and glm4.cpp: GGML_ABORT when a batch holds embeddings and the model has
+    # no M-RoPE sections ("This GGUF does not support multimodal")
+    "glm4moe": "llama.cpp's GLM-4.5 graph aborts when a stage after the first gives it hidden states "
+               "instead of tokens",
+    "glm4": "llama.cpp's GLM-4 graph aborts when a stage after the first gives it hidden states instead of tokens",
+}
 
 
 def supported() -> str:
@@ -289,8 +295,15 @@ def unsplittable_reason(h: Header) -> str | None:
     """Why this model cannot be split exactly (its architecture or the file itself), or None."""
     arch = ARCHS.get(h.arch)
     if arch is None:
-        return f"architecture {h.arch!r} is not verified for exact layer splitting (supported: {supported()})"
+        known = f": {REFUSED[h.arch]}" if h.arch in REFUSED else " is not verified for exact layer splitting"
+        return f"architecture {h.arch!r}{known} (supported: {supported()})"
     return arch.problem(h)
+
+
+def experts(h: Header) -> tuple[int, int, int]:
+    """(routed experts per layer, how many a token is sent to, shared experts): zeros for a
+    dense model."""
+    return h.int_of("expert_count"), h.int_of("expert_used_count"), h.int_of("expert_shared_count")
 
 
 def require_splittable(h: Header, name: str) -> Arch:
