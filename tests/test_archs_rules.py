@@ -128,3 +128,27 @@ def test_potluck_models_says_whether_a_file_splits_and_why_not(
     assert "split over machines (--nodes): yes" in oss
     assert "8 of 128 experts + 1 shared a token" in glm_part
     assert "split over machines (--nodes): no: architecture 'glm4moe': llama.cpp's GLM-4.5 graph aborts" in glm_part
+
+
+def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: pytest.CaptureFixture[str]) -> None:
+    """`potluck nodes -m MODEL`: the plan --nodes auto would make over the workers advertised
+    (here two records on loopback, no worker behind them: nothing is joined)."""
+    from potluck.app.cli import main
+    from potluck.discovery.lan import Advertiser
+    from potluck.engine.cluster.profile import NodeProfile
+
+    ads = [Advertiser(NodeProfile(f"moenode{i}", 2, 4000, 3.0), 41000 + i, "9.9", interfaces=["127.0.0.1"])
+           for i in range(2)]
+    try:
+        for ad in ads:
+            ad.start()
+        path = build_shape("gpt-oss-small")
+        assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "moenode0" in out and "moenode1" in out, out
+        assert "split plan: 6 layers over" in out and "2 of 8 experts a token (all resident)" in out, out
+        assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(path), "--ctx", "4000000"]) == 1
+        assert "no plan for gpt-oss-small" in capsys.readouterr().out
+    finally:
+        for ad in ads:
+            ad.close()

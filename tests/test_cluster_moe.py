@@ -20,6 +20,7 @@ from potluck.engine.cluster.pipeline_target import PipelineTarget
 from potluck.engine.cluster.plan import head_layers, layer_costs
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import describe as describe_gguf
 from potluck.engine.core.gguf_tools import write_layers
 from potluck.engine.core.runtime import Model
 from potluck.engine.core.sampling import SamplingParams
@@ -85,6 +86,9 @@ def test_every_strategy_on_a_split_mixture_of_experts_is_exact(
                            slice_cache=slice_cache, split=split, join_timeout_s=JOIN_S)
     try:
         assert [lk.layers for lk in target.links] == [(0, end // 2), (end // 2, end)]
+        about = describe_gguf(path)
+        experts = (about["n_expert"], about["n_expert_used"], about["n_expert_shared"])
+        assert target.cluster_view().experts == experts and experts[0] > experts[1] > 0
         for name in CLUSTER_STRATEGIES:
             cls = STRATEGIES[name]
             takes_draft = cls.needs_draft or cls.accepts_draft
@@ -96,3 +100,19 @@ def test_every_strategy_on_a_split_mixture_of_experts_is_exact(
             target.reset()
     finally:
         target.close()
+
+
+def test_the_chat_apps_cluster_panel_shows_the_plans_experts() -> None:
+    from rich.console import Console
+
+    from potluck.app.tui.cluster import ClusterState, StageRow
+    from potluck.app.tui.widgets import cluster_table
+
+    def shown(state: ClusterState) -> str:
+        console = Console(width=60, record=True)
+        console.print(cluster_table(state, "ctrl+g"))
+        return console.export_text()
+
+    rows = (StageRow("node-a", "127.0.0.1:1", (0, 12)), StageRow("node-b", "127.0.0.1:2", (12, 22)))
+    assert "2 stage(s) · 4/32 experts" in shown(ClusterState(stages=rows, experts=(32, 4, 0)))
+    assert "experts" not in shown(ClusterState(stages=rows))  # a dense model

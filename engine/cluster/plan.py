@@ -77,6 +77,8 @@ class LayerCosts:
     # [n_layer] weight bytes a token reads per layer: a mixture's token reads only the experts it
     # is routed to (None: every byte, as a dense model's)
     time_bytes: tuple[int, ...] | None = None
+    # a mixture's routed experts per layer, how many a token is sent to, its shared experts
+    experts: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def n_layer(self) -> int:
@@ -126,6 +128,15 @@ class SplitPlan:
     stages: tuple[StageAssignment, ...]
     n_layer: int
     head: tuple[int, int]  # layers the head computes itself, with the output norm and matrix
+    experts: tuple[int, int, int] = (0, 0, 0)  # LayerCosts.experts of the model planned
+
+    def experts_text(self) -> str:
+        """"4 of 32 experts a token (all resident)", or "" for a dense model."""
+        n_expert, n_used, n_shared = self.experts
+        if not n_expert:
+            return ""
+        shared = f" + {n_shared} shared" if n_shared else ""
+        return f"{n_used} of {n_expert} experts{shared} a token (all resident)"
 
     @property
     def bounds(self) -> list[int]:
@@ -135,7 +146,9 @@ class SplitPlan:
     def describe(self) -> list[str]:
         """Lines the CLI prints before loading."""
         worst = max(s.cost for s in self.stages) or 1.0
-        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"]
+        experts = self.experts_text()
+        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"
+                 + (f"; {experts}" if experts else "")]
         for i, s in enumerate(self.stages):
             link = f", link {s.node.rtt_ms:.2f} ms {s.node.mbps:,.0f} Mbit/s" if s.node.rtt_ms else ""
             lines.append(
@@ -167,7 +180,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     return LayerCosts(
         h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token_layer(h),
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
-        tuple(time) if time != memory else None,
+        tuple(time) if time != memory else None, archs.experts(h),
     )
 
 
@@ -316,7 +329,7 @@ def plan_split(
         if i < j:
             stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop, j == n, seq_cells))
         j = i
-    return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
+    return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer), costs.experts)
 
 
 def manual_plan(
@@ -360,4 +373,17 @@ def manual_plan(
                 f"{s.node.name} ({s.node.address}) has {s.node.free_mb:,} MB free; move the boundary, "
                 "add workers or lower --ctx"
             )
-    return SplitPlan(stages, costs.n_layer, (end, costs.n_layer))
+    return SplitPlan(stages, costs.n_layer, (end, costs.n_layer), costs.experts)
+
+
+def preview_plan(
+    model_path: Path, nodes: Sequence[tuple[str, str, int, float]], n_ctx: int, n_batch: int = N_BATCH
+) -> SplitPlan:
+    """The plan ``--nodes auto`` would make for ``model_path`` over ``nodes`` (name, address,
+    free MB, speed score as they advertise them), before joining any: links are not timed yet.
+    Raises :class:`PotluckError` in one line when the model cannot be split or does not fit."""
+    from ..core.gguf_tools import open_reader
+
+    archs.require_splittable(archs.read_header(open_reader(Path(model_path))), Path(model_path).name)
+    infos = [NodeInfo(name, address, free_mb, speed) for name, address, free_mb, speed in nodes]
+    return plan_split(layer_costs(model_path), infos, n_ctx, n_batch)

@@ -130,3 +130,5 @@ class ClusterView:
     stages: tuple[StageView, ...]
     head_layers: tuple[int, int]  # the layers the head computes itself, with the output layer
     tokens: int  # tokens sent down the chain so far
+    # the plan's mixture of experts: routed experts per layer, used a token, shared (0s: dense)
+    experts: tuple[int, int, int] = (0, 0, 0)
