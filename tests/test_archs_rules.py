@@ -152,3 +152,23 @@ def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: py
     finally:
         for ad in ads:
             ad.close()
+
+
+def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
+    """Memory counts every expert, time only the routed ones a token reads: the plan's stage
+    sizes hold all of a layer, its prediction (synchronous: the stages in turn, then the
+    head's layer and output matrix) the quarter a token reads."""
+    from potluck.engine.cluster.plan import WEIGHT_BYTES_PER_S_PER_SPEED, LayerCosts, NodeInfo, plan_split
+
+    mb = 1 << 20
+    costs = LayerCosts("qwen3moe", (100 * mb,) * 10, 10 * mb, 1024, 1000, 64, time_bytes=(25 * mb,) * 10,
+                       experts=(8, 2, 0), output_bytes=20 * mb)
+    nodes = [NodeInfo("a", "x:1", 4000, 2.0), NodeInfo("b", "y:1", 4000, 2.0)]
+    plan = plan_split(costs, nodes, 512, head_speed=4.0)
+    w = WEIGHT_BYTES_PER_S_PER_SPEED
+    assert plan.predicted_tokens_per_s == pytest.approx(1 / (9 * 25 * mb / (2.0 * w) + 45 * mb / (4.0 * w)))
+    assert [s.hi - s.lo for s in plan.stages] in ([4, 5], [5, 4])
+    assert all(s.mem_mb > (s.hi - s.lo) * 100 for s in plan.stages)  # every expert resident
+    assert "2 of 8 experts a token (all resident)" in plan.describe()[0]
+    assert "predicted: about" in plan.describe()[-1]
+    assert plan_split(costs, nodes, 512).predicted_tokens_per_s is None  # the head's speed unknown

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from ...discovery.lan import DiscoveredNode, Membership
-from ...engine import PotluckError, preview_plan, resolve_model
+from ...engine import PotluckError, default_threads, measure_profile, preview_plan, resolve_model
 from .common import positive_int
 
 
@@ -70,14 +70,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_plan(args: argparse.Namespace, nodes: list[DiscoveredNode]) -> int:
-    """The plan over the compatible workers found, each once (links are timed only at join)."""
+    """The plan over the compatible workers found, each once, with this machine as the head
+    (links are timed only at join, so its prediction leaves hops out)."""
     seen: dict[str, DiscoveredNode] = {}
     for n in nodes:
         if n.compatible:
             seen.setdefault(n.node_id, n)
     try:
         found = [(n.node_id, n.address, n.free_mb, n.speed) for n in seen.values()]
-        plan = preview_plan(resolve_model(args.model), found, args.ctx)
+        head_speed = measure_profile(default_threads()).speed  # this machine computes the last layers
+        plan = preview_plan(resolve_model(args.model), found, args.ctx, head_speed=head_speed)
     except PotluckError as e:
         print(f"no plan for {args.model.name}: {e}")
         return 1
