@@ -169,3 +169,16 @@ def test_a_full_width_layer_of_gpt_oss_20b_loads_with_the_published_vocabulary()
             assert np.isfinite(logits).all() and len({int(np.argmax(r)) for r in logits}) > 3
         finally:
             target.close()
+
+
+def test_gpt_oss_experts_are_valid_mxfp4_blocks_at_the_planned_scale() -> None:
+    from gguf.quants import dequantize
+
+    path = build_shape("gpt-oss-small")
+    t = {t.name: t for t in open_reader(path).tensors}["blk.1.ffn_up_exps.weight"]
+    assert t.tensor_type.name == "MXFP4"
+    w = dequantize(np.asarray(t.data), t.tensor_type)  # every block decodes (gguf 0.19 reads MXFP4)
+    n_expert, n_ff, n_embd = w.shape
+    assert (n_expert, n_ff, n_embd) == (8, 256, 256) and np.isfinite(w).all()
+    # a power-of-two scale: within a factor of sqrt(2) of 1/sqrt(inputs)
+    assert 0.7 < w.std() * np.sqrt(n_embd) < 1.42 and abs(w.mean()) < 1e-3
