@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         if row["n_expert"]:
             shared = f" + {row['n_expert_shared']} shared" if row["n_expert_shared"] else ""
             experts = f", {row['n_expert_used']} of {row['n_expert']} experts{shared} a token"
+        if row["cache"] not in (None, "kv"):  # a hybrid's recurrent state beside its KV cells
+            experts += f", cache {row['cache']}"
         why = row["split_problem"]
         split = "yes" if why is None else f"no: {why}"
         print(
