@@ -354,8 +354,10 @@ def unsplittable_reason(h: Header) -> str | None:
 
 def experts(h: Header) -> tuple[int, int, int]:
     """(routed experts per layer, how many a token is sent to, shared experts): zeros for a
-    dense model."""
-    return h.int_of("expert_count"), h.int_of("expert_used_count"), h.int_of("expert_shared_count")
+    dense model. DeepSeek's kin count their shared experts; Qwen's (Qwen2 MoE, Qwen3-Next,
+    Qwen3.5 MoE) have one, known only by its width (``n_ff_shexp`` in llama.cpp)."""
+    shared = h.int_of("expert_shared_count") or (1 if h.int_of("expert_shared_feed_forward_length") else 0)
+    return h.int_of("expert_count"), h.int_of("expert_used_count"), shared
 
 
 def require_splittable(h: Header, name: str) -> Arch:
