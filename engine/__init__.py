@@ -21,6 +21,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on first use below
+    from .cluster.plan import preview_plan
     from .cluster.profile import measure_profile
     from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
     from .core import paths, validate
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
 # the registry) cost each stage process about a second of CPU at start.
 _WHERE = {
     "measure_profile": ".cluster.profile:measure_profile",
+    "preview_plan": ".cluster.plan:preview_plan",
     "DEFAULT_CACHE_QUOTA_MB": ".cluster.worker:DEFAULT_CACHE_QUOTA_MB",
     "Worker": ".cluster.worker:Worker",
     "paths": ".core.paths",
@@ -165,6 +167,7 @@ __all__ = [
     "open_lanes",
     "open_session",
     "paths",
+    "preview_plan",
     "printable",
     "resolve_model",
     "strategy_fits",

@@ -4,19 +4,28 @@
     sudo .venv/bin/python -m scripts.scale_demo --shape 8b --cap 0.6 --tokens 32
     sudo .venv/bin/python -m scripts.scale_demo --shape 1b --relay wifi   # workers behind link_relay
     sudo .venv/bin/python -m scripts.scale_demo --rpc ~/.cache/potluck-peers/bin  # and llama.cpp's RPC
+    sudo .venv/bin/python -m scripts.scale_demo --shape gpt-oss-20b --rpc ~/.cache/potluck-peers/bin
+    sudo .venv/bin/python -m scripts.scale_demo --shape gpt-oss-20b --layers 6   # fewer layers, same width
+    sudo .venv/bin/python -m scripts.scale_demo --shape qwen35moe-35b-a3b --layers 16   # the hybrid
 
 One run reports: greedy tokens against one uncapped process; the first load (slices streamed)
 and the second (cached); TTFT and tokens/s of the synchronous pipeline and of pipeinfer; peak
 RSS of the head, of each worker and of its llama.cpp child (VmHWM, file pages included, as
-/usr/bin/time reports it); bytes per token from the last worker to the head. The head and the
+/usr/bin/time reports it); bytes per token from the last worker to the head; the planner's
+predicted tokens/s (synchronous) beside the measured figure. The head and the
 reference run in their own processes so that each peak is its own. With ``--rpc DIR`` (llama.cpp's
 tools, built by ../shared/tools/build-llama-tools.sh) the same model, caps and split run on
 llama.cpp's RPC too: ``ggml-rpc-server -t 1 -c`` twice, each in a capped group like a worker's,
 and ``llama-bench --rpc`` with the layers split evenly (``-ts 1/1``), twice (the second run finds
 the servers' tensor cache warm). Needs root for the cgroups
-(cgroup v1 memory controller, as on this machine). The vocabulary is the bundled model's
-49,152 tokens: a real Llama 3's output layer (128,256 tokens) is 2.6x larger, so the head's
-memory here is smaller than it would be with a real 8B.
+(cgroup v1 memory controller, as on this machine). The Llama shapes' vocabulary is the bundled
+model's 49,152 tokens: a real Llama 3's output layer (128,256 tokens) is 2.6x larger, so the
+head's memory here is smaller than it would be with a real 8B; the mixtures' shapes (gpt-oss-20b,
+qwen3-30b-a3b) have their published vocabulary (the bundled tokenizer, padded), the hybrid's
+(qwen35moe-35b-a3b) the bundled one. Every slice of the hybrid holds both kinds of layer (three
+Gated DeltaNet layers to one of attention), so each of its three stages needs 4 layers or more:
+``--layers 12`` at least. Its router is F32, as in published GGUFs: pipeinfer's verify batches
+then need not equal single steps (docs/facts.md §30), and the demo says so where they differ.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from potluck.app.loopback import spawn_worker, stop_worker
 from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.core import memory
 from potluck.engine.core.errors import PotluckError
-from potluck.engine.lab.fixtures import build_shape
+from potluck.engine.lab.shapes import SHAPE_NAMES, build_named_shape
 
 from .peers import BENCH_ARGS, rpc_addresses, rpc_servers
 from .procfs import process_tree
@@ -127,6 +136,7 @@ def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, n
         out["sent_mb"] = target.transfer.bytes_sent / 1e6
         out["transfer_mb_per_s"] = target.transfer.mb_per_s
         out["plan"] = target.plan.describe()
+        out["predicted_tokens_per_s"] = target.plan.predicted_tokens_per_s
         try:
             for name in strategies:
                 spec = EngineSpec(model=path, strategy=name, n_ctx=n_ctx, n_threads=1,
@@ -192,7 +202,8 @@ def _child(args: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="8b")
+    p.add_argument("--shape", default="8b", choices=SHAPE_NAMES)
+    p.add_argument("--layers", type=int, help="build the shape with this many layers (its width), not all")
     p.add_argument("--cap", type=float, default=0.6, help="each worker's memory limit, as a share of the model file")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, default=512)
@@ -216,7 +227,7 @@ def main() -> None:
         print(json.dumps(run))
         return
 
-    path = build_shape(args.shape)
+    path = build_named_shape(args.shape, layers=args.layers)
     size = path.stat().st_size
     print(f"model {path.name}: {size / 1e9:.2f} GB; workers capped at {args.cap:.0%} = {args.cap * size / 1e9:.2f} GB")
     common = ["--model", str(path), "--tokens", str(args.tokens), "--ctx", str(args.ctx), "--batch", str(args.batch)]
@@ -257,9 +268,15 @@ def main() -> None:
                 print("\n".join(run["plan"]))
             print(f"{label}: load {run['load_s']:.1f} s, sent {run['sent_mb']:,.0f} MB "
                   f"({run['transfer_mb_per_s']:,.0f} MB/s), head peak RSS {run['head_peak_rss_mb']:,.0f} MB")
+            predicted = run["predicted_tokens_per_s"]
+            if predicted:
+                measured = run["plain"]["tokens_per_s"]
+                print(f"  planner: predicted {predicted:.2f} tok/s synchronous, measured {measured:.2f} "
+                      f"({measured / predicted - 1:+.0%})")
             for name in ("plain", "pipeinfer"):
                 r = run[name]
-                same = r["tokens"][: len(ref["tokens"])] == ref["tokens"][: len(r["tokens"])]
+                first = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref["tokens"])) if a != b), None)
+                same = "True" if first is None else f"False (from token {first})"
                 print(f"  {name:<15} identical {same}, TTFT {r['ttft_s']:.2f} s, {r['tokens_per_s']:.2f} tok/s, "
                       f"{r['last_hop_bytes_per_token']:,.0f} B/token from the last worker")
         peaks = watch.stop()

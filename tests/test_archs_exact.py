@@ -19,7 +19,7 @@ import pytest
 from potluck.engine.cluster.plan import layer_costs, loadable
 from potluck.engine.core.archs import ARCHS
 from potluck.engine.core.gguf_tools import slice_layers
-from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.fixtures import build_shape
 from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
@@ -38,10 +38,17 @@ ARCH_SHAPES: dict[str, Callable[[], Path]] = {
     "gemma3": _gemma3,  # slow: a 262k-token vocabulary; tests/test_cluster_pipeline.py splits it too
     "qwen2": lambda: build_shape("qwen2-small"),
     "qwen3": lambda: build_shape("qwen3-small"),
+    "qwen3moe": lambda: build_shape("qwen3moe-small"),
+    "gpt-oss": lambda: build_shape("gpt-oss-small"),
+    "deepseek2": lambda: build_shape("deepseek2-small"),
+    "phi3": lambda: build_shape("phi3-small"),
     "qwen35moe": lambda: build_hybrid_shape("qwen35moe-small"),  # tests/test_hybrid.py speculates on it
 }
 PROMPTS = ["<|im_start|>user\nHello there, how are you?<|im_end|>\n<|im_start|>assistant\n",
-           "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n"]
+           "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n",
+           # 64 tokens or more: prefilled in each stage's F16 twin (core/staged_prefill.py)
+           "<|im_start|>user\nSummarize: " + "The river rose all night and by morning the bridge was gone. " * 6
+           + "<|im_end|>\n<|im_start|>assistant\n"]
 STEPS = 16
 VERIFY_ROWS = 6
 
@@ -51,9 +58,9 @@ def test_every_architecture_of_the_table_is_checked_here() -> None:
 
 
 def split_bounds(path: Path, n_stages: int) -> list[int]:
-    """Stage boundaries as even as llama.cpp loads them (a Gemma 3 slice needs a sliding layer,
-    a Qwen3.5 slice both kinds of layer): the loadable ones nearest to the first boundaries off
-    any period (1, then the middle) and the last stage as short as possible."""
+    """Stage boundaries as even as llama.cpp loads them (a Gemma 3 or gpt-oss slice needs a
+    sliding layer, a Qwen3.5 slice both kinds of layer): the loadable ones nearest to the first
+    boundaries off any period (1, then the middle) and the last stage as short as possible."""
     costs = layer_costs(path)
     n = costs.n_layer
     wanted = [0, n // 2 + 1, n] if n_stages == 2 else [0, 1, n - 1, n]
@@ -104,8 +111,64 @@ def test_split_gives_the_whole_models_logits(
             ref_rows = whole.decode(batch, all_logits=True).copy()
             assert np.array_equal(ref_rows, split.decode(batch, all_logits=True)), (arch, bounds)
         assert len(set(seen)) >= STEPS // 4, seen  # Gemma 3 270M loops on a ChatML prompt, yet varies
+        # the long prompt went through every stage's F16 twin and back (a K-only MLA cache too);
+        # a cache that is not one KV cell per position (a recurrent state, M-RoPE) has no twin
+        twins = [st.prefill.counters for st in split.stages if st.prefill is not None]
+        expected = len(split.stages) if whole_model.plain_kv_cells else 0
+        assert len(twins) == expected and all(c.handovers >= 1 and not c.refused for c in twins), arch
     finally:
         split.close()
         whole.close()
         for m in reversed(slices):
             m.close()
+
+
+def test_a_verify_batch_gives_each_rows_single_step_logits(arch_model: tuple[str, Path, Model]) -> None:
+    """What lossless speculation rests on (docs/facts.md §3), for every architecture: k rows
+    verified in one batch give each row's logits exactly as k single steps do, with all the
+    threads (a mixture's batch reads up to k x top-k experts, on another path than one row)."""
+    arch, _path, model = arch_model
+    tokens = model.tokenize(PROMPTS[1])
+    params = ContextParams(n_ctx=256, n_threads=2)
+    steps, batched = LocalTarget(model, params), LocalTarget(model, params)
+    try:
+        first = steps.decode(tokens)[0]
+        batched.decode(tokens)
+        row, draft = [], [int(np.argmax(first))]
+        for _ in range(VERIFY_ROWS - 1):
+            row.append(steps.decode(draft[-1:])[0].copy())
+            draft.append(int(np.argmax(row[-1])))
+        row.append(steps.decode(draft[-1:])[0].copy())
+        assert np.array_equal(np.stack(row), batched.decode(draft, all_logits=True)), arch
+    finally:
+        steps.close()
+        batched.close()
+
+
+MOE = sorted(a for a in ARCH_SHAPES if a in ("qwen3moe", "gpt-oss", "deepseek2"))
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_a_reply_is_routed_to_varied_experts(arch: str) -> None:
+    """The fixtures' routers spread their logits: the experts a token is sent to change along a
+    reply (read from llama.cpp's own graph: the router's ranking of the experts,
+    ffn_moe_argsort, of a late layer; the last one computes the prompt's last row only)."""
+    path = ARCH_SHAPES[arch]()
+    with Model(path) as model:
+        name = f"ffn_moe_argsort-{model.n_layer - 2}"
+        n_used = int(model.meta(f"{arch}.expert_used_count") or 0)
+        ctx = Context(model, ContextParams(n_ctx=256, n_threads=1, observe=(name,)))
+        try:
+            tokens = model.tokenize(PROMPTS[0])
+            ctx.run_tokens(tokens, 0)
+            chosen = set()
+            tok, pos = int(np.argmax(ctx.logits_row(-1))), len(tokens)
+            for _ in range(STEPS):
+                ctx.run_tokens([tok], pos)
+                ranked = ctx.observed[name].view(np.int32)[0]  # [n_expert], best first, of the one row
+                assert sorted(ranked) == list(range(len(ranked)))
+                chosen.add(tuple(sorted(int(e) for e in ranked[:n_used])))
+                tok, pos = int(np.argmax(ctx.logits_row(-1))), pos + 1
+        finally:
+            ctx.close()
+    assert len(chosen) > STEPS // 4, (arch, chosen)

@@ -83,3 +83,19 @@ def test_auto_takes_only_the_length_options(model_path: Path) -> None:
 
     with pytest.raises(PotluckError, match="has no option 'ngram_max'"):
         open_session(EngineSpec(model=model_path, strategy="auto", strategy_options={"ngram_max": 4}))
+
+
+def test_a_draft_model_is_left_out_where_the_measured_curve_says_it_cannot_pay(
+    model: Model, weak_draft: Path
+) -> None:
+    """A verify batch that costs more per extra row than a plain step (a mixture of experts
+    on a compute-bound CPU can): no acceptance makes a draft model pay, so auto takes anpd."""
+    strategy = auto.Auto.build(model, EngineSpec(strategy="auto", draft=weak_draft, n_ctx=N_CTX, n_threads=THREADS))
+    try:
+        assert isinstance(strategy, auto.Auto) and strategy.draft is not None
+        assert strategy.choose(100) is strategy.draft  # nothing measured yet: the draft model
+        strategy.draft.break_even.load({1: [10.0] * 4, 2: [21.0] * 4, 4: [44.0] * 4, 8: [90.0] * 4})
+        assert not strategy.draft.sure_draft_pays()
+        assert strategy.choose(100) is strategy.ngram
+    finally:
+        strategy.close()

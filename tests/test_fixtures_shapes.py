@@ -123,3 +123,66 @@ def test_wide_shape_split_over_two_workers_exact(
         assert greedy(wide, target) == one_process
     finally:
         target.close()
+
+
+# published totals and active parameters a token, in billions, and whether the active count
+# includes the input embeddings (Qwen's does; gpt-oss's model card and DeepSeek-V2's do not)
+PUBLISHED = {"gpt-oss-20b": (20.9, 3.6, False), "gpt-oss-120b": (116.8, 5.1, False),
+             "qwen3-30b-a3b": (30.5, 3.3, True), "deepseek-v2-lite": (15.7, 2.4, False)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_mixture_shapes_have_the_published_parameter_counts(name: str) -> None:
+    from potluck.engine.lab.fixtures import _tensor_plan
+
+    s = SHAPES[name]
+    want_total, want_active, with_embeddings = PUBLISHED[name]
+    total = active = 0
+    for tensor, dims, _ in _tensor_plan(s, s.n_vocab):
+        n = int(np.prod(dims))
+        total += n
+        if tensor != "token_embd.weight" or with_embeddings:
+            active += n * s.n_expert_used // s.n_expert if "_exps." in tensor else n
+    assert abs(total / 1e9 - want_total) < 0.1 and abs(active / 1e9 - want_active) < 0.1, (total, active)
+
+
+def test_layers_builds_fewer_layers_of_a_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--build-fixtures", "--shape", "deepseek2-small", "--layers", "2"]) == 0
+    path = Path(capsys.readouterr().out.splitlines()[-1])
+    d = describe(path)
+    assert (d["arch"], d["n_layer"], d["n_expert"], d["n_expert_shared"]) == ("deepseek2", 2, 8, 1)
+    # the hybrid's shapes (engine/lab/hybrid_shapes.py) through the same option
+    assert main(["bench", "--build-fixtures", "--shape", "qwen35moe-small", "--layers", "4"]) == 0
+    d = describe(Path(capsys.readouterr().out.splitlines()[-1]))
+    assert (d["arch"], d["n_layer"], d["cache"]) == ("qwen35moe", 4, "kv+recurrent")
+    assert main(["bench", "--layers", "2"]) == 2
+    assert "--layers only applies to --build-fixtures --shape" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_full_width_layer_of_gpt_oss_20b_loads_with_the_published_vocabulary() -> None:
+    """One layer of gpt-oss-20b at its width (1.1 GB): MXFP4 experts, 201,088 tokens (the
+    bundled tokenizer padded with tokens no text makes), greedy tokens finite and varied."""
+    path = build_shape("gpt-oss-20b", layers=1)
+    with Model(path) as m:
+        assert (m.arch, m.n_layer, m.n_vocab, m.n_embd) == ("gpt-oss", 1, 201088, 2880)
+        assert max(m.tokenize("Hello there, <|potluck_pad_3|>")) < 49152  # text never makes a pad token
+        target = LocalTarget(m, ContextParams(n_ctx=256, n_threads=2))
+        try:
+            logits = target.decode(m.tokenize("Hello there, how are you?"), all_logits=True)
+            assert np.isfinite(logits).all() and len({int(np.argmax(r)) for r in logits}) > 3
+        finally:
+            target.close()
+
+
+def test_gpt_oss_experts_are_valid_mxfp4_blocks_at_the_planned_scale() -> None:
+    from gguf.quants import dequantize
+
+    path = build_shape("gpt-oss-small")
+    t = {t.name: t for t in open_reader(path).tensors}["blk.1.ffn_up_exps.weight"]
+    assert t.tensor_type.name == "MXFP4"
+    w = dequantize(np.asarray(t.data), t.tensor_type)  # every block decodes (gguf 0.19 reads MXFP4)
+    n_expert, n_ff, n_embd = w.shape
+    assert (n_expert, n_ff, n_embd) == (8, 256, 256) and np.isfinite(w).all()
+    # a power-of-two scale: within a factor of sqrt(2) of 1/sqrt(inputs)
+    assert 0.7 < w.std() * np.sqrt(n_embd) < 1.42 and abs(w.mean()) < 1e-3

@@ -86,7 +86,7 @@ def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     from potluck.engine.core.gguf_tools import slice_layers
 
     path = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(path), arch="phi3")
+    w = gguf.GGUFWriter(str(path), arch="bloom")
     w.add_block_count(2)
     w.add_embedding_length(4)
     for i in range(2):
@@ -96,7 +96,7 @@ def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     keys = keys_from_token("potluck-swlfy4vgAWcjv3TfLEQ10F7hlqkR8k-vQB1JpW88eb0")
-    with pytest.raises(PotluckError, match="'phi3' is not verified for exact layer splitting") as err:
+    with pytest.raises(PotluckError, match="'bloom' is not verified for exact layer splitting") as err:
         open_pipeline(path, ["127.0.0.1:9"], keys)
     assert "\n" not in str(err.value)
     with pytest.raises(PotluckError, match="not verified"):

@@ -111,6 +111,25 @@ def test_break_even_ignores_timings_of_a_busy_moment() -> None:
     assert abs(be.threshold() - 0.2) < 0.02
 
 
+def test_break_even_follows_the_measured_curve_not_a_line() -> None:
+    """Q4_0's dip (4 rows cost less than 2, docs/facts.md §20) and a mixture's concave curve
+    (the first extra rows read new experts, later ones share them, §33): what k drafts cost
+    is read off the curve, between measured sizes and past the largest."""
+    dip = DraftBreakEven()
+    for k, ms in ((1, 10.0), (2, 17.0), (4, 13.0), (8, 25.0)):
+        dip.record(k, ms)
+    assert dip.threshold(k=1) == pytest.approx(0.7)  # a 2-row batch: 7 ms more
+    assert dip.threshold(k=3) == pytest.approx(0.1)  # 3 drafts fill the cheap 4-row batch
+    assert dip.cost_ms(3) == pytest.approx(15.0)  # between the measured 2 and 4
+    assert dip.cost_ms(12) == pytest.approx(25.0 + 4 * dip.line()[1])  # past 8: the line's slope
+    moe = DraftBreakEven()
+    for k, ms in ((1, 10.0), (2, 16.0), (4, 22.0), (8, 28.0)):
+        moe.record(k, ms)
+    assert moe.threshold(k=1) == pytest.approx(0.6) and moe.threshold(k=7) == pytest.approx(18 / 7 / 10)
+    assert moe.row_ms(7) == pytest.approx(18 / 7)
+    assert moe.threshold(draft_step_ms=5.0, k=7) == pytest.approx((18 / 7 + 5.0) / 10)
+
+
 def test_cost_line_is_kept_across_runs(tmp_path: Path) -> None:
     path = tmp_path / "costs.json"
     be = DraftBreakEven()

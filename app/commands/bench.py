@@ -27,8 +27,8 @@ from ...engine.lab.benchmark import (
     run_bench,
 )
 from ...engine.lab.cluster_bench import ClusterBenchConfig, ClusterRow
-from ...engine.lab.fixtures import RECIPES, SHAPES, build_all, build_fixture, build_shape
-from ...engine.lab.hybrid_shapes import HYBRID_SHAPES, build_hybrid_shape
+from ...engine.lab.fixtures import RECIPES, build_all, build_fixture
+from ...engine.lab.shapes import SHAPE_NAMES, build_named_shape
 from .common import positive_int
 
 
@@ -88,14 +88,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--shape",
-        choices=[*SHAPES, *HYBRID_SHAPES],
-        help="with --build-fixtures: build only a random-weight GGUF in this model shape "
-        "(1b, 3b, 8b; wide: 4 layers x 2048; qwen35moe-35b-a3b: Qwen3.5's MoE hybrid) and print its "
-        "path on the last line",
+        choices=list(SHAPE_NAMES),
+        help="with --build-fixtures: build only a random-weight GGUF in this model's published shape "
+        "(Llama 1b, 3b, 8b; qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v2-lite; qwen35moe-35b-a3b: "
+        "Qwen3.5's MoE hybrid; *-small and wide: the test suite's) and print its path on the last line",
     )
     p.add_argument(
-        "--layers", type=int, default=None,
-        help="with --shape qwen35moe-*: this many layers of the shape's width instead of all 40 (19.6 GB)",
+        "--layers", type=positive_int, default=None,
+        help="with --shape: this many layers of the shape's width instead of all (a full-depth 20B is 12 GB)",
     )
     p.add_argument("--fixture-seed", type=int, default=0, help="with --shape: the seed of the random weights")
     p.add_argument(
@@ -152,13 +152,10 @@ def _parse_options(items: list[str]) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     if args.shape is not None and not args.build_fixtures:
         raise PotluckError("--shape only applies to --build-fixtures; add --build-fixtures")
-    if args.layers is not None and args.shape not in HYBRID_SHAPES:
-        raise PotluckError("--layers applies to --shape qwen35moe-35b-a3b or qwen35moe-small")
-    if args.build_fixtures and args.shape in HYBRID_SHAPES:
-        print(build_hybrid_shape(args.shape, args.fixture_seed, layers=args.layers))
-        return 0
+    if args.layers is not None and args.shape is None:
+        raise PotluckError("--layers only applies to --build-fixtures --shape NAME; add --shape")
     if args.build_fixtures and args.shape is not None:
-        print(build_shape(args.shape, args.fixture_seed))
+        print(build_named_shape(args.shape, args.fixture_seed, layers=args.layers))
         return 0
     if args.build_fixtures:
         for fx in build_all():

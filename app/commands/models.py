@@ -16,9 +16,10 @@ from ..model_files import models_on_disk
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "models",
-        help="list the models on this machine and describe GGUF files",
+        help="list the models on this machine and describe GGUF files (layers, experts, whether --nodes splits them)",
         description="List the bundled model, the GGUFs in the Hugging Face cache (potluck pull), "
-        "LM Studio's and ollama's models, or describe the GGUF files given.",
+        "LM Studio's and ollama's models, or describe the GGUF files given: their layers, experts, and whether "
+        "--nodes can split them (and why not).",
     )
     p.add_argument("files", nargs="*", type=Path, help="GGUF files to describe")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -50,10 +51,19 @@ def run(args: argparse.Namespace) -> int:
         if "error" in row:
             print(f"{mark} {row['name']}{source}: {row['error']}")
             continue
+        experts = ""
+        if row["n_expert"]:
+            shared = f" + {row['n_expert_shared']} shared" if row["n_expert_shared"] else ""
+            experts = f", {row['n_expert_used']} of {row['n_expert']} experts{shared} a token"
+        if row["cache"] not in (None, "kv"):  # a hybrid's recurrent state beside its KV cells
+            experts += f", cache {row['cache']}"
+        why = row["split_problem"]
+        split = "yes" if why is None else f"no: {why}"
         print(
             f"{mark} {row['name']}{source}\n    {row['path']}\n"
             f"    arch {row['arch']}, {row['n_layer']} layers, n_embd {row['n_embd']}, "
-            f"vocab {row['n_vocab']}, {row['size_mb']:.0f} MB"
+            f"vocab {row['n_vocab']}, {row['size_mb']:.0f} MB{experts}\n"
+            f"    split over machines (--nodes): {split}"
         )
     if not args.files and len(rows) <= 1:
         print("  (no other GGUF found: `potluck pull ORG/REPO-GGUF` downloads one)")

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
+from pathlib import Path
 
 from ...discovery.lan import DiscoveredNode, Membership
+from ...engine import PotluckError, default_threads, measure_profile, preview_plan, resolve_model
+from .common import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--interface", action="append", help="browse only on this interface address (repeatable)"
     )
+    p.add_argument(
+        "-m", "--model", type=Path,
+        help="also print the split --nodes auto would plan for this GGUF over the workers found "
+        "(their free memory and speed; layers, memory, and a mixture's experts)",
+    )
+    p.add_argument("--ctx", type=positive_int, default=4096, help="with -m: the context to plan for (4096)")
 
 
 def _row(n: DiscoveredNode, twins: int = 1) -> str:
@@ -61,4 +70,23 @@ def run(args: argparse.Namespace) -> int:
     ids = Counter(n.node_id for n in nodes)
     for n in nodes:
         print(_row(n, ids[n.node_id]))
+    return _print_plan(args, nodes) if args.model else 0
+
+
+def _print_plan(args: argparse.Namespace, nodes: list[DiscoveredNode]) -> int:
+    """The plan over the compatible workers found, each once, with this machine as the head
+    (links are timed only at join, so its prediction leaves hops out)."""
+    seen: dict[str, DiscoveredNode] = {}
+    for n in nodes:
+        if n.compatible:
+            seen.setdefault(n.node_id, n)
+    try:
+        found = [(n.node_id, n.address, n.free_mb, n.speed) for n in seen.values()]
+        head_speed = measure_profile(default_threads()).speed  # this machine computes the last layers
+        plan = preview_plan(resolve_model(args.model), found, args.ctx, head_speed=head_speed)
+    except PotluckError as e:
+        print(f"no plan for {args.model.name}: {e}")
+        return 1
+    print()
+    print("\n".join(plan.describe()))
     return 0

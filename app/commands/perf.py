@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ...engine import Model, resolve_model, validate
+from ...engine import Model, PotluckError, resolve_model, validate
 from ...engine.lab.perf import history_consistency, measure
 from .common import positive_int
 
@@ -23,16 +23,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--runs", type=positive_int, default=5, help="repetitions; medians are reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--batches", default="1,2,4,8,16", metavar="K,K,...",
+        help="verify-batch sizes of the cost curve (default 1,2,4,8,16; at most 48)",
+    )
     add_history_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:
     args.threads = validate.threads(args.threads, "--threads")
+    ks = _batches(args.batches)
+
     def progress(line: str) -> None:  # minutes of work: each step says where it is (stderr)
         print(f"perf: {line}", file=sys.stderr, flush=True)
 
     with Model(resolve_model(args.model)) as model:
-        report = measure(model, n_threads=args.threads, runs=args.runs, progress=progress)
+        report = measure(model, n_threads=args.threads, runs=args.runs, ks=ks, progress=progress)
         history = (
             history_consistency(model, n_threads=args.threads, progress=progress) if args.history_check else None
         )
@@ -61,3 +67,10 @@ def add_history_flag(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also compare turn-by-turn conversations with the same history prefilled at once",
     )
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({1, *(int(k) for k in text.split(",") if k.strip())}))
+    except ValueError:
+        raise PotluckError(f"--batches takes sizes like 1,2,4,8, not {text!r}") from None

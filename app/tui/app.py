@@ -428,7 +428,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         elif event.session is not None:
             if self.cluster_state is not None:
                 view = event.session.cluster_view()
-                self.cluster_state = self.cluster_state.loaded(stages_of(view), view.head_layers if view else None)
+                self.cluster_state = self.cluster_state.loaded(
+                    stages_of(view), view.head_layers if view else None, view.experts if view else (0, 0, 0))
                 self._traffic_at_load = traffic(view)
             old, self.session, self.spec, self.load_error = self.session, event.session, event.spec, None
             if old is not None:

@@ -85,6 +85,13 @@ class ClusterState:
     sent_bytes: int = 0  # slice bytes sent while loading
     cached_bytes: int = 0  # slice bytes the workers already had (nothing sent)
     head_layers: tuple[int, int] | None = None  # the layers the head computes, with the output layer
+    experts: tuple[int, int, int] = (0, 0, 0)  # a mixture's experts per layer, used a token, shared
+
+    @property
+    def experts_text(self) -> str:
+        n_expert, n_used, n_shared = self.experts
+        shared = f"+{n_shared}" if n_shared else ""
+        return f"{n_used}{shared}/{n_expert} experts" if n_expert else ""
 
     def planned(
         self, lines: Sequence[str], stages: Sequence[StageRow], head_layers: tuple[int, int] | None = None
@@ -98,8 +105,12 @@ class ClusterState:
             return replace(self, transfer=None, cached_bytes=self.cached_bytes + total)
         return replace(self, transfer=None, sent_bytes=self.sent_bytes + total)
 
-    def loaded(self, stages: Sequence[StageRow], head_layers: tuple[int, int] | None = None) -> ClusterState:
-        return replace(self, stages=tuple(stages), transfer=None, head_layers=head_layers or self.head_layers)
+    def loaded(
+        self, stages: Sequence[StageRow], head_layers: tuple[int, int] | None = None,
+        experts: tuple[int, int, int] = (0, 0, 0),
+    ) -> ClusterState:
+        return replace(self, stages=tuple(stages), transfer=None, head_layers=head_layers or self.head_layers,
+                       experts=experts)
 
     def with_status(self, e: NodeStatus) -> ClusterState:
         rows = list(self.stages)

@@ -425,7 +425,7 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
             t.add_row(left, right)
         return t
 
-    title = Text(f"{len(c.stages)} stage(s)", style="dim")
+    title = Text(" · ".join(filter(None, [f"{len(c.stages)} stage(s)", c.experts_text])), style="dim")
     parts: list[Table | Text] = [grid([(Text("Cluster", style="bold"), title)])]
     for i, r in enumerate(c.stages, 1):
         parts.append(grid([

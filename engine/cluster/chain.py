@@ -38,6 +38,7 @@ class PipelineSetup:
     slice_cache: SliceCache
     progress: Progress | None = None
     split: tuple[int, ...] | None = None  # the user's fixed layer boundaries, if any
+    head_speed: float = 0.0  # the head's speed score at its layers' threads (for the plan's prediction)
 
 
 def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[int] | None = None) -> SplitPlan:
@@ -46,8 +47,9 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
     nodes = [lk.info() for lk in links]
     cells = kv_cells(setup.n_ctx, setup.n_seq_max, setup.kv_unified)  # as the worker checks its load
     if split:
-        return manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx)
-    return plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx)
+        return manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx,
+                           setup.head_speed)
+    return plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx, setup.head_speed)
 
 
 def replan(setup: PipelineSetup, links: Sequence[NodeLink]) -> SplitPlan:

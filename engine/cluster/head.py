@@ -49,6 +49,7 @@ import zmq
 from ..core import archs
 from ..core.errors import PotluckError
 from ..core.gguf_tools import forget_parsed_headers, open_reader
+from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams
 from ..core.spec import CurveKeys
 from .chain import PipelineSetup, load_chain, plan_over, tail_threads
@@ -56,6 +57,7 @@ from .join import join_links
 from .link import JOIN_TIMEOUT_S, NodeFailedError, NodeLink, max_result_bytes
 from .pipeline_target import STALL_TIMEOUT_S, PipelineTarget
 from .plan import SplitPlan, layer_costs
+from .profile import measure_speed
 from .tail import HeadTail
 from .transfer import Progress, SliceCache, TransferStats
 
@@ -112,6 +114,7 @@ def open_pipeline(
     setup = PipelineSetup(
         model_path, keys, head_id, n_ctx, n_batch, n_seq_max, kv_unified, hidden_dtype, potluck_version,
         slice_cache or SliceCache(), progress, tuple(split) if split else None,
+        measure_speed(n_threads or tail_threads(addresses) or default_threads()),
     )
     max_msg = max_result_bytes(n_batch, costs.n_embd)
     links = [NodeLink(zctx, keys, addr, max_msg) for addr in addresses]

@@ -311,7 +311,8 @@ class PipelineTarget(ChainRebuild, TargetBase):
             StageView(lk.node_id or lk.address, lk.address, tuple(lk.layers or (0, 0)), lk.bytes_out + lk.bytes_in)
             for lk in self.links
         )
-        return ClusterView(stages, self.head_layers, self.stats.tokens, self._health)
+        experts = self.plan.experts if self.plan is not None else (0, 0, 0)
+        return ClusterView(stages, self.head_layers, self.stats.tokens, experts=experts, health=self._health)
 
     def busy_ms(self) -> list[float]:
         """Computing time so far of each worker's stage in chain order, then the head's own

@@ -78,6 +78,9 @@ class LayerCosts:
     # [n_layer] weight bytes a token reads per layer: a mixture's token reads only the experts it
     # is routed to (None: every byte, as a dense model's)
     time_bytes: tuple[int, ...] | None = None
+    # a mixture's routed experts per layer, how many a token is sent to, its shared experts
+    experts: tuple[int, int, int] = (0, 0, 0)
+    output_bytes: int = 0  # the output matrix (the token embeddings when tied): the head's every token
     # per layer, one sequence's recurrent state (0: an attention layer); None: no recurrent layers
     state_bytes: tuple[int, ...] | None = None
 
@@ -129,6 +132,25 @@ class SplitPlan:
     stages: tuple[StageAssignment, ...]
     n_layer: int
     head: tuple[int, int]  # layers the head computes itself, with the output norm and matrix
+    experts: tuple[int, int, int] = (0, 0, 0)  # LayerCosts.experts of the model planned
+    head_cost: float = 0.0  # seconds a token on the head: its layers and the output layer (0: unknown)
+
+    @property
+    def predicted_tokens_per_s(self) -> float | None:
+        """The planner's model of synchronous decoding: a token goes through every stage in turn
+        (its layers and hop, :func:`_cost`), then the head's layers and output layer; None when
+        the head's speed was not measured."""
+        if self.head_cost <= 0:
+            return None
+        return 1.0 / (sum(s.cost for s in self.stages) + self.head_cost)
+
+    def experts_text(self) -> str:
+        """"4 of 32 experts a token (all resident)", or "" for a dense model."""
+        n_expert, n_used, n_shared = self.experts
+        if not n_expert:
+            return ""
+        shared = f" + {n_shared} shared" if n_shared else ""
+        return f"{n_used} of {n_expert} experts{shared} a token (all resident)"
 
     @property
     def bounds(self) -> list[int]:
@@ -138,7 +160,9 @@ class SplitPlan:
     def describe(self) -> list[str]:
         """Lines the CLI prints before loading."""
         worst = max(s.cost for s in self.stages) or 1.0
-        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"]
+        experts = self.experts_text()
+        lines = [f"split plan: {self.n_layer} layers over {len(self.stages)} stage(s) and the head"
+                 + (f"; {experts}" if experts else "")]
         for i, s in enumerate(self.stages):
             link = f", link {s.node.rtt_ms:.2f} ms {s.node.mbps:,.0f} Mbit/s" if s.node.rtt_ms else ""
             lines.append(
@@ -148,6 +172,9 @@ class SplitPlan:
             )
         lo, hi = self.head
         lines.append(f"  head:    layers {lo:>3}-{hi:<3} and the output layer on this machine")
+        if self.predicted_tokens_per_s is not None:
+            lines.append(f"  predicted: about {self.predicted_tokens_per_s:.1f} tokens/s decoding (synchronous, "
+                         "plain; weights read at each machine's measured speed, hops at their measured links)")
         return lines
 
 
@@ -170,7 +197,9 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     return LayerCosts(
         h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token_layer(h),
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
-        tuple(time) if time != memory else None, archs.recurrent_state_bytes(h),
+        tuple(time) if time != memory else None, archs.experts(h),
+        h.tensor_bytes.get("output.weight", h.tensor_bytes.get("token_embd.weight", 0)),
+        archs.recurrent_state_bytes(h),
     )
 
 
@@ -259,6 +288,16 @@ def stage_mem_mb(
     return stage_bytes(costs, lo, hi, n_ctx, n_batch, seq_cells) / (1 << 20)
 
 
+def head_cost(costs: LayerCosts, head: tuple[int, int], head_speed: float) -> float:
+    """Seconds a token spends on the head: its layers' weights (a mixture's routed experts only)
+    and the output matrix, read at its speed (0 when the speed is unknown)."""
+    if head_speed <= 0:
+        return 0.0
+    lo, hi = head
+    read = costs.prefix_time_bytes[hi] - costs.prefix_time_bytes[lo] + costs.output_bytes
+    return read / (head_speed * WEIGHT_BYTES_PER_S_PER_SPEED)
+
+
 def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo, hop_bytes: int, last: bool) -> float:
     """Seconds a token spends on this stage: the weights it reads (a mixture's routed experts
     only) at the node's speed (the output layer is the head's), and its hop in (and, for the
@@ -283,11 +322,12 @@ def hop_bytes(costs: LayerCosts, hidden_dtype: str = "f32") -> int:
 
 def plan_split(
     costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hidden_dtype: str = "f32",
-    seq_cells: int | None = None,
+    seq_cells: int | None = None, head_speed: float = 0.0,
 ) -> SplitPlan:
     """The contiguous assignment (nodes in the given order) of the workers' layers
     ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included, so
-    a worker behind a slow link gets fewer layers, or none."""
+    a worker behind a slow link gets fewer layers, or none. ``head_speed``: the head's speed
+    score, for the plan's prediction of tokens/s."""
     if not nodes:
         raise PotluckError("no workers to split the model over")
     hop = hop_bytes(costs, hidden_dtype)
@@ -323,12 +363,13 @@ def plan_split(
         if i < j:
             stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop, j == n, seq_cells))
         j = i
-    return SplitPlan(tuple(reversed(stages)), costs.n_layer, (n, costs.n_layer))
+    head = (n, costs.n_layer)
+    return SplitPlan(tuple(reversed(stages)), costs.n_layer, head, costs.experts, head_cost(costs, head, head_speed))
 
 
 def manual_plan(
     costs: LayerCosts, nodes: Sequence[NodeInfo], bounds: Sequence[int], n_ctx: int, n_batch: int = N_BATCH,
-    hidden_dtype: str = "f32", seq_cells: int | None = None,
+    hidden_dtype: str = "f32", seq_cells: int | None = None, head_speed: float = 0.0,
 ) -> SplitPlan:
     """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
 
@@ -367,4 +408,19 @@ def manual_plan(
                 f"{s.node.name} ({s.node.address}) has {s.node.free_mb:,} MB free; move the boundary, "
                 "add workers or lower --ctx"
             )
-    return SplitPlan(stages, costs.n_layer, (end, costs.n_layer))
+    head = (end, costs.n_layer)
+    return SplitPlan(stages, costs.n_layer, head, costs.experts, head_cost(costs, head, head_speed))
+
+
+def preview_plan(
+    model_path: Path, nodes: Sequence[tuple[str, str, int, float]], n_ctx: int, n_batch: int = N_BATCH,
+    head_speed: float = 0.0,
+) -> SplitPlan:
+    """The plan ``--nodes auto`` would make for ``model_path`` over ``nodes`` (name, address,
+    free MB, speed score as they advertise them), before joining any: links are not timed yet.
+    Raises :class:`PotluckError` in one line when the model cannot be split or does not fit."""
+    from ..core.gguf_tools import open_reader
+
+    archs.require_splittable(archs.read_header(open_reader(Path(model_path))), Path(model_path).name)
+    infos = [NodeInfo(name, address, free_mb, speed) for name, address, free_mb, speed in nodes]
+    return plan_split(layer_costs(model_path), infos, n_ctx, n_batch, head_speed=head_speed)

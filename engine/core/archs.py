@@ -235,15 +235,85 @@ def _both_layer_kinds(h: Header, lo: int, hi: int) -> str | None:
 
 # --------------------------------------------------------------------------- the table
 
+# llama.cpp's expert gating functions (llama-hparams.h)
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+# slice lengths llama.cpp's deepseek2 loader takes for a "lite" model (DeepSeek-V2-Lite and
+# kin: no low-rank query), whatever the file says (models/deepseek2.cpp, load_arch_hparams)
+_DEEPSEEK2_LITE_LAYERS = (26, 27)
+_DEEPSEEK2_LITE_48_VOCAB = 128256
+
+
+def _deepseek2_keys(h: Header, layer_map: Sequence[int]) -> dict[str, object]:
+    """What llama.cpp would decide from the whole model's layer count, written out: a Lite
+    model's query rank of 0 (read only when the count is not a Lite one's), and the gating
+    function (a missing one defaults by layer count and vocabulary)."""
+    out: dict[str, object] = {}
+    if h.get("attention.q_lora_rank") is None:
+        out["attention.q_lora_rank"] = 0
+    if h.get("expert_gating_func") is None:
+        glm_lite = h.n_layer in (47, 48) and h.n_vocab == 154880
+        out["expert_gating_func"] = GATING_SIGMOID if glm_lite else GATING_SOFTMAX
+    return out
+
+
+def _deepseek2_slice_problem(h: Header, lo: int, hi: int) -> str | None:
+    """A model with a low-rank query cannot be cut into slices of a Lite model's layer count:
+    llama.cpp would not read the rank and look for a plain query projection."""
+    n = hi - lo
+    if not h.int_of("attention.q_lora_rank"):
+        return None
+    if n in _DEEPSEEK2_LITE_LAYERS or (n == 48 and h.n_vocab == _DEEPSEEK2_LITE_48_VOCAB):
+        return f"are {n} layers, which llama.cpp's deepseek2 loader takes for a Lite model (no low-rank query)"
+    return None
+
+
+# llama.cpp scales Gemma 3's attention by 1/sqrt(n_embd / n_head) for its 27B, which it knows by
+# the layer count, and by 1/sqrt(head width) otherwise (models/gemma3.cpp)
+_GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_scales_differ(h: Header) -> bool:
+    n_embd, n_head = h.int_of("embedding_length"), h.int_of("attention.head_count", 1) or 1
+    return n_embd // n_head != h.int_of("attention.key_length", n_embd // n_head)
+
+
+def _gemma3_problem(h: Header) -> str | None:
+    if h.n_layer == _GEMMA3_27B_LAYERS and _gemma3_scales_differ(h):
+        return ("llama.cpp picks Gemma 3 27B's attention scale by its layer count (62), which no slice "
+                "has, so a split would not compute the same model")
+    return None
+
+
+def _gemma3_slice_problem(h: Header, lo: int, hi: int) -> str | None:
+    if hi - lo == _GEMMA3_27B_LAYERS and _gemma3_scales_differ(h):
+        return "are 62 layers, which llama.cpp takes for Gemma 3 27B (another attention scale)"
+    return None
+
+
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
         # Llama 2/3, Mistral, SmolLM2 (and Mixtral: experts in the same layer names)
         Arch("llama"),
         # Gemma 3: five sliding-window layers, then a global one (each with its own rope base)
-        Arch("gemma3", swa_default_period=6, swa_needs_window=True),
+        # (27B: see _gemma3_problem)
+        Arch("gemma3", swa_default_period=6, swa_needs_window=True, slice_problem=_gemma3_slice_problem,
+             model_problem=_gemma3_problem),
         Arch("qwen2"),  # q/k/v biases
         Arch("qwen3"),  # per-head q/k norms, an explicit head width
+        # Qwen3 MoE (30B-A3B, 235B-A22B): Qwen3's attention, then routed experts only
+        Arch("qwen3moe"),
+        # gpt-oss (20b, 120b): even layers slide (window 128), odd ones are global; attention
+        # sinks, biases everywhere, MXFP4 experts: none of it depends on a layer's index but the
+        # windows
+        Arch("gpt-oss", swa_default_period=2),
+        # DeepSeek V2/V3 and kin (Kimi K2, GLM-4.7-Flash): multi-head latent attention (a cell
+        # is one compressed K, no V), leading dense layers, shared experts, an MTP block after
+        # the trunk; decisions llama.cpp makes from the layer count are written out
+        Arch("deepseek2", dense_lead=True, slice_keys=_deepseek2_keys, slice_problem=_deepseek2_slice_problem),
+        # Phi-3 and Phi-4: fused q/k/v and gate/up; LongRoPE factors picked by the context size
+        # (the same on every stage: each has the conversation's n_ctx)
+        Arch("phi3"),
         # Qwen3.5 MoE: three Gated DeltaNet layers to one gated full-attention layer, routed and
         # shared experts in every layer, M-RoPE, a next-token block after the trunk; its cache
         # is KV cells for the attention layers and one state per sequence for the others, whose
@@ -253,8 +323,19 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-def arch_of(name: str) -> Arch | None:
-    return ARCHS.get(name)
+# Architectures read and found unsplittable with the llama.cpp potluck runs, and why
+REFUSED: dict[str, str] = {
+    # models/glm4-moe.cpp and glm4.cpp: GGML_ABORT when a batch holds embeddings and the model has
+    # no M-RoPE sections ("This GGUF does not support multimodal")
+    "glm4moe": "llama.cpp's GLM-4.5 graph aborts when a stage after the first gives it hidden states "
+               "instead of tokens",
+    "glm4": "llama.cpp's GLM-4 graph aborts when a stage after the first gives it hidden states instead of tokens",
+    # models/gemma4.cpp: E2B/E4B's per-layer embeddings are looked up from the token ids inside
+    # every layer, and their last layers reuse earlier layers' KV (shared_kv_layers); 26B-A4B and
+    # 31B have neither but were not verified (no fixture of them yet)
+    "gemma4": "Gemma 4 is not verified for splitting (its small models read token ids in every layer and "
+              "share KV across layers)",
+}
 
 
 def supported() -> str:
@@ -266,8 +347,17 @@ def unsplittable_reason(h: Header) -> str | None:
     """Why this model cannot be split exactly (its architecture or the file itself), or None."""
     arch = ARCHS.get(h.arch)
     if arch is None:
-        return f"architecture {h.arch!r} is not verified for exact layer splitting (supported: {supported()})"
+        known = f": {REFUSED[h.arch]}" if h.arch in REFUSED else " is not verified for exact layer splitting"
+        return f"architecture {h.arch!r}{known} (supported: {supported()})"
     return arch.problem(h)
+
+
+def experts(h: Header) -> tuple[int, int, int]:
+    """(routed experts per layer, how many a token is sent to, shared experts): zeros for a
+    dense model. DeepSeek's kin count their shared experts; Qwen's (Qwen2 MoE, Qwen3-Next,
+    Qwen3.5 MoE) have one, known only by its width (``n_ff_shexp`` in llama.cpp)."""
+    shared = h.int_of("expert_shared_count") or (1 if h.int_of("expert_shared_feed_forward_length") else 0)
+    return h.int_of("expert_count"), h.int_of("expert_used_count"), shared
 
 
 def require_splittable(h: Header, name: str) -> Arch:
@@ -326,9 +416,11 @@ def layer_bytes(h: Header) -> tuple[list[int], list[int]]:
 
 
 def kv_bytes_per_token_layer(h: Header) -> int:
-    """A layer's KV cache for one token (BF16 K and V, the widest layer's)."""
+    """A layer's KV cache for one token (BF16 K and V, the widest layer's). Multi-head latent
+    attention (``key_length_mla`` set) keeps K only: V is a view of it (llama-kv-cache.cpp)."""
     n_embd = h.int_of("embedding_length")
     n_head = h.int_of("attention.head_count", 1) or 1
     n_head_kv = h.int_of("attention.head_count_kv", n_head) or n_head
-    head_dim = h.int_of("attention.key_length", n_embd // n_head)
-    return 2 * n_head_kv * head_dim * 2
+    k_width = h.int_of("attention.key_length", n_embd // n_head)
+    v_width = 0 if h.int_of("attention.key_length_mla") else h.int_of("attention.value_length", n_embd // n_head)
+    return 2 * n_head_kv * (k_width + v_width)

@@ -133,3 +133,5 @@ class ClusterView:
     # (node, state, detail) of the stages that are not "ok" now: a loss being recovered shows
     # here at once, while the reply thread waits for the new chain (10-18 s)
     health: tuple[tuple[str, str, str], ...] = ()
+    # the plan's mixture of experts: routed experts per layer, used a token, shared (0s: dense)
+    experts: tuple[int, int, int] = (0, 0, 0)

@@ -99,10 +99,13 @@ def _field_value(field) -> object:
 
 
 def describe(path: Path) -> dict[str, object]:
-    """Architecture, layer count (the trunk: next-token blocks left out), sizes: read from the
-    header without loading weights."""
+    """Architecture, layer count (the trunk: next-token blocks left out), sizes, experts, whether
+    a split over machines is exact (``split_problem``: None, or why not) and what a stage of it
+    keeps (``cache``, its table entry's; None outside the table): read from the header without
+    loading weights."""
     path = Path(path)
     h = archs.read_header(open_reader(path))
+    n_expert, n_used, n_shared = archs.experts(h)
     return {
         "path": str(path),
         "arch": h.arch,
@@ -110,6 +113,11 @@ def describe(path: Path) -> dict[str, object]:
         "n_embd": h.int_of("embedding_length"),
         "n_vocab": h.n_vocab,
         "size_mb": path.stat().st_size / 1e6,
+        "n_expert": n_expert,
+        "n_expert_used": n_used,
+        "n_expert_shared": n_shared,
+        "split_problem": archs.unsplittable_reason(h),
+        "cache": archs.ARCHS[h.arch].cache if h.arch in archs.ARCHS else None,
     }
 
 

@@ -17,7 +17,7 @@ interleaved sliding-window models)::
         cell_count x (i32 pos, u32 n_seq_id (=1), i32 seq_id)       # cell metadata
         u32 v_trans (=0 with flash attention), u32 n_layer
         n_layer x (i32 k_type, u64 k_row_bytes, cell_count x k_row_bytes)
-        n_layer x (i32 v_type, u64 v_row_bytes, cell_count x v_row_bytes)
+        n_layer x (i32 v_type, u64 v_row_bytes, cell_count x v_row_bytes)   # unless K only (MLA)
 
 F16 and BF16 take two bytes per value, so a state keeps its size and is rewritten in place.
 Anything else in the layout (transposed V, M-RoPE cell extensions, several non-empty streams)
@@ -111,10 +111,12 @@ def _u32(buf: bytearray, at: int) -> int:
     return struct.unpack_from("<I", buf, at)[0]
 
 
-def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int) -> bytearray:
+def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int, values: bool = True) -> bytearray:
     """``state`` (one sequence, F16 or BF16 cells) with its values in ``to_type``, laid out
     for a context with ``n_stream`` KV streams (1 unless it has one per sequence). The values
-    are converted in place; the result is ``state`` itself unless the stream count changes."""
+    are converted in place; the result is ``state`` itself unless the stream count changes.
+    ``values``: whether the cache keeps V rows (not with multi-head latent attention: the
+    layout does not say, and a K-only section read as K and V runs into the next one)."""
     if to_type not in _TYPES:
         raise KvStateError(f"only F16 and BF16 caches are converted, not ggml type {to_type}")
     if n_stream < 1:
@@ -125,7 +127,7 @@ def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int) -> bytea
     blocks: list[tuple[int, int, int]] = []  # (type offset, data offset, bytes) of each K/V block
     at = 8
     while at < len(state):
-        section = _read_section(state, at, blocks)
+        section = _read_section(state, at, blocks, 2 if values else 1)
         sections.append(section)
         at = section.end
     translate = _translate()
@@ -139,8 +141,9 @@ def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int) -> bytea
     return _relayout(state, sections, n_stream)
 
 
-def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]]) -> _Section:
-    """Check one KV cache's section starting at ``at`` and note its K/V blocks."""
+def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]], per_layer: int) -> _Section:
+    """Check one KV cache's section starting at ``at`` and note its K/V blocks (``per_layer``:
+    2, K and V, or 1, K only)."""
     n_stream = _u32(state, at)
     at += 4
     filled_at = filled_end = -1
@@ -161,7 +164,9 @@ def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]])
         at += 8
         if v_trans:
             raise KvStateError("a transposed V cache (flash attention off) is not converted")
-        for _ in range(2 * n_layer):  # K of every layer, then V of every layer
+        for _ in range(per_layer * n_layer):  # K of every layer, then V of every layer
+            if at + 12 > len(state):
+                raise KvStateError("the state ends inside its KV blocks")
             kind, row_bytes = struct.unpack_from("<iQ", state, at)
             if kind not in _TYPES or row_bytes % 2:
                 raise KvStateError(f"a KV cache of ggml type {kind} is not converted (F16 and BF16 are)")

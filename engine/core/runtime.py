@@ -148,6 +148,12 @@ class Model(NativeObject):
         )
 
     @property
+    def kv_values(self) -> bool:
+        """Whether a KV cell keeps a V row beside its K: not with multi-head latent attention
+        (DeepSeek's MLA: ``key_length_mla`` set), whose V is a view of the compressed K."""
+        return not self.meta(f"{self.arch}.attention.key_length_mla")
+
+    @property
     def recurrent(self) -> bool:
         """Layers with a recurrent state (Mamba, Gated DeltaNet; alone or beside attention):
         a sequence's tail can then be dropped only as far as the state was kept

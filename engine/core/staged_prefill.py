@@ -58,6 +58,7 @@ class StagedPrefill:
         self.counters = PrefillCounters()
         p = main.params
         self._n_stream = 1 if p.kv_unified else max(1, p.n_seq_max)
+        self._values = main.model.kv_values
         warm_up()  # with the model's load, not in the middle of a reply
 
     @staticmethod
@@ -111,7 +112,8 @@ class StagedPrefill:
         twin = Context(self.main.model, params, abort_flag_of=self.main)
         try:
             if self.main.seq_pos_max(seq) >= 0:
-                twin.set_seq_state(0, convert_seq_state(self.main.seq_state(seq), GGML_TYPE_F16, n_stream=1))
+                twin.set_seq_state(0, convert_seq_state(
+                    self.main.seq_state(seq), GGML_TYPE_F16, n_stream=1, values=self._values))
         except KvStateError as e:
             twin.close()
             log.info("prompt prefilled in BF16: %s", e)
@@ -132,7 +134,8 @@ class StagedPrefill:
         self.twin = None
         try:
             if twin.seq_pos_max(0) >= 0:
-                state = convert_seq_state(twin.seq_state(0), GGML_TYPE_BF16, n_stream=self._n_stream)
+                state = convert_seq_state(
+                    twin.seq_state(0), GGML_TYPE_BF16, n_stream=self._n_stream, values=self._values)
                 self.main.set_seq_state(self.seq, state)
             else:
                 self.main.seq_rm(self.seq)

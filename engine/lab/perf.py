@@ -2,7 +2,8 @@
 
 The batch-cost curve (time of a k-token decode relative to a 1-token decode) decides
 whether speculation can pay: on few cores small models are compute-bound and k tokens
-cost almost k times one token (docs/facts.md §6).
+cost almost k times one token (docs/facts.md §6). A batch holds the reply's own last k tokens:
+a mixture of experts reads the experts of every token in it (up to k x top-k of them).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..core.errors import PotluckError
 from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams, Model
-from ..core.target import LocalTarget
+from ..core.target import MAX_EXACT_BATCH, LocalTarget
 
 PROMPT = (
     "<|im_start|>user\nExplain, step by step, how a bicycle stays upright while it moves, "
@@ -49,6 +51,8 @@ def measure(
     progress: Callable[[str], None] = lambda line: None,
 ) -> PerfReport:
     """``progress`` hears one line per step (a run takes tens of seconds on a small machine)."""
+    if not ks or min(ks) < 1 or max(ks) > MAX_EXACT_BATCH:
+        raise PotluckError(f"batch sizes run from 1 to {MAX_EXACT_BATCH} (a verify batch's most), not {list(ks)}")
     target = LocalTarget(model, ContextParams(n_ctx=2048, n_threads=n_threads))
     try:
         base = model.tokenize(PROMPT)
@@ -67,14 +71,18 @@ def measure(
             target.truncate(0)
             logits = target.decode(base)[-1]
             tok = int(logits.argmax())
+            reply = []
             t0 = time.perf_counter()
             for _ in range(decode_tokens):
                 tok = int(target.decode([tok])[-1].argmax())
+                reply.append(tok)
             decode_rates.append(decode_tokens / (time.perf_counter() - t0))
 
             n0 = target.n_past
             for k in ks:
-                batch = [tok] * k
+                # the reply's own tokens, as a verify batch holds them: a mixture routes different
+                # tokens to different experts (k copies of one token would share theirs)
+                batch = (reply * (k // len(reply) + 1))[-k:]
                 t0 = time.perf_counter()
                 target.decode(batch, all_logits=True)
                 batch_ms[k].append((time.perf_counter() - t0) * 1e3)

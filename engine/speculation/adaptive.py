@@ -105,28 +105,33 @@ class SpeculationLength:
 class DraftBreakEven:
     """How likely a drafted token must be accepted to be worth drafting and verifying.
 
-    One more draft token makes the verify batch longer by a measured ``m`` ms and costs
-    ``d`` ms to draft; it saves a whole plain step (``a`` ms) only if accepted. It pays when
-    P(accept) > (m + d) / a. On this box batches cost nearly linearly (docs/facts.md §6:
-    compute-bound), so the threshold is high; on memory-bound machines the batch curve is
-    flat and it falls towards 0. ``a`` and ``m`` come from a least-squares line through the
-    (batch size, verify ms) of recent rounds, so nothing about the machine is assumed.
+    Drafting ``k`` tokens makes the verify batch ``k`` rows longer, which costs ``c(1 + k) -
+    c(1)`` ms on the batch-cost curve ``c``, plus ``d`` ms a token to draft; a drafted token
+    saves a whole plain step (``c(1)`` ms) only if accepted. It pays when P(accept) > (the
+    row's share of that + d) / c(1). The curve is measured, never assumed: each batch size's
+    fastest recent verify time, linear between measured sizes, a least-squares line through
+    them past the largest (docs/facts.md §6, §33). It is not a line: Q4_0 batches of 4 rows
+    cost less than 2 (§20), and a mixture of experts reads up to k x top-k experts for k rows,
+    so its first extra rows cost more than later ones (§33). On a compute-bound box the
+    threshold is high; on memory-bound machines the curve is flat and it falls towards 0.
     """
 
     def __init__(self, window: int = 96, prior: float = 0.6) -> None:
         # Recent timings per batch size: a long run of plain steps (size 1) must not evict
-        # the multi-token measurements, or the line is lost and drafting (and a draft
+        # the multi-token measurements, or the curve is lost and drafting (and a draft
         # model's costly catch-up) would restart from the prior again and again.
         self._per_size = max(4, window // 8)
         self._verify: dict[int, deque[float]] = {}
         self.prior = prior
-        # the fitted line, refitted only after a new timing: a speculative round asks for it
-        # twice, and np.polyfit took about a millisecond a round (a tenth of a 135M step)
+        # the fastest time per size and the fitted line, refitted only after a new timing: a
+        # speculative round asks for them several times, and np.polyfit took about a
+        # millisecond a round (a tenth of a 135M step)
+        self._points: list[tuple[int, float]] = []
         self._fit: tuple[float, float] | None = None
         self._stale = True
 
     def samples(self) -> dict[int, list[float]]:
-        """The timings the line is fitted through (kept across conversations: engine/speculation/costs.py)."""
+        """The timings the curve comes from (kept across conversations: engine/speculation/costs.py)."""
         return {size: list(times) for size, times in self._verify.items()}
 
     def load(self, samples: dict[int, list[float]]) -> None:
@@ -142,21 +147,23 @@ class DraftBreakEven:
             self._verify.setdefault(batch, deque(maxlen=self._per_size)).append(verify_ms)
             self._stale = True
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, m): verify ms of a 1-token batch and of each extra token, if measurable.
-
-        Fitted through each batch size's fastest recent timing: another program taking a
-        core only ever slows a batch (by 10-100x when llama.cpp's threads wait for a
-        descheduled one, docs/facts.md §6), and a line fitted through such timings, kept on
-        disk, would stop drafting for good.
-        """
+    def _refresh(self) -> None:
+        """Each size's fastest recent timing: another program taking a core only ever slows a
+        batch (by 10-100x when llama.cpp's threads wait for a descheduled one, docs/facts.md
+        §6), and a curve through such timings, kept on disk, would stop drafting for good."""
         if self._stale:
+            self._points = sorted((size, min(times)) for size, times in self._verify.items() if times)
             self._fit, self._stale = self._fitted(), False
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, m): the least-squares line through the curve's points, verify ms of a 1-token
+        batch and of each extra token, if measurable (the curve past its largest size)."""
+        self._refresh()
         return self._fit
 
     def _fitted(self) -> tuple[float, float] | None:
         """Least squares through (size - 1, fastest ms), in closed form (a few points)."""
-        pts = [(size - 1.0, min(times)) for size, times in self._verify.items() if times]
+        pts = [(size - 1.0, ms) for size, ms in self._points]
         if len(pts) < 2:
             return None
         n = len(pts)
@@ -171,13 +178,38 @@ class DraftBreakEven:
             return None
         return a1, max(0.0, m)
 
-    def threshold(self, draft_step_ms: float = 0.0) -> float:
-        """``draft_step_ms``: what drafting one more token costs (a draft model's step)."""
+    def cost_ms(self, size: int) -> float | None:
+        """Verify ms of a batch of ``size`` rows on the measured curve (None: fewer than two
+        sizes measured)."""
         fit = self.line()
         if fit is None:
-            return self.prior
+            return None
+        pts = self._points
+        below = [(k, ms) for k, ms in pts if k <= size]
+        above = [(k, ms) for k, ms in pts if k >= size]
+        if below and above:
+            (k0, c0), (k1, c1) = below[-1], above[0]
+            return c0 if k1 == k0 else c0 + (c1 - c0) * (size - k0) / (k1 - k0)
         a, m = fit
-        return min(1.0, (m + draft_step_ms) / a)
+        if above:  # below the smallest measured size: the line's value there
+            return max(1e-6, min(above[0][1], a + m * (size - 1)))
+        k_last, c_last = pts[-1]  # past the largest: on from it at the line's slope
+        return c_last + m * (size - k_last)
+
+    def row_ms(self, k: int) -> float | None:
+        """What each of ``k`` drafted rows adds to a verify batch, on average, in ms."""
+        c1, ck = self.cost_ms(1), self.cost_ms(1 + max(1, k))
+        if c1 is None or ck is None:
+            return None
+        return max(0.0, (ck - c1) / max(1, k))
+
+    def threshold(self, draft_step_ms: float = 0.0, k: int = 1) -> float:
+        """The acceptance chance a drafted token needs when ``k`` are drafted this round;
+        ``draft_step_ms``: what drafting one more token costs (a draft model's step)."""
+        row, c1 = self.row_ms(k), self.cost_ms(1)
+        if row is None or c1 is None or c1 <= 0:
+            return self.prior
+        return min(1.0, (row + draft_step_ms) / c1)
 
 
 UNTIL_REPLY_END = 1 << 30  # a back-off no reply reaches: closed, the gate waits for the next reply

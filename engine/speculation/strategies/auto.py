@@ -2,9 +2,12 @@
 
 The pick, made before each reply's prompt is processed (:meth:`Auto.pick_for_reply`):
 
-- a draft model is loaded and the conversation is shorter than :data:`LONG_DOCUMENT_TOKENS`:
-  ``sd`` (the draft model drafts; each model gets every core in turn, which on a
-  compute-bound CPU beats PEARL's split of the cores);
+- a draft model is loaded, the conversation is shorter than :data:`LONG_DOCUMENT_TOKENS`, and
+  the measured batch-cost curve says a draft model can pay here at all (its drafting time and
+  the rows it adds cost less than the plain steps a sure draft saves: a mixture of experts'
+  verify batches read up to k x top-k experts, docs/facts.md §33): ``sd`` (the draft model
+  drafts; each model gets every core in turn, which on a compute-bound CPU beats PEARL's split
+  of the cores);
 - otherwise ``anpd``: N-gram drafts from the conversation itself. On a long document they
   are what pays: the reply copies names and phrases from it, and on a CPU each verified row
   costs nearly a full step's attention deep in a context (docs/facts.md §13), so only
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ...core.strategy import Generation, Round, Strategy
 from .kit import LENGTH_OPTIONS
-from .speculative import DraftModelSpeculative, NgramSpeculative
+from .speculative import DraftModelSpeculative, NgramSpeculative, Speculative
 
 if TYPE_CHECKING:
     from ...core.runtime import Model
@@ -42,21 +45,22 @@ class Auto(Strategy):
     description = "picks per reply: sd with a draft model on a chat, anpd otherwise (N-grams)"
     options = LENGTH_OPTIONS
 
-    def __init__(self, ngram: Strategy, draft: Strategy | None) -> None:
+    def __init__(self, ngram: Speculative, draft: Speculative | None) -> None:
         self.ngram = ngram
         self.draft = draft
-        self.current: Strategy = draft or ngram
+        self.current: Speculative = draft or ngram
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         cls.check_options(spec.strategy_options)  # the length options, passed to both picks
         ngram = NgramSpeculative.build(target_model, spec)
         draft = DraftModelSpeculative.build(target_model, spec) if spec.draft is not None else None
+        assert isinstance(ngram, Speculative) and (draft is None or isinstance(draft, Speculative))
         return cls(ngram, draft)
 
     def choose(self, n_tokens: int) -> Strategy:
         """The strategy for a reply to a conversation of ``n_tokens`` tokens."""
-        if self.draft is not None and n_tokens < LONG_DOCUMENT_TOKENS:
+        if self.draft is not None and n_tokens < LONG_DOCUMENT_TOKENS and self.draft.sure_draft_pays():
             return self.draft
         return self.ngram
 

@@ -148,13 +148,15 @@ class Speculative(Strategy):
         Never past the reply's end or the exact batch size; the gate keeps the whole reply
         from falling below plain decoding."""
         if self.adaptive:
-            fit = self.break_even.line()  # risk of one more row: its verify + draft cost
-            row_ms = fit[1] + self.drafter.step_ms if fit else None
-            s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
+            # risk of each row: its share of the verify batch on the measured curve + its draft
+            wanted = self.length.length()
+            verify_row = self.break_even.row_ms(wanted)
+            row_ms = verify_row + self.drafter.step_ms if verify_row is not None else None
+            s = min(wanted, self.gate.draft_cap(self.length_config.s_max, row_ms))
         else:
             s = self.length_config.s_max
         k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
-        min_accept_p = self.break_even.threshold(self.drafter.step_ms) if self.adaptive else 0.0
+        min_accept_p = self.break_even.threshold(self.drafter.step_ms, max(1, k)) if self.adaptive else 0.0
         if min_accept_p >= 1.0:
             # not even a sure draft pays here now: plain step, no draft sync; but now and
             # then a short probe re-measures what a batch costs (the line may be stale)
@@ -164,6 +166,15 @@ class Speculative(Strategy):
             else:
                 self._blocked, min_accept_p, k = 0, 0.0, min(k, PROBE_LEN)
         return k, min_accept_p, self.drafter
+
+    def sure_draft_pays(self) -> bool:
+        """Whether a draft the target always accepts would beat plain steps here: the rows it
+        adds on the measured batch-cost curve plus its drafting time cost less than the plain
+        steps it saves (a draft model on a mixture whose verify batches read many experts may
+        not). True while nothing is measured, and without the adaptive controls."""
+        if not self.adaptive:
+            return True
+        return self.break_even.threshold(self.drafter.step_ms, self.length.length()) < 1.0
 
     def learn(self, drafter: Drafter, drafted: int, accepted: int) -> None:
         """The round's drafter hears how many of its ``drafted`` tokens the target kept."""

@@ -154,13 +154,13 @@ class TriForce(Speculative):
         (:meth:`Speculative.prepare`)."""
         drafter: Drafter = self.retrieval
         if self.adaptive:
-            step_ms = self.retrieval.step_ms
-            min_accept_p = self.break_even.threshold(step_ms)
+            step_ms, wanted = self.retrieval.step_ms, self.length.length()
+            min_accept_p = self.break_even.threshold(step_ms, wanted)
             if min_accept_p >= 1.0:
-                drafter, min_accept_p = self.ngram, self.break_even.threshold(0.0)
-            fit = self.break_even.line()
-            row_ms = fit[1] + (0.0 if drafter is self.ngram else step_ms) if fit else None
-            s = min(self.length.length(), self.gate.draft_cap(self.length_config.s_max, row_ms))
+                drafter, min_accept_p = self.ngram, self.break_even.threshold(0.0, wanted)
+            verify_row = self.break_even.row_ms(wanted)  # each row's share on the measured curve
+            row_ms = verify_row + (0.0 if drafter is self.ngram else step_ms) if verify_row is not None else None
+            s = min(wanted, self.gate.draft_cap(self.length_config.s_max, row_ms))
         else:
             s, min_accept_p = self.length_config.s_max, 0.0
         k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))

@@ -1,0 +1,178 @@
+"""The per-architecture rules of engine/core/archs.py, read off slices' headers and the planner
+(no llama.cpp): what a slice rewrites, which slices are refused, how layers count. The slices'
+exactness is tests/test_archs_exact.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.cluster.plan import layer_costs, manual_plan, slice_problem
+from potluck.engine.core import archs
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.gguf_tools import describe, layer_layout, open_reader, write_layers
+from potluck.engine.lab.fixtures import SHAPES, build_shape
+from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
+
+
+def header_of(path: Path) -> archs.Header:
+    return archs.read_header(open_reader(path))
+
+
+def sliced(path: Path, layer_map: list[int], tmp_path: Path) -> archs.Header:
+    return header_of(write_layers(path, tmp_path / f"s{layer_map[0]}-{len(layer_map)}.gguf", layer_map))
+
+
+def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> None:
+    """llama.cpp's default pattern (period 2) says even layers slide: a slice starting at an
+    odd layer carries the explicit array, and one without a sliding layer is never planned."""
+    path = build_shape("gpt-oss-small")
+    h = header_of(path)
+    assert archs.ARCHS["gpt-oss"].swa_layers(h) == (True, False, True, False, True, False)
+    s = sliced(path, [1, 2, 3], tmp_path)
+    assert s.get("attention.sliding_window_pattern") == [False, True, False]
+    costs = layer_costs(path)
+    assert slice_problem(costs, 1, 2) == "hold no sliding-window layer, which llama.cpp cannot load"
+    with pytest.raises(PotluckError, match="layers 3-4 hold no sliding-window layer"):
+        manual_plan(costs, [], [0, 3], 256)
+
+
+def test_deepseek2_slices_count_their_own_dense_layers_and_leave_the_mtp_block_out(tmp_path: Path) -> None:
+    path = build_shape("deepseek2-small")
+    h = header_of(path)
+    assert (h.n_layer_all, h.n_nextn, h.n_layer) == (5, 1, 4)  # an MTP block after 4 trunk layers
+    assert describe(path)["n_layer"] == 4
+    first, later = sliced(path, [0, 1], tmp_path), sliced(path, [2, 3], tmp_path)
+    assert first.get("leading_dense_block_count") == 1 and later.get("leading_dense_block_count") == 0
+    for s in (first, later):
+        assert s.n_layer_all == 2 and s.n_nextn == 0
+        assert not any(".nextn." in name for name in s.tensor_bytes)
+    with pytest.raises(PotluckError, match="is outside 0..3"):
+        layer_layout(path, [3, 4])  # the MTP block is not a layer to split
+    with pytest.raises(PotluckError, match="dense layers .* must come before its expert layers"):
+        layer_layout(path, [1, 0])
+
+
+def test_deepseek2_decisions_from_the_layer_count_are_written_out_or_refused() -> None:
+    """llama.cpp takes a 26- or 27-layer deepseek2 for a Lite model (no low-rank query) and
+    defaults the gating function by layer count: a slice must not change either."""
+    values = {"general.architecture": "deepseek2", "deepseek2.block_count": 61}
+    full = archs.Header("deepseek2", {**values, "deepseek2.attention.q_lora_rank": 1536}, n_vocab=129280)
+    lite = archs.Header("deepseek2", {**values, "deepseek2.block_count": 27}, n_vocab=102400)
+    entry = archs.ARCHS["deepseek2"]
+    rules = archs.slice_rules(full)
+    assert rules.why_not(0, 27) is not None and rules.why_not(1, 27) is not None
+    assert rules.why_not(0, 28) is None and archs.slice_rules(lite).why_not(0, 26) is None
+    assert entry.rewrites(full, range(30))["expert_gating_func"] == archs.GATING_SOFTMAX
+    assert "attention.q_lora_rank" not in entry.rewrites(full, range(30))
+    assert entry.rewrites(lite, range(10))["attention.q_lora_rank"] == 0
+
+
+def test_memory_counts_every_expert_time_only_those_a_token_uses() -> None:
+    """A mixture's layer: all experts resident, a token reads expert_used_count of
+    expert_count of them (shared experts and the rest whole)."""
+    for name in ("qwen3moe-small", "gpt-oss-small", "deepseek2-small"):
+        s, h = SHAPES[name], header_of(build_shape(name))
+        memory, time = archs.layer_bytes(h)
+        i = s.n_layer - 1
+        routed = sum(b for t, b in h.tensor_bytes.items() if t.startswith(f"blk.{i}.ffn_") and "_exps." in t)
+        assert routed > 0 and memory[i] - time[i] == routed - routed * s.n_expert_used // s.n_expert, name
+        costs = layer_costs(build_shape(name))
+        assert costs.layer_bytes == tuple(memory) and costs.time_bytes == tuple(time)
+    dense = layer_costs(build_shape("qwen3-small"))
+    assert dense.time_bytes is None  # a dense model reads every byte
+
+
+def test_mla_cells_keep_k_only() -> None:
+    h = header_of(build_shape("deepseek2-small"))
+    s = SHAPES["deepseek2-small"]
+    assert archs.kv_bytes_per_token_layer(h) == 2 * (s.kv_lora_rank + s.rope_dim)
+
+
+def test_an_architecture_outside_the_table_is_refused_naming_those_in_it() -> None:
+    h = archs.Header("bloom", {"general.architecture": "bloom"})
+    why = archs.unsplittable_reason(h)
+    assert why is not None and "'bloom'" in why and all(a in why for a in archs.ARCHS)
+
+
+def test_gemma3_27b_is_refused_its_attention_scale_depends_on_the_layer_count() -> None:
+    values = {"gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128}
+    g27 = archs.Header("gemma3", {**values, "gemma3.block_count": 62})
+    assert "attention scale" in (archs.unsplittable_reason(g27) or "")
+    other = archs.Header("gemma3", {**values, "gemma3.block_count": 80})
+    assert archs.unsplittable_reason(other) is None
+    assert archs.slice_rules(other).why_not(0, 62) is not None and archs.slice_rules(other).why_not(0, 61) is None
+
+
+def test_potluck_models_says_whether_a_file_splits_and_why_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gguf
+
+    from potluck.app.cli import main
+
+    glm = tmp_path / "glm.gguf"
+    w = gguf.GGUFWriter(str(glm), arch="glm4moe")
+    w.add_block_count(1)
+    w.add_expert_count(128)
+    w.add_expert_used_count(8)
+    w.add_uint32("glm4moe.expert_shared_count", 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    assert main(["models", str(build_shape("gpt-oss-small")), str(glm)]) == 0
+    out = capsys.readouterr().out
+    oss, glm_part = out.split("gpt-oss-small", 1)[1].split("glm.gguf", 1)
+    assert "arch gpt-oss, 6 layers" in oss and "2 of 8 experts a token" in oss
+    assert "split over machines (--nodes): yes" in oss
+    assert "8 of 128 experts + 1 shared a token" in glm_part
+    assert "split over machines (--nodes): no: architecture 'glm4moe': llama.cpp's GLM-4.5 graph aborts" in glm_part
+    # Qwen3.5's one shared expert is known by its width alone (no expert_shared_count)
+    assert main(["models", str(build_hybrid_shape("qwen35moe-small"))]) == 0
+    assert "2 of 8 experts + 1 shared a token, cache kv+recurrent" in capsys.readouterr().out
+
+
+def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: pytest.CaptureFixture[str]) -> None:
+    """`potluck nodes -m MODEL`: the plan --nodes auto would make over the workers advertised
+    (here two records on loopback, no worker behind them: nothing is joined)."""
+    from potluck.app.cli import main
+    from potluck.discovery.lan import Advertiser
+    from potluck.engine.cluster.profile import NodeProfile
+
+    ads = [Advertiser(NodeProfile(f"moenode{i}", 2, 4000, 3.0), 41000 + i, "9.9", interfaces=["127.0.0.1"])
+           for i in range(2)]
+    try:
+        for ad in ads:
+            ad.start()
+        path = build_shape("gpt-oss-small")
+        assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "moenode0" in out and "moenode1" in out, out
+        assert "split plan: 6 layers over" in out and "2 of 8 experts a token (all resident)" in out, out
+        assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(path), "--ctx", "4000000"]) == 1
+        assert "no plan for gpt-oss-small" in capsys.readouterr().out
+    finally:
+        for ad in ads:
+            ad.close()
+
+
+def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
+    """Memory counts every expert, time only the routed ones a token reads: the plan's stage
+    sizes hold all of a layer, its prediction (synchronous: the stages in turn, then the
+    head's layer and output matrix) the quarter a token reads."""
+    from potluck.engine.cluster.plan import WEIGHT_BYTES_PER_S_PER_SPEED, LayerCosts, NodeInfo, plan_split
+
+    mb = 1 << 20
+    costs = LayerCosts("qwen3moe", (100 * mb,) * 10, 10 * mb, 1024, 1000, 64, time_bytes=(25 * mb,) * 10,
+                       experts=(8, 2, 0), output_bytes=20 * mb)
+    nodes = [NodeInfo("a", "x:1", 4000, 2.0), NodeInfo("b", "y:1", 4000, 2.0)]
+    plan = plan_split(costs, nodes, 512, head_speed=4.0)
+    w = WEIGHT_BYTES_PER_S_PER_SPEED
+    assert plan.predicted_tokens_per_s == pytest.approx(1 / (9 * 25 * mb / (2.0 * w) + 45 * mb / (4.0 * w)))
+    assert [s.hi - s.lo for s in plan.stages] in ([4, 5], [5, 4])
+    assert all(s.mem_mb > (s.hi - s.lo) * 100 for s in plan.stages)  # every expert resident
+    assert "2 of 8 experts a token (all resident)" in plan.describe()[0]
+    assert "predicted: about" in plan.describe()[-1]
+    assert plan_split(costs, nodes, 512).predicted_tokens_per_s is None  # the head's speed unknown
