@@ -283,7 +283,7 @@ class SampledReplies:
     sampled reply that speculated reports what its drafting rounds saved against plain steps
     (the gate's ledger); one that saved nothing, or had no draft pass, is followed by plain
     replies, 1, 2, 4 ... up to ``max_skip`` of them, before speculation is tried again, and one
-    that saved resets the back-off: drafts that never pass then cost one reply in ``max_skip``.
+    that saved resets the back-off: drafts that never pass then cost one reply in ``max_skip`` + 1.
     Greedy replies are not its business (their drafts pass far more often).
     """
 
