@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,6 +116,8 @@ def main() -> int:
     args = ap.parse_args()
     if not (args.bin / "llama-server").is_file():
         raise SystemExit(f"no llama-server in {args.bin} (build it with ../shared/tools/build-llama-tools.sh)")
+    # a kill (timeout, kill PID) still stops both servers: they run in their own sessions
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = resolve_model(None)
     home = Path(tempfile.mkdtemp(prefix="potluck-vs-llama-"))
     print(f"load before: {load()}", file=sys.stderr)
