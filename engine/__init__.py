@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         TokenText,
     )
     from .core.gguf_tools import describe as describe_gguf
+    from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
-    from .loader import checked_spec, open_session, resolve_model, strategy_fits
+    from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
     PLAIN: str
@@ -82,6 +83,7 @@ _WHERE = {
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
     "describe_gguf": ".core.gguf_tools:describe",
+    "Lanes": ".core.lanes:Lanes",
     "Prompt": ".core.prompt:Prompt",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
@@ -95,6 +97,7 @@ _WHERE = {
     "EngineSpec": ".core.spec:EngineSpec",
     "checked_spec": ".loader:checked_spec",
     "open_session": ".loader:open_session",
+    "open_lanes": ".loader:open_lanes",
     "resolve_model": ".loader:resolve_model",
     "strategy_fits": ".loader:strategy_fits",
     "STRATEGIES": ".speculation.strategies.registry:STRATEGIES",
@@ -135,6 +138,7 @@ __all__ = [
     "EngineSpec",
     "Event",
     "Finished",
+    "Lanes",
     "Message",
     "Model",
     "ModelError",
@@ -158,6 +162,7 @@ __all__ = [
     "describe_gguf",
     "get_strategy_class",
     "measure_profile",
+    "open_lanes",
     "open_session",
     "paths",
     "printable",

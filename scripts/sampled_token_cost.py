@@ -1,4 +1,4 @@
-"""Where a sampled token's extra time goes outside llama.cpp (issue 43's profile, docs/facts.md §32).
+"""Where a sampled token's extra time goes outside llama.cpp (issue 43's profile, docs/facts.md §33).
 
 One plain reply per setting on the bundled model, greedy and sampled, and for each the CPU time
 per token of the thread that runs the session (the sampler, the per-reply generator, the events:

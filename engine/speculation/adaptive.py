@@ -278,7 +278,7 @@ class SampledReplies:
 
     A sampled draft passes with the target's probability of it, not whenever it is the argmax,
     so drafts that pass in greedy replies often fail at temperature 0.8; on a chat they hardly
-    ever pass (docs/facts.md §32). :class:`DraftGate` bounds the loss within a reply, but a
+    ever pass (docs/facts.md §33). :class:`DraftGate` bounds the loss within a reply, but a
     reply that speculates still pays the gate's probes and its rounds' own overhead. So each
     sampled reply that speculated reports what its drafting rounds saved against plain steps
     (the gate's ledger); one that saved nothing, or had no draft pass, is followed by plain

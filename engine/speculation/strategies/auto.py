@@ -18,7 +18,7 @@ decoding when drafts are bad, and output is plain decoding's (greedy) or its dis
 (sampled), as for every strategy.
 
 Sampled replies have a floor across replies too (:class:`~..adaptive.SampledReplies`): at
-temperature 0.8 drafts pass far less often than in greedy replies (docs/facts.md §32), so a
+temperature 0.8 drafts pass far less often than in greedy replies (docs/facts.md §33), so a
 sampled reply whose drafts saved nothing is followed by plain ones (``auto: plain``, none of
 speculation's overhead) before the pick is tried again; one whose drafts paid keeps it.
 With ``adaptive=false`` every reply speculates, as the option promises.
@@ -47,6 +47,7 @@ LONG_DOCUMENT_TOKENS = 2048
 class Auto(Strategy):
     name = "auto"
     accepts_draft = True  # with --draft: sd on short conversations
+    shares_batches = True  # both picks do
     description = "picks per reply: sd with a draft on a chat, anpd otherwise; plain where sampled drafts don't pay"
     options = LENGTH_OPTIONS
 
