@@ -1,6 +1,7 @@
 """``auto`` picks by what is loaded and how long the conversation is (anpd on a short chat,
 sd with a draft model, anpd on a long document), names its pick in the events the panel
-shows, and the picked path runs (drafted > 0) with plain decoding's greedy output."""
+shows, and the picked path runs (drafted > 0) with plain decoding's greedy output; sampled
+replies whose drafts never pass are followed by plain ones."""
 
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ def test_a_long_document_goes_to_ngrams_even_with_a_draft(model: Model, model_pa
     strategy = auto.Auto.build(model, EngineSpec(model=model_path, strategy="auto", draft=weak_draft,
                                                  n_ctx=N_CTX, n_threads=THREADS))
     try:
-        assert strategy.pick_for_reply(auto.LONG_DOCUMENT_TOKENS - 1) == "auto: sd"
-        assert strategy.pick_for_reply(auto.LONG_DOCUMENT_TOKENS) == "auto: anpd"
-        assert strategy.pick_for_reply(4450) == "auto: anpd"
+        greedy = SamplingParams()
+        assert strategy.pick_for_reply(auto.LONG_DOCUMENT_TOKENS - 1, greedy) == "auto: sd"
+        assert strategy.pick_for_reply(auto.LONG_DOCUMENT_TOKENS, greedy) == "auto: anpd"
+        assert strategy.pick_for_reply(4450, greedy) == "auto: anpd"
     finally:
         strategy.close()
 
@@ -99,3 +101,30 @@ def test_a_draft_model_is_left_out_where_the_measured_curve_says_it_cannot_pay(
         assert strategy.choose(100) is strategy.ngram
     finally:
         strategy.close()
+
+
+def test_sampled_drafts_that_never_pass_send_the_next_sampled_replies_to_plain(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N-gram guesses replaced by a token the filters always remove (p = 0: never kept). The
+    first sampled reply speculates and none of its drafts passes, so the next sampled reply runs
+    plain, the one after probes again, then two run plain; greedy replies keep speculating."""
+    from potluck.engine.speculation.drafters import Draft
+    from potluck.engine.speculation.drafters.ngram import NgramDrafter
+
+    never = 49151  # the last token of the vocabulary: far outside any top-40
+    monkeypatch.setattr(NgramDrafter, "draft", lambda self, req: Draft([never] * min(2, req.max_tokens)))
+    session = open_session(EngineSpec(model=model_path, strategy="auto", n_ctx=N_CTX, n_threads=1))
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    try:
+        picks = []
+        for i, params in enumerate([sampled, sampled, SamplingParams(), sampled, sampled, sampled]):
+            session.messages.clear()
+            fin = [e for e in session.generate(PROMPTS[i % len(PROMPTS)], params, 12) if isinstance(e, Finished)][-1]
+            assert fin.accepted == 0  # no draft ever passes
+            picks.append(fin.strategy)
+        floor = session.strategy.sampled  # type: ignore[attr-defined]
+    finally:
+        session.close()
+    assert picks == ["auto: anpd", "auto: plain", "auto: anpd", "auto: anpd", "auto: plain", "auto: plain"]
+    assert floor.plain_replies == 3 and floor.backoff == 4

@@ -189,6 +189,20 @@ def test_seeded_sampled_request_repeats(client: openai.OpenAI) -> None:
     assert a == b != other
 
 
+def test_a_client_sending_only_temperature_gets_llama_servers_filters(server: RunningServer,
+                                                                       client: openai.OpenAI) -> None:
+    """/health shows what omitted options take (config.toml sets only temperature here: the rest
+    are the shipped defaults, llama-server's), and the log line the sampling a request ran with."""
+    defaults = server.health()["sampling_defaults"]
+    assert defaults == {"temperature": 0.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
+                        "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": None, "max_tokens": 512}
+    client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                   temperature=0.7)
+    wait_for(lambda: "temperature=0.7 top_k=40 top_p=0.95 min_p=0.05" in server.log(), show=server.log)
+    client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    wait_for(lambda: server.log().rstrip().endswith("temperature=0"), show=server.log)
+
+
 def test_four_clients_at_once_each_exact(server: RunningServer, client: openai.OpenAI,
                                          reference: Callable[[], Session]) -> None:
     """Four official clients at once: their steps share batches (the counters say so) and

@@ -7,7 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.speculation.adaptive import DraftBreakEven, DraftGate, LengthConfig, SpeculationLength
+from potluck.engine.speculation.adaptive import (
+    DraftBreakEven,
+    DraftGate,
+    LengthConfig,
+    SampledReplies,
+    SpeculationLength,
+)
 from potluck.engine.speculation.costs import CostBook, SavedLine
 
 
@@ -195,3 +201,25 @@ def test_gate_ignores_rounds_before_a_plain_cost_is_known() -> None:
     gate = DraftGate()
     gate.record(4, 1, 100.0)  # a drafting round, but no plain round measured yet
     assert gate.is_open() and gate.plain_ms is None
+
+
+def test_gate_books_each_replys_savings_for_the_next_reply_to_read() -> None:
+    """The ledger SampledReplies reads: uncapped savings of this reply's drafting rounds."""
+    gate, _, _ = run_gate(0.0, 60, 0)
+    assert gate.reply_saved_ms < 0  # every draft rejected: each drafting round cost more than a step
+    gate.new_reply()
+    assert gate.reply_saved_ms == 0.0
+
+
+def test_sampled_replies_back_off_while_drafts_save_nothing_and_reset_when_they_pay() -> None:
+    floor = SampledReplies(max_skip=4)
+    picks = []
+    for saved_ms, accepted in [(-5.0, 0), (-1.0, 3), (40.0, 0), (-2.0, 1), (30.0, 12), (-1.0, 0)]:
+        while not floor.speculate():
+            picks.append("plain")
+        picks.append("speculate")
+        floor.record(saved_ms, accepted)
+    # a loss skips 1, 2, 4, 4 replies (no passed draft is a loss whatever the clock says); a win resets
+    assert picks == ["speculate", "plain", "speculate", "plain", "plain", "speculate", *["plain"] * 4,
+                     "speculate", *["plain"] * 4, "speculate", "speculate"]
+    assert floor.plain_replies == 11 and floor.backoff == 2

@@ -120,6 +120,20 @@ def test_bench_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "speedup" in table and "prompt-lookup" in table
 
 
+def test_sampled_bench_seeds_every_strategy_alike(capsys: pytest.CaptureFixture[str]) -> None:
+    """--temp: sampled replies, one seed per prompt for every strategy; 'identical' is n/a and the
+    greedy-only prompt-lookup baseline is refused in one line."""
+    rc, out, _ = run_cli(capsys, "bench", "--families", "chat", "--strategies", "anpd", "--temp", "0.8",
+                         "--max-tokens", "6", "--reps", "1", "-t", "1", "--json")
+    assert rc == 0
+    rows = json.loads(out)
+    assert [r["strategy"] for r in rows] == ["plain", "anpd"]
+    assert all(r["identical_to_ar"] is None and r["temperature"] == 0.8 for r in rows)
+    assert "temperature 0.8" in format_table([BenchRow(**r) for r in rows])
+    rc, _, err = run_cli(capsys, "bench", "--families", "chat", "--strategies", "peer", "--temp", "0.8")
+    assert_one_line_error(rc, err, "greedily")
+
+
 def test_bench_bad_family(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run_cli(capsys, "bench", "--families", "poetry", "--reps", "1")
     assert_one_line_error(rc, err, "poetry")

@@ -69,6 +69,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
+        "--temp", type=float, default=0.0,
+        help="sample every reply at this temperature with llama.cpp's default filters (top-k 40, top-p 0.95, "
+        "min-p 0.05), one seed per prompt for every strategy (default 0: greedy)",
+    )
+    p.add_argument(
         "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
         help="the target's KV cache: bf16 (default; prompts prefilled at F16's speed) or f16 (1-token steps "
         "on one thread)",
@@ -211,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         n_threads=validate.threads(args.threads, "--threads"),
         options=_parse_options(args.option),
         kv_cache=args.kv,
+        temperature=args.temp,
     )
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     rows = run_bench(cfg, progress)
@@ -307,6 +313,10 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _identical(same: bool | None) -> str:
+    return "n/a" if same is None else "yes" if same else "NO"
+
+
 def format_table(rows: list[BenchRow]) -> str:
     if not rows:
         return "(no rows)"
@@ -316,6 +326,8 @@ def format_table(rows: list[BenchRow]) -> str:
         + (f", recipe {r0.recipe}" if r0.recipe else "")
         + ")",
         f"max tokens {r0.max_tokens}, reps {r0.reps} (medians), threads {r0.threads or 'all'}, KV {r0.kv_cache}",
+        f"sampled at temperature {r0.temperature:g}, top-k 40, top-p 0.95, min-p 0.05 (one seed per prompt)"
+        if r0.temperature > 0 else "greedy",
     ]
     for r in rows:
         if r.cost_ratio is not None:
@@ -333,7 +345,7 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{_fmt(r.acceptance_rate, '.2f'):>8}{_fmt(r.mean_accepted_len, '.2f'):>8}"
             f"{_fmt(r.mean_draft_len, '.1f'):>7}{_fmt(r.draft_ms_per_token, '.2f'):>11}"
             f"{_fmt(r.verify_ms_per_token, '.2f'):>12}{_fmt(r.overlap_ms_per_token, '.2f'):>10}"
-            f"  {'yes' if r.identical_to_ar else 'NO':<9}"
+            f"  {_identical(r.identical_to_ar):<9}"
             f"{_fmt(r.ttft_s, '.2f'):>8}{_fmt(r.ngram_acceptance, '.2f'):>8}"
             f"{_fmt(r.retrieval_acceptance, '.2f'):>8}{_budget(r):>12}"
         )

@@ -30,7 +30,7 @@ from ...engine import ContextFullError, PotluckError, Prompt, printable
 from ..config import SamplingSettings, ServerSettings
 from .engine_thread import EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
-from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request
+from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request, sampling_fields
 
 log = logging.getLogger("potluck.serve")
 
@@ -329,6 +329,8 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             "status": engine.state, "model": state.model_id, "context_length": state.n_ctx,
             "queue": {"running": running, "waiting": waiting, "max": engine.max_queue},
             "counters": dict(engine.counters),
+            # what a request's omitted options take (llama-server's defaults unless config.toml says otherwise)
+            "sampling_defaults": asdict(state.sampling),
         }
         cache = engine.prompt_cache
         body["prompt_cache"] = asdict(cache.stats()) if cache is not None else None  # None: loading
@@ -487,5 +489,7 @@ class LogMiddleware:
             tokens = f"{outcome.prompt_tokens}+{outcome.completion_tokens} tokens " \
                      f"{outcome.tokens_per_s:.1f} tok/s" if outcome else "- tokens - tok/s"
             end = " (client gone)" if job is not None and job.cancelled.is_set() else ""
+            if job is not None:  # the sampling it ran with, the client's options and the defaults
+                end = " " + " ".join(f"{k}={v:g}" for k, v in sampling_fields(job.request.sampling).items()) + end
             log.info("%s %s %s %s %.2fs%s", scope["method"], printable(scope["path"]), status, tokens,
                      time.monotonic() - started, end)

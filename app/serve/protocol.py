@@ -248,6 +248,18 @@ def _sampling(body: dict[str, Any], defaults: SamplingSettings) -> SamplingParam
         raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
 
 
+def sampling_fields(params: SamplingParams) -> dict[str, float | int]:
+    """The sampling a reply runs with, by the request's field names, the filters left out when
+    greedy and the penalties when off (the log line)."""
+    out: dict[str, float | int] = {"temperature": params.temperature}
+    if not params.greedy:
+        out.update(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+    for key, off in (("repeat_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        if getattr(params, key) != off:
+            out[key] = getattr(params, key)
+    return out
+
+
 def _max_tokens(body: dict[str, Any], default: int | None, keys: tuple[str, ...]) -> int | None:
     chosen = None
     for key in keys:

@@ -5,7 +5,7 @@ The same :func:`distribution` serves plain sampling and every verifier, so that 
 the target's p go through the same penalties and filters (the lossless acceptance rule needs
 this). Both are kept as :class:`Candidates`, the few tokens the filters leave (40 at most with
 llama.cpp's defaults) rather than a row over the whole vocabulary, so drawing, accepting and
-the residual all cost microseconds (docs/facts.md §29).
+the residual all cost microseconds (docs/facts.md §34).
 
 The order and meaning of the filters are llama.cpp's (:mod:`.sampling_kernel`): penalties,
 top-k, top-p, min-p, then temperature; the penalties are llama.cpp's too (repeat, frequency and

@@ -68,12 +68,14 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     ids = np.arange(k)
     for i in range(k // 2 - 1, -1, -1):
         _sift_down(vals, ids, i, k)
+    weakest = vals[0]  # the entry a new token must beat
     for i in range(k, logits.shape[0]):
         v = logits[i]
-        if v > vals[0]:  # a tie with the weakest kept entry keeps the lower id (already in)
+        if v > weakest:  # a tie with the weakest kept entry keeps the lower id (already in)
             vals[0] = v
             ids[0] = i
             _sift_down(vals, ids, 0, k)
+            weakest = vals[0]
     return np.sort(ids)
 
 

@@ -254,7 +254,7 @@ class Session:
         self._tokens = tokens[:reused]
         self._covered = ""
         self._owner = owner
-        shown = self.strategy.pick_for_reply(len(tokens))  # the strategy name the events carry
+        shown = self.strategy.pick_for_reply(len(tokens), sampling)  # the strategy name the events carry
         yield ReplyStarted(run_id, shown, len(tokens), len(tokens) - reused, target.n_ctx)
         yield from target.node_status(run_id)
         # Esc during a long prompt reaches the running batch through the target's cancel.

@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import PotluckError
 from .events import DrafterStanding
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .target import Target
 
 if TYPE_CHECKING:
@@ -105,9 +105,10 @@ class Strategy(ABC):
             known = ", ".join(sorted(cls.options)) or "none"
             raise PotluckError(f"strategy {cls.name!r} has no option {unknown[0]!r} (its options: {known})")
 
-    def pick_for_reply(self, n_tokens: int) -> str:
-        """Settle how the next reply runs, for a conversation of ``n_tokens`` tokens, and return
-        the name its events carry (``auto`` picks a strategy here and names it)."""
+    def pick_for_reply(self, n_tokens: int, sampling: SamplingParams) -> str:
+        """Settle how the next reply runs, for a conversation of ``n_tokens`` tokens sampled
+        with ``sampling``, and return the name its events carry (``auto`` picks a strategy here
+        and names it)."""
         return self.name
 
     def prepare(self, g: Generation) -> None:

@@ -6,6 +6,11 @@ interleaved (rep -> family -> prompt -> strategy) so that drift hits every strat
 Speed is decode speed: ``(tokens - 1) / seconds`` after the prompt is processed (the first
 token comes from the prompt's logits), the same measure for our strategies and the prompt-lookup baseline.
 
+With ``--temp T`` every reply is sampled (llama.cpp's default filters: top-k 40, top-p 0.95, min-p
+0.05), each prompt and repetition with one seed for every strategy: speculation keeps the
+distribution, not the text, so "identical" does not apply, and the figures say what each
+strategy gains or loses against plain sampled decoding.
+
 The long-context family (``--families long``: chronicles of about 2K, 4K and 8K tokens,
 summarized and asked about a detail in the middle, ``scripts/make_long_prompts.py``) needs
 ``--ctx 8192``; its rows add the time to first token, TriForce's acceptance at each level
@@ -96,6 +101,14 @@ class BenchConfig:
     n_threads: int = 0
     options: dict[str, object] = field(default_factory=dict)
     kv_cache: str = "bf16"  # the target's KV cache setting (EngineSpec.kv_cache)
+    temperature: float = 0.0  # > 0: sampled replies with llama.cpp's default filters, seeded
+
+    def sampling(self, rep: int, prompt: int) -> SamplingParams:
+        """Greedy, or the sampling of one reply: the same seed for every strategy."""
+        if self.temperature <= 0.0:
+            return SamplingParams()
+        return SamplingParams(temperature=self.temperature, top_k=40, top_p=0.95, min_p=0.05,
+                              seed=1000 * rep + prompt)
 
 
 @dataclass(frozen=True)
@@ -109,7 +122,7 @@ class BenchRow:
     acceptance_rate: float | None
     mean_accepted_len: float | None  # accepted drafts per round
     mean_draft_len: float | None  # speculation length chosen per round
-    identical_to_ar: bool
+    identical_to_ar: bool | None  # None: sampled replies (only the distribution is kept)
     tokens: int  # tokens generated per repetition, all prompts of the family
     prompts: int
     reps: int
@@ -123,6 +136,7 @@ class BenchRow:
     cost_ratio: float | None  # target ms/token over draft ms/token (sd only)
     max_tokens: int
     threads: int
+    temperature: float = 0.0
     ttft_s: float | None = None  # median time to first token (prompt processing included)
     prefill_tokens_per_s: float | None = None  # median prompt tokens per second of prefill
     kv_cache: str = "bf16"
@@ -201,8 +215,8 @@ class _Runner:
             )
             self.strategy = get_strategy_class(name).build(model, self.spec)
 
-    def run(self, prompt: str, rep: int, acc: _Acc) -> list[int]:
-        """Answer ``prompt`` greedily; add its counters to ``acc``; return its tokens."""
+    def run(self, prompt: str, rep: int, acc: _Acc, sampling: SamplingParams) -> list[int]:
+        """Answer ``prompt``; add its counters to ``acc``; return its tokens."""
         if self.lookup is not None:
             tokens = chat_prompt_tokens(self.model, prompt)
             res = self.lookup.generate(tokens, self.cfg.max_tokens, self.model.is_eog)
@@ -217,7 +231,7 @@ class _Runner:
         session = Session(self.model, target, self.strategy)
         finished: Finished | None = None
         try:
-            for ev in session.generate(prompt, SamplingParams(), self.cfg.max_tokens):
+            for ev in session.generate(prompt, sampling, self.cfg.max_tokens):
                 if isinstance(ev, RoundStats):
                     acc.draft_len += ev.draft_len
                     acc.draft_ms += ev.draft_ms
@@ -263,6 +277,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             get_strategy_class(name)  # unknown names fail before anything loads
     if cfg.reps <= 0 or cfg.max_tokens <= 1:
         raise PotluckError("--reps must be >= 1 and --max-tokens >= 2")
+    if cfg.temperature > 0.0 and PROMPT_LOOKUP in strategies:
+        raise PotluckError(f"'{PROMPT_LOOKUP}' decodes greedily only: leave it out of --strategies with --temp")
+    limits.sampling(cfg.sampling(0, 0))
     prompts = {fam: load_prompts(fam) for fam in cfg.families}
     for fam, found in prompts.items():
         if not found:
@@ -293,7 +310,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
                 for i, prompt in enumerate(prompts[fam]):
                     for runner in runners:
                         acc = accs[(runner.name, fam)]
-                        tokens = runner.run(prompt, rep, acc)
+                        tokens = runner.run(prompt, rep, acc, cfg.sampling(rep, i))
                         key = (fam, i)
                         if runner.name == BASELINE and key not in reference:
                             reference[key] = tokens
@@ -331,7 +348,7 @@ def _row(
         acceptance_rate=acc.accepted / acc.drafted if acc.drafted else None,
         mean_accepted_len=acc.accepted / acc.rounds if acc.rounds and acc.drafted else None,
         mean_draft_len=acc.draft_len / acc.rounds if spec and acc.rounds else None,
-        identical_to_ar=acc.identical,
+        identical_to_ar=acc.identical if cfg.temperature <= 0.0 else None,
         tokens=int(statistics.median(acc.tokens_per_rep.values())) + n_prompts,
         prompts=n_prompts,
         reps=cfg.reps,
@@ -348,6 +365,7 @@ def _row(
         ttft_s=statistics.median(acc.ttft_s) if acc.ttft_s else None,
         prefill_tokens_per_s=statistics.median(acc.prefill_tps) if acc.prefill_tps else None,
         kv_cache=cfg.kv_cache,
+        temperature=cfg.temperature,
         ngram_acceptance=acc.ngram_accepted / acc.ngram_drafted if acc.ngram_drafted else None,
         retrieval_acceptance=acc.retrieval_accepted / acc.retrieval_drafted if acc.retrieval_drafted else None,
         retrieval_budget=acc.budget,

@@ -256,6 +256,9 @@ class DraftGate:
         self._closed_for = 0  # plain rounds left before the next probe
         self._saved_ms = 0.0  # booked since the gate last opened
         self.closures = 0  # times the gate closed (reports and tests)
+        # this reply's ledger (read by :class:`SampledReplies`): what its drafting rounds saved
+        # against plain steps, uncapped
+        self.reply_saved_ms = 0.0
 
     def is_open(self) -> bool:
         return self._closed_for == 0
@@ -283,8 +286,10 @@ class DraftGate:
             return
         if self.plain_ms is None:
             return  # nothing to compare with yet
+        saved = emitted * self.plain_ms - round_ms
+        self.reply_saved_ms += saved
         bank = self.max_bank_steps * self.plain_ms
-        self._saved_ms = min(bank, self._saved_ms + emitted * self.plain_ms - round_ms)
+        self._saved_ms = min(bank, self._saved_ms + saved)
         if self._saved_ms >= bank:
             self.backoff = self.initial_backoff  # drafting pays here: forget the losses
         elif self._saved_ms < -self.budget_steps * self.plain_ms:
@@ -297,3 +302,42 @@ class DraftGate:
         """A reply starts: probe at once (it may copy its input), keeping the back-off learnt."""
         self._closed_for = 0
         self._saved_ms = 0.0
+        self.reply_saved_ms = 0.0
+
+
+class SampledReplies:
+    """A floor across sampled replies: whether the next one speculates at all.
+
+    A sampled draft passes with the target's probability of it, not whenever it is the argmax,
+    so drafts that pass in greedy replies often fail at temperature 0.8; on a chat they hardly
+    ever pass (docs/facts.md §34). :class:`DraftGate` bounds the loss within a reply, but a
+    reply that speculates still pays the gate's probes and its rounds' own overhead. So each
+    sampled reply that speculated reports what its drafting rounds saved against plain steps
+    (the gate's ledger); one that saved nothing, or had no draft pass, is followed by plain
+    replies, 1, 2, 4 ... up to ``max_skip`` of them, before speculation is tried again, and one
+    that saved resets the back-off: drafts that never pass then cost one reply in ``max_skip`` + 1.
+    Greedy replies are not its business (their drafts pass far more often).
+    """
+
+    def __init__(self, max_skip: int = 16) -> None:
+        self.max_skip = max_skip
+        self.backoff = 1
+        self._skip = 0  # sampled replies left to run plain
+        self.plain_replies = 0  # replies it sent to plain decoding (reports and tests)
+
+    def speculate(self) -> bool:
+        """Whether the next sampled reply speculates (a plain one counts down the back-off)."""
+        if self._skip > 0:
+            self._skip -= 1
+            self.plain_replies += 1
+            return False
+        return True
+
+    def record(self, saved_ms: float, accepted: int) -> None:
+        """A sampled reply that speculated: what its drafting rounds saved (ms) and how many
+        drafts passed. Without a passed draft it saved nothing, whatever the clock said."""
+        if accepted > 0 and saved_ms > 0.0:
+            self.backoff = 1
+            return
+        self._skip = self.backoff
+        self.backoff = min(2 * self.backoff, self.max_skip)

@@ -19,6 +19,12 @@ plain and its retrieval cache delayed the first token (issue 22). Both picks run
 same floor (:class:`~..adaptive.DraftGate`): a reply stays within a few percent of plain
 decoding when drafts are bad, and output is plain decoding's (greedy) or its distribution
 (sampled), as for every strategy.
+
+Sampled replies have a floor across replies too (:class:`~..adaptive.SampledReplies`): at
+temperature 0.8 drafts pass far less often than in greedy replies (docs/facts.md §34), so a
+sampled reply whose drafts saved nothing is followed by plain ones (``auto: plain``, none of
+speculation's overhead) before the pick is tried again; one whose drafts paid keeps it.
+With ``adaptive=false`` every reply speculates, as the option promises.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ...core.plain import Plain
 from ...core.strategy import Generation, Round, Strategy
-from .kit import LENGTH_OPTIONS
+from ..adaptive import SampledReplies
+from .kit import LENGTH_OPTIONS, bool_option
 from .speculative import DraftModelSpeculative, NgramSpeculative, Speculative
 
 if TYPE_CHECKING:
     from ...core.runtime import Model
+    from ...core.sampling import SamplingParams
     from ...core.spec import EngineSpec
 
 # A conversation this long (tokens) is a long document: N-gram drafts, whatever is loaded.
@@ -42,13 +51,17 @@ class Auto(Strategy):
     name = "auto"
     accepts_draft = True  # with --draft: sd on short conversations
     shares_batches = True  # both picks do
-    description = "picks per reply: sd with a draft model on a chat, anpd otherwise (N-grams)"
+    description = "picks per reply: sd with a draft on a chat, anpd otherwise; plain where sampled drafts don't pay"
     options = LENGTH_OPTIONS
 
-    def __init__(self, ngram: Speculative, draft: Speculative | None) -> None:
+    def __init__(self, ngram: Speculative, draft: Speculative | None, *, adaptive: bool = True) -> None:
         self.ngram = ngram
         self.draft = draft
-        self.current: Speculative = draft or ngram
+        self.plain = Plain()
+        self.adaptive = adaptive
+        self.sampled = SampledReplies()
+        self.current: Strategy = draft or ngram
+        self._sampled_reply = False  # the reply being run is sampled and speculates
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
@@ -56,23 +69,38 @@ class Auto(Strategy):
         ngram = NgramSpeculative.build(target_model, spec)
         draft = DraftModelSpeculative.build(target_model, spec) if spec.draft is not None else None
         assert isinstance(ngram, Speculative) and (draft is None or isinstance(draft, Speculative))
-        return cls(ngram, draft)
+        return cls(ngram, draft, adaptive=bool_option(spec, "adaptive", True))
 
-    def choose(self, n_tokens: int) -> Strategy:
-        """The strategy for a reply to a conversation of ``n_tokens`` tokens."""
+    def choose(self, n_tokens: int) -> Speculative:
+        """The speculative strategy for a reply to a conversation of ``n_tokens`` tokens."""
         if self.draft is not None and n_tokens < LONG_DOCUMENT_TOKENS and self.draft.sure_draft_pays():
             return self.draft
         return self.ngram
 
-    def pick_for_reply(self, n_tokens: int) -> str:
+    def pick_for_reply(self, n_tokens: int, sampling: SamplingParams) -> str:
+        sampled = not sampling.greedy and self.adaptive
         self.current = self.choose(n_tokens)
+        if sampled and not self.sampled.speculate():
+            self.current = self.plain
+        self._sampled_reply = sampled and self.current is not self.plain
         return f"{self.name}: {self.current.name}"
 
     def prepare(self, g: Generation) -> None:
         self.current.prepare(g)
 
     def run(self, g: Generation) -> Iterator[Round]:
-        return self.current.run(g)
+        current = self.current
+        if not self._sampled_reply:
+            yield from current.run(g)
+            return
+        assert isinstance(current, Speculative)
+        accepted = 0
+        try:
+            for rnd in current.run(g):
+                accepted += rnd.accepted
+                yield rnd
+        finally:  # the reply ended, or was cut (length, cancel): what its drafts saved
+            self.sampled.record(current.gate.reply_saved_ms, accepted)
 
     def reset(self) -> None:
         self.ngram.reset()
