@@ -68,7 +68,11 @@ def test_a_draft_model_drafts_a_chat_then_ngrams_take_a_long_document(
     assert [list(fin.tokens) for _, fin in picks] == want
 
 
-def test_a_long_document_goes_to_ngrams_even_with_a_draft(model: Model, model_path: Path, weak_draft: Path) -> None:
+def test_a_long_document_goes_to_ngrams_even_with_a_draft(
+    model: Model, model_path: Path, weak_draft: Path, tmp_home: Path
+) -> None:
+    """Nothing measured (a home of its own: earlier tests' verify costs, learnt on a busy
+    machine, may say a draft model cannot pay): the length alone decides."""
     strategy = auto.Auto.build(model, EngineSpec(model=model_path, strategy="auto", draft=weak_draft,
                                                  n_ctx=N_CTX, n_threads=THREADS))
     try:
@@ -88,7 +92,7 @@ def test_auto_takes_only_the_length_options(model_path: Path) -> None:
 
 
 def test_a_draft_model_is_left_out_where_the_measured_curve_says_it_cannot_pay(
-    model: Model, weak_draft: Path
+    model: Model, weak_draft: Path, tmp_home: Path
 ) -> None:
     """A verify batch that costs more per extra row than a plain step (a mixture of experts
     on a compute-bound CPU can): no acceptance makes a draft model pay, so auto takes anpd."""
