@@ -8,6 +8,7 @@ import hashlib
 import os
 import select
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 import zmq
 
 from potluck.discovery.auth import keys_from_token
+from potluck.discovery.lan import local_ipv4
 from potluck.engine.cluster import wire
 from potluck.engine.cluster.chain import HeadWorker
 from potluck.engine.cluster.child import StageProcess, StageSpec
@@ -286,7 +288,18 @@ def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost
         ("tcp://localhost:6000", False, "only from a head on this machine"),
         ("tcp://0.0.0.0:6000", False, "only from a head on this machine"),
         ("tcp://[::1]:6000", False, "only from a head on this machine"),
+        ("tcp://[::]:6000", False, "only from a head on this machine"),
         ("tcp://127.0.0.1:5555", True, "this worker itself"),
+        # issue 39: loopback by another name, each as libzmq's resolver reads it
+        ("tcp://127.1:6000", False, r"resolves to 127\.0\.0\.1\): an address of this machine"),
+        ("tcp://0:6000", False, r"resolves to 0\.0\.0\.0\): an address of this machine"),
+        ("tcp://2130706433:6000", False, r"resolves to 127\.0\.0\.1\)"),
+        ("tcp://0x7f000001:6000", False, r"resolves to 127\.0\.0\.1\)"),
+        ("tcp://017700000001:6000", False, r"resolves to 127\.0\.0\.1\)"),
+        ("tcp://0.1.2.3:6000", False, "only from a head on this machine"),
+        ("tcp://[::ffff:127.0.0.1]:6000", False, "only from a head on this machine"),
+        ("tcp://127.1:5555", True, "this worker itself"),
+        ("tcp://0x7f000001:5555", True, "this worker itself"),
     ],
 )
 def test_next_stage_addresses_a_worker_refuses(next_addr: str, head_here: bool, why: str) -> None:
@@ -294,10 +307,31 @@ def test_next_stage_addresses_a_worker_refuses(next_addr: str, head_here: bool, 
         check_next_stage(next_addr, 5555, head_here)
 
 
+def test_next_stage_names_are_resolved_and_checked_as_connected() -> None:
+    """Issue 39: names that resolve to this machine pass no more: `localhost.`, this
+    machine's own host name, its interface addresses, and a name resolving to any of them.
+    The worker connects to the address literal it checked, never to the name again."""
+    host = socket.gethostname()
+    refused = ["localhost.", host, f"{host}.", *local_ipv4()]
+    for name in refused:
+        with pytest.raises(PotluckError, match="refused"):
+            check_next_stage(f"tcp://{name}:6000", 5555, False)
+    # a name of the LAN, as the resolver answers it
+    lan = {"worker-2.lan": ["10.0.0.7"], "sneaky.lan": ["10.0.0.8", "127.0.0.1"], "v6.lan": ["fd00::7"]}
+    resolve = lambda name, port: lan[name]  # noqa: E731
+    assert check_next_stage("tcp://worker-2.lan:6000", 5555, False, resolve) == "tcp://10.0.0.7:6000"
+    assert check_next_stage("tcp://v6.lan:6000", 5555, False, resolve) == "tcp://[fd00::7]:6000"
+    with pytest.raises(PotluckError, match=r"resolves to 127\.0\.0\.1"):  # any answer on this machine refuses
+        check_next_stage("tcp://sneaky.lan:6000", 5555, False, resolve)
+    with pytest.raises(PotluckError, match="does not resolve"):
+        check_next_stage("tcp://no-such-host.invalid:6000", 5555, False)
+    assert check_next_stage("tcp://[::ffff:10.0.0.7]:6000", 5555, False) == "tcp://10.0.0.7:6000"
+
+
 def test_next_stage_addresses_a_worker_takes() -> None:
-    check_next_stage("tcp://10.0.0.7:5555", 5555, False)  # another machine, same port
-    check_next_stage("tcp://worker-2.lan:6000", 5555, False)
-    check_next_stage("tcp://127.0.0.1:6000", 5555, True)  # a head on this machine: its loopback workers
+    assert check_next_stage("tcp://10.0.0.7:5555", 5555, False) == "tcp://10.0.0.7:5555"  # another machine
+    assert check_next_stage("tcp://127.0.0.1:6000", 5555, True) == "tcp://127.0.0.1:6000"  # a head here
+    assert check_next_stage("tcp://127.1:6000", 5555, True) == "tcp://127.0.0.1:6000"  # its loopback workers
 
 
 def test_a_load_naming_a_forbidden_next_stage_is_refused_by_a_real_worker(pair: list[WorkerProc]) -> None:
@@ -320,7 +354,8 @@ def test_a_load_naming_a_forbidden_next_stage_is_refused_by_a_real_worker(pair: 
     try:
         assert isinstance(ask(wire.Hello("head-x", "0", key)), wire.Welcome)
         port = pair[1].address.rsplit(":", 1)[1]
-        for bad in ("inproc://zeromq.zap.01", "ipc:///tmp/potluck-x", f"tcp://127.0.0.1:{port}"):
+        itself = (f"tcp://{host}:{port}" for host in ("127.0.0.1", "127.1", "0x7f000001", "0", socket.gethostname()))
+        for bad in ("inproc://zeromq.zap.01", "ipc:///tmp/potluck-x", *itself):
             load = wire.Load("ab" * 32, 0, 2, True, False, 64, 8, 1, True, "f32", bad, "cd" * 32, "ef" * 32)
             reply = ask(load)
             assert isinstance(reply, wire.Error) and "next-stage address" in reply.message, (bad, reply)

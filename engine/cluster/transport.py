@@ -9,11 +9,12 @@ peer busy computing still answers them and only a dead or frozen process misses 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq
 import zmq.auth.thread
@@ -164,41 +165,89 @@ def on_this_machine(address: str) -> bool:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return False
-    if ip.is_loopback:
+    return is_local_ip(ip)
+
+
+def is_local_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a connection to ``ip`` stays on this machine: loopback, the unspecified
+    address and the rest of 0.0.0.0/8 (Linux connects those locally), an IPv4-mapped IPv6
+    form of any of them, or an address of one of this machine's interfaces (it can bind it)."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback or ip.is_unspecified or (ip.version == 4 and ip in _THIS_NETWORK):
         return True
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((host, 0))
+            probe.bind((str(ip), 0))
         return True
     except OSError:
         return False
 
 
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 _TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]{0,252}):([0-9]{1,5})")
+RESOLVE_TIMEOUT_S = 2.0  # a name the resolver cannot answer by then is refused (the loop must not wait)
+
+Resolver = Callable[[str, int], Sequence[str]]
 
 
-def check_next_stage(next_addr: str, own_port: int, head_on_this_machine: bool) -> None:
-    """Refuse a next-stage address a worker must not connect to: anything but
-    ``tcp://host:port`` (``ipc://``, ``inproc://`` such as its own ZAP endpoint), this worker's
-    own listener, and loopback or wildcard addresses unless the head shares this machine
-    (on a LAN they would reach whatever listens on the worker's own loopback)."""
+def resolve_host(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to for a TCP connection, as libzmq's own connect would
+    resolve it (getaddrinfo: ``127.1``, ``0x7f000001`` and ``2130706433`` are 127.0.0.1), in
+    the resolver's order; within :data:`RESOLVE_TIMEOUT_S`, else PotluckError."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="potluck-resolve")
+    try:
+        infos = pool.submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM).result(RESOLVE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        raise PotluckError(f"{host!r} did not resolve within {RESOLVE_TIMEOUT_S:g} s") from None
+    except (OSError, UnicodeError) as e:
+        raise PotluckError(f"{host!r} does not resolve ({e})") from None
+    finally:
+        pool.shutdown(wait=False)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def check_next_stage(
+    next_addr: str, own_port: int, head_on_this_machine: bool, resolve: Resolver = resolve_host
+) -> str:
+    """The endpoint a worker connects to for the next-stage address ``next_addr``, as an
+    address literal (``tcp://192.168.1.21:5733``, ``tcp://[fe80::2]:5733``): what was checked
+    is what is connected, whatever a name resolves to later. Refused: anything but
+    ``tcp://host:port`` (``ipc://``, ``inproc://`` such as the worker's own ZAP endpoint); a
+    host that resolves to this machine (loopback in any spelling, the unspecified address,
+    this machine's own addresses and names) unless the head shares this machine (on a LAN
+    they would reach whatever listens on the worker's own loopback); and this worker's own
+    listener whoever asks."""
     m = _TCP_ENDPOINT.fullmatch(next_addr)
     if m is None or not 1 <= int(m.group(2)) <= 65535:
         raise PotluckError(f"next-stage address {next_addr[:80]!r} refused: only tcp://host:port is taken")
-    host = m.group(1).strip("[]")
+    host, port = m.group(1).strip("[]"), int(m.group(2))
     try:
-        ip = ipaddress.ip_address(host)
-        loopback = ip.is_loopback or ip.is_unspecified
-    except ValueError:
-        loopback = host.lower() == "localhost"
-    if loopback and not head_on_this_machine:
-        raise PotluckError(
-            f"next-stage address {next_addr!r} refused: a loopback address is taken only from a head "
-            "on this machine"
-        )
-    if int(m.group(2)) == own_port and (loopback or on_this_machine(next_addr)):
+        found = resolve(host, port)
+    except PotluckError as e:
+        raise PotluckError(f"next-stage address {next_addr!r} refused: {e}") from None
+    ips = []
+    for text in found:
+        try:
+            ips.append(ipaddress.ip_address(text.split("%", 1)[0]))
+        except ValueError:
+            continue
+    if not ips:
+        raise PotluckError(f"next-stage address {next_addr!r} refused: it resolves to no IP address")
+    local = [ip for ip in ips if is_local_ip(ip)]
+    if local and port == own_port:
         raise PotluckError(f"next-stage address {next_addr!r} refused: it is this worker itself")
+    if local and not head_on_this_machine:
+        why = "" if str(local[0]) == host else f" (it resolves to {local[0]})"
+        raise PotluckError(
+            f"next-stage address {next_addr!r} refused{why}: an address of this machine is taken only "
+            "from a head on this machine"
+        )
+    ip = ips[0]
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"tcp://[{ip}]:{port}" if ip.version == 6 else f"tcp://{ip}:{port}"
 
 
 def peer_address(frames: list) -> str:

@@ -381,8 +381,8 @@ class Worker:
 
     # -- stage
     def _load(self, msg: wire.Load) -> wire.Loaded:
-        if not msg.last:
-            check_next_stage(msg.next_addr, self.port, self.owner_local)
+        # the address literal the name resolved to and was checked as: what is connected
+        next_endpoint = "" if msg.last else check_next_stage(msg.next_addr, self.port, self.owner_local)
         path = self.cached_path(msg.sha256)
         if not self.store.has(msg.sha256):  # here and intact: its seal (one stat), else a re-hash
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
@@ -393,7 +393,7 @@ class Worker:
         proc, self._spare = self._spare or StageProcess(), None
         try:
             stage = load_stage(proc, path, msg, self.n_threads)
-            self.forward = None if msg.last else self._connect_next(msg.next_addr, stage)
+            self.forward = None if msg.last else self._connect_next(next_endpoint, stage)
         except Exception as e:
             self._spare = StageProcess()  # nothing loaded: the next load finds one warm
             if isinstance(e, StageCrashed):
@@ -415,6 +415,7 @@ class Worker:
     def _connect_next(self, address: str, stage: LoadedStage) -> zmq.Socket:
         fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
         fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
+        fwd.setsockopt(zmq.IPV6, address.startswith("tcp://["))
         try:
             fwd.connect(address)
         except zmq.ZMQError as e:
