@@ -53,6 +53,14 @@ class NodeLostError(NodeFailedError):
         self.address = address
 
 
+class SameNodeError(NodeFailedError):
+    """The worker at this address is one another of our links joined already (``node_id``)."""
+
+    def __init__(self, message: str, node_id: str) -> None:
+        super().__init__(message)
+        self.node_id = node_id
+
+
 class NodeBusyError(NodeFailedError):
     """The worker serves another head (it refused our hello with code ``busy``): the node
     ``node_id``, which may be ours through another address."""
@@ -249,7 +257,7 @@ class NodeLink:
                 break
             except NodeBusyError as e:
                 if e.node_id and ours(e.node_id):
-                    raise NodeFailedError(f"another address of node {e.node_id}") from None
+                    raise SameNodeError(f"another address of node {e.node_id}", e.node_id) from None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
