@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, RichLog, SelectionList, Static, TextArea
 from textual.widgets.option_list import Option
 from textual.widgets.selection_list import Selection
 
 from ...discovery.lan import DiscoveredNode, Membership
-from ...engine import JOIN_TIMEOUT_S
+from ...engine import JOIN_TIMEOUT_S, printable
 from .catalog import ModelInfo, StrategyClass, compatible_choices
 from .cluster import ClusterChoice
 
@@ -325,4 +326,5 @@ CLUSTER_HEADER = "      " + f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':
 
 
 def node_row(n: DiscoveredNode) -> str:
-    return f"{n.node_id[:9]:<10}{n.address:<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}"
+    """A record's row as markup: what a record says is escaped (anyone on the LAN may send one)."""
+    return escape(f"{printable(n.node_id[:9]):<10}{printable(n.address):<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}")

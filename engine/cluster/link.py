@@ -8,6 +8,7 @@ only for their own kind of reply; anything else that arrives meanwhile is late a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ import numpy as np
 import zmq
 
 from ..core.errors import PotluckError
+from ..core.printable import printable
 from ..core.spec import JOIN_TIMEOUT_S, CurveKeys
 from . import wire
 from .plan import NodeInfo
@@ -74,6 +76,24 @@ def max_result_bytes(n_batch: int, n_embd: int) -> int:
     """The largest message a worker may send this head: f32 hidden states of every row of
     the largest batch at the head's own width, plus headers (ZMQ_MAXMSGSIZE)."""
     return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
+
+
+NODE_ID_CHARS = 64  # a worker's node id as the head shows it (its advertised id is a hostname's length)
+REFUSAL_CHARS = 400  # a worker's refusal as the head shows it (a line, not the worker's 4 kB)
+
+
+def shown(msg: wire.WireMessage) -> wire.WireMessage:
+    """``msg`` with the text a worker wrote for people (node id, version, state, refusals) made
+    printable: a worker is another party, and its text reaches the head's terminal, log and
+    chat app (an ``ESC ]52;`` in a refusal would write the user's clipboard)."""
+    if isinstance(msg, wire.Error):
+        return dataclasses.replace(msg, node=printable(msg.node, limit=NODE_ID_CHARS * 2), code=printable(
+            msg.code, limit=32), message=printable(msg.message, limit=REFUSAL_CHARS))
+    if isinstance(msg, wire.Welcome):
+        return dataclasses.replace(msg, node_id=printable(msg.node_id, limit=NODE_ID_CHARS),
+                                   potluck_version=printable(msg.potluck_version, limit=40),
+                                   state=printable(msg.state, limit=32))
+    return msg
 
 
 class NodeLink:
@@ -173,13 +193,15 @@ class NodeLink:
         return True
 
     def read(self) -> wire.WireMessage:
-        """The next message, refusals (``wire.Error``) included; a malformed one names the node."""
+        """The next message, refusals (``wire.Error``) included; a malformed one names the node.
+        What a worker writes for people to read (its node id, version, refusals) comes back
+        printable (:func:`shown`)."""
         frames = self.sock.recv_multipart(copy=False)
         self.bytes_in += sum(len(f.buffer) for f in frames)
         try:
-            return wire.parse_frames(frames)
+            return shown(wire.parse_frames(frames))
         except wire.WireError as e:
-            raise NodeFailedError(f"{self.describe()} sent a malformed message: {e}") from None
+            raise NodeFailedError(f"{self.describe()} sent a malformed message: {printable(e, limit=200)}") from None
 
     def recv(self) -> wire.WireMessage:
         """The next reply to a request; a refusal becomes :class:`NodeFailedError`."""
