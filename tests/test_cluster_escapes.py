@@ -23,7 +23,6 @@ import zmq
 from potluck.discovery.auth import keys_from_token
 from potluck.discovery.lab import LOOPBACK, Attacker, dead_port, worker_record
 from potluck.engine.cluster import wire
-from potluck.engine.cluster.link import shown
 from potluck.engine.cluster.transport import server_socket, start_authenticator
 
 from .cluster_support import TOKEN
@@ -106,6 +105,8 @@ def test_a_workers_refusal_reaches_the_head_escaped(tmp_home: Path) -> None:
 
 
 def test_what_a_worker_writes_is_made_printable_where_the_head_reads_it() -> None:
+    from potluck.engine.cluster.link import shown
+
     error = shown(wire.Error(EVIL, "busy", EVIL * 100, 3))
     assert isinstance(error, wire.Error) and error.txn == 3
     assert_escaped(error.node)
