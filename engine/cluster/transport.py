@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import re
 import socket
+import sys
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -28,8 +29,10 @@ log = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 500
 HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
 HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is dropped
-# Replies queued per peer (a head reads its results as they come); past that they are dropped.
-SERVER_SNDHWM = 1024
+# Replies libzmq queues per peer; past that a peer's replies are dropped (the owner's wait in
+# the worker's own bounded outbox instead). A peer that reads none holds at most this many:
+# 1,024 unread replies of 1 kB cost 0.3 MB a connection (issue 39 item 6).
+SERVER_SNDHWM = 16
 MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
 ZAP_DOMAIN = "potluck"
 
@@ -59,6 +62,11 @@ def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> z
     sock = ctx.socket(zmq.ROUTER)
     _common(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that is gone fails at once
+    # A connection claiming a routing id already taken would never be read: libzmq keeps it
+    # aside, and what it sends piles up unread (issue 39 item 6: +340 MB in 20 s). With
+    # handover the newer connection takes the id and the older is closed; potluck's own
+    # sockets never choose one, and nothing trusts one (wire.py).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
     sock.setsockopt(zmq.SNDTIMEO, 0)
@@ -99,9 +107,99 @@ class _TokenCredentials:
         return ok
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> zmq.auth.thread.ThreadAuthenticator:
-    """Run the ZAP handler that gates every CURVE server socket of ``ctx``."""
-    auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("potluck.zap"))
+class ConnectionGate:
+    """How many connections a worker takes: every connection holds libzmq's buffers (about
+    40 kB once CURVE is up) and a queue of unread replies, so a token holder opening thousands
+    would grow the worker without bound (issue 39 item 6). Handshakes are refused past
+    ``total`` open TCP connections to ``port``, or ``per_peer`` from one address other than
+    loopback (where the tests, and a head beside its own workers, connect from). Counted from
+    the kernel's table (``/proc/net/tcp*``), so nothing drifts; elsewhere than Linux, never refused."""
+
+    def __init__(self, port: int, total: int, per_peer: int) -> None:
+        self.port, self.total, self.per_peer = port, total, per_peer
+        self.refused = 0
+
+    def admit(self, address: str) -> str:
+        """Why a handshake from ``address`` is refused ("" to admit it)."""
+        counts = established_by_peer(self.port)
+        if counts is None:
+            return ""
+        if sum(counts.values()) > self.total:
+            why = f"{sum(counts.values())} connections open (at most {self.total})"
+        else:
+            try:
+                peer = ipaddress.ip_address(address)
+            except ValueError:
+                return ""
+            if peer.is_loopback or counts.get(peer, 0) <= self.per_peer:
+                return ""
+            why = f"{counts[peer]} connections from {address} (at most {self.per_peer} from one address)"
+        self.refused += 1
+        if self.refused % 1000 == 1:
+            log.warning("refused a handshake: %s (%d refused so far)", why, self.refused)
+        return why
+
+
+def established_by_peer(port: int) -> dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """Established TCP connections to local ``port``, by peer address (IPv4-mapped peers as
+    IPv4), from the kernel's tables; None where they cannot be read."""
+    counts: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] = {}
+    found = False
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path, encoding="ascii") as f:
+                next(f, None)
+                found = True
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 4 or fields[3] != "01":  # ESTABLISHED
+                        continue
+                    local, remote = fields[1], fields[2]
+                    if int(local.rsplit(":", 1)[1], 16) != port:
+                        continue
+                    peer = _proc_ip(remote.rsplit(":", 1)[0])
+                    counts[peer] = counts.get(peer, 0) + 1
+        except (OSError, ValueError):
+            continue
+    return counts if found else None
+
+
+def _proc_ip(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp writes it (32-bit words in host byte order)."""
+    raw = bytes.fromhex(hexaddr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+class _GatedAuthenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's ZAP handler, with a :class:`ConnectionGate` asked first: a refused handshake
+    gets status 300 (temporary, RFC 27), which a head tells apart from a wrong token."""
+
+    def __init__(self, ctx: zmq.Context, gate: ConnectionGate | None) -> None:
+        super().__init__(ctx, log=logging.getLogger("potluck.zap"))
+        self.gate = gate
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if self.gate is not None and len(msg) >= 6:
+            why = self.gate.admit(msg[3].decode("ascii", "replace"))
+            if why:
+                self._send_zap_reply(msg[1], ZAP_BUSY, why.encode()[:200])
+                return
+        await super().handle_zap_message(msg)
+
+
+ZAP_BUSY = b"300"  # RFC 27: a temporary refusal (the worker takes no more connections now)
+
+
+def start_authenticator(
+    ctx: zmq.Context, keys: CurveKeys, gate: ConnectionGate | None = None
+) -> zmq.auth.thread.ThreadAuthenticator:
+    """Run the ZAP handler that gates every CURVE server socket of ``ctx``: the token's key,
+    and ``gate``'s bound on connections."""
+    auth = _GatedAuthenticator(ctx, gate)
     auth.start()
     auth.configure_curve_callback(
         domain=ZAP_DOMAIN, credentials_provider=_TokenCredentials(keys, lambda m: log.warning("%s", m))
@@ -116,11 +214,11 @@ AUTH_FAILED_EVENTS = {
 }
 
 
-def read_event(monitor: zmq.Socket) -> tuple[int, str]:
-    """(event id, endpoint) of one pending monitor message."""
+def read_event(monitor: zmq.Socket) -> tuple[int, int]:
+    """(event id, value) of one pending monitor message; the value of a refused handshake
+    (``EVENT_HANDSHAKE_FAILED_AUTH``) is the ZAP status: 300 for :data:`ZAP_BUSY`."""
     msg = parse_monitor_message(monitor.recv_multipart())
-    endpoint = msg.get("endpoint", b"")
-    return int(msg["event"]), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return int(msg["event"]), int(msg.get("value", 0))
 
 
 def raise_open_files_limit(want: int = MAX_OPEN_FILES) -> int:

@@ -25,6 +25,7 @@ received slices live under a quota and are re-hashed before each load.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from concurrent.futures import Future
@@ -37,13 +38,15 @@ from ..core.errors import PotluckError
 from ..core.jobs import CancelledGroups, GroupCancelled
 from ..core.spec import CurveKeys
 from . import inbox, wire
-from .child import StageCrashed, StageProcess
+from .child import CLOSE_WAIT_S, PENDING_FLOOR_BYTES, StageCrashed, StageProcess
 from .profile import NodeProfile, free_memory_mb
 from .slice_store import SliceStore, SliceUploads
 from .stage_host import Handback, LoadedStage, check_load, load_stage
 from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
+    ZAP_BUSY,
+    ConnectionGate,
     check_next_stage,
     client_socket,
     on_this_machine,
@@ -56,11 +59,21 @@ from .transport import (
 
 log = logging.getLogger(__name__)
 
-FORWARD_TIMEOUT_MS = 5000
+FORWARD_TIMEOUT_MS = 5000  # a next stage that takes nothing this long is lost
+FORWARD_SNDHWM = 32  # messages libzmq queues for the next stage; the rest wait in the worker's outbox
 DEFAULT_CACHE_QUOTA_MB = 20 * 1024
 PROBE_INTERVAL_S = 1.0
 SETUP_LEASE_S = 30.0  # an owner with no stage yet keeps the worker this long after its last request
 DRAIN_MAX = 20_000  # messages read in one pass over the socket
+POLL_MS = 200  # the loop's longest wait (the stop flag is checked at least this often)
+RETRY_MS = 5  # while replies to the owner wait for room: how soon to try again
+OWNER_OUTBOX_BYTES = 256 << 20  # replies to an owner that reads none are dropped past this
+REFUSAL_CHARS = 400  # a refusal sent to a peer is one line, not the 4 kB a message may hold
+REFUSALS_LOGGED = 10  # refusals logged a second; the rest are counted in one line
+TRIM_EVERY_S = 2.0  # freed heap goes back to the system at most this often during a flood
+TRIM_AFTER_BYTES = 16 << 20  # ... once this much arrived (or was dropped) since the last time
+MAX_CONNECTIONS = 1500  # handshakes beyond this many open TCP connections are refused (ZAP)
+PEER_CONNECTIONS = 64  # ... or beyond this many from one address other than loopback
 
 
 class NotOwnerError(PotluckError):
@@ -103,7 +116,6 @@ class Worker:
         self.version = potluck_version
         self.open_files = raise_open_files_limit()
         self.zctx = zmq.Context()
-        self.auth = start_authenticator(self.zctx, keys)
         self.sock = server_socket(self.zctx, keys, max_msg_bytes=max_msg_bytes)
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -116,6 +128,10 @@ class Worker:
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
         self.bind = bind
+        # every connection holds buffers and a reply queue: a token holder's thousands of them
+        # are refused at the handshake past a bound (issue 39 item 6)
+        self.gate = ConnectionGate(self.port, MAX_CONNECTIONS, PEER_CONNECTIONS)
+        self.auth = start_authenticator(self.zctx, keys, self.gate)
         self._stop = False
         self.stage: LoadedStage | None = None
         self.owner: bytes = b""  # routing id of the connection the owner last proved itself on
@@ -132,6 +148,13 @@ class Worker:
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
         self.next_lost = ""  # why a forward was not taken: the order downstream is broken
+        # what the next stage has not taken yet (libzmq holds FORWARD_SNDHWM more), in order
+        self.forward_outbox: collections.deque[list] = collections.deque()
+        self.forward_outbox_bytes = 0
+        self.forward_stuck_since = 0.0  # when the outbox last found the next stage full
+        # replies to the owner its connection had no room for yet (results must never be lost)
+        self.owner_outbox: collections.deque[tuple[bytes, list]] = collections.deque()
+        self.owner_outbox_bytes = 0
         self.handback = Handback()  # finished stage work and crashes, sent on by this thread
         # job groups the owner cancelled: their jobs that arrive later go to the stage as
         # placeholders, so a cancel never depends on which of the stage's pipes is read first
@@ -153,7 +176,12 @@ class Worker:
         self.unreachable_replies = 0  # replies to peers already gone
         self.crashes = 0
         self.forward_refused = 0  # forwards failed at once after the next stage was lost
-        self.bytes_received = 0
+        self.overloaded = 0  # pipeline messages refused: the stage held all the work it may queue
+        self.from_next_stage = 0  # messages the next stage sent back, dropped unread
+        self.bytes_received = 0  # from peers other than the owner and the upstream
+        self.bytes_read = 0  # from anyone
+        self._trim_at = (0.0, 0)  # when freed memory was last given back, and what had arrived by then
+        self._refusals_logged = (0.0, 0, 0)  # window start, lines logged in it, refusals not logged
 
     # -- lifetime
     @property
@@ -163,25 +191,84 @@ class Worker:
     def stop(self) -> None:
         self._stop = True
 
+    def child_pids(self) -> list[int]:
+        """The stage processes' ids (the loaded stage's and the warm spare's)."""
+        procs = (self.stage.proc if self.stage is not None else None, self._spare)
+        return [p.proc.pid for p in procs if p is not None and p.proc.poll() is None]
+
     def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (or an exception: a signal handler's, see the worker
+        command). Nothing here waits on a peer or on the stage process: sends that find no
+        room wait in outboxes, written when the poller says there is room."""
         poller = self._poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
         try:
             while not self._stop:
-                events = dict(poller.poll(200))
+                self._register_writes()
+                events = dict(poller.poll(RETRY_MS if self.owner_outbox else POLL_MS))
                 if self.monitor in events:
                     self._log_handshake_failures()
+                if self.forward is not None and self.forward in events:
+                    self._from_next_stage(events[self.forward])
                 if self.stage is not None and self.stage.proc.fileno() in events:
                     self._send_finished()
                 if self.sock in events:
                     self._serve_pending()
-                elif not events and self.budget.dropped > self._trimmed_at:
-                    self._trimmed_at = self.budget.dropped
-                    inbox.give_back_freed_memory()  # a flood is over: what libzmq queued goes back
+                self._flush_outboxes()
+                self._give_back_memory(quiet=not events)
         finally:
             self.close()
+
+    def _register_writes(self) -> None:
+        """Poll for room where something waits for it: the stage process's pipe, the next stage."""
+        if self.stage is not None:
+            proc = self.stage.proc
+            self._poller.register(proc.fileno(), zmq.POLLIN | (zmq.POLLOUT if proc.wants_write() else 0))
+        if self.forward is not None:
+            self._poller.register(self.forward, zmq.POLLIN | (zmq.POLLOUT if self.forward_outbox else 0))
+
+    def _from_next_stage(self, flags: int) -> None:
+        """The next stage answers nothing the worker waits for (its refusals of our forwards
+        are for the logs): what it sends is dropped unread, so it cannot fill this process."""
+        if flags & zmq.POLLIN:
+            dropped = inbox.drop_all(self.forward)
+            if dropped and self.from_next_stage // 1000 != (self.from_next_stage + dropped) // 1000 or (
+                    dropped and not self.from_next_stage):
+                log.warning("the next stage sent %d message(s) back (refusals of our forwards?); dropped unread",
+                            self.from_next_stage + dropped)
+            self.from_next_stage += dropped
+
+    def _flush_outboxes(self) -> None:
+        if self.stage is not None and self.stage.proc.wants_write():
+            self.stage.proc.flush()
+        if self.forward_outbox:
+            self._flush_forward()
+        while self.owner_outbox:
+            ident, frames = self.owner_outbox[0]
+            try:
+                self.sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # the owner went away: what it would have read goes too
+                self.owner_outbox.clear()
+                self.owner_outbox_bytes = 0
+                return
+            self.owner_outbox.popleft()
+            self.owner_outbox_bytes -= wire.frames_nbytes(frames)
+
+    def _give_back_memory(self, quiet: bool) -> None:
+        """Return the heap a flood freed (inbox.give_back_freed_memory): when the socket is
+        quiet, and every TRIM_EVERY_S while floods go on, once TRIM_AFTER_BYTES came or went."""
+        at, seen = self._trim_at
+        now, arrived = time.monotonic(), self.bytes_read + self.budget.dropped * 64
+        if arrived - seen < (1 if quiet else TRIM_AFTER_BYTES) or (not quiet and now - at < TRIM_EVERY_S):
+            return
+        if quiet and now - at < TRIM_EVERY_S / 4:
+            return
+        self._trim_at = (now, arrived)
+        inbox.give_back_freed_memory()
 
     def _serve_pending(self) -> None:
         """Drain the socket at once (libzmq's queue has no bound, see :mod:`.inbox`): serve
@@ -207,12 +294,15 @@ class Worker:
                     ident = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-            if ident and (ident == self.owner or ident == self.upstream_ident):
-                self._serve(ident, self._rest())
-                budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
-                continue
             rest = self._rest()
             size = sum(map(len, rest))
+            budget.read(size)
+            self.bytes_read += size
+            if ident and (ident == self.owner or ident == self.upstream_ident):
+                if budget.trusted_request(ident, rest):
+                    self._serve(ident, rest)
+                budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
+                continue
             self.bytes_received += size
             if not budget.metering or budget.spend(key, size):  # a new upstream proves itself with its first message
                 self._serve(ident, rest)
@@ -237,23 +327,30 @@ class Worker:
     def _log_handshake_failures(self) -> None:
         while self.monitor.poll(0):
             try:
-                event, _ = read_event(self.monitor)
+                event, value = read_event(self.monitor)
             except zmq.ZMQError:
                 return
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == int(ZAP_BUSY):
+                continue  # refused by the connection gate, which logs its own
             if event in AUTH_FAILED_EVENTS:
                 self.rejected += 1
-                log.warning("refused a connection that failed the CURVE handshake (no or wrong token)")
+                self._log_refusal(b"", "a connection failed the CURVE handshake (no or wrong token)")
 
     def close(self) -> None:
+        """Stop serving, without waiting on anyone: both stage processes are told to end at
+        once and given CLOSE_WAIT_S together (then killed), every socket closes unsent."""
+        procs = [p for p in (self.stage.proc if self.stage is not None else None, self._spare) if p is not None]
+        for proc in procs:
+            proc.on_crash = None
+            proc.begin_close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for proc in procs:
+            proc.end_close(deadline)
+        self._spare = None
         self._release()
         self.uploads.drop()
-        if self._spare is not None:
-            self._spare.close()
-            self._spare = None
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
         self.auth.stop()
-        self.zctx.term()
+        self.zctx.destroy(linger=0)  # every socket (monitor, forward, listener) and the context
 
     # -- dispatch
     def handle(self, ident: bytes, frames: list) -> None:
@@ -277,16 +374,38 @@ class Worker:
 
     def _refuse(self, ident: bytes, code: str, why: str, txn: int = 0) -> None:
         self.rejected += 1
-        log.warning("refused a message from %r: %s", ident[:24], why)
+        self._log_refusal(ident, why)
+        why = why if len(why) <= REFUSAL_CHARS else why[: REFUSAL_CHARS - 1] + "…"
         self._send(ident, wire.Error(node=self.node, code=code, message=why, txn=txn))
+
+    def _log_refusal(self, ident: bytes, why: str) -> None:
+        """A line per refusal, but at most REFUSALS_LOGGED a second (a flood of bad messages
+        must not become a flood of log lines): the rest are counted in the next line."""
+        start, lines, quiet = self._refusals_logged
+        now = time.monotonic()
+        if now - start >= 1.0:
+            start, lines = now, 0
+        if lines >= REFUSALS_LOGGED:
+            self._refusals_logged = (start, lines, quiet + 1)
+            return
+        more = f" ({quiet} more refused unlogged before this one)" if quiet else ""
+        log.warning("refused a message from %r: %s%s", ident[:24], why[:REFUSAL_CHARS], more)
+        self._refusals_logged = (start, lines + 1, 0)
 
     def _send(self, ident: bytes, msg: wire.WireMessage) -> bool:
         """Queue a reply without ever waiting: a peer that is gone or does not read its
-        replies loses this one (counted), everyone else is served meanwhile."""
+        replies loses this one (counted), everyone else is served meanwhile. The owner loses
+        none (results travel this way): what its connection has no room for waits, in order,
+        in an outbox the loop writes when it can, up to OWNER_OUTBOX_BYTES."""
+        frames = wire.to_frames(msg)
+        if ident and ident == self.owner and self.owner_outbox:  # behind what waits already
+            return self._owner_later(ident, frames)
         try:
-            self.sock.send_multipart([ident, *wire.to_frames(msg)], copy=False)
+            self.sock.send_multipart([ident, *frames], copy=False)
             return True
         except zmq.Again:
+            if ident and ident == self.owner:
+                return self._owner_later(ident, frames)
             self.dropped_replies += 1
             if self.dropped_replies % 1000 == 1:  # a flood must not become a flood of log lines
                 log.warning("dropped a reply to %r: it does not read its replies (%d dropped so far)",
@@ -296,6 +415,18 @@ class Worker:
             if self.unreachable_replies % 1000 == 1:
                 log.info("could not reply to %r: %s (%d so far)", ident[:24], e, self.unreachable_replies)
         return False
+
+    def _owner_later(self, ident: bytes, frames: list) -> bool:
+        size = wire.frames_nbytes(frames)
+        if self.owner_outbox_bytes + size > OWNER_OUTBOX_BYTES:
+            self.dropped_replies += 1
+            if self.dropped_replies % 1000 == 1:
+                log.warning("dropped a reply to the owner: it has read none of the last %d MB",
+                            OWNER_OUTBOX_BYTES >> 20)
+            return False
+        self.owner_outbox.append((ident, frames))
+        self.owner_outbox_bytes += size
+        return True
 
     def _owner_present(self) -> bool:
         """Whether the owner's connection is still up (a probe it ignores; rate-limited)."""
@@ -401,6 +532,9 @@ class Worker:
                 raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
             raise
         proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from take_replies, this thread
+        # work a stage may hold queued: a conversation's worth of its inputs, twice over (a
+        # replay after a loss sends the whole conversation at once; rejected drafts add rows)
+        proc.limit_bytes = max(PENDING_FLOOR_BYTES, 2 * msg.n_ctx * (16 + (0 if msg.first else 4 * stage.info.n_embd)))
         self.stage = stage
         self._poller.register(proc.fileno(), zmq.POLLIN)
         self.upstream_key = bytes.fromhex(msg.upstream_key)
@@ -414,7 +548,7 @@ class Worker:
 
     def _connect_next(self, address: str, stage: LoadedStage) -> zmq.Socket:
         fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
-        fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
+        fwd.setsockopt(zmq.SNDHWM, FORWARD_SNDHWM)  # the rest waits in forward_outbox, bounded
         fwd.setsockopt(zmq.IPV6, address.startswith("tcp://["))
         try:
             fwd.connect(address)
@@ -434,8 +568,13 @@ class Worker:
             self._spare = self._spare or StageProcess()
         self.handback.forget_finished()
         if self.forward is not None:
+            self._poller.unregister(self.forward)
             self.forward.close(linger=0)
             self.forward = None
+        self.forward_outbox.clear()
+        self.forward_outbox_bytes = 0
+        self.owner_outbox.clear()
+        self.owner_outbox_bytes = 0
         self.next_lost = ""
         self.upstream_key = self.downstream_key = b""
         self.upstream_ident = b""
@@ -462,6 +601,16 @@ class Worker:
         self.upstream_ident = ident  # its connection: served first from now on
         if msg.txn != self.txn + 1:
             raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
+        if ld.proc.over_limit(_input_bytes(msg)) or self.forward_outbox_bytes > ld.proc.limit_bytes:
+            # the stage holds all the work it may queue (or the next stage takes nothing): a
+            # head sends no more than a conversation's worth; this sender is cut off for now
+            self.overloaded += 1
+            self.budget.cut_off(ident)
+            raise PotluckError(
+                f"transaction {msg.txn} refused: this stage already holds {ld.proc.queued_bytes >> 20} MB of "
+                f"work (at most {ld.proc.limit_bytes >> 20} MB) and the next stage "
+                f"{self.forward_outbox_bytes >> 20} MB of its results"
+            )
         self.txn = msg.txn  # in order: consumed whatever happens next, so later stages see it too
         if isinstance(msg, wire.Reset):
             fut = ld.proc.submit("reset")
@@ -522,16 +671,45 @@ class Worker:
             self._forward(msg)
 
     def _forward(self, msg: wire.WireMessage) -> None:
-        """Pass ``msg`` to the next stage, signed with the key its stage takes from us."""
+        """Pass ``msg`` to the next stage, signed with the key its stage takes from us, without
+        waiting: what libzmq has no room for waits in the outbox, in order."""
         assert self.forward is not None
         if self.next_lost:  # once one is lost the next stage refuses the rest: fail them at once
             self.forward_refused += 1
             raise PotluckError(self.next_lost)
-        try:
-            self.forward.send_multipart(wire.to_frames(msg, self.downstream_key), copy=False)
-        except zmq.Again:
-            self.next_lost = (
-                f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable "
-                f"(it took nothing for {FORWARD_TIMEOUT_MS / 1000:g} s)"
-            )
-            raise PotluckError(self.next_lost) from None
+        frames = wire.to_frames(msg, self.downstream_key)
+        if not self.forward_outbox:
+            self.forward_stuck_since = time.monotonic()
+        self.forward_outbox.append(frames)
+        self.forward_outbox_bytes += wire.frames_nbytes(frames)
+        self._flush_forward()
+
+    def _flush_forward(self) -> None:
+        """Send what the next stage has room for; one that took nothing for FORWARD_TIMEOUT_MS
+        is lost (what waits is dropped: the order downstream is broken, the head re-plans)."""
+        assert self.forward is not None
+        while self.forward_outbox:
+            try:
+                self.forward.send_multipart(self.forward_outbox[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if time.monotonic() - self.forward_stuck_since < FORWARD_TIMEOUT_MS / 1000:
+                    return
+                self.next_lost = (
+                    f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable "
+                    f"(it took nothing for {FORWARD_TIMEOUT_MS / 1000:g} s)"
+                )
+                log.warning("%s", self.next_lost)
+                self.forward_refused += len(self.forward_outbox)
+                self.forward_outbox.clear()
+                self.forward_outbox_bytes = 0
+                self._send(self.owner, wire.Error(self.node, "failed", self.next_lost, self.txn))
+                return
+            self.forward_outbox_bytes -= wire.frames_nbytes(self.forward_outbox.popleft())
+            self.forward_stuck_since = time.monotonic()
+
+
+def _input_bytes(msg: wire.WireMessage) -> int:
+    """About what a pipeline message queues in the stage process (its arrays)."""
+    if isinstance(msg, wire.Forward):
+        return 64 + sum(a.nbytes for a in (msg.inputs, msg.positions, msg.seq_ids, msg.outputs))
+    return 64
