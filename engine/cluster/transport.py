@@ -33,6 +33,7 @@ HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is d
 # the worker's own bounded outbox instead). A peer that reads none holds at most this many:
 # 1,024 unread replies of 1 kB cost 0.3 MB a connection (issue 39 item 6).
 SERVER_SNDHWM = 16
+KEEPALIVE_IDLE_S = 2  # a worker's TCP keepalive: a vanished head is found within about 5 s
 MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
 ZAP_DOMAIN = "potluck"
 
@@ -67,6 +68,18 @@ def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> z
     # handover the newer connection takes the id and the older is closed; potluck's own
     # sockets never choose one, and nothing trusts one (wire.py).
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # ... which closes the older connection's pipe first: its engine then stops reading, and
+    # a heartbeat this side sends after the peer hangs up aborts the process (libzmq 4.3.5,
+    # stream_engine_base.cpp:310, reproduced under a flood; docs/facts.md §12). So a worker
+    # sends no heartbeats of its own: heads send theirs (a frozen worker is still found within
+    # 2.5 s) and a worker answers them. A head that vanished without closing its connection
+    # (power cut, cable) is found by TCP keepalive instead.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 0)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
     sock.setsockopt(zmq.SNDTIMEO, 0)

@@ -67,7 +67,7 @@ SETUP_LEASE_S = 30.0  # an owner with no stage yet keeps the worker this long af
 DRAIN_MAX = 20_000  # messages read in one pass over the socket
 POLL_MS = 200  # the loop's longest wait (the stop flag is checked at least this often)
 RETRY_MS = 5  # while replies to the owner wait for room: how soon to try again
-OWNER_OUTBOX_BYTES = 256 << 20  # replies to an owner that reads none are dropped past this
+OWNER_OUTBOX_BYTES = 64 << 20  # results an owner leaves unread past this are dropped, the owner cut off
 REFUSAL_CHARS = 400  # a refusal sent to a peer is one line, not the 4 kB a message may hold
 REFUSALS_LOGGED = 10  # refusals logged a second; the rest are counted in one line
 TRIM_EVERY_S = 2.0  # freed heap goes back to the system at most this often during a flood
@@ -180,6 +180,7 @@ class Worker:
         self.from_next_stage = 0  # messages the next stage sent back, dropped unread
         self.bytes_received = 0  # from peers other than the owner and the upstream
         self.bytes_read = 0  # from anyone
+        self._free_mb = (0.0, 0)  # (when, MB): the free memory a welcome last reported
         self._trim_at = (0.0, 0)  # when freed memory was last given back, and what had arrived by then
         self._refusals_logged = (0.0, 0, 0)  # window start, lines logged in it, refusals not logged
 
@@ -392,20 +393,30 @@ class Worker:
         log.warning("refused a message from %r: %s%s", ident[:24], why[:REFUSAL_CHARS], more)
         self._refusals_logged = (start, lines + 1, 0)
 
+    def _to_owner(self, msg: wire.WireMessage) -> bool:
+        """Send the owner a result or a refusal of pipeline work: none is lost to a full
+        connection (the head waits for each). What has no room yet waits, in order, in an
+        outbox the loop writes when it can; an owner that leaves OWNER_OUTBOX_BYTES unread is
+        cut off (it reads nothing: a flooder that said hello, not a head)."""
+        frames = wire.to_frames(msg)
+        if not self.owner_outbox:
+            try:
+                self.sock.send_multipart([self.owner, *frames], flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:  # gone
+                self.unreachable_replies += 1
+                return False
+        return self._owner_later(self.owner, frames)
+
     def _send(self, ident: bytes, msg: wire.WireMessage) -> bool:
         """Queue a reply without ever waiting: a peer that is gone or does not read its
-        replies loses this one (counted), everyone else is served meanwhile. The owner loses
-        none (results travel this way): what its connection has no room for waits, in order,
-        in an outbox the loop writes when it can, up to OWNER_OUTBOX_BYTES."""
-        frames = wire.to_frames(msg)
-        if ident and ident == self.owner and self.owner_outbox:  # behind what waits already
-            return self._owner_later(ident, frames)
+        replies loses this one (counted), everyone else is served meanwhile."""
         try:
-            self.sock.send_multipart([ident, *frames], copy=False)
+            self.sock.send_multipart([ident, *wire.to_frames(msg)], copy=False)
             return True
         except zmq.Again:
-            if ident and ident == self.owner:
-                return self._owner_later(ident, frames)
             self.dropped_replies += 1
             if self.dropped_replies % 1000 == 1:  # a flood must not become a flood of log lines
                 log.warning("dropped a reply to %r: it does not read its replies (%d dropped so far)",
@@ -420,9 +431,10 @@ class Worker:
         size = wire.frames_nbytes(frames)
         if self.owner_outbox_bytes + size > OWNER_OUTBOX_BYTES:
             self.dropped_replies += 1
+            self.budget.cut_off(ident)
             if self.dropped_replies % 1000 == 1:
-                log.warning("dropped a reply to the owner: it has read none of the last %d MB",
-                            OWNER_OUTBOX_BYTES >> 20)
+                log.warning("dropped a result for the owner, which read none of the last %d MB; its "
+                            "connection is cut off for now", OWNER_OUTBOX_BYTES >> 20)
             return False
         self.owner_outbox.append((ident, frames))
         self.owner_outbox_bytes += size
@@ -491,18 +503,25 @@ class Worker:
                     "releases it or goes away"
                 )
             log.info("head %s went away without releasing; a new head takes over", self.owner_name)
+        rejoined = key == self.owner_key and self.stage is None  # its hello again (a flood of them, or a retry)
         self._release()
         if key != self.owner_key:
             self.uploads.drop()
         self.owner, self.owner_key, self.owner_name = ident, key, msg.head_id
         self.owner_seen = time.monotonic()
-        log.info("head %s joined", msg.head_id)
+        if rejoined:
+            log.debug("head %s said hello again", msg.head_id)
+        else:
+            log.info("head %s joined", msg.head_id)
         p = self.profile
         # the free figure the head plans with: heap a past slice transfer freed goes back to
         # the system first (8-15 MB after an 8b stage's transfer, docs/facts.md §17)
-        inbox.give_back_freed_memory()
+        if not rejoined:
+            inbox.give_back_freed_memory()
+        if not rejoined or time.monotonic() - self._free_mb[0] > 1.0:  # /proc and cgroup reads: not per hello
+            self._free_mb = (time.monotonic(), free_memory_mb())
         welcome = wire.Welcome(
-            p.node_id, self.version, p.cores, free_memory_mb(), p.speed, "idle", self.max_msg_bytes
+            p.node_id, self.version, p.cores, self._free_mb[1], p.speed, "idle", self.max_msg_bytes
         )
         self._send(ident, welcome)
 
@@ -633,14 +652,14 @@ class Worker:
                 self._pass_on(ld, msg, fut)
             except PotluckError as e:
                 log.warning("%s", e)
-                self._send(self.owner, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
+                self._to_owner(wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
         for proc, why in crashed:
             if self.stage is None or self.stage.proc is not proc:
                 continue
             self.crashes += 1
             ld = self.stage
             log.error("layers %d-%d: %s", ld.load.layer_lo, ld.load.layer_hi, why)
-            self._send(self.owner, wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
+            self._to_owner(wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
                                              f"{ld.load.layer_hi}: {why}", 0))
             self._release()  # the head keeps its session: it may load again
 
@@ -652,12 +671,12 @@ class Worker:
             if err is not None and not isinstance(err, GroupCancelled):
                 log.warning("batch of transaction %d refused or failed: %s", msg.txn, err)
                 self.rejected += 1
-                self._send(self.owner, wire.Error(self.node, "failed", f"{err}", msg.txn))
+                self._to_owner(wire.Error(self.node, "failed", f"{err}", msg.txn))
             out = None if err is not None else fut.result()
             hidden = out.astype(np.float16) if out is not None and ld.load.hidden_dtype == "f16" else out
             if ld.load.last:
                 rows = hidden if hidden is not None else np.zeros((0, 1), dtype=np.float32)
-                self._send(self.owner, wire.Result(msg.txn, msg.group, hidden is None, rows))
+                self._to_owner(wire.Result(msg.txn, msg.group, hidden is None, rows))
                 return
             if hidden is None:
                 self._forward(msg.skipped() if not msg.skip else msg)
@@ -666,7 +685,7 @@ class Worker:
             return
         if err is not None:  # a KV operation refused or lost: the head must know
             self.rejected += 1
-            self._send(self.owner, wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
+            self._to_owner(wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
         if self.forward is not None:
             self._forward(msg)
 
@@ -702,7 +721,7 @@ class Worker:
                 self.forward_refused += len(self.forward_outbox)
                 self.forward_outbox.clear()
                 self.forward_outbox_bytes = 0
-                self._send(self.owner, wire.Error(self.node, "failed", self.next_lost, self.txn))
+                self._to_owner(wire.Error(self.node, "failed", self.next_lost, self.txn))
                 return
             self.forward_outbox_bytes -= wire.frames_nbytes(self.forward_outbox.popleft())
             self.forward_stuck_since = time.monotonic()
