@@ -44,8 +44,14 @@ UNMETERED = 1024
 UNMETERED_BYTES = 16 << 20
 PEER_MESSAGES = 256  # per window, from one peer that is neither owner nor upstream
 PEER_BYTES = 16 << 20
-TRUSTED_CONTROL = 4096  # per window, the owner's (or upstream's) requests other than pipeline traffic
-PASS_MESSAGES = 4096  # untrusted messages kept for one pass over the socket, all peers together
+TRUSTED_CONTROL = 1024  # per window, the owner's (or upstream's) requests other than pipeline traffic
+# Untrusted messages served per window, all peers together: per-peer budgets alone let 1,500
+# connections ask for 384,000 replies a second, far more than Python answers ...
+WINDOW_MESSAGES = 2048
+# ... and the time they may take, with the owner's requests other than pipeline traffic: a
+# worker short of CPU (a busy machine) drops sooner instead of falling behind its socket.
+WINDOW_SERVE_S = 0.25
+PASS_MESSAGES = 2048  # untrusted messages kept for one pass over the socket, all peers together
 PASS_BYTES = 32 << 20
 # Message kinds a trusted connection sends in bulk (a replay sends the whole conversation at
 # once); recognized by the start of the header as wire.to_frames writes it.
@@ -67,6 +73,8 @@ class PeerBudget:
         self._pass_bytes = 0
         self._pass_read = 0  # bytes read this pass, from anyone (a backlog in bytes)
         self._trusted_control = 0  # trusted requests other than bulk kinds, this window
+        self._window_messages = 0  # untrusted messages served this window
+        self._serve_s = 0.0  # time spent serving untrusted messages and trusted requests, this window
         self._cut: set[bytes] = set()  # trusted connections cut off for the rest of the window
         self._msg = np.zeros(8, np.int64)  # one zmq_msg_t (64 bytes, aligned)
         self._ident = np.zeros(MAX_IDENT, np.uint8)
@@ -85,6 +93,8 @@ class PeerBudget:
             self._window_start = now
             self.metering = False
             self._trusted_control = 0
+            self._window_messages = 0
+            self._serve_s = 0.0
             self._cut.clear()
         self._pass_messages = self._pass_bytes = self._pass_read = 0
 
@@ -112,7 +122,7 @@ class PeerBudget:
         if bytes(getattr(frames[1], "buffer", frames[1])[:20]).startswith(BULK_KINDS):
             return True
         self._trusted_control += 1
-        if self._trusted_control <= TRUSTED_CONTROL:
+        if self._trusted_control <= TRUSTED_CONTROL and self._serve_s < WINDOW_SERVE_S:
             return True
         self.cut_off(ident)
         return False
@@ -136,9 +146,10 @@ class PeerBudget:
         from . import skim as kernel  # numba: loaded by warm_up, or by the first backlog
 
         while True:
+            spent = self.spent  # then only the owner and upstream are read
             status, n, slot, dropped = kernel.skim(
                 sock.underlying, self._msg, self._ident, *self._trusted, self._spent_msgs,
-                self._spent_bytes, PEER_MESSAGES, PEER_BYTES, SKIM_MAX)
+                self._spent_bytes, 0 if spent else PEER_MESSAGES, 0 if spent else PEER_BYTES, SKIM_MAX)
             self.dropped += dropped
             if status == kernel.READ:
                 return bytes(self._ident[:n]), slot
@@ -146,10 +157,21 @@ class PeerBudget:
                 return None
             between()
 
+    @property
+    def spent(self) -> bool:
+        """Whether this window's untrusted work is used up (by count or by time)."""
+        return self._window_messages >= WINDOW_MESSAGES or self._serve_s >= WINDOW_SERVE_S
+
+    def served(self, seconds: float) -> None:
+        """An untrusted message, or a trusted request that is not pipeline traffic, took
+        ``seconds`` to serve."""
+        self._serve_s += seconds
+
     def spend(self, key: int, size: int) -> bool:
         """Count ``size`` bytes of a message :meth:`skim` returned; whether it was the peer's
-        first this window (served at once: a new upstream proves itself with it)."""
+        first this window (served at once: a new upstream proves itself with its first message)."""
         self._spent_bytes[key] += size
+        self._window_messages += 1
         return bool(self._spent_msgs[key] <= 1)
 
     def log_drops(self) -> None:

@@ -295,24 +295,25 @@ class Worker:
                     ident = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+            metered = budget.metering  # as this message was read (skim counted it)
             rest = self._rest()
             size = sum(map(len, rest))
             budget.read(size)
             self.bytes_read += size
             if ident and (ident == self.owner or ident == self.upstream_ident):
                 if budget.trusted_request(ident, rest):
-                    self._serve(ident, rest)
+                    self._serve(ident, rest, timed=metered)
                 budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
                 continue
             self.bytes_received += size
-            if not budget.metering or budget.spend(key, size):  # a new upstream proves itself with its first message
-                self._serve(ident, rest)
+            if not metered or budget.spend(key, size):  # a new upstream proves itself with its first message
+                self._serve(ident, rest, timed=True)
                 budget.trust(self.owner, self.upstream_ident)
             elif budget.keep(size):
                 others.append((ident, rest))
         budget.log_drops()
         for ident, rest in others:
-            self._serve(ident, rest)
+            self._serve(ident, rest, timed=True)
 
     def _rest(self) -> list:
         """The frames after a routing id, zero-copy (a zmq.Frame knows its peer's address)."""
@@ -321,8 +322,12 @@ class Worker:
             frames.append(self.sock.recv(copy=False))
         return frames
 
-    def _serve(self, ident: bytes, frames: list) -> None:
+    def _serve(self, ident: bytes, frames: list, timed: bool = False) -> None:
+        """Serve one message; ``timed``: its time counts against the window's (inbox.WINDOW_SERVE_S)."""
+        t0 = time.perf_counter() if timed else 0.0
         self.handle(ident, frames)
+        if timed:
+            self.budget.served(time.perf_counter() - t0)
         self._send_finished()  # keep results flowing while a burst of requests arrives
 
     def _log_handshake_failures(self) -> None:
