@@ -177,6 +177,16 @@ class StageProcess:
         writable, while :meth:`wants_write`, when the pipe has room again: then :meth:`flush`."""
         return self._conn.fileno()
 
+    @property
+    def queued_items(self) -> int:
+        """Work items sent (or waiting to be) and not yet answered."""
+        return len(self._pending)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes of work waiting for room in the pipe."""
+        return len(self._out)
+
     def wants_write(self) -> bool:
         """Whether work waits for room in the pipe (the worker polls for it: :meth:`flush`)."""
         return bool(self._out) and not self._closing

@@ -346,6 +346,10 @@ class Worker:
         """Stop serving, without waiting on anyone: both stage processes are told to end at
         once and given CLOSE_WAIT_S together (then killed), every socket closes unsent."""
         procs = [p for p in (self.stage.proc if self.stage is not None else None, self._spare) if p is not None]
+        if self.stage is not None:
+            proc = self.stage.proc
+            log.info("stopping with %d work item(s) queued for the stage process, %d byte(s) of them waiting "
+                     "for room in its pipe", proc.queued_items, proc.unsent_bytes)
         for proc in procs:
             proc.on_crash = None
             proc.begin_close()
