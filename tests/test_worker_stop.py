@@ -23,6 +23,7 @@ from potluck.engine.lab.worker_kills import queue_burst, sigterm_and_time
 from .cluster_support import TOKEN, start_workers, stop_workers
 
 KILLS = 2  # of each kind, in the suite
+BURST = 1500  # single-token batches queued at once before the stop
 LIMIT_S = 15.0  # far past the 2 s goal on a busy CI machine; a wedged worker never ends
 PROMPT = "<|im_start|>user\nCount to twenty.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -36,13 +37,13 @@ def test_sigterm_during_replies_ends_each_worker_and_its_stage(tmp_path: Path, m
     for _ in range(KILLS):
         workers = start_workers(tmp_path, ["a", "b"])  # the same caches: slices are sent once
         try:
-            target = open_pipeline(model_path, [w.address for w in workers], keys, n_ctx=1024, n_threads=1,
+            target = open_pipeline(model_path, [w.address for w in workers], keys, n_ctx=2048, n_threads=1,
                                    slice_cache=cache, recover=False)
             try:
                 prompt = model.tokenize(PROMPT)
                 target.decode(prompt)
-                assert queue_burst(target, 200, len(prompt), 600) == 600
-                threading.Event().wait(rng.uniform(0.0, 0.2))
+                assert queue_burst(target, 200, len(prompt), BURST) == BURST  # ~1 MB: far more than a pipe holds
+                threading.Event().wait(rng.uniform(0.0, 0.05))
                 times += sigterm_and_time([w.proc for w in workers], LIMIT_S)
             finally:
                 target.close()

@@ -107,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
         if advertiser is not None:
             advertiser.close()
     print("potluck worker stopped", file=sys.stderr, flush=True)
-    return 0
+    # Nothing is left to free (the stage processes have ended, the sockets are closed): skip the
+    # interpreter's teardown of llama.cpp's, numba's and ZeroMQ's modules (1.2-1.5 s measured on a
+    # busy 2-core machine), so SIGTERM ends a worker within STOP_DEADLINE_S.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 STOP_DEADLINE_S = 1.8  # SIGTERM ends the worker and its stage processes within this, whatever it was doing

@@ -134,6 +134,7 @@ class StageProcess:
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, stdin=subprocess.DEVNULL)
         theirs.close()
         theirs_ctl.close()
+        self._fd = self._conn.fileno()  # kept: the poller unregisters it after close
         os.set_blocking(self._conn.fileno(), False)  # the worker's writes never wait (see _flush)
         os.set_blocking(self._control.fileno(), False)
         self._out = bytearray()  # work written to no pipe yet (the pipe was full)
@@ -175,7 +176,7 @@ class StageProcess:
     def fileno(self) -> int:
         """Readable when replies (or the child's end) are waiting: then call :meth:`take_replies`;
         writable, while :meth:`wants_write`, when the pipe has room again: then :meth:`flush`."""
-        return self._conn.fileno()
+        return self._fd
 
     @property
     def queued_items(self) -> int:
@@ -426,9 +427,9 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
     try:
         msg = conn.recv()
     except (EOFError, OSError):
-        return
+        os._exit(0)  # closed before any load (a spare): nothing to free, no interpreter teardown (~1 s)
     if msg[0] != "load":
-        return
+        os._exit(0)
     spec: StageSpec = msg[1]
     try:
         stage, runner = _open(spec)
