@@ -9,7 +9,7 @@ import os
 import select
 import signal
 import socket
-import threading
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +31,8 @@ from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.jobs import DecodeJob, GroupCancelled
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.target import LocalTarget
-from potluck.engine.lab.flood import flood
+from potluck.engine.lab.flood import FloodPlan, flood_process
+from potluck.engine.lab.worker_kills import process_tree
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
@@ -180,56 +181,69 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"no {field} for {pid}")
 
 
-def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
+# Issue 39 item 6: token holders flooding as real attackers would. One never reads its replies
+# and claims routing ids of its own; the other shares one routing id over all its connections
+# (libzmq kept such a connection aside, unread: +340 MB in 20 s) and reads slowly.
+FLOODERS = (
+    FloodPlan(4, 10.0, ("ping", "pad", "status", "hello", "junk", "forward"), idents="own", reads="never"),
+    FloodPlan(4, 10.0, ("ping", "status", "junk"), idents="shared", reads="slow"),
+)
+
+
+def tree_rss_kb(pid: int) -> int:
+    """Resident memory of a worker and its stage process, in kB."""
+    return sum(rss_kb(p) for p in process_tree(pid))
+
+
+def test_floods_from_several_token_holders_are_dropped_and_the_owner_is_served(
     tmp_path: Path, model: Model, model_path: Path
 ) -> None:
-    """A token holder pings a worker from 4 sockets for 12 s without reading the replies. The
-    worker drains its socket at once, serves its owner first and drops what the flooders'
-    budgets do not allow, unread (its log counts them); its memory stays bounded and goes
-    back afterwards (before, a flood from 2 sockets grew one by 2.6 GB in 40 s, and it stayed).
-    The owner's decoding stays exact meanwhile; its speed is a benchmark's business."""
+    """Two token holders (processes of their own) flood a worker for 10 s: several message
+    kinds, routing ids of their own or one shared id, never reading or reading slowly. The
+    worker drains its socket, serves its owner first and drops what the flooders' budgets do
+    not allow, unread (its log counts them); its memory stays within the issue's 200 MB and
+    goes back afterwards. The owner's decoding stays exact meanwhile; its speed, and the
+    figures, are scripts/flood_worker.py's business."""
     keys = keys_from_token(TOKEN)
     w = start_worker(tmp_path, "flooded")
     target = open_pipeline(model_path, [w.address], keys, n_ctx=N_CTX, n_threads=1,
                            slice_cache=SliceCache(tmp_path / "cache"))
     local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    flooders: list[subprocess.Popen] = []
     try:
         prompt = model.tokenize(PROMPT)
         assert np.array_equal(local.decode(prompt), target.decode(prompt))
-        before_kb = rss_kb(w.proc.pid)
-        result: list[int] = []
+        before_kb = tree_rss_kb(w.proc.pid)
+        for plan in FLOODERS:
+            args, env = flood_process(w.address, plan, keys)
+            flooders.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True))
         samples_kb: list[int] = []
-        flooder = threading.Thread(target=lambda: result.append(flood(keys, w.address, 4, 12.0)))
-        flooder.start()
-
-        def sample() -> None:
-            while flooder.is_alive():
-                samples_kb.append(rss_kb(w.proc.pid))
-                time.sleep(0.1)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
         tok = 7
-        while flooder.is_alive():  # the owner decodes all through the flood
+        while any(f.poll() is None for f in flooders):  # the owner decodes all through the flood
             logits = target.decode([tok])
             assert np.array_equal(logits, local.decode([tok]))
             tok = int(np.argmax(logits[0]))
             if target.n_past >= N_CTX - 8:
                 for t in (local, target):
                     t.truncate(len(prompt))
-        flooder.join()
-        sampler.join()
+            samples_kb.append(tree_rss_kb(w.proc.pid))
+        sent = [int(f.communicate(timeout=30)[0].strip() or 0) for f in flooders]
+        assert all(sent) and w.alive(), sent
+        dropped = [line for line in w.log().splitlines() if "past their budget" in line]
+        assert dropped, "no flood message was dropped: the path did not run"
+        # Issue 39's goal: within +200 MB of idle (scripts/flood_worker.py measures the figures)
         peak_kb = max(samples_kb)
-        assert result[0] > 0 and w.alive()
-        assert "past their budget" in w.log(), "no flood message was dropped: the path did not run"
-        # Issue 20's goal (+200 MB, for 60 s: scripts/flood_worker.py measures +13-21 MB).
-        # Dropping with pyzmq calls (4 us a message) let 20 s add 600 MB (12 s: about 360 MB).
-        assert peak_kb - before_kb < 200 * 1024, (before_kb, peak_kb, result[0])
+        assert peak_kb - before_kb < 200 * 1024, (before_kb, peak_kb, sent)
         deadline = time.monotonic() + 30
-        while rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards
-            assert time.monotonic() < deadline, (before_kb, rss_kb(w.proc.pid))
+        while tree_rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards
+            assert time.monotonic() < deadline, (before_kb, tree_rss_kb(w.proc.pid))
             time.sleep(0.5)
+        for tok in (7, 11, 13):  # the owner goes on, exact
+            assert np.array_equal(local.decode([tok]), target.decode([tok]))
     finally:
+        for f in flooders:
+            if f.poll() is None:
+                f.kill()
         local.close()
         target.close()
         stop_worker(w.proc)

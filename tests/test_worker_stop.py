@@ -22,7 +22,7 @@ from potluck.engine.lab.worker_kills import queue_burst, sigterm_and_time
 
 from .cluster_support import TOKEN, start_workers, stop_workers
 
-KILLS = 2  # of each kind, in the suite
+KILLS = 2  # of each kind, in the suite (scripts/worker_kill_trials.py: 20 of each)
 BURST = 1500  # single-token batches queued at once before the stop
 LIMIT_S = 15.0  # far past the 2 s goal on a busy CI machine; a wedged worker never ends
 PROMPT = "<|im_start|>user\nCount to twenty.<|im_end|>\n<|im_start|>assistant\n"
