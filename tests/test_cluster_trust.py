@@ -10,6 +10,7 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -397,3 +398,50 @@ def test_the_heads_own_worker_is_reached_at_the_heads_address_on_a_stages_networ
         assert hw.address_seen_from(f"{host}:7000") == hw.address  # this machine's own address
     finally:
         hw.close()
+
+
+def test_connections_past_the_bound_are_refused_at_the_handshake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every connection costs a worker about 40 kB of libzmq buffers and a queue of replies, so
+    a token holder opening thousands grew it without bound. Past its bound (1,500, lowered
+    here) a worker refuses handshakes with ZAP status 300 (temporary): counted, and a head
+    says it may be that (libzmq shows the client no reason); once the flood closes,
+    connections are taken again."""
+    from potluck.engine.cluster import worker as worker_module
+    from potluck.engine.cluster.link import NodeLink, NodeLostError
+    from potluck.engine.cluster.profile import NodeProfile
+
+    monkeypatch.setattr(worker_module, "MAX_CONNECTIONS", 20)
+    keys = keys_from_token(TOKEN)
+    w = worker_module.Worker(keys, NodeProfile("gated", 2, 1000, 1.0), tmp_path / "cache", bind="127.0.0.1")
+    serving = threading.Thread(target=w.serve_forever, daemon=True)
+    serving.start()
+    ctx = zmq.Context()
+    flood = []
+    try:
+        for _ in range(40):
+            s = client_socket(ctx, keys)
+            s.connect(f"tcp://127.0.0.1:{w.port}")
+            flood.append(s)
+        deadline = time.monotonic() + 30
+        while w.gate.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.gate.refused > 0  # the path ran: handshakes refused past the bound
+        link = NodeLink(ctx, keys, f"127.0.0.1:{w.port}")
+        with pytest.raises(NodeLostError, match="or it takes no more connections now"):
+            link.join("head-late", "0", timeout_s=3)
+        link.close(release=False)
+        for s in flood:
+            s.close(linger=0)
+        flood.clear()
+        late = client_socket(ctx, keys)  # the flood gone, a connection is taken again
+        late.connect(f"tcp://127.0.0.1:{w.port}")
+        late.send_multipart(wire.to_frames(wire.Ping(5)))
+        assert late.poll(30000), "no pong once the flood closed"
+        assert wire.parse_frames(late.recv_multipart()) == wire.Pong(5)
+        late.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)  # every socket of the test's, whatever failed
+        w.stop()
+        serving.join(10)

@@ -22,7 +22,7 @@ from ..core.printable import printable
 from ..core.spec import JOIN_TIMEOUT_S, CurveKeys
 from . import wire
 from .plan import NodeInfo
-from .transport import AUTH_FAILED_EVENTS, ZAP_BUSY, client_socket, endpoint, read_event
+from .transport import AUTH_FAILED_EVENTS, client_socket, endpoint, read_event
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,6 @@ class NodeLink:
         self.reachable: bool | None = None
         self.handshaken = False
         self.auth_failed = False
-        self.refused_busy = False  # the worker took no more connections (ZAP 300): it retries
         self.sock = client_socket(zctx, keys)
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # a bigger one drops the connection
@@ -152,7 +151,7 @@ class NodeLink:
         lost = None
         while True:
             try:
-                event, value = read_event(self.monitor) if self.monitor.poll(0) else (None, 0)
+                event, _ = read_event(self.monitor) if self.monitor.poll(0) else (None, 0)
             except zmq.ZMQError:
                 return lost
             if event is None:
@@ -163,8 +162,6 @@ class NodeLink:
                 self.reachable = False
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken = True
-            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == int(ZAP_BUSY):
-                self.refused_busy = True  # not our token: its connection count (libzmq retries)
             elif event in AUTH_FAILED_EVENTS:
                 self.auth_failed = True
             elif self.handshaken and event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
@@ -243,11 +240,11 @@ class NodeLink:
         self.drain_events()
         if self.handshaken and not self.auth_failed:
             return f"{self.describe()} did not answer within {timeout_s:g} s"
-        if self.auth_failed:  # an answer, not a silence: no deadline in the message
-            return f"{self.describe()} refused our CURVE keys: started with a different cluster token"
-        if self.refused_busy:
-            why = "it takes no more connections now (too many are open to it: someone may be flooding it)"
-        elif self.reachable is None:
+        if self.auth_failed:  # an answer, not a silence: no deadline in the message (libzmq shows a
+            # client no reason: a worker past its connection bound refuses the same way)
+            return (f"{self.describe()} refused our CURVE handshake: started with a different cluster token, "
+                    "or it takes no more connections now (too many are open to it: a flood?)")
+        if self.reachable is None:
             why = "nothing took the connection there: not running, or a wrong address"
         elif self.reachable is False:
             why = "it dropped the connection before CURVE completed: not a potluck worker, or another cluster token"
