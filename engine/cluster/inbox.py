@@ -82,6 +82,7 @@ class PeerBudget:
         self._trusted_ids: tuple[bytes, ...] = ()
         self.metering = False  # a backlog was found this window: untrusted peers are metered
         self.dropped = 0  # messages dropped unread (tests, logs)
+        self.cut_offs = 0  # trusted connections cut off for a window
         self._dropped_logged = 0
 
     def new_pass(self) -> None:
@@ -131,6 +132,10 @@ class PeerBudget:
         """Drop ``ident``'s messages unread until the window ends (a trusted connection past
         what it may send, or whose pipeline traffic the stage could no longer queue)."""
         self._cut.add(ident)
+        self.cut_offs += 1
+        if self.cut_offs % 100 == 1:  # the first, then every 100th
+            log.warning("cut off a connection of the owner or upstream for the rest of the second: it sent more "
+                        "than a head does (%d cut off so far)", self.cut_offs)
         self.metering = True
         slot = _slot_of(ident)
         self._spent_msgs[slot] = PEER_MESSAGES
