@@ -30,8 +30,8 @@ HEARTBEAT_IVL_MS = 500
 HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
 HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is dropped
 # Replies libzmq queues per peer; past that a peer's replies are dropped (the owner's wait in
-# the worker's own bounded outbox instead). A peer that reads none holds at most this many:
-# 1,024 unread replies of 1 kB cost 0.3 MB a connection (issue 39 item 6).
+# the worker's own bounded outbox instead). A peer that reads none holds at most this many
+# (libzmq's default, 1,000 unread replies of about 1 kB, cost 0.3 MB a connection: issue 39 item 6).
 SERVER_SNDHWM = 16
 KEEPALIVE_IDLE_S = 2  # a worker's TCP keepalive: a vanished head is found within about 5 s
 MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
