@@ -284,7 +284,14 @@ def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost
     path = slice_layers(model_path, tmp_path / "s.gguf", 0, 15)
     proc = StageProcess()
     proc.load(StageSpec(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), True, 256, 32, 1, True, 1), 300)
-    os.kill(proc.proc.pid, signal.SIGSTOP)  # it cannot exit within close()'s 2 s: close() kills it
+    os.kill(proc.proc.pid, signal.SIGSTOP)  # it cannot exit within close()'s wait: close() kills it
+    # ... once every thread has stopped: a thread that reached the end of its pipe first would
+    # exit at once (the child ends when its pipes do), and the stop would come too late
+    tasks = Path(f"/proc/{proc.proc.pid}/task")
+    deadline = time.monotonic() + 30
+    while any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for t in tasks.iterdir()):
+        assert time.monotonic() < deadline, "the stage process did not stop"
+        time.sleep(0.01)
     with caplog.at_level("ERROR", logger="potluck.engine.cluster.child"):
         proc.close()
     assert proc.proc.returncode == -signal.SIGKILL  # the slow exit path ran
