@@ -77,6 +77,10 @@ class SamplingSettings:
     """Nucleus mass; 1 turns the filter off."""
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    """Lower a token's logit by this for each time it occurs in the last 64 tokens (-2 to 2)."""
+    presence_penalty: float = 0.0
+    """Lower a token's logit by this once if it occurs in the last 64 tokens (-2 to 2)."""
     seed: int | None = None
     """RNG seed; unset draws a fresh one per reply."""
     max_tokens: int = 512
@@ -92,6 +96,8 @@ class SamplingSettings:
                 top_p=self.top_p,
                 min_p=self.min_p,
                 repeat_penalty=self.repeat_penalty,
+                frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty,
                 seed=self.seed,
             )
         )

@@ -13,9 +13,11 @@ from potluck.engine.core.chat import ChatFormat, Message, TextStream
 from potluck.engine.core.gguf_tools import file_sha256, merge_layer_ranges, open_reader, parse_recipe
 from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
-from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.sampling import Sampler, SamplingParams, penalize
 from potluck.engine.core.session import Session
 from potluck.engine.core.target import LocalTarget
+
+from .support.distributions import dense_probs
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
 TOP3 = [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0]
@@ -48,28 +50,56 @@ def test_header_reader_parses_arrays_as_the_element_wise_walk_does(model_path: P
 
 
 def test_greedy_is_one_hot_on_argmax() -> None:
-    p = probs(LOGITS, SamplingParams())
+    p = dense_probs(LOGITS, SamplingParams())
     assert p.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_temperature_one_recovers_softmax() -> None:
-    p = probs(LOGITS, SamplingParams(temperature=1.0))
+    p = dense_probs(LOGITS, SamplingParams(temperature=1.0))
     assert np.allclose(p, [0.5, 0.2, 0.15, 0.1, 0.05])
 
 
 def test_top_k_top_p_min_p_filters() -> None:
-    assert np.allclose(probs(LOGITS, SamplingParams(temperature=1.0, top_k=2)), [5 / 7, 2 / 7, 0, 0, 0])
+    assert np.allclose(dense_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2)), [5 / 7, 2 / 7, 0, 0, 0])
     # top-p 0.8: the smallest set with mass >= 0.8 is {0.5, 0.2, 0.15} (0.85)
-    assert np.allclose(probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.8)), TOP3)
+    assert np.allclose(dense_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.8)), TOP3)
     # min-p 0.25: keep tokens with p >= 0.25 * 0.5
-    assert np.allclose(probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.25)), TOP3)
+    assert np.allclose(dense_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.25)), TOP3)
 
 
 def test_repeat_penalty_lowers_repeated_tokens() -> None:
     logits = np.array([2.0, 2.0, -1.0], dtype=np.float32)
-    p = probs(logits, SamplingParams(temperature=1.0, repeat_penalty=2.0), history=[0, 2])
+    p = dense_probs(logits, SamplingParams(temperature=1.0, repeat_penalty=2.0), history=[0, 2])
     assert p[0] < p[1]
-    assert p[2] < probs(logits, SamplingParams(temperature=1.0))[2]
+    assert p[2] < dense_probs(logits, SamplingParams(temperature=1.0))[2]
+
+
+def test_top_p_and_min_p_read_the_untempered_distribution_as_llama_cpp_does() -> None:
+    """llama.cpp's chain: top-k, top-p, min-p, then temperature. At temperature 0.5 the mass
+    of {0.5, 0.2} would pass 0.8 (0.89 of the sharpened softmax), but top-p reads the untempered
+    one, where it takes {0.5, 0.2, 0.15}; temperature then sharpens only the survivors."""
+    p = dense_probs(LOGITS, SamplingParams(temperature=0.5, top_p=0.8))
+    kept = np.array([0.5, 0.2, 0.15]) ** 2
+    assert np.allclose(p, [*(kept / kept.sum()), 0, 0])
+    # min-p 0.25 keeps p >= 0.125 at temperature 1, whatever the temperature
+    assert np.count_nonzero(dense_probs(LOGITS, SamplingParams(temperature=3.0, min_p=0.25))) == 3
+    assert np.count_nonzero(dense_probs(LOGITS, SamplingParams(temperature=0.2, min_p=0.25))) == 3
+
+
+def test_frequency_and_presence_penalties_are_llama_cpps() -> None:
+    """A token seen c times in the window: logit / repeat (x repeat when negative), minus
+    c * frequency + presence; the window is the last repeat_last_n tokens."""
+    logits = np.array([2.0, -1.0, 0.5, 0.0], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, repeat_penalty=2.0, frequency_penalty=0.3,
+                            presence_penalty=0.2, repeat_last_n=4)
+    history = [2, 2, 0, 1, 1, 1]  # the window holds 0, 1, 1, 1: token 2 fell out of it
+    want = np.array([2.0 / 2 - 0.3 - 0.2, -1.0 * 2 - 3 * 0.3 - 0.2, 0.5, 0.0])
+    assert np.allclose(dense_probs(logits, params, history), np.exp(want) / np.exp(want).sum())
+    assert np.allclose(penalize(logits, history, params), want)
+    assert penalize(logits, history, SamplingParams(temperature=1.0)) is logits  # nothing on: no copy
+    # greedy with penalties: the argmax of the penalized logits
+    greedy = SamplingParams(frequency_penalty=2.0)
+    assert Sampler(greedy).sample(logits, [0]) == 2 and Sampler(SamplingParams()).sample(logits, [0]) == 0
 
 
 def test_sampler_draws_follow_distribution() -> None:

@@ -141,6 +141,8 @@ OPTIONS: dict[str, list[list[str | bytes]]] = {
     "--top-p": [[v] for v in ["1", "0.9", "0", "1.5", "nan", "-0.1", ""]],
     "--min-p": [[v] for v in ["0", "0.05", "1", "-0.5", "inf", ""]],
     "--repeat-penalty": [[v] for v in ["1", "1.3", "1e-6", "0", "-2", "nan", "1e300", "1e-9"]],
+    "--frequency-penalty": [[v] for v in ["0", "0.5", "-2", "2", "2.01", "-3", "nan", "inf", ""]],
+    "--presence-penalty": [[v] for v in ["0", "1.5", "-0.5", "-2.5", "1e300", "nan", "abc"]],
     "--max-tokens": [[v] for v in ["1", "2", "0", "-3", "abc", "", "1.5"]],
     "--strategy": [[v] for v in ["autoregressive", "anpd", "sd", "", "bogus", "SD", "a" * 300]],
     "--draft": [["@model"], ["@garbage.gguf"], ["@missing.gguf"], ["@folder.gguf"], [""]],
@@ -371,6 +373,8 @@ CONFIG_VALUES: dict[tuple[str, str], list[object]] = {
     ("sampling", "top_p"): [1, 0.5, 0, 1.5, math.nan, -math.inf],
     ("sampling", "min_p"): [0, 0.05, 1, -0.1, math.inf],
     ("sampling", "repeat_penalty"): [1, 1.1, 0, -1, 1e-9, math.nan],
+    ("sampling", "frequency_penalty"): [0, 0.5, -2, 2.5, math.nan, "high"],
+    ("sampling", "presence_penalty"): [0, -1.5, 3, -math.inf],
     ("sampling", "seed"): [0, -1, 2**63 - 1, -(2**63), 1.5, "1"],
     ("sampling", "max_tokens"): [1, 512, 0, -1, 2**63 - 1, False],
 }

@@ -18,7 +18,7 @@ from potluck.engine.core.events import Finished, RoundStats
 from potluck.engine.core.gguf_tools import merge_layer_ranges
 from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
-from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.sampling import Sampler, SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Round, Strategy
@@ -33,6 +33,7 @@ from potluck.engine.speculation.strategies.registry import get_strategy_class
 from potluck.engine.speculation.voting import DrafterWeights, WeightConfig, heaviest_path, score_chain
 
 from .conftest import flat_cost_line
+from .support.distributions import dense_probs
 from .support.prompts import LONG_PROMPTS, TURNS
 from .support.references import plain_conversation, plain_reply
 from .support.voters import Fixed, PerPosition, Sampled
@@ -266,7 +267,7 @@ def reply_position_counts(cls: type[MajorityVote]) -> tuple[np.ndarray, np.ndarr
     rng = np.random.default_rng(5)
     n_pos = 12
     logits = rng.normal(0.0, 1.2, size=(n_pos, V)).astype(np.float32)
-    p = np.array([probs(row, FILTERED) for row in logits])
+    p = np.array([dense_probs(row, FILTERED) for row in logits])
     # q near enough to p to be kept often, far enough from its neighbours to show misalignment
     qs = 0.3 * p + 0.7 * rng.dirichlet(np.full(V, 0.5), size=n_pos)
     vote = cls([("draft-model", PerPosition(qs)), ("zero", Fixed("zero", [0]))], ahead=[0],

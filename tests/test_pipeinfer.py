@@ -24,18 +24,19 @@ from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
-from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
-from potluck.engine.core.strategy import Generation, Strategy
+from potluck.engine.core.strategy import Strategy
 from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.speculation import inflight, verify
 from potluck.engine.speculation.strategies.pipeinfer import PipeInfer
 
 from .cluster_support import TOKEN, WorkerProc
+from .support.distributions import dense_probs
 from .support.prompts import LONG_PROMPTS, TURNS
+from .support.sampled import ALPHA, DEFAULTS, SETTINGS, broken_residual, chi2_pvalue, generation, next_round
 from .support.split_target import SplitTarget
-from .test_spec_strategies import ALPHA, broken_residual, chi2_pvalue
 
 N_CTX = 2048
 MAX_TOKENS = 64
@@ -196,55 +197,62 @@ def test_options_are_checked(model: Model) -> None:
 
 # --------------------------------------------------------------------------- sampling
 
-SAMPLED = SamplingParams(temperature=0.8)
 TRIALS = 200
 
 
-def second_tokens(model: Model, stages: list[Model], strategy: PipeInfer, text: str) -> tuple[list[int], np.ndarray]:
-    """The token after the most likely first token, over ``TRIALS`` seeded replies, where a
-    guess was judged there; and the target's exact distribution at that position."""
+def second_tokens(model: Model, stages: list[Model], strategy: PipeInfer, text: str,
+                  params: SamplingParams) -> tuple[list[int], np.ndarray]:
+    """The token after ``text`` plus ":" over ``TRIALS`` seeded replies, where an N-gram guess
+    was judged; and the target's exact distribution at that position. The first token is ":" for
+    sure (logits that give it), so every trial reaches the guess whatever the setting."""
     target = split(stages)
     try:
         prompt = model.tokenize(text, add_special=True)
-        first_logits = target.decode(prompt)[-1].copy()
-        first = int(np.argmax(probs(first_logits, SAMPLED)))
-        pending = target.decode([first])[-1].copy()
+        colon = model.tokenize(":", add_special=False)[0]
+        target.decode(prompt)
+        pending = target.decode([colon])[-1].copy()
         target.truncate(len(prompt))
+        certain = np.full(model.n_vocab, -100.0, dtype=np.float32)
+        certain[colon] = 100.0
         out: list[int] = []
         for seed in range(TRIALS):
-            seeds = np.random.SeedSequence(seed)
-            g = Generation(
-                run_id=seed, target=target,
-                sampler=Sampler(SamplingParams(temperature=0.8, seed=seed), np.random.default_rng(seeds)),
-                seeds=seeds, history=list(prompt), first_logits=first_logits, max_new=4, is_eog=model.is_eog,
-            )
+            g = generation(target, prompt, certain, seed, model, params, max_new=4)
             strategy.prepare(g)
             rounds = strategy.run(g)
-            head = next(rounds)  # the first token: sampled from the prompt's logits
-            g.history += head.tokens
-            g.n_new += len(head.tokens)
-            if head.tokens == [first]:
-                nxt = next(rounds)
-                if nxt.drafted > 0:  # the verifier, not plain sampling, chose this token
-                    out.append(nxt.tokens[0])
+            assert next_round(g, rounds).tokens == [colon]  # the first token: from the given logits
+            nxt = next(rounds)
+            if nxt.drafted > 0:  # the verifier, not plain sampling, chose this token
+                out.append(nxt.tokens[0])
             rounds.close()
             target.truncate(len(prompt))
-        assert len(out) > TRIALS // 3
-        return out, probs(pending, SAMPLED)
+        assert len(out) > TRIALS // 2
+        return out, dense_probs(pending, params, [*prompt, colon])
     finally:
         target.close()
 
 
+FRUITS = "My favourite fruits: apples, pears, plums. Her favourite fruits"  # then ":", then " apples"?
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampled_pipeinfer_token_follows_target_distribution(
+    setting: str, model: Model, stage_models: dict[int, list[Model]]
+) -> None:
+    """N-gram guesses (q = delta, " apples" after "fruits:") judged as rows come back, at each
+    of the settings every strategy is checked with (tests/support/sampled.py)."""
+    strategy = build(model)
+    tokens, p = second_tokens(model, stage_models[2], strategy, FRUITS, SETTINGS[setting])
+    assert chi2_pvalue(tokens, p) > ALPHA
+    strategy.close()
+
+
+def test_a_broken_residual_is_caught_in_pipeinfer(
     model: Model, stage_models: dict[int, list[Model]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    strategy = build(model)  # N-gram guesses (q = delta): " apples" after "fruits:"
-    text = "My favourite fruits: apples, pears, plums. Her favourite fruits"  # then ":", then open
-    tokens, p = second_tokens(model, stage_models[2], strategy, text)
-    assert chi2_pvalue(tokens, p) > ALPHA
-    # the same with a verifier that resamples from p after a rejection must fail
+    """The same with a verifier that resamples from p after a rejection must fail."""
+    strategy = build(model)
     monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
-    tokens, p = second_tokens(model, stage_models[2], strategy, text)
+    tokens, p = second_tokens(model, stage_models[2], strategy, FRUITS, DEFAULTS)
     assert chi2_pvalue(tokens, p) < ALPHA
     strategy.close()
 

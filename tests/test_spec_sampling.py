@@ -2,14 +2,17 @@
 
 A toy language model over a 5-token vocabulary gives logits that depend on the whole prefix,
 for the target and for a different draft, so p and q differ at each position; both go
-through the product's filters (temperature, top-k, top-p, min-p and the repetition penalty
-over the history plus the drafts so far) exactly as the strategies call them.
+through the product's filters (temperature, top-k, top-p, min-p and the repeat, frequency and
+presence penalties over the history plus the drafts so far) exactly as the strategies call
+them.
 
 A round drafts k tokens from q, verifies them, and emits the kept prefix plus one token; the
 text then continues with plain sampling. The first k + 1 tokens of that process must follow
 the target's own joint distribution:
 - exactly, by enumerating every draft chain and every accept / reject branch;
-- empirically, by running the production :func:`verify_chain` with a seeded generator.
+- empirically, by running the production :class:`RowJudge` (what every strategy verifies
+  with: it keeps the penalties' window over the conversation and the drafts kept before
+  each position) with a seeded generator.
 Both checks also run with a deliberately broken residual and must catch it.
 """
 
@@ -23,8 +26,12 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from potluck.engine.core.sampling import SamplingParams, probs
+from potluck.engine.core.sampling import Candidates, Sampler, SamplingParams, distribution
+from potluck.engine.speculation import inflight
+from potluck.engine.speculation.inflight import RowJudge
 from potluck.engine.speculation.verify import accept_prob, judge, residual, verify_chain
+
+from .support.distributions import dense
 
 VOCAB = 5
 K = 3  # drafts per round: positions 0..3 are all checked
@@ -36,7 +43,10 @@ FILTERS = {
     "top_p": SamplingParams(temperature=1.0, top_p=0.8),
     "min_p": SamplingParams(temperature=1.2, min_p=0.15),
     "repeat_penalty": SamplingParams(temperature=0.8, repeat_penalty=1.6, repeat_last_n=8),
-    "all": SamplingParams(temperature=0.9, top_k=4, top_p=0.9, min_p=0.05, repeat_penalty=1.3),
+    "frequency_presence": SamplingParams(temperature=1.0, frequency_penalty=0.9, presence_penalty=0.6,
+                                         repeat_last_n=4),
+    "all": SamplingParams(temperature=0.9, top_k=4, top_p=0.9, min_p=0.05, repeat_penalty=1.3,
+                          frequency_penalty=0.4, presence_penalty=0.3),
 }
 
 
@@ -46,13 +56,20 @@ def toy_logits(seed: int, prefix: tuple[int, ...]) -> np.ndarray:
     return rng.normal(0.0, 2.0, VOCAB).astype(np.float32)
 
 
+@functools.cache
+def candidates(seed: int, params: SamplingParams, prefix: tuple[int, ...]) -> Candidates:
+    """The filtered distribution the product samples from after HISTORY + prefix (a pure
+    function: memoized, the enumerations ask for the same prefixes again and again)."""
+    return distribution(toy_logits(seed, prefix), params, [*HISTORY, *prefix])
+
+
 def dist(seed: int, params: SamplingParams, prefix: tuple[int, ...]) -> np.ndarray:
-    """The filtered distribution the product samples from after HISTORY + prefix."""
-    return probs(toy_logits(seed, prefix), params, [*HISTORY, *prefix])
+    """The same as a dense row over the vocabulary."""
+    return dense(candidates(seed, params, prefix), VOCAB)
 
 
-def broken_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
-    return np.asarray(p, dtype=np.float64)
+def broken_residual(p: Candidates, q: Candidates | None, x: int) -> Candidates:
+    return p
 
 
 TARGET, DRAFT = 11, 29  # model seeds
@@ -94,13 +111,14 @@ def round_joint(
             for t in np.flatnonzero(p):
                 extend((*chain, int(t)), pr * p[t])
             return
-        q = dist(DRAFT, params, chain[:i])
+        q = candidates(DRAFT, params, chain[:i])
         x = chain[i]
-        a = accept_prob(p, q, x)
+        pc = candidates(TARGET, params, chain[:i])
+        a = accept_prob(pc, q, x)
         if a > 0:
             verify(chain, i + 1, pr * a)
         if a < 1:
-            r = residual_fn(p, q, x)
+            r = dense(residual_fn(pc, q, x), VOCAB)
             for t in np.flatnonzero(r):
                 extend((*chain[:i], int(t)), pr * (1 - a) * r[t])
 
@@ -132,24 +150,26 @@ def test_every_position_keeps_the_target_distribution_exactly(name: str) -> None
     assert max_gap(round_joint(params, broken_residual), want) > 1e-3  # the control is caught
 
 
-def sampled_sequences(params: SamplingParams, n: int, residual_fn: Callable = residual) -> list[tuple[int, ...]]:
-    """Rounds through the production verify_chain (seeded), continued by plain sampling."""
+def sampled_sequences(
+    params: SamplingParams, n: int, residual_fn: Callable = residual, monkeypatch: pytest.MonkeyPatch | None = None
+) -> list[tuple[int, ...]]:
+    """Rounds through the production :class:`RowJudge` (seeded), continued by plain sampling:
+    the judge sees the raw target logits after each draft prefix and applies the penalties
+    over the conversation and the drafts itself, as in every strategy."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(inflight, "verify_chain", functools.partial(verify_chain, residual_fn=residual_fn))
     rng = np.random.default_rng(2024)
     out = []
     for _ in range(n):
         chain: list[int] = []
         qs = []
         for _ in range(K):
-            q = dist(DRAFT, params, tuple(chain))
-            chain.append(int(rng.choice(VOCAB, p=q)))
+            q = candidates(DRAFT, params, tuple(chain))
+            chain.append(int(rng.choice(VOCAB, p=dense(q, VOCAB))))
             qs.append(q)
-        verdict = verify_chain(
-            chain,
-            lambda i, chain=chain: dist(TARGET, params, tuple(chain[:i])),
-            qs,
-            lambda: float(rng.random()),
-            residual_fn,
-        )
+        history = list(HISTORY)
+        judge_ = RowJudge(Sampler(params, rng), history)
+        verdict = judge_.chain(chain, qs, [toy_logits(TARGET, tuple(chain[:i])) for i in range(K + 1)])
         seq = verdict.tokens(chain)
         while len(seq) < K + 1:
             seq.append(int(rng.choice(VOCAB, p=dist(TARGET, params, tuple(seq)))))
@@ -170,12 +190,21 @@ def chi2_p(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -
     return float(chisquare(obs, exp).pvalue)
 
 
-@pytest.mark.parametrize("name", ["all", "repeat_penalty"])
-def test_seeded_rounds_follow_the_target_joint(name: str) -> None:
+@pytest.mark.parametrize("name", ["all", "repeat_penalty", "frequency_presence"])
+def test_seeded_rounds_follow_the_target_joint(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     params = FILTERS[name]
     want = target_joint(params)
     assert chi2_p(sampled_sequences(params, 6000), want) > 1e-3
-    assert chi2_p(sampled_sequences(params, 6000, broken_residual), want) < 1e-3
+    assert chi2_p(sampled_sequences(params, 6000, broken_residual, monkeypatch), want) < 1e-3
+
+
+def test_a_judge_that_forgets_the_drafts_kept_this_round_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Penalties depend on every token before a position, drafts kept earlier in the same
+    round included: a judge whose window stops at the conversation must fail the test."""
+    params = FILTERS["frequency_presence"]
+    want = target_joint(params)
+    monkeypatch.setattr(RowJudge, "recent", lambda self, extra: [*self.history][-self.params.repeat_last_n :])
+    assert chi2_p(sampled_sequences(params, 6000), want) < 1e-3
 
 
 def test_judge_is_the_chain_rule_position_by_position() -> None:
@@ -184,8 +213,8 @@ def test_judge_is_the_chain_rule_position_by_position() -> None:
     for seed in range(200):
         rng = np.random.default_rng(seed)
         chain = [int(x) for x in rng.integers(0, VOCAB, K)]
-        ps = [dist(TARGET, params, tuple(chain[:i])) for i in range(K + 1)]
-        qs = [dist(DRAFT, params, tuple(chain[:i])) for i in range(K)]
+        ps = [candidates(TARGET, params, tuple(chain[:i])) for i in range(K + 1)]
+        qs = [candidates(DRAFT, params, tuple(chain[:i])) for i in range(K)]
         uniform = functools.partial(lambda g: float(g.random()), np.random.default_rng(seed + 1000))
         whole = verify_chain(chain, ps.__getitem__, qs, uniform)
         uniform = functools.partial(lambda g: float(g.random()), np.random.default_rng(seed + 1000))

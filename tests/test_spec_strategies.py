@@ -1,30 +1,26 @@
-"""`sd` and `anpd` are lossless: greedy output equals plain decoding token for token, and a
-sampled token follows the target's distribution (and would not with a broken verifier)."""
+"""`sd` and `anpd` are lossless: greedy output equals plain decoding token for token (sampled
+output keeps the target's distribution: tests/test_sampled_strategies.py)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from potluck.engine.core.events import Finished, RoundStats
 from potluck.engine.core.runtime import ContextParams, Model
-from potluck.engine.core.sampling import Sampler, SamplingParams, probs
+from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
-from potluck.engine.core.strategy import Generation, Strategy
+from potluck.engine.core.strategy import Strategy
 from potluck.engine.core.target import MAX_EXACT_BATCH, LocalTarget
-from potluck.engine.speculation import inflight
 from potluck.engine.speculation.strategies.registry import get_strategy_class
-from potluck.engine.speculation.verify import verify_chain
 
 from .conftest import flat_cost_line
 from .support.prompts import LONG_PROMPTS, RAW_PROMPTS, TURNS
 from .support.references import plain_conversation, plain_reply
+from .support.sampled import generation, next_round
 
 MAX_TOKENS = 256
 # One thread: this box has 2 cores shared with other jobs, and two spinning threads on a
@@ -161,93 +157,7 @@ def test_long_fixed_drafts_stay_exact(model: Model, reference: dict[str, list[in
     session.close()
 
 
-# --------------------------------------------------------------------------- sampling
-
-SAMPLED = SamplingParams(temperature=0.8)
-TRIALS = 200
-ALPHA = 1e-3  # one significance level: the exact verifier passes it, the broken one must not
-
-
-def generation(target: LocalTarget, prompt: list[int], first_logits: np.ndarray, seed: int, model: Model,
-               max_new: int = 8) -> Generation:
-    seeds = np.random.SeedSequence(seed)
-    return Generation(
-        run_id=seed,
-        target=target,
-        sampler=Sampler(SamplingParams(temperature=0.8, seed=seed), np.random.default_rng(seeds)),
-        seeds=seeds,
-        history=list(prompt),
-        first_logits=first_logits,
-        max_new=max_new,
-        is_eog=model.is_eog,
-    )
-
-
-def next_round(g: Generation, rounds: Iterator) -> object:
-    """The next round, its tokens then added to the conversation as the session does."""
-    rnd = next(rounds)
-    g.history.extend(rnd.tokens)
-    g.n_new += len(rnd.tokens)
-    return rnd
-
-
-def verified_tokens(
-    model: Model, strategy: Strategy, text: str, trials: int
-) -> tuple[list[int], np.ndarray]:
-    """The first token the verifier chose right after the prompt ``text`` in each of
-    ``trials`` replies (one seed each), and the target's exact p there. A first round only
-    samples the prompt's own logits (nothing drafted: speculation never delays the first
-    token), so each reply starts from the prompt less its last token, with logits that give
-    that token for sure, and the second round verifies drafts after the whole prompt."""
-    target = LocalTarget(model, ContextParams(n_ctx=256, n_threads=THREADS))
-    *head, last = model.tokenize(text, add_special=True)
-    p = probs(target.decode([*head, last])[-1].copy(), SAMPLED)
-    certain = np.full(model.n_vocab, -100.0, dtype=np.float32)
-    certain[last] = 100.0
-    out = []
-    for seed in range(trials):
-        target.truncate(len(head))
-        g = generation(target, head, certain, seed, model)
-        strategy.prepare(g)
-        rounds = strategy.run(g)
-        assert next_round(g, rounds).tokens == [last]  # undrafted, from the given logits
-        rnd = next_round(g, rounds)
-        assert rnd.drafted > 0  # the verifier, not plain sampling, chose this token
-        out.append(rnd.tokens[0])
-        rounds.close()
-    target.close()
-    return out, p
-
-
-def chi2_pvalue(tokens: list[int], p: np.ndarray) -> float:
-    """Goodness of fit against p, likely tokens as their own bins and the tail lumped."""
-    counts = np.bincount(tokens, minlength=p.shape[0]).astype(float)
-    n = len(tokens)
-    big = np.flatnonzero(p * n >= 5)
-    obs = [*counts[big], n - counts[big].sum()]
-    exp = [*(p[big] * n), n - (p[big] * n).sum()]
-    if exp[-1] < 1e-9:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp).pvalue)
-
-
-def broken_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
-    return np.asarray(p, dtype=np.float64)
-
-
-@pytest.mark.parametrize("name", ["anpd", "sd"])
-def test_sampled_token_follows_target_distribution(
-    name: str, model: Model, weak_draft: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    strategy = build(name, model, weak_draft, max_draft=2, adaptive=False)
-    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
-    assert chi2_pvalue(tokens, p) > ALPHA
-    # The same run with a verifier that resamples from p after a rejection must fail.
-    broken = functools.partial(verify_chain, residual_fn=broken_residual)
-    monkeypatch.setattr(inflight, "verify_chain", broken)
-    tokens, p = verified_tokens(model, strategy, RAW_PROMPTS[name], TRIALS)
-    assert chi2_pvalue(tokens, p) < ALPHA
-    strategy.close()
+# --------------------------------------------------------------------------- the first token
 
 
 @pytest.mark.parametrize("name", ["sd", "pearl"])

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from potluck.engine.core.sampling import Candidates
 from potluck.engine.speculation.verify import TokenTree, residual, verify_chain, verify_greedy
 
+from .support.distributions import candidates, dense
 from .support.trees import chain_first_token_dist, tree_first_token_dist, verify_tree
 
 VOCAB = 7
@@ -24,9 +26,9 @@ def random_dist(rng: np.random.Generator, zeros: int = 2) -> np.ndarray:
     return d / d.sum()
 
 
-def broken_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+def broken_residual(p: Candidates, q: Candidates | None, x: int) -> Candidates:
     """The classic bug: resample from p itself after a rejection."""
-    return np.asarray(p, dtype=np.float64)
+    return p
 
 
 # --------------------------------------------------------------------------- exact
@@ -64,14 +66,14 @@ def test_tree_first_token_distribution_is_exactly_p(seed: int) -> None:
     # stochastic branches, each from its own drafter's q (Minions-style voters)
     qs = tuple(random_dist(rng) for _ in range(n_children))
     stoch = TokenTree(
-        tokens=(0, *([0] * n_children)), parent=(-1, *([0] * n_children)), q=(None, *qs)
+        tokens=(0, *([0] * n_children)), parent=(-1, *([0] * n_children)), q=(None, *map(candidates, qs))
     )
     np.testing.assert_allclose(tree_first_token_dist(stoch, p), p, atol=1e-12)
 
 
 def test_residual_zeroes_the_rejected_deterministic_draft() -> None:
-    p = np.array([0.5, 0.25, 0.25])
-    np.testing.assert_allclose(residual(p, None, 0), [0.0, 0.5, 0.5])
+    p = candidates(np.array([0.5, 0.25, 0.25]))
+    np.testing.assert_allclose(dense(residual(p, None, 0), 3), [0.0, 0.5, 0.5])
 
 
 def test_greedy_accepts_the_matching_prefix() -> None:
@@ -96,8 +98,8 @@ def sample_stream(
             drafts, q_rows = [int(np.argmax(q_det))] * k, None
         else:
             drafts = [int(rng.choice(VOCAB, p=q)) for _ in range(k)]
-            q_rows = [q] * k
-        v = verify_chain(drafts, lambda i: p, q_rows, rng.random, **kw)
+            q_rows = [candidates(q)] * k
+        v = verify_chain(drafts, lambda i: candidates(p), q_rows, rng.random, **kw)
         out += v.tokens(drafts)
     return out[:n_tokens]
 
@@ -130,7 +132,7 @@ def test_sampled_tree_follows_p_and_missing_residual_update_is_caught() -> None:
     p = np.array([0.30, 0.05, 0.15, 0.0, 0.10, 0.25, 0.15])
     tree = TokenTree.from_chains(0, [[5, 1], [2, 2], [6]])
     trials = 4000
-    good = [verify_tree(tree, lambda n: p, rng.random) for _ in range(trials)]
+    good = [verify_tree(tree, lambda n: candidates(p), rng.random) for _ in range(trials)]
     firsts = [tree.tokens[v.path[0]] if v.path else v.token for v in good]
     assert chi2_pvalue(firsts, p) > 1e-4
 
@@ -139,7 +141,7 @@ def test_sampled_tree_follows_p_and_missing_residual_update_is_caught() -> None:
         for child in t.children(0):
             if rng.random() < p[t.tokens[child]]:
                 return t.tokens[child]
-        return int(rng.choice(VOCAB, p=residual(p, None, t.tokens[t.children(0)[-1]])))
+        return int(rng.choice(VOCAB, p=dense(residual(candidates(p), None, t.tokens[t.children(0)[-1]]), VOCAB)))
 
     bad = [forgetful_tree(tree) for _ in range(trials)]
     assert chi2_pvalue(bad, p) < 1e-6

@@ -45,6 +45,8 @@ _OVERRIDES = {
     "top_p": ("sampling", "top_p"),
     "min_p": ("sampling", "min_p"),
     "repeat_penalty": ("sampling", "repeat_penalty"),
+    "frequency_penalty": ("sampling", "frequency_penalty"),
+    "presence_penalty": ("sampling", "presence_penalty"),
     "seed": ("sampling", "seed"),
     **CLUSTER_OVERRIDES,
 }

@@ -191,6 +191,12 @@ def add_sampling_args(p: argparse.ArgumentParser, config: bool = False) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help=f"min-p filter, 0 = off {_default(config, '0')}")
     p.add_argument("--repeat-penalty", type=float, default=1.0,
                    help=f"repetition penalty, 1 = off {_default(config, '1')}")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help=f"lower a token's logit by this for each time it occurs in the last 64 tokens, "
+                   f"-2 to 2, 0 = off {_default(config, '0')}")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help=f"lower a token's logit by this once if it occurs in the last 64 tokens, "
+                   f"-2 to 2, 0 = off {_default(config, '0')}")
     p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (any integer, taken mod 2**64)")
 
 
@@ -223,6 +229,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_p=args.top_p,
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         seed=args.seed,
         max_tokens=args.max_tokens,
     ).params()

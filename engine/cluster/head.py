@@ -46,8 +46,9 @@ from pathlib import Path
 
 import zmq
 
+from ..core import archs
 from ..core.errors import PotluckError
-from ..core.gguf_tools import SPLITTABLE_ARCHS, forget_parsed_headers
+from ..core.gguf_tools import forget_parsed_headers, open_reader
 from ..core.runtime import ContextParams
 from ..core.spec import CurveKeys
 from .chain import PipelineSetup, load_chain, plan_over, tail_threads
@@ -109,12 +110,8 @@ def open_pipeline(
     if not addresses:
         raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
     model_path = Path(model_path)
+    archs.require_splittable(archs.read_header(open_reader(model_path)), model_path.name)
     costs = layer_costs(model_path)
-    if costs.arch not in SPLITTABLE_ARCHS:
-        raise PotluckError(
-            f"cannot split {model_path.name}: architecture {costs.arch!r} is not verified for "
-            f"exact layer splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
-        )
     zctx = zmq.Context()
     head_id = f"head-{os.urandom(8).hex()}"  # a name for the logs: ownership is proven by keys
     setup = PipelineSetup(

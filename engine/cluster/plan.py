@@ -15,18 +15,20 @@ worker returns a hidden state, not a row of logits: head.py), so workers share l
 ``[0, n_layer - t)``; ``t`` is 1 unless that one layer cannot load alone (:func:`head_layers`).
 
 A range llama.cpp cannot load is never planned: a Gemma 3 slice without a sliding-window
-layer aborts the loading process (docs/facts.md §5), so every Gemma 3 stage holds one.
+layer aborts the loading process (docs/facts.md §5), so every Gemma 3 stage holds one. Such
+rules are the architecture's, in ``core/archs.py``; so is how a layer counts in memory (every
+expert of a mixture is resident) and in time (a token reads only the experts it is routed to).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core import archs
 from ..core.errors import PotluckError
 from ..core.gguf_tools import STAGE_VOCAB
 from ..core.validate import N_BATCH
@@ -53,7 +55,6 @@ WEIGHT_BYTES_PER_S_PER_SPEED = 1.9e9
 def usable_mb(node: NodeInfo) -> float:
     """What the plan may fill on ``node``: its reported free memory less :data:`HEADROOM_MB`."""
     return node.free_mb - HEADROOM_MB
-_BLK = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,12 @@ class LayerCosts:
     # tokens a stage between the first and the last is sliced with (0: the whole vocabulary;
     # gguf_tools.middle_stage_vocab)
     middle_vocab: int = STAGE_VOCAB
+    # why llama.cpp would not load layers [lo, hi) as a slice, beyond the sliding-window rule
+    # (the architecture's, core/archs.py), or None
+    slice_problem: Callable[[int, int], str | None] | None = None
+    # [n_layer] weight bytes a token reads per layer: a mixture's token reads only the experts it
+    # is routed to (None: every byte, as a dense model's)
+    time_bytes: tuple[int, ...] | None = None
 
     @property
     def n_layer(self) -> int:
@@ -79,6 +86,11 @@ class LayerCosts:
     def prefix_bytes(self) -> list[int]:
         """[n_layer + 1] prefix sums: the planner asks for range sizes O(nodes * L^2) times."""
         return [0, *itertools.accumulate(self.layer_bytes)]
+
+    @functools.cached_property
+    def prefix_time_bytes(self) -> list[int]:
+        """[n_layer + 1] prefix sums of :attr:`time_bytes`."""
+        return [0, *itertools.accumulate(self.time_bytes)] if self.time_bytes is not None else self.prefix_bytes
 
 
 @dataclass(frozen=True)
@@ -149,44 +161,25 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     from ..core.gguf_tools import middle_stage_vocab, open_reader
 
     r = open_reader(path)
-    arch = str(r.fields["general.architecture"].contents())
+    h = archs.read_header(r)
+    memory, time = archs.layer_bytes(h)
+    rules = archs.slice_rules(h)
+    return LayerCosts(
+        h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token_layer(h),
+        h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
+        tuple(time) if time != memory else None,
+    )
 
-    def num(key: str, default: int) -> int:
-        f = r.fields.get(f"{arch}.{key}")
-        if f is None:
-            return default
-        v = f.contents()
-        return int(max(v)) if isinstance(v, list) else int(v)
 
-    n_layer = num("block_count", 0)
-    per_layer = [0] * n_layer
-    embd = 0
-    for t in r.tensors:
-        m = _BLK.match(t.name)
-        if m:
-            i = int(m.group(1))
-            if i < n_layer:
-                per_layer[i] += int(t.n_bytes)
-        elif t.name == "token_embd.weight":
-            embd = int(t.n_bytes)
-    n_embd = num("embedding_length", 0)
-    n_head = num("attention.head_count", 1) or 1
-    n_head_kv = num("attention.head_count_kv", n_head) or n_head
-    head_dim = num("attention.key_length", n_embd // n_head)
-    kv = 2 * n_head_kv * head_dim * 2  # K and V, f16
-    tokens = r.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else num("vocab_size", 0)
-    swa = None
-    if arch == "gemma3":
-        from ..core.gguf_tools import gemma3_swa_pattern
-
-        swa = tuple(gemma3_swa_pattern(r, arch, range(n_layer)))
-    return LayerCosts(arch, tuple(per_layer), embd, kv, n_vocab, n_embd, swa, middle_stage_vocab(r.tensors))
+def slice_problem(costs: LayerCosts, lo: int, hi: int) -> str | None:
+    """Why llama.cpp cannot load layers [lo, hi) as a slice (Gemma 3: a sliding-window layer
+    is needed), or None."""
+    return archs.SliceRules(costs.swa, costs.slice_problem).why_not(lo, hi)
 
 
 def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
-    """Whether llama.cpp can load layers [lo, hi) as a slice (Gemma 3: a sliding-window layer)."""
-    return costs.swa is None or any(costs.swa[lo:hi])
+    """Whether llama.cpp can load layers [lo, hi) as a slice."""
+    return slice_problem(costs, lo, hi) is None
 
 
 def head_layers(costs: LayerCosts) -> int:
@@ -260,9 +253,11 @@ def stage_mem_mb(
 
 
 def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo, hop_bytes: int, last: bool) -> float:
-    """Seconds a token spends on this stage: its layers' weights read at the node's speed (the
-    output layer is the head's), and its hop in (and, for the last stage, back to the head)."""
-    compute = _range_bytes(costs, lo, hi) / (max(node.speed, 1e-9) * WEIGHT_BYTES_PER_S_PER_SPEED)
+    """Seconds a token spends on this stage: the weights it reads (a mixture's routed experts
+    only) at the node's speed (the output layer is the head's), and its hop in (and, for the
+    last stage, back to the head)."""
+    read = costs.prefix_time_bytes[hi] - costs.prefix_time_bytes[lo]
+    compute = read / (max(node.speed, 1e-9) * WEIGHT_BYTES_PER_S_PER_SPEED)
     return compute + node.hop_s(hop_bytes) * (2 if last else 1)
 
 
@@ -349,11 +344,9 @@ def manual_plan(
             f"{held} and the output layer run on the head"
         )
     for lo, hi in zip(b, b[1:]):
-        if not loadable(costs, lo, hi):
-            raise PotluckError(
-                f"split {b}: layers {lo}-{hi} hold no sliding-window layer, which llama.cpp cannot "
-                f"load for {costs.arch}; move the boundary"
-            )
+        why = slice_problem(costs, lo, hi)
+        if why is not None:
+            raise PotluckError(f"split {b}: layers {lo}-{hi} {why} for {costs.arch}; move the boundary")
     if len(b) - 1 != len(nodes):
         raise PotluckError(f"split {b} makes {len(b) - 1} stages but {len(nodes)} worker(s) are given")
     hop = hop_bytes(costs, hidden_dtype)

@@ -11,8 +11,9 @@ import collections
 from concurrent.futures import Future
 from pathlib import Path
 
+from ..core import archs
 from ..core.errors import PotluckError
-from ..core.gguf_tools import SPLITTABLE_ARCHS
+from ..core.gguf_tools import open_reader
 from . import wire
 from .child import StageInfo, StageProcess, StageSpec
 from .plan import kv_cells, layer_costs, stage_mem_mb
@@ -33,25 +34,24 @@ class LoadedStage:
         self.proc.close()
 
 
-def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str]:
-    """(MB a stage of this slice needs under ``load``'s limits, its architecture), from the
-    header: the planner's own figure (:func:`.plan.stage_bytes`) over the slice's layers."""
+def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str | None]:
+    """(MB a stage of this slice needs under ``load``'s limits, why this worker does not load
+    it or None), from the header: the planner's own figure (:func:`.plan.stage_bytes`) over
+    the slice's layers, and its architecture's rules (core/archs.py)."""
+    why = archs.unsplittable_reason(archs.read_header(open_reader(path)))
     costs = layer_costs(path)
     cells = kv_cells(load.n_ctx, load.n_seq_max, load.kv_unified)
-    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch, load.n_ctx), costs.arch
+    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch, load.n_ctx), why
 
 
 def check_load(path: Path, msg: wire.Load) -> None:
     """Refuse what this machine cannot or should not load, before a process maps it."""
     try:
-        need_mb, arch = stage_memory_mb(path, msg)
+        need_mb, why = stage_memory_mb(path, msg)
     except Exception as e:  # a header that does not parse: not a slice we load
         raise PotluckError(f"slice {msg.sha256[:12]} is not a readable GGUF ({type(e).__name__})") from None
-    if arch not in SPLITTABLE_ARCHS:
-        raise PotluckError(
-            f"architecture {arch!r} is not verified for layer splitting "
-            f"(this worker loads: {', '.join(sorted(SPLITTABLE_ARCHS))})"
-        )
+    if why is not None:
+        raise PotluckError(f"this worker does not load the slice: {why}")
     free = free_memory_mb()
     if need_mb > free:
         raise PotluckError(

@@ -3,9 +3,9 @@
 Slicing follows the recipe verified in docs/facts.md §5: copy every key/value, set
 ``<arch>.block_count`` to the slice's layer count, keep ``token_embd``, ``output_norm`` and
 ``output``, and keep ``blk.i.*`` for the chosen layers renumbered from 0. Tensors are
-copied raw (quantized bytes untouched). Per-layer hyperparameters that depend on the
-original layer index (Gemma 3's sliding-window pattern) are written out explicitly per
-layer; architectures whose per-layer structure we have not verified are refused.
+copied raw (quantized bytes untouched). What a slice rewrites beyond that (per-layer patterns
+indexed by the original layer, such as Gemma 3's sliding windows) is its architecture's entry
+in :mod:`.archs`; architectures not in that table are refused.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelError, PotluckError
+from . import archs
+from .errors import ModelError
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-# Architectures whose layer split we verified exact (tests compare against the whole model).
-SPLITTABLE_ARCHS = {"llama", "gemma3", "qwen2", "qwen3"}
 
 
 def _fast_reader_class():
@@ -101,23 +99,16 @@ def _field_value(field) -> object:
 
 
 def describe(path: Path) -> dict[str, object]:
-    """Architecture, layer count, sizes: read from the header without loading weights."""
+    """Architecture, layer count (the trunk: next-token blocks left out), sizes: read from the
+    header without loading weights."""
     path = Path(path)
-    r = open_reader(path)
-    fields = r.fields
-    arch = str(_field_value(fields["general.architecture"]))
-
-    def get(key: str, default: object = None) -> object:
-        f = fields.get(key)
-        return _field_value(f) if f is not None else default
-
-    tokens = fields.get("tokenizer.ggml.tokens")
+    h = archs.read_header(open_reader(path))
     return {
         "path": str(path),
-        "arch": arch,
-        "n_layer": int(get(f"{arch}.block_count", 0)),  # type: ignore[arg-type]
-        "n_embd": int(get(f"{arch}.embedding_length", 0)),  # type: ignore[arg-type]
-        "n_vocab": len(tokens.data) if tokens is not None else 0,
+        "arch": h.arch,
+        "n_layer": h.n_layer,
+        "n_embd": h.int_of("embedding_length"),
+        "n_vocab": h.n_vocab,
         "size_mb": path.stat().st_size / 1e6,
     }
 
@@ -170,19 +161,6 @@ def copy_fields(reader, writer, prefix: str) -> None:
 
 def reader_n_layer(reader, arch: str) -> int:
     return int(_field_value(reader.fields[f"{arch}.block_count"]))
-
-
-def gemma3_swa_pattern(reader, arch: str, layer_map: Sequence[int]) -> list[bool]:
-    """Gemma 3: every ``pattern``-th layer is global (not sliding), by original index."""
-    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    if f is not None:
-        value = _field_value(f)
-        if isinstance(value, list):
-            return [bool(value[i]) for i in layer_map]
-        period = int(value)
-    else:
-        period = 6
-    return [((i + 1) % period) != 0 for i in layer_map]
 
 
 @dataclass(frozen=True)
@@ -305,15 +283,10 @@ def _layout_of_version(
     import gguf
 
     r = _reader_of_version(src, size, mtime_ns)
-    arch = str(_field_value(r.fields["general.architecture"]))
-    if arch not in SPLITTABLE_ARCHS:
-        raise PotluckError(
-            f"cannot split {src.name}: architecture {arch!r} is not verified for exact layer "
-            f"splitting (supported: {', '.join(sorted(SPLITTABLE_ARCHS))})"
-        )
-    n_layer = reader_n_layer(r, arch)
-    if not layer_map or min(layer_map) < 0 or max(layer_map) >= n_layer:
-        raise PotluckError(f"layer map {list(layer_map)[:8]}... is outside 0..{n_layer - 1}")
+    h = archs.read_header(r)
+    rules = archs.require_splittable(h, src.name)
+    arch, n_layer = h.arch, h.n_layer  # the trunk: next-token blocks are never in a slice
+    archs.check_layer_map(h, layer_map)
     by_layer: dict[int, list] = {}
     others: list = []
     for t in r.tensors:
@@ -352,10 +325,8 @@ def _layout_of_version(
         if vocab_free:
             w.add_tokenizer_model("none")
             w.add_vocab_size(STAGE_VOCAB)
-        if arch == "gemma3":
-            key = f"{arch}.attention.sliding_window_pattern"
-            _drop_kv(w, key)
-            w.add_array(key, gemma3_swa_pattern(r, arch, layer_map))
+        for key, value in rules.rewrites(h, layer_map).items():
+            _set_kv(w, r, f"{arch}.{key}", value)
         for name, t in ordered:
             if name in stub:
                 shape, nbytes = stub[name]
@@ -401,6 +372,20 @@ def _drop_kv(writer, key: str) -> None:
     for kv in getattr(writer, "kv_data", []):
         if isinstance(kv, dict):
             kv.pop(key, None)
+
+
+def _set_kv(writer, reader, key: str, value: object) -> None:
+    """Set ``key`` (dropping any copied value): an array, or a number of the source's type for
+    that key (llama.cpp checks a key's type), uint32 where the source has none."""
+    import gguf
+
+    _drop_kv(writer, key)
+    if isinstance(value, list):
+        writer.add_array(key, value)
+        return
+    f = reader.fields.get(key)
+    vtype = f.types[0] if f is not None and f.types[0] != gguf.GGUFValueType.ARRAY else gguf.GGUFValueType.UINT32
+    writer.add_key_value(key, value, vtype)
 
 
 def slice_layers(src: Path, dst: Path, lo: int, hi: int) -> Path:

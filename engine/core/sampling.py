@@ -1,13 +1,21 @@
-"""Turn logits into a probability vector and draw from it with an explicitly seeded RNG.
+"""Turn logits into the distribution a token is drawn from, and draw from it with an explicitly
+seeded RNG.
 
-The same :func:`probs` is used by plain sampling and by every verifier, so that a draft's
-q and the target's p go through the same temperature / top-k / top-p / min-p filters
-(the lossless acceptance rule needs this).
+The same :func:`distribution` serves plain sampling and every verifier, so that a draft's q and
+the target's p go through the same penalties and filters (the lossless acceptance rule needs
+this). Both are kept as :class:`Candidates`, the few tokens the filters leave (40 at most with
+llama.cpp's defaults) rather than a row over the whole vocabulary, so drawing, accepting and
+the residual all cost microseconds (docs/facts.md §29).
+
+The order and meaning of the filters are llama.cpp's (:mod:`.sampling_kernel`): penalties,
+top-k, top-p, min-p, then temperature; the penalties are llama.cpp's too (repeat, frequency and
+presence, over the last ``repeat_last_n`` tokens of the conversation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,89 +28,124 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off
     repeat_penalty: float = 1.0  # 1.0: off (llama.cpp's rule: divide positive logits)
-    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0  # 0.0: off (minus this times the token's count in the window)
+    presence_penalty: float = 0.0  # 0.0: off (minus this once for a token in the window)
+    repeat_last_n: int = 64  # the penalties' window: the conversation's last tokens
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on: the distribution depends on the tokens before it."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 GREEDY = SamplingParams()
 
 
-def apply_repeat_penalty(
-    logits: np.ndarray, history: Sequence[int], params: SamplingParams
-) -> np.ndarray:
-    """llama.cpp's repetition penalty over the last ``repeat_last_n`` tokens (a copy)."""
-    if params.repeat_penalty == 1.0 or not history:
+@dataclass(frozen=True)
+class Candidates:
+    """A filtered distribution over the tokens it can produce.
+
+    ``tokens``: int64 [n], ascending token ids; ``probs``: float64 [n], summing to 1. Every other
+    token has probability 0. Greedy parameters give one candidate (q = delta), so deterministic
+    and sampled drafts share one code path in the verifier.
+    """
+
+    tokens: np.ndarray
+    probs: np.ndarray
+
+    @classmethod
+    def only(cls, token: int) -> Candidates:
+        return cls(np.array([token], dtype=np.int64), np.ones(1))
+
+    def prob(self, token: int) -> float:
+        """p(token); 0 for a token the filters removed."""
+        i = int(np.searchsorted(self.tokens, token))
+        return float(self.probs[i]) if i < self.tokens.shape[0] and self.tokens[i] == token else 0.0
+
+    def probs_at(self, tokens: np.ndarray) -> np.ndarray:
+        """p at each of ``tokens`` (ascending), 0 where it has no mass: float64 [len(tokens)]."""
+        i = np.minimum(np.searchsorted(self.tokens, tokens), self.tokens.shape[0] - 1)
+        return np.where(self.tokens[i] == tokens, self.probs[i], 0.0)
+
+    def most_likely(self) -> tuple[int, float]:
+        """The likeliest token and its probability."""
+        i = int(np.argmax(self.probs))
+        return int(self.tokens[i]), float(self.probs[i])
+
+    def token_at(self, u: float) -> int:
+        """The token where the cumulative probability, in token order, first passes ``u`` in
+        [0, 1): the one rule every draw uses (plain sampling, recovered and bonus tokens)."""
+        cum = np.cumsum(self.probs)
+        i = int(np.searchsorted(cum, u * cum[-1], side="right"))
+        return int(self.tokens[min(i, cum.shape[0] - 1)])
+
+
+def penalize(logits: np.ndarray, history: Sequence[int], params: SamplingParams) -> np.ndarray:
+    """llama.cpp's penalties over the last ``repeat_last_n`` tokens of ``history`` (a copy;
+    ``logits`` itself when no penalty is on). A token seen ``c`` times there: its logit is
+    divided by ``repeat_penalty`` (multiplied when negative), then lowered by
+    ``c * frequency_penalty + presence_penalty``."""
+    if not params.penalized or not history or params.repeat_last_n <= 0:
         return logits
-    recent = np.unique(np.asarray(history[-params.repeat_last_n :], dtype=np.int64))
+    seen, count = np.unique(np.asarray(history[-params.repeat_last_n :], dtype=np.int64), return_counts=True)
     out = np.array(logits, dtype=np.float32, copy=True)
-    vals = out[recent]
-    out[recent] = np.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    vals = out[seen]
+    if params.repeat_penalty != 1.0:
+        vals = np.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    out[seen] = vals - (count * params.frequency_penalty + params.presence_penalty)
     return out
 
 
-def probs(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """The filtered distribution for one position: float64 [vocab], sums to 1.
+@functools.cache
+def _kernel() -> Callable[..., tuple[np.ndarray, np.ndarray]]:
+    """The numba kernel, imported on first use: importing numba costs 0.4 s, which neither the
+    CLI's start nor a worker's stage process (it imports this module) should pay."""
+    from . import sampling_kernel
 
-    Greedy parameters give a one-hot vector on the argmax (q = delta), so deterministic and
-    sampled drafts share one code path in the verifier.
-    """
-    logits = apply_repeat_penalty(np.asarray(logits), history, params)
-    p = np.zeros(logits.shape[-1], dtype=np.float64)
+    return sampling_kernel.candidates
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel: with the model's load, off any UI
+    thread, not in the first sampled token."""
+    from . import sampling_kernel
+
+    sampling_kernel.warm_up()
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> Candidates:
+    """The distribution one position is drawn from: penalties over ``history`` (the tokens
+    before it), then the filters and temperature. ``logits`` is [vocab]."""
+    logits = penalize(logits, history, params)
     if params.greedy:
-        p[int(np.argmax(logits))] = 1.0
-        return p
-    z = logits.astype(np.float64) / params.temperature
-    z -= z.max()
-    e = np.exp(z)
-    keep = np.ones_like(e, dtype=bool)
-    if params.top_k and params.top_k < e.shape[0]:
-        kth = np.partition(e, -params.top_k)[-params.top_k]
-        keep &= e >= kth
-    if params.top_p < 1.0:
-        order = np.argsort(-e, kind="stable")
-        sorted_e = np.where(keep[order], e[order], 0.0)
-        cum = np.cumsum(sorted_e) / sorted_e.sum()
-        cutoff = int(np.searchsorted(cum, params.top_p)) + 1  # smallest set with mass >= top_p
-        top = np.zeros_like(keep)
-        top[order[:cutoff]] = True
-        keep &= top
-    if params.min_p > 0.0:
-        keep &= e >= params.min_p * e[keep].max()
-    e = np.where(keep, e, 0.0)
-    p[:] = e / e.sum()
-    return p
-
-
-def inverse_cdf(p: np.ndarray, u: float) -> int:
-    """The token where the cumulative probability first passes ``u`` in [0, 1): the one rule
-    every draw uses (plain sampling here, recovered and bonus tokens in the verifier)."""
-    idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
-    return min(idx, p.shape[0] - 1)
-
-
-def draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw: one uniform per token, so the RNG stream is easy to reason about."""
-    return inverse_cdf(p, rng.random())
+        return Candidates.only(int(np.argmax(logits)))
+    tokens, probs = _kernel()(
+        np.ascontiguousarray(logits, dtype=np.float32),
+        params.top_k, params.top_p, params.min_p, params.temperature,
+    )
+    return Candidates(tokens, probs)
 
 
 class Sampler:
-    """Draws tokens for one generation; owns its RNG so runs with one seed repeat exactly."""
+    """Draws tokens for one generation; owns its RNG so runs with one seed repeat exactly.
+    Each draw takes one uniform, so the RNG stream is easy to reason about."""
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator | None = None) -> None:
         self.params = params
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        if self.params.greedy and self.params.repeat_penalty == 1.0:
+        if self.params.greedy and not self.params.penalized:
             return int(np.argmax(logits))
-        return self.draw(probs(logits, self.params, history))
+        return self.draw(distribution(logits, self.params, history))
 
-    def draw(self, p: np.ndarray) -> int:
-        return draw(p, self.rng)
+    def draw(self, p: Candidates) -> int:
+        return p.token_at(self.rng.random())
 
     def uniform(self) -> float:
         return float(self.rng.random())

@@ -23,6 +23,7 @@ from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, Toke
 from .prompt_cache import KeptConversation, PromptCache
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
+from .sampling import warm_up as warm_up_sampler
 from .strategy import Generation, Strategy
 from .target import Target
 
@@ -67,6 +68,7 @@ class Session:
         self._prefill_group: int | None = None  # the target job group of a prompt being processed
         self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
         self._covered = ""  # rendered text that self._tokens stand for
+        warm_up_sampler()  # the sampler's kernel loads with the model, not in a reply's first token
 
     # -- conversation editing
     @property

@@ -46,6 +46,8 @@ SEED_MODULUS = 1 << 64
 MIN_SAMPLING_FACTOR = 1e-6
 """Smallest positive temperature and repeat penalty: logits divided by far less overflow to inf
 and make the probabilities NaN. A temperature this low is already greedy in all but name."""
+MAX_PENALTY = 2.0
+"""Largest frequency or presence penalty either way: OpenAI's range (llama.cpp takes any number)."""
 MAX_DISCOVER_S = 60.0
 MAX_JOIN_S = 600.0
 KV_CACHES = {
@@ -145,6 +147,14 @@ def sampling(params: SamplingParams) -> SamplingParams:
         raise PotluckError(
             f"--repeat-penalty must be at least {MIN_SAMPLING_FACTOR:g} (1 = off), got {penalty:g}"
         )
+    for flag, value in (("--frequency-penalty", params.frequency_penalty),
+                        ("--presence-penalty", params.presence_penalty)):
+        if not -MAX_PENALTY <= _number(flag, value) <= MAX_PENALTY:
+            raise PotluckError(f"{flag} must be from {-MAX_PENALTY:g} to {MAX_PENALTY:g} (0 = off), got {value:g}")
+    last_n = _whole(params.repeat_last_n)
+    if last_n is None or last_n < 0:
+        raise PotluckError(f"the penalties' window (repeat_last_n) must be a whole number >= 0, "
+                           f"got {params.repeat_last_n!r}")
     return replace(params, seed=seed(params.seed))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,8 +66,9 @@ def build_all(src: Path | None = None, *, force: bool = False) -> list[Fixture]:
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's dimensions: Llama 3.2 1B/3B and Llama 3.1 8B, and small fixtures of the other
-    architectures whose layer split is checked (qwen2, qwen3)."""
+    """A model's published dimensions (Llama 3.2 1B/3B, Llama 3.1 8B, ...) or a small one of
+    the same architecture for the test suite. Its architecture's tensors and keys are its
+    :data:`LAYOUTS` entry; what splitting it needs is its entry in ``core/archs.py``."""
 
     n_layer: int
     n_embd: int
@@ -93,7 +95,6 @@ SHAPES: dict[str, Shape] = {
     "qwen2-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen2"),
     "qwen3-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen3"),
 }
-ROPE_BASE = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
 ROPE_ORIGINAL_CTX = 8192
 Q4_0_BLOCK = 32  # weights per block: an f16 scale, then 16 bytes of 4-bit values (q - 8)
 Q4_0_BYTES = 18
@@ -111,7 +112,7 @@ def shape_path(name: str, seed: int) -> Path:
 def llama3_rope_factors(head_dim: int, factor: float) -> np.ndarray:
     """``rope_freqs.weight``: Llama 3's per-frequency divisors, as convert_hf_to_gguf.py writes
     them (low 1, high 4, original context 8192): long wavelengths are stretched by ``factor``."""
-    freqs = 1.0 / ROPE_BASE["llama"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = 1.0 / LAYOUTS["llama"].rope_base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     low_wavelen, high_wavelen = ROPE_ORIGINAL_CTX / 1.0, ROPE_ORIGINAL_CTX / 4.0
     out = []
     for freq in freqs:
@@ -137,57 +138,125 @@ def random_q4_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> n
     return blocks.reshape(rows, -1)
 
 
-# (name, (rows, cols) of a Q4_0 matrix or the length of an f32 vector, the weights' std; for a
-# norm, ``*norm.weight``, its constant scale)
-TensorSpec = tuple[str, "tuple[int, int] | int", float]
+# One tensor of a fixture: (name, dims, fill). dims: (rows, cols) of a matrix, (n, rows, cols)
+# of stacked ones (a mixture's experts), (n,) of a vector. fill: ("q4", std) random Q4_0
+# blocks, ("normal", std) f32 values, ("const", value) f32 (a norm's scale).
+TensorSpec = tuple[str, tuple[int, ...], tuple[str, float]]
 
 
-def _layer_plan(s: Shape, i: int) -> list[TensorSpec]:
-    """One layer's tensors. Every projection reads a normalized input of unit RMS, so a weight
-    std of 1/sqrt(cols) keeps each output at unit scale: the residual stream grows like
-    sqrt(layers), stays finite, and the final norm brings it back."""
+def _attention(s: Shape, blk: str) -> list[TensorSpec]:
+    """Every projection reads a normalized input of unit RMS, so a weight std of 1/sqrt(cols)
+    keeps each output at unit scale: the residual stream grows like sqrt(layers), stays
+    finite, and the final norm brings it back."""
     kv, e = s.n_head_kv * s.head_dim, s.n_embd
     qk = QK_GAIN * e ** -0.5
+    return [(blk + "attn_q.weight", (e, e), ("q4", qk)), (blk + "attn_k.weight", (kv, e), ("q4", qk)),
+            (blk + "attn_v.weight", (kv, e), ("q4", e ** -0.5))]
+
+
+def _dense_ffn(s: Shape, blk: str) -> list[TensorSpec]:
+    e = s.n_embd
+    return [(blk + "ffn_gate.weight", (s.n_ff, e), ("q4", e ** -0.5)),
+            (blk + "ffn_up.weight", (s.n_ff, e), ("q4", e ** -0.5)),
+            (blk + "ffn_down.weight", (e, s.n_ff), ("q4", s.n_ff ** -0.5))]
+
+
+def _llama_layer(s: Shape, i: int) -> list[TensorSpec]:
+    blk, e = f"blk.{i}.", s.n_embd
+    return [(blk + "attn_norm.weight", (e,), ("const", 1.0)), *_attention(s, blk),
+            (blk + "attn_output.weight", (e, e), ("q4", e ** -0.5)), (blk + "ffn_norm.weight", (e,), ("const", 1.0)),
+            *_dense_ffn(s, blk)]
+
+
+def _qwen2_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Llama's, with biases on q, k and v."""
+    blk, kv = f"blk.{i}.", s.n_head_kv * s.head_dim
+    out = _llama_layer(s, i)
+    at = next(j for j, t in enumerate(out) if t[0].endswith("attn_v.weight")) + 1
+    biases: list[TensorSpec] = [(blk + "attn_q.bias", (s.n_embd,), ("normal", BIAS_STD)),
+                                (blk + "attn_k.bias", (kv,), ("normal", BIAS_STD)),
+                                (blk + "attn_v.bias", (kv,), ("normal", BIAS_STD))]
+    return out[:at] + biases + out[at:]
+
+
+def _qwen3_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Llama's, with per-head q/k norms; the norms undo the weights' gain, so they carry it."""
     blk = f"blk.{i}."
-    out: list[TensorSpec] = [(blk + "attn_norm.weight", e, 1.0)]
-    out += [(blk + "attn_q.weight", (e, e), qk), (blk + "attn_k.weight", (kv, e), qk),
-            (blk + "attn_v.weight", (kv, e), e ** -0.5)]
-    if s.arch == "qwen2":
-        out += [(blk + "attn_q.bias", e, BIAS_STD), (blk + "attn_k.bias", kv, BIAS_STD),
-                (blk + "attn_v.bias", kv, BIAS_STD)]
-    if s.arch == "qwen3":
-        # the per-head norms undo the weights' gain: they carry it instead
-        out += [(blk + "attn_q_norm.weight", s.head_dim, QK_GAIN), (blk + "attn_k_norm.weight", s.head_dim, QK_GAIN)]
-    out += [(blk + "attn_output.weight", (e, e), e ** -0.5), (blk + "ffn_norm.weight", e, 1.0)]
-    out += [(blk + "ffn_gate.weight", (s.n_ff, e), e ** -0.5), (blk + "ffn_up.weight", (s.n_ff, e), e ** -0.5)]
-    return out + [(blk + "ffn_down.weight", (e, s.n_ff), s.n_ff ** -0.5)]
+    out = _llama_layer(s, i)
+    at = next(j for j, t in enumerate(out) if t[0].endswith("attn_v.weight")) + 1
+    norms: list[TensorSpec] = [(blk + "attn_q_norm.weight", (s.head_dim,), ("const", QK_GAIN)),
+                               (blk + "attn_k_norm.weight", (s.head_dim,), ("const", QK_GAIN))]
+    return out[:at] + norms + out[at:]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a random-weight model of one architecture is written: one layer's tensors and the
+    hyperparameters beyond the shared ones (as its converted GGUFs carry them)."""
+
+    layer: Callable[[Shape, int], list[TensorSpec]]
+    rope_base: float
+    ctx_train: int
+    rms_eps: float = 1e-5
+    head_width_keys: bool = False  # writes attention.key_length / value_length
+    llama3_rope: bool = False  # Llama 3's rope_freqs.weight from Shape.rope_factor
+
+
+LAYOUTS: dict[str, Layout] = {
+    "llama": Layout(_llama_layer, 500000.0, 131072, llama3_rope=True),
+    "qwen2": Layout(_qwen2_layer, 1000000.0, 32768),
+    "qwen3": Layout(_qwen3_layer, 1000000.0, 32768, rms_eps=1e-6, head_width_keys=True),
+}
 
 
 def _tensor_plan(s: Shape, n_vocab: int) -> list[TensorSpec]:
     embd_std = LOGIT_STD / math.sqrt(s.n_embd)  # tied: the same matrix makes the logits
-    plan: list[TensorSpec] = [("token_embd.weight", (n_vocab, s.n_embd), embd_std)]
+    plan: list[TensorSpec] = [("token_embd.weight", (n_vocab, s.n_embd), ("q4", embd_std))]
     for i in range(s.n_layer):
-        plan += _layer_plan(s, i)
-    plan.append(("output_norm.weight", s.n_embd, 1.0))
+        plan += LAYOUTS[s.arch].layer(s, i)
+    plan.append(("output_norm.weight", (s.n_embd,), ("const", 1.0)))
     if not s.tied:
-        plan.append(("output.weight", (n_vocab, s.n_embd), LOGIT_STD / math.sqrt(s.n_embd)))
+        plan.append(("output.weight", (n_vocab, s.n_embd), ("q4", LOGIT_STD / math.sqrt(s.n_embd))))
     return plan
 
 
 def _add_hparams(w, s: Shape, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUFWriter
+    layout = LAYOUTS[s.arch]
     w.add_block_count(s.n_layer)
-    w.add_context_length(131072 if s.arch == "llama" else 32768)
+    w.add_context_length(layout.ctx_train)
     w.add_embedding_length(s.n_embd)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_rope_freq_base(ROPE_BASE[s.arch])
+    w.add_rope_freq_base(layout.rope_base)
     w.add_rope_dimension_count(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-5 if s.arch != "qwen3" else 1e-6)
+    w.add_layer_norm_rms_eps(layout.rms_eps)
     w.add_vocab_size(n_vocab)
-    if s.arch == "qwen3":
+    if layout.head_width_keys:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
+
+
+def _tensor_info(w, name: str, dims: tuple[int, ...], fill: tuple[str, float]) -> None:  # noqa: ANN001
+    import gguf
+
+    if fill[0] == "q4":
+        *lead, cols = dims
+        rows = int(np.prod(lead))
+        w.add_tensor_info(name, (*lead, cols // Q4_0_BLOCK * Q4_0_BYTES), np.dtype(np.uint8),
+                          rows * cols // Q4_0_BLOCK * Q4_0_BYTES, gguf.GGMLQuantizationType.Q4_0)
+    else:
+        w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+
+
+def _tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, float]) -> np.ndarray:
+    kind, arg = fill
+    if kind == "q4":
+        *lead, cols = dims
+        return random_q4_0(rng, int(np.prod(lead)), cols, arg).reshape(*lead, -1)
+    if kind == "const":
+        return np.full(dims, arg, dtype=np.float32)
+    return (rng.standard_normal(dims) * arg).astype(np.float32)
 
 
 def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: bool = False) -> Path:
@@ -216,28 +285,17 @@ def build_shape(name: str, seed: int = 0, *, src: Path | None = None, force: boo
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     copy_fields(reader, w, "tokenizer.")
     plan = _tensor_plan(s, n_vocab)
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    for tname, dims, _ in plan:
-        if isinstance(dims, tuple):
-            rows, cols = dims
-            w.add_tensor_info(tname, (rows, cols // Q4_0_BLOCK * Q4_0_BYTES), np.dtype(np.uint8),
-                              rows * cols // Q4_0_BLOCK * Q4_0_BYTES, q4)
-        else:
-            w.add_tensor_info(tname, (dims,), np.dtype(np.float32), dims * 4)
-    rope = llama3_rope_factors(s.head_dim, s.rope_factor) if s.arch == "llama" else None
+    for tname, dims, fill in plan:
+        _tensor_info(w, tname, dims, fill)
+    rope = llama3_rope_factors(s.head_dim, s.rope_factor) if LAYOUTS[s.arch].llama3_rope else None
     if rope is not None:
         w.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for i, (tname, dims, std) in enumerate(plan):
-        rng = np.random.default_rng([seed, i])  # per tensor: same bytes whatever is built before
-        if isinstance(dims, tuple):
-            w.write_tensor_data(random_q4_0(rng, dims[0], dims[1], std))
-        elif tname.endswith("norm.weight"):
-            w.write_tensor_data(np.full(dims, std, dtype=np.float32))
-        else:
-            w.write_tensor_data((rng.standard_normal(dims) * std).astype(np.float32))
+    for i, (_, dims, fill) in enumerate(plan):
+        # per tensor: the same bytes whatever is built before
+        w.write_tensor_data(_tensor_values(np.random.default_rng([seed, i]), dims, fill))
     if rope is not None:
         w.write_tensor_data(rope)
     w.close()

@@ -6,9 +6,10 @@ rows are filed as batches return and guesses are judged as far as the rows reach
 they share is written here once:
 
 - :class:`RowJudge` applies the reply's sampler at one position (greedy: the guess must
-  equal the target's own choice; sampling: :func:`~.verify.judge`), with the repetition
-  penalty's window over the conversation and the guesses before it; the loop over
-  positions is :func:`~.verify.verify_lazily`;
+  equal the target's own choice; sampling: :func:`~.verify.judge`), with the penalties'
+  window over the conversation and the guesses before it (drafts kept earlier in the same
+  round count, as they would in plain decoding); the loop over positions is
+  :func:`~.verify.verify_lazily`;
 - :class:`InFlightBook` keeps the rows by the position they decide, the runs sent and not
   yet redeemed (oldest first: a target returns them in the order sent), and drops the runs
   built on a rejected guess: cancelled as one group list, their cells trimmed from the tail
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.jobs import GroupCancelled, InFlight
-from ..core.sampling import Sampler, probs
+from ..core.sampling import Candidates, Sampler, distribution
 from ..core.target import Target
 from .verify import Decision, Guess, Verdict, judge, verify_chain, verify_greedy, verify_lazily
 
@@ -39,9 +40,9 @@ class RowJudge:
         self.history = history  # the conversation: the session appends what each round yields
 
     def recent(self, extra: Sequence[int]) -> list[int]:
-        """What the repetition penalty sees after ``extra`` guessed tokens (empty when off)."""
+        """What the penalties see after ``extra`` guessed tokens (empty when none is on)."""
         n = self.params.repeat_last_n
-        if self.params.repeat_penalty == 1.0:
+        if not self.params.penalized or n <= 0:
             return []
         return [*self.history[-n:], *extra][-n:]
 
@@ -49,13 +50,13 @@ class RowJudge:
         """The target's own token from ``row`` (after the kept guesses)."""
         return self.sampler.sample(row, self.recent(kept))
 
-    def keep(self, row: np.ndarray, x: int, q: np.ndarray | None, kept: Sequence[int]) -> int | None:
+    def keep(self, row: np.ndarray, x: int, q: Candidates | None, kept: Sequence[int]) -> int | None:
         """Guess ``x`` (drawn from ``q``; None: deterministic) at ``row``: None keeps it, else
         the token the target emits instead."""
         if self.params.greedy:
             t = self.own_token(row, kept)
             return None if t == x else t
-        return judge(probs(row, self.params, self.recent(kept)), q, x, self.sampler.uniform)
+        return judge(distribution(row, self.params, self.recent(kept)), q, x, self.sampler.uniform)
 
     def decide(
         self, guess_at: Callable[[int], Guess | None], row_at: Callable[[int], np.ndarray | None]
@@ -63,14 +64,14 @@ class RowJudge:
         """Judge guesses as far as the rows reach (pearl, pipeinfer): see :func:`verify_lazily`."""
         return verify_lazily(guess_at, row_at, self.keep, self.own_token)
 
-    def chain(self, drafts: list[int], q: list[np.ndarray] | None, after: list[np.ndarray]) -> Verdict:
+    def chain(self, drafts: list[int], q: list[Candidates] | None, after: list[np.ndarray]) -> Verdict:
         """A whole chain whose rows are all there (speculative's one batch): ``after[i]``
         holds the target's logits after ``drafts[:i]``."""
         if self.params.greedy:
             return verify_greedy(drafts, lambda i: self.own_token(after[i], drafts[:i]))
         return verify_chain(
             drafts,
-            lambda i: probs(after[i], self.params, self.recent(drafts[:i])),
+            lambda i: distribution(after[i], self.params, self.recent(drafts[:i])),
             q[: len(drafts)] if q is not None else None,
             self.sampler.uniform,
         )

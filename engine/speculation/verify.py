@@ -21,10 +21,12 @@ Chen et al. 2023; SpecInfer, Miao et al. 2024, for token trees):
 picks one chain to verify; SpecInfer's multi-step sampling down a whole tree is not used by
 any strategy (the tests check it with these rules: tests/support/trees.py).
 
-``p`` and ``q`` must come from the same temperature / top-k / top-p filters
-(:func:`potluck.engine.core.sampling.probs`). Shapes: ``p_rows`` is ``[k + 1, vocab]`` (row i is
-the target's distribution after ``i`` drafts), ``q_rows`` is ``[k, vocab]`` or ``None`` for
-deterministic drafts.
+``p`` and ``q`` must come from the same penalties and filters
+(:func:`potluck.engine.core.sampling.distribution`), each a
+:class:`~potluck.engine.core.sampling.Candidates`: the tokens the filters left and their
+probabilities, so every rule here costs the size of that set, not of the vocabulary.
+``p_rows(i)`` is the target's distribution after ``i`` drafts (rows 0..k), ``q_rows[i]`` the
+one ``drafts[i]`` was drawn from, or ``q_rows`` is ``None`` for deterministic drafts.
 """
 
 from __future__ import annotations
@@ -35,37 +37,36 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..core.sampling import inverse_cdf
+from ..core.sampling import Candidates
 
 # --------------------------------------------------------------------------- building blocks
 
 
-def accept_prob(p: np.ndarray, q: np.ndarray | None, x: int) -> float:
+def accept_prob(p: Candidates, q: Candidates | None, x: int) -> float:
     """Probability of keeping draft ``x``: ``min(1, p(x)/q(x))``; ``q = None`` means delta(x)."""
     if q is None:
-        return float(p[x])
-    qx = float(q[x])
+        return p.prob(x)
+    qx = q.prob(x)
     if qx <= 0.0:  # a draft the drafter could not have produced: never trust it
         return 0.0
-    return min(1.0, float(p[x]) / qx)
+    return min(1.0, p.prob(x) / qx)
 
 
-def residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
-    """Distribution to draw from after rejecting ``x``: ``norm(max(0, p - q))`` (float64 [vocab]).
+def residual(p: Candidates, q: Candidates | None, x: int) -> Candidates:
+    """Distribution to draw from after rejecting ``x``: ``norm(max(0, p - q))``, over p's
+    candidates (``max(0, p - q)`` is 0 wherever p is).
 
     If ``p - q`` has no positive mass left (p == q up to rounding) ``p`` itself is returned:
     that case is reached with probability zero, and ``p`` is the only unbiased choice.
     """
-    r = np.array(p, dtype=np.float64, copy=True)
     if q is None:
-        r[x] = 0.0
+        r = np.where(p.tokens == x, 0.0, p.probs)
     else:
-        r -= q
-        np.maximum(r, 0.0, out=r)
+        r = np.maximum(p.probs - q.probs_at(p.tokens), 0.0)
     total = r.sum()
     if total <= 0.0:
-        return np.asarray(p, dtype=np.float64)
-    return r / total
+        return p
+    return Candidates(p.tokens, r / total)
 
 
 # --------------------------------------------------------------------------- single chain
@@ -83,7 +84,7 @@ class Verdict:
         return [*drafts[: self.n_accepted], self.token]
 
 
-Guess = tuple[int, np.ndarray | None]  # a drafted token and the q row it was drawn from (None: q = delta)
+Guess = tuple[int, Candidates | None]  # a drafted token and the q it was drawn from (None: q = delta)
 Row = TypeVar("Row")
 
 
@@ -105,7 +106,7 @@ class Decision:
 def verify_lazily(
     guess_at: Callable[[int], Guess | None],
     row_at: Callable[[int], Row | None],
-    keep: Callable[[Row, int, np.ndarray | None, list[int]], int | None],
+    keep: Callable[[Row, int, Candidates | None, list[int]], int | None],
     own_token: Callable[[Row, list[int]], int],
 ) -> Decision:
     """The accept loop: position by position, each fetched only when reached.
@@ -142,7 +143,7 @@ def verify_greedy(drafts: Sequence[int], target_tokens: Callable[[int], int]) ->
     lazily so that the caller only computes the rows it needs.
     """
 
-    def keep(i: int, x: int, q: np.ndarray | None, kept: list[int]) -> int | None:
+    def keep(i: int, x: int, q: Candidates | None, kept: list[int]) -> int | None:
         t = target_tokens(i)
         return None if t == x else t
 
@@ -157,10 +158,10 @@ def verify_greedy(drafts: Sequence[int], target_tokens: Callable[[int], int]) ->
 
 def verify_chain(
     drafts: Sequence[int],
-    p_rows: Callable[[int], np.ndarray],
-    q_rows: Sequence[np.ndarray] | None,
+    p_rows: Callable[[int], Candidates],
+    q_rows: Sequence[Candidates] | None,
     uniform: Callable[[], float],
-    residual_fn: Callable[[np.ndarray, np.ndarray | None, int], np.ndarray] = residual,
+    residual_fn: Callable[[Candidates, Candidates | None, int], Candidates] = residual,
 ) -> Verdict:
     """Speculative sampling over one chain; the emitted tokens follow the target's distribution.
 
@@ -173,17 +174,17 @@ def verify_chain(
         lambda i: (drafts[i], None if q_rows is None else q_rows[i]) if i < len(drafts) else None,
         p_rows,
         lambda p, x, q, kept: judge(p, q, x, uniform, residual_fn),
-        lambda p, kept: inverse_cdf(p, uniform()),
+        lambda p, kept: p.token_at(uniform()),
     )
     return Verdict(d.n_accepted, d.tokens[-1])
 
 
 def judge(
-    p: np.ndarray,
-    q: np.ndarray | None,
+    p: Candidates,
+    q: Candidates | None,
     x: int,
     uniform: Callable[[], float],
-    residual_fn: Callable[[np.ndarray, np.ndarray | None, int], np.ndarray] = residual,
+    residual_fn: Callable[[Candidates, Candidates | None, int], Candidates] = residual,
 ) -> int | None:
     """One draft position of a chain: None if ``x`` is kept, else the recovered token.
 
@@ -192,7 +193,7 @@ def judge(
     """
     if uniform() < accept_prob(p, q, x):
         return None
-    return inverse_cdf(residual_fn(p, q, x), uniform())
+    return residual_fn(p, q, x).token_at(uniform())
 
 
 # --------------------------------------------------------------------------- token trees
@@ -209,7 +210,7 @@ class TokenTree:
 
     tokens: tuple[int, ...]
     parent: tuple[int, ...]
-    q: tuple[np.ndarray | None, ...]
+    q: tuple[Candidates | None, ...]
 
     def children(self, node: int) -> list[int]:
         return [i for i, par in enumerate(self.parent) if par == node]

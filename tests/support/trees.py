@@ -3,8 +3,9 @@ first-token distributions of the chain and tree verifiers: test oracles only.
 
 No strategy verifies a whole tree (Minions votes a tree down to one chain), so the tree
 verifier lives here, built from the product's own rules (:func:`accept_prob`,
-:func:`residual`, :func:`inverse_cdf`): the tests show those rules keep the target's
-distribution for trees too, and that a broken residual step is caught.
+:func:`residual`, :meth:`Candidates.token_at`): the tests show those rules keep the target's
+distribution for trees too, and that a broken residual step is caught. The oracles reason over
+dense rows of a small vocabulary and hand the product's rules :class:`Candidates`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from potluck.engine.core.sampling import inverse_cdf
+from potluck.engine.core.sampling import Candidates
 from potluck.engine.speculation.verify import TokenTree, accept_prob, residual
+
+from .distributions import candidates, dense
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class TreeVerdict:
 
 def verify_tree(
     tree: TokenTree,
-    p_at: Callable[[int], np.ndarray],
+    p_at: Callable[[int], Candidates],
     uniform: Callable[[], float],
 ) -> TreeVerdict:
     """SpecInfer's multi-step speculative sampling down a token tree.
@@ -47,7 +50,7 @@ def verify_tree(
                 break
             p = residual(p, q, x)
         else:
-            return TreeVerdict(tuple(path), inverse_cdf(p, uniform()))
+            return TreeVerdict(tuple(path), p.token_at(uniform()))
 
 
 def tree_first_token_dist(tree: TokenTree, p: np.ndarray) -> np.ndarray:
@@ -60,17 +63,18 @@ def tree_first_token_dist(tree: TokenTree, p: np.ndarray) -> np.ndarray:
     reach = 1.0  # probability that every earlier child was rejected
     cur = np.asarray(p, dtype=np.float64)
     for child in tree.children(0):
-        x, q = tree.tokens[child], tree.q[child]
-        if q is None:
-            a = accept_prob(cur, None, x)
+        x, qc = tree.tokens[child], tree.q[child]
+        if qc is None:
+            a = accept_prob(candidates(cur), None, x)
             out[x] += reach * a
         else:  # x ~ q: expectation over the drafted token
+            q = dense(qc, cur.shape[0])
             a_vec = np.minimum(1.0, np.divide(cur, q, out=np.zeros_like(cur), where=q > 0))
             out += reach * q * a_vec
             a = float((q * a_vec).sum())
         if a >= 1.0:
             return out
-        cur = residual(cur, q, x) if q is None else expected_residual(cur, q)
+        cur = dense(residual(candidates(cur), None, x), cur.shape[0]) if qc is None else expected_residual(cur, q)
         reach *= 1.0 - a
     return out + reach * cur
 
@@ -86,7 +90,7 @@ def chain_first_token_dist(
     p: np.ndarray,
     q: np.ndarray | None,
     draft: int | None = None,
-    residual_fn: Callable[[np.ndarray, np.ndarray | None, int], np.ndarray] = residual,
+    residual_fn: Callable[[Candidates, Candidates | None, int], Candidates] = residual,
 ) -> np.ndarray:
     """Exact distribution of the first emitted token of :func:`~potluck.engine.speculation.verify.verify_chain`.
 
@@ -94,15 +98,17 @@ def chain_first_token_dist(
     ``q = None``: the deterministic draft ``draft``.
     """
     p = np.asarray(p, dtype=np.float64)
+    n, pc = p.shape[0], candidates(p)
     if q is None:
         assert draft is not None
-        a = accept_prob(p, None, draft)
-        out = (1.0 - a) * residual_fn(p, None, draft)
+        a = accept_prob(pc, None, draft)
+        out = (1.0 - a) * dense(residual_fn(pc, None, draft), n)
         out[draft] += a
         return out
     out = np.zeros_like(p)
+    qc = candidates(q)
     for x in np.flatnonzero(q > 0):
-        a = accept_prob(p, q, int(x))
+        a = accept_prob(pc, qc, int(x))
         out[x] += q[x] * a
-        out += q[x] * (1.0 - a) * residual_fn(p, q, int(x))
+        out += q[x] * (1.0 - a) * dense(residual_fn(pc, qc, int(x)), n)
     return out

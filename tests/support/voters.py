@@ -10,6 +10,8 @@ import numpy as np
 
 from potluck.engine.speculation.drafters import Draft, DraftRequest
 
+from .distributions import candidates
+
 
 class Fixed:
     """A voter that always proposes ``chain`` (deterministic) after any context."""
@@ -53,7 +55,7 @@ class Sampled(Fixed):
         self.threads.add(threading.get_ident())
         self.requests.append((len(req.context), req.max_tokens))
         toks = [int(self.rng.choice(self.q.shape[0], p=self.q)) for _ in range(req.max_tokens)]
-        return Draft(toks, [self.q] * len(toks))
+        return Draft(toks, [candidates(self.q)] * len(toks))
 
 
 class PerPosition(Sampled):
@@ -67,4 +69,4 @@ class PerPosition(Sampled):
         start = len(req.context) - 1  # position in the reply of the first drafted token
         rows = [self.qs[start + i] for i in range(req.max_tokens)]
         toks = [int(self.rng.choice(q.shape[0], p=q)) for q in rows]
-        return Draft(toks, rows)
+        return Draft(toks, [candidates(q) for q in rows])

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ...core.sampling import SamplingParams
+from ...core.sampling import Candidates, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,12 @@ class Draft:
     """Proposed continuation tokens and the distributions they were drawn from.
 
     ``q`` is ``None`` for deterministic drafts (N-gram lookup, draft-model argmax): the
-    verifier then treats each as ``q = delta(token)``. Otherwise ``q[i]`` is float64 [vocab].
+    verifier then treats each as ``q = delta(token)``. Otherwise ``q[i]`` is the distribution
+    ``tokens[i]`` was drawn from.
     """
 
     tokens: list[int]
-    q: list[np.ndarray] | None = None
+    q: list[Candidates] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 from ...core.errors import PotluckError
 from ...core.load_watch import ThreadFollower
 from ...core.runtime import Context, ContextParams, Model
-from ...core.sampling import draw, probs
+from ...core.sampling import Candidates, distribution
 from . import Draft, DraftRequest
 
 
@@ -138,23 +138,24 @@ class DraftModelDrafter:
             return Draft([])
         self._sync(context)
         stochastic = not params.greedy
-        penalty = params.repeat_penalty != 1.0
-        recent = list(context[-params.repeat_last_n :]) if penalty else []
+        penalty = params.penalized
+        recent = list(context[-params.repeat_last_n :]) if penalty and params.repeat_last_n > 0 else []
         threshold = max(self.p_min, req.min_accept_p)
         drafts: list[int] = []
-        qs: list[np.ndarray] = []
+        qs: list[Candidates] = []
         chance = 1.0  # that every draft so far is accepted, by the draft's own confidence
         for i in range(k):
             logits = self._logits
             assert logits is not None
-            q = probs(logits, params, recent)  # greedy: one-hot argmax (with the penalty)
+            q = distribution(logits, params, recent)  # greedy: the argmax alone (with the penalties)
             # the draft's confidence stands in for its chance of acceptance: stop drafting
             # when the next token cannot pay for its share of the verify batch (decided
             # before drawing, so a drafted token is still an unbiased draw from q)
-            chance *= float(q.max()) if stochastic else self._top_prob(logits)
+            top, top_prob = q.most_likely()
+            chance *= top_prob if stochastic else self._top_prob(logits)
             if chance < threshold:
                 break
-            x = draw(q, self._rng) if stochastic else int(np.argmax(q))
+            x = q.token_at(self._rng.random()) if stochastic else top
             drafts.append(x)
             if stochastic:
                 qs.append(q)

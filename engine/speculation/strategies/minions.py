@@ -43,6 +43,7 @@ import numpy as np
 
 from ...core.errors import PotluckError
 from ...core.events import DrafterStanding
+from ...core.sampling import Candidates
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import LengthConfig
@@ -117,7 +118,7 @@ class _Ahead:
     last: int  # the conversation's token at base - 1 (cheap check that it was not edited)
     seq: list[int]  # path + the voter's tokens after it (the first guesses the bonus token)
     n_path: int
-    q: list[np.ndarray] | None  # q rows of seq[n_path:], sampled drafts only
+    q: list[Candidates] | None  # the q of each of seq[n_path:], sampled drafts only
 
 
 @dataclass
@@ -200,7 +201,7 @@ class MajorityVote:
             self.settle(p.base, req.context[p.base : p.base + max(map(len, p.chains), default=0) + 1])
         k = req.max_tokens
         chains: list[list[int]] = []
-        qs: list[list[np.ndarray] | None] = []
+        qs: list[list[Candidates] | None] = []
         self._hits = 0
         for i, voter in enumerate(self.voters):
             drafted_ahead = i in self._pool
@@ -225,8 +226,8 @@ class MajorityVote:
         return Draft(path, q)
 
     def _choose(
-        self, chains: list[list[int]], qs: list[list[np.ndarray] | None], greedy: bool
-    ) -> tuple[list[int], int, list[np.ndarray] | None]:
+        self, chains: list[list[int]], qs: list[list[Candidates] | None], greedy: bool
+    ) -> tuple[list[int], int, list[Candidates] | None]:
         """The chain to verify, its voter, and the q rows the verifier may use with it."""
         leader = self.weights.leader()  # decided by past rounds, before this round's draws
         if not greedy and qs[leader] is not None and chains[leader]:
@@ -336,7 +337,7 @@ class MajorityVote:
 
     def _from_pool(
         self, i: int, context: Sequence[int], k: int
-    ) -> tuple[list[int], list[np.ndarray] | None] | None:
+    ) -> tuple[list[int], list[Candidates] | None] | None:
         """Voter ``i``'s drafted-ahead chain if the conversation grew as it assumed."""
         e = self._pool.pop(i, None)
         if e is None or len(context) <= e.base or (e.base and context[e.base - 1] != e.last):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...core.errors import PotluckError
-from ...core.sampling import SamplingParams
+from ...core.sampling import Candidates, SamplingParams
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import MAX_EXACT_BATCH
 from ..adaptive import UNTIL_REPLY_END, DraftGate
@@ -66,7 +66,7 @@ class DraftAhead:
         self._history: list[int] = []
         self._base = 0  # absolute position of chain[0]
         self._chain: list[int] = []
-        self._q: list[np.ndarray | None] = []
+        self._q: list[Candidates | None] = []
         self._epoch = 0  # bumped whenever the chain is thrown away
         self._stuck = False  # the drafter had no guess after the current chain
         self._running = False
@@ -107,7 +107,7 @@ class DraftAhead:
             while self._in_step:
                 self._cond.wait()
 
-    def token_at(self, pos: int) -> tuple[int, np.ndarray | None] | None:
+    def token_at(self, pos: int) -> tuple[int, Candidates | None] | None:
         """The guess for position ``pos`` (waits for it), or None if none is coming."""
         with self._cond:
             while True:

@@ -1,0 +1,287 @@
+"""One home for each model architecture's rules: what a layer slice of it must rewrite, which
+slices llama.cpp loads and computes exactly, how its layers count in memory and in time, and
+what a stage's cache holds. The slicer (:mod:`.gguf_tools`), the planner (``cluster/plan.py``),
+the worker's load check, ``potluck models`` and the fixtures all read this table; nothing else
+branches on an architecture's name.
+
+The rules come from what llama.cpp (the version llama-cpp-python vendors) reads for each
+architecture in ``src/models/<arch>.cpp`` (``load_arch_hparams``, ``load_arch_tensors`` and
+the graph) and ``src/llama-model.cpp`` (``load_hparams``, ``create_memory``). What every
+architecture shares is applied to all of them by the slicer:
+
+- ``<arch>.block_count`` becomes the slice's layer count, and ``blk.i.*`` are renumbered;
+- every per-layer array (a key whose array has one value per layer, such as ``head_count_kv``
+  or ``expert_used_count``) keeps the values of the slice's original layers;
+- layers after the trunk (``nextn_predict_layers``: multi-token-prediction blocks) are never
+  in a slice, whose ``nextn_predict_layers`` is 0;
+- a later stage takes hidden states, which llama.cpp does not rescale (Gemma's sqrt(n_embd)
+  applies to token embeddings only), so a stage's input needs nothing.
+
+What differs between architectures is an :class:`Arch` entry of :data:`ARCHS`.
+
+How to add an architecture:
+
+1. Read its ``src/models/<arch>.cpp`` in the vendored llama.cpp: every hyperparameter that is
+   indexed by layer (a pattern computed from the layer's index, a count of leading layers), every
+   choice made from ``n_layer`` (a slice has fewer), anything that reads another layer's cache
+   or the token ids inside the layers. Say each in its entry (``swa_default_period``,
+   ``dense_lead``, ``slice_keys``, ``slice_problem``, ``model_problem``).
+2. Add one :class:`Arch` entry to :data:`ARCHS`.
+3. Add one fixture shape in ``engine/lab/fixtures.py`` (its published dimensions in ``SHAPES``,
+   and its layer's tensors in ``LAYER_TENSORS`` if no other architecture has the same ones).
+4. Add one line to ``ARCH_SHAPES`` in ``tests/test_archs_exact.py``: its slices over 2 and 3
+   stages must give the whole model's logits, prompt and incremental decode alike.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import PotluckError
+
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's names for a mixture's routed experts: one matrix (or bias) per expert, stacked
+# on the last dimension; every other tensor of a layer, shared experts included, is read whole
+_ROUTED_EXPERTS = re.compile(r"^ffn_(gate|up|down|gate_up)_exps\.")
+
+
+@dataclass(frozen=True)
+class Header:
+    """The key/values of a GGUF header a rule looks at (every key but the tokenizer's), by
+    full name, and its tensors' names and sizes."""
+
+    arch: str
+    values: Mapping[str, object]
+    tensor_bytes: Mapping[str, int] = field(default_factory=dict)
+    n_vocab: int = 0
+
+    def get(self, key: str, default: object = None) -> object:
+        """``<arch>.key``'s value, or ``default``."""
+        return self.values.get(f"{self.arch}.{key}", default)
+
+    def int_of(self, key: str, default: int = 0) -> int:
+        """An integer key; of a per-layer array, its largest value."""
+        v = self.get(key)
+        if v is None:
+            return default
+        return int(max(v)) if isinstance(v, list) else int(v)  # type: ignore[arg-type]
+
+    def per_layer(self, key: str, default: int = 0) -> list[int]:
+        """A key that llama.cpp reads as one value or one per layer (``get_key_or_arr``), one
+        value per layer of the file."""
+        v = self.get(key)
+        n = self.n_layer_all
+        if isinstance(v, list):
+            return [int(x) for x in v[:n]] + [default] * (n - len(v))
+        return [int(v) if v is not None else default] * n  # type: ignore[arg-type]
+
+    @property
+    def n_layer_all(self) -> int:
+        """Every ``blk.N`` of the file (``block_count``), next-token blocks included."""
+        return self.int_of("block_count")
+
+    @property
+    def n_nextn(self) -> int:
+        """Multi-token-prediction blocks after the trunk (``nextn_predict_layers``)."""
+        return self.int_of("nextn_predict_layers")
+
+    @property
+    def n_layer(self) -> int:
+        """The trunk: the layers a token goes through, the ones a split shares out."""
+        return self.n_layer_all - self.n_nextn
+
+
+def read_header(reader) -> Header:  # reader: gguf.GGUFReader
+    """A :class:`Header` of a parsed GGUF (its arrays but the tokenizer's are read whole)."""
+    values = {
+        f.name: f.contents() for f in reader.fields.values()
+        if not f.name.startswith(("GGUF.", "tokenizer."))
+    }
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    arch = str(values.get("general.architecture", ""))
+    n_vocab = len(tokens.data) if tokens is not None else int(values.get(f"{arch}.vocab_size", 0) or 0)  # type: ignore[call-overload]
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    return Header(arch, values, sizes, n_vocab)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What splitting one architecture by layers needs to know beyond the shared recipe.
+
+    The callables take the whole model's :class:`Header`; ``layer_map`` lists the original
+    layers of a slice in order (a contiguous range for a stage, any list for a merge)."""
+
+    name: str  # general.architecture
+    # Sliding-window attention: llama.cpp's default period when the file has no
+    # ``attention.sliding_window_pattern`` (``load_swa_pattern(ml, N)``: layer i slides unless
+    # (i + 1) % N == 0); None: no sliding-window layers. Every slice gets the explicit per-layer
+    # array of its original layers, and (llama.cpp asserts it) at least one sliding layer.
+    swa_default_period: int | None = None
+    # ...only when the file sets ``attention.sliding_window`` above 0 (gemma3 without a window
+    # is all global)
+    swa_needs_window: bool = False
+    # reads ``leading_dense_block_count`` (the first layers are dense, the rest experts): a
+    # slice's count is that of its own leading layers
+    dense_lead: bool = False
+    # what a stage keeps per sequence: "kv" (cells per position), "recurrent" (a state) or
+    # "kv+recurrent" (a hybrid's layers, some of each)
+    cache: str = "kv"
+    # more key/values a slice must carry: name (without "<arch>.") -> value (int: uint32, list:
+    # an array)
+    slice_keys: Callable[[Header, Sequence[int]], dict[str, object]] | None = None
+    # why llama.cpp would not load or not compute exactly a slice of this many layers starting
+    # at ``lo``, or None
+    slice_problem: Callable[[Header, int, int], str | None] | None = None
+    # why no split of this file is exact, or None
+    model_problem: Callable[[Header], str | None] | None = None
+
+    # -- what the slicer and the planner ask
+    def swa_layers(self, h: Header) -> tuple[bool, ...] | None:
+        """Per trunk layer, by original index: a sliding-window layer? None: none slide."""
+        if self.swa_default_period is None:
+            return None
+        if self.swa_needs_window and not h.int_of("attention.sliding_window"):
+            return None
+        n = h.n_layer
+        value = h.get("attention.sliding_window_pattern")
+        if isinstance(value, list):
+            return tuple(bool(v) for v in value[:n])
+        period = self.swa_default_period if value is None else int(value)  # type: ignore[call-overload]
+        return tuple(period == 0 or (i + 1) % period != 0 for i in range(n))
+
+    def rewrites(self, h: Header, layer_map: Sequence[int]) -> dict[str, object]:
+        """Key/values (without "<arch>.") a slice of ``layer_map`` sets after the copied ones."""
+        out: dict[str, object] = {}
+        swa = self.swa_layers(h)
+        if swa is not None:
+            out["attention.sliding_window_pattern"] = [swa[i] for i in layer_map]
+        if self.dense_lead:
+            out["leading_dense_block_count"] = _leading_dense(h, layer_map)
+        if h.n_nextn:
+            out["nextn_predict_layers"] = 0
+        if self.slice_keys is not None:
+            out.update(self.slice_keys(h, layer_map))
+        return out
+
+    def problem(self, h: Header) -> str | None:
+        """Why no split of this file is exact (the model itself), or None."""
+        return self.model_problem(h) if self.model_problem is not None else None
+
+
+def _leading_dense(h: Header, layer_map: Sequence[int]) -> int:
+    """How many of a slice's first layers are dense: its original layers below the model's
+    count, which must come first in the map."""
+    n_dense = h.int_of("leading_dense_block_count")
+    dense = [i < n_dense for i in layer_map]
+    count = dense.index(False) if False in dense else len(dense)
+    if any(dense[count:]):
+        raise PotluckError(
+            f"cannot lay out layers {list(layer_map)[:8]}...: {h.arch}'s dense layers (the first {n_dense}) must "
+            "come before its expert layers"
+        )
+    return count
+
+
+def check_layer_map(h: Header, layer_map: Sequence[int]) -> None:
+    """Refuse a slice outside the trunk (a next-token block is never part of one)."""
+    n = h.n_layer
+    if not layer_map or min(layer_map) < 0 or max(layer_map) >= n:
+        raise PotluckError(f"layer map {list(layer_map)[:8]}... is outside 0..{n - 1}")
+
+
+# --------------------------------------------------------------------------- the table
+
+ARCHS: dict[str, Arch] = {
+    a.name: a
+    for a in (
+        # Llama 2/3, Mistral, SmolLM2 (and Mixtral: experts in the same layer names)
+        Arch("llama"),
+        # Gemma 3: five sliding-window layers, then a global one (each with its own rope base)
+        Arch("gemma3", swa_default_period=6, swa_needs_window=True),
+        Arch("qwen2"),  # q/k/v biases
+        Arch("qwen3"),  # per-head q/k norms, an explicit head width
+    )
+}
+
+
+def arch_of(name: str) -> Arch | None:
+    return ARCHS.get(name)
+
+
+def supported() -> str:
+    """The architectures a split takes, for messages."""
+    return ", ".join(sorted(ARCHS))
+
+
+def unsplittable_reason(h: Header) -> str | None:
+    """Why this model cannot be split exactly (its architecture or the file itself), or None."""
+    arch = ARCHS.get(h.arch)
+    if arch is None:
+        return f"architecture {h.arch!r} is not verified for exact layer splitting (supported: {supported()})"
+    return arch.problem(h)
+
+
+def require_splittable(h: Header, name: str) -> Arch:
+    """The entry of ``h``'s architecture, or :class:`PotluckError` saying in one line why ``name``
+    cannot be split."""
+    why = unsplittable_reason(h)
+    if why is not None:
+        raise PotluckError(f"cannot split {name}: {why}")
+    return ARCHS[h.arch]
+
+
+# --------------------------------------------------------------------------- how layers count
+
+@dataclass(frozen=True)
+class SliceRules:
+    """Which layer ranges llama.cpp loads as a slice of one model, for the planner: per trunk
+    layer whether it slides (an architecture with sliding windows needs one in every slice),
+    and any other refusal of the architecture's."""
+
+    swa: tuple[bool, ...] | None = None
+    problem: Callable[[int, int], str | None] | None = None
+
+    def why_not(self, lo: int, hi: int) -> str | None:
+        if self.swa is not None and not any(self.swa[lo:hi]):
+            return "hold no sliding-window layer, which llama.cpp cannot load"
+        return self.problem(lo, hi) if self.problem is not None else None
+
+
+def slice_rules(h: Header) -> SliceRules:
+    arch = ARCHS.get(h.arch)
+    if arch is None:
+        return SliceRules()
+    bound = arch.slice_problem
+    return SliceRules(arch.swa_layers(h), (lambda lo, hi: bound(h, lo, hi)) if bound is not None else None)
+
+
+def layer_bytes(h: Header) -> tuple[list[int], list[int]]:
+    """Per trunk layer: (the bytes it holds in memory, every expert resident; the bytes a token
+    reads, only the ``expert_used_count`` of ``expert_count`` routed experts it is sent to,
+    shared experts and the dense parts whole)."""
+    n = h.n_layer
+    memory, time = [0] * n, [0] * n
+    n_expert = h.int_of("expert_count")
+    used = h.per_layer("expert_used_count")
+    for name, nbytes in h.tensor_bytes.items():
+        m = _BLK.match(name)
+        if not m or int(m.group(1)) >= n:
+            continue
+        i = int(m.group(1))
+        memory[i] += nbytes
+        if n_expert and _ROUTED_EXPERTS.match(m.group(2)):
+            time[i] += nbytes * used[i] // n_expert
+        else:
+            time[i] += nbytes
+    return memory, time
+
+
+def kv_bytes_per_token_layer(h: Header) -> int:
+    """A layer's KV cache for one token (BF16 K and V, the widest layer's)."""
+    n_embd = h.int_of("embedding_length")
+    n_head = h.int_of("attention.head_count", 1) or 1
+    n_head_kv = h.int_of("attention.head_count_kv", n_head) or n_head
+    head_dim = h.int_of("attention.key_length", n_embd // n_head)
+    return 2 * n_head_kv * head_dim * 2
