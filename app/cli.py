@@ -16,7 +16,7 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from ..engine import PotluckError, PrintableFormatter
+from ..engine import PotluckError, PrintableFormatter, printable
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
 COMMANDS = [
@@ -89,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except PotluckError as e:
-        print(f"potluck: error: {one_line(str(e))}", file=sys.stderr)
+        # printable: the message may quote another party (a worker's refusal, a record's text)
+        print(f"potluck: error: {printable(one_line(str(e)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("potluck: interrupted", file=sys.stderr)

@@ -11,8 +11,10 @@ fixed ("potluck-curve-v2"): head and workers must reach the same keys from the t
 so a per-cluster random salt would have to travel with the token anyway; the fixed,
 product-specific salt still rules out tables computed for other uses of scrypt. What makes
 guessing hopeless is the token itself: ``potluck token`` makes 256 random bits, and a token
-a person types is refused unless zxcvbn (dictionary words, repeats, sequences, keyboard
-walks, dates) estimates at least 10^24 guesses, about 80 bits (:func:`check_token`).
+a person types is refused unless it is worth at least 10^24 guesses, about 80 bits
+(:func:`check_token`): zxcvbn's estimate (dictionary words, repeats, sequences, keyboard walks,
+dates) of what is left once well-known texts, digests of common passwords and text outside
+ASCII are credited for what they are worth (:mod:`.passphrases`).
 
 The token never goes on a command line (``ps`` and ``/proc/PID/cmdline`` show those):
 ``$POTLUCK_TOKEN``, a token file (``--token-file``) or the saved one (``potluck token``),
@@ -32,11 +34,11 @@ from pathlib import Path
 
 import zmq
 import zmq.utils.z85
-from zxcvbn import zxcvbn
 
 from ..engine.core import paths
 from ..engine.core.errors import PotluckError
 from ..engine.core.spec import CurveKeys
+from .passphrases import Estimate, estimate
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +103,26 @@ def resolve_token(arg: str | None = None, file: Path | None = None) -> str:
     return token
 
 
+def token_estimate(token: str) -> Estimate:
+    """The guesses an attacker needs for ``token`` (:mod:`.passphrases`: zxcvbn, less what it
+    cannot see); the public ``potluck-`` prefix counts for nothing, and only the first
+    :data:`SCORED_CHARS` are scored."""
+    return estimate(token.removeprefix(TOKEN_PREFIX), SCORED_CHARS)
+
+
 def token_guesses_log10(token: str) -> float:
-    """log10 of the guesses zxcvbn estimates an attacker needs for ``token`` (the public
-    ``potluck-`` prefix counts for nothing; only the first :data:`SCORED_CHARS` are scored)."""
-    body = token.removeprefix(TOKEN_PREFIX)[:SCORED_CHARS]
-    return float(zxcvbn(body, max_length=SCORED_CHARS)["guesses_log10"]) if body else 0.0
+    """log10 of :func:`token_estimate`'s guesses."""
+    return token_estimate(token).guesses_log10
 
 
 def check_token(token: str) -> None:
     """Refuse a token an attacker could guess: below 10^24 guesses (about 80 bits)."""
-    guesses = token_guesses_log10(token)
-    if guesses < MIN_GUESSES_LOG10:
+    found = token_estimate(token)
+    if found.guesses_log10 < MIN_GUESSES_LOG10:
+        why = f": {found.why}" if found.why else ""
         raise PotluckError(
-            f"the cluster token is guessable (about {guesses * math.log2(10):.0f} bits, at least 80 needed); "
-            "make one with `potluck token` and give it to every machine of the cluster"
+            f"the cluster token is guessable (about {found.guesses_log10 * math.log2(10):.0f} bits, at least 80 "
+            f"needed{why}); make one with `potluck token` and give it to every machine of the cluster"
         )
 
 

@@ -77,14 +77,16 @@ class SilentPorts:
             s.close()
 
 
-def worker_record(node_id: str, port: int, *, instance: str | None = None, server: str | None = None) -> ServiceInfo:
+def worker_record(
+    node_id: str, port: int, *, instance: str | None = None, server: str | None = None, version: str = "0"
+) -> ServiceInfo:
     """A record that says what a worker's says (:class:`potluck.discovery.lan.Advertiser`)."""
     return ServiceInfo(
         SERVICE_TYPE,
         f"{instance or 'potluck-' + node_id}.{SERVICE_TYPE}",
         addresses=[socket.inet_aton("127.0.0.1")],
         port=port,
-        properties={"id": node_id, "v": "0", "proto": str(PROTOCOL_VERSION), "cores": "64",
+        properties={"id": node_id, "v": version, "proto": str(PROTOCOL_VERSION), "cores": "64",
                     "free_mb": "999999", "speed": "99"},  # looks better than any real worker
         server=server or f"potluck-{node_id}.local.",
     )

@@ -33,6 +33,7 @@ from zeroconf import Error as ZeroconfError
 from ..engine.cluster.profile import NodeProfile
 from ..engine.cluster.wire import PROTOCOL_VERSION
 from ..engine.core.errors import PotluckError
+from ..engine.core.printable import printable
 from ..engine.core.spec import DISCOVER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -159,12 +160,15 @@ def claimed_addresses(zc: Zeroconf, name: str, info: ServiceInfo) -> list[str]:
 
 
 def _node(info: ServiceInfo, address: str) -> DiscoveredNode | None:
-    props = {k.decode(): (v or b"").decode() for k, v in info.properties.items() if isinstance(k, bytes)}
+    """The row a record claims. Anyone on the LAN may announce one, without the token: its
+    text (node id, version) is kept printable, so no consumer can show a raw ``ESC ]52;``."""
+    props = {k.decode(errors="replace"): (v or b"").decode(errors="replace")
+             for k, v in info.properties.items() if isinstance(k, bytes)}
     try:
         return DiscoveredNode(
-            node_id=props.get("id", "?"),
+            node_id=printable(props.get("id", "?"), limit=64),
             address=address,
-            version=props.get("v", "?"),
+            version=printable(props.get("v", "?"), limit=40),
             protocol=int(props.get("proto", "0")),
             cores=int(props.get("cores", "0")),
             free_mb=int(props.get("free_mb", "0")),

@@ -179,6 +179,7 @@ def _open_target(model: Model, spec: EngineSpec, strategy_cls: type[Strategy], n
         on_plan=c.on_plan,
         progress=c.progress,
         skip_failed_joins=c.skip_failed_joins,
+        strict_nodes=c.strict_nodes,
         join_timeout_s=c.join_timeout_s,
         n_threads=spec.n_threads,
     )

@@ -208,6 +208,8 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
         # named as the option given, not as the [cluster] setting it overrides
         (["chat", "--nodes", "127.0.0.1:5733", "--join-timeout", "0"], "--join-timeout must be more than 0"),
         (["chat", "--join-timeout", "30"], "--join-timeout only applies to cluster mode"),
+        (["chat", "--strict-nodes"], "--strict-nodes only applies to cluster mode"),
+        (["chat", "--nodes", "auto", "--strict-nodes"], "--strict-nodes applies to a list of workers"),
     ],
 )
 def test_chat_cluster_options_refused_in_one_line(

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from textual.content import Content
 
 from potluck.app.config import Settings, UISettings, load_settings
 from potluck.app.tui import PotluckApp, build_app
@@ -605,3 +606,33 @@ async def test_a_worker_found_after_the_user_changed_the_selection_is_offered_un
         assert sl.option_count == 4
         assert sorted(sl.selected) == [a, c]
         assert d not in sl.selected
+
+
+@run_async
+async def test_what_records_and_workers_say_is_shown_not_interpreted(tmp_path: Path) -> None:
+    """Issue 39 item 7: a record's node id, or a worker's refusal, holding Textual markup
+    (``[/x]`` raised MarkupError mid-render) or terminal escapes is shown as text."""
+    evil = "[/x]\x1b]52;c;aGk=\x07[b]"
+    lan = _Found()
+    lan.list.append(DiscoveredNode(evil, "127.0.0.1:7001", evil, PROTOCOL_VERSION, 2, 1000, 3.0))
+
+    class Picker(ClusterScreen):
+        def _browse(self) -> None:
+            self._membership = lan  # type: ignore[assignment]
+            self.app.call_from_thread(self._refresh)
+
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        app.report_error(f"node {evil} at 127.0.0.1:7001 refused: {evil}")
+        picker = Picker(None, set())
+        await app.push_screen(picker)
+        from textual.widgets import SelectionList
+
+        sl = picker.query_one("#cluster-nodes", SelectionList)
+        await until(lambda: sl.option_count == 1, what="the worker listed")
+        await pilot.pause()
+        prompt = sl.get_option_at_index(0).prompt
+        shown = prompt.plain if isinstance(prompt, Content) else Content.from_markup(str(prompt)).plain
+        assert "[/x]\\x1b]5" in shown and "\x1b" not in shown
+        assert app.is_running

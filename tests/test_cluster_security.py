@@ -43,7 +43,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProc]:
 def test_head_without_the_token_cannot_join(worker: WorkerProc, model_path: Path, tmp_path: Path) -> None:
     wrong = keys_from_token("potluck-another-cluster-Q7vX2mLp9RkT4wZc")
     t0 = time.monotonic()
-    with pytest.raises(PotluckError, match="refused our CURVE keys: started with a different cluster token"):
+    with pytest.raises(PotluckError, match="refused our CURVE handshake: started with a different cluster token"):
         open_pipeline(model_path, [worker.address], wrong, slice_cache=SliceCache(tmp_path), join_timeout_s=2)
     assert time.monotonic() - t0 < 10
     # A client with the right server key but its own key pair is refused by the ZAP check.

@@ -8,6 +8,8 @@ import hashlib
 import os
 import select
 import signal
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import pytest
 import zmq
 
 from potluck.discovery.auth import keys_from_token
+from potluck.discovery.lan import local_ipv4
 from potluck.engine.cluster import wire
 from potluck.engine.cluster.chain import HeadWorker
 from potluck.engine.cluster.child import StageProcess, StageSpec
@@ -29,7 +32,8 @@ from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.jobs import DecodeJob, GroupCancelled
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.target import LocalTarget
-from potluck.engine.lab.flood import flood
+from potluck.engine.lab.flood import FloodPlan, flood_process
+from potluck.engine.lab.worker_kills import process_tree
 
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
 
@@ -178,56 +182,69 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"no {field} for {pid}")
 
 
-def test_a_ping_flood_is_dropped_unread_and_the_owner_is_served(
+# Issue 39 item 6: token holders flooding as real attackers would. One never reads its replies
+# and claims routing ids of its own; the other shares one routing id over all its connections
+# (libzmq kept such a connection aside, unread: +340 MB in 20 s) and reads slowly.
+FLOODERS = (
+    FloodPlan(4, 10.0, ("ping", "pad", "status", "hello", "junk", "forward"), idents="own", reads="never"),
+    FloodPlan(4, 10.0, ("ping", "status", "junk"), idents="shared", reads="slow"),
+)
+
+
+def tree_rss_kb(pid: int) -> int:
+    """Resident memory of a worker and its stage process, in kB."""
+    return sum(rss_kb(p) for p in process_tree(pid))
+
+
+def test_floods_from_several_token_holders_are_dropped_and_the_owner_is_served(
     tmp_path: Path, model: Model, model_path: Path
 ) -> None:
-    """A token holder pings a worker from 4 sockets for 12 s without reading the replies. The
-    worker drains its socket at once, serves its owner first and drops what the flooders'
-    budgets do not allow, unread (its log counts them); its memory stays bounded and goes
-    back afterwards (before, a flood from 2 sockets grew one by 2.6 GB in 40 s, and it stayed).
-    The owner's decoding stays exact meanwhile; its speed is a benchmark's business."""
+    """Two token holders (processes of their own) flood a worker for 10 s: several message
+    kinds, routing ids of their own or one shared id, never reading or reading slowly. The
+    worker drains its socket, serves its owner first and drops what the flooders' budgets do
+    not allow, unread (its log counts them); its memory stays within the issue's 200 MB and
+    goes back afterwards. The owner's decoding stays exact meanwhile; its speed, and the
+    figures, are scripts/flood_worker.py's business."""
     keys = keys_from_token(TOKEN)
     w = start_worker(tmp_path, "flooded")
     target = open_pipeline(model_path, [w.address], keys, n_ctx=N_CTX, n_threads=1,
                            slice_cache=SliceCache(tmp_path / "cache"))
     local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+    flooders: list[subprocess.Popen] = []
     try:
         prompt = model.tokenize(PROMPT)
         assert np.array_equal(local.decode(prompt), target.decode(prompt))
-        before_kb = rss_kb(w.proc.pid)
-        result: list[int] = []
+        before_kb = tree_rss_kb(w.proc.pid)
+        for plan in FLOODERS:
+            args, env = flood_process(w.address, plan, keys)
+            flooders.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True))
         samples_kb: list[int] = []
-        flooder = threading.Thread(target=lambda: result.append(flood(keys, w.address, 4, 12.0)))
-        flooder.start()
-
-        def sample() -> None:
-            while flooder.is_alive():
-                samples_kb.append(rss_kb(w.proc.pid))
-                time.sleep(0.1)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
         tok = 7
-        while flooder.is_alive():  # the owner decodes all through the flood
+        while any(f.poll() is None for f in flooders):  # the owner decodes all through the flood
             logits = target.decode([tok])
             assert np.array_equal(logits, local.decode([tok]))
             tok = int(np.argmax(logits[0]))
             if target.n_past >= N_CTX - 8:
                 for t in (local, target):
                     t.truncate(len(prompt))
-        flooder.join()
-        sampler.join()
+            samples_kb.append(tree_rss_kb(w.proc.pid))
+        sent = [int(f.communicate(timeout=30)[0].strip() or 0) for f in flooders]
+        assert all(sent) and w.alive(), sent
+        dropped = [line for line in w.log().splitlines() if "past their budget" in line]
+        assert dropped, "no flood message was dropped: the path did not run"
+        # Issue 39's goal: within +200 MB of idle (scripts/flood_worker.py measures the figures)
         peak_kb = max(samples_kb)
-        assert result[0] > 0 and w.alive()
-        assert "past their budget" in w.log(), "no flood message was dropped: the path did not run"
-        # Issue 20's goal (+200 MB, for 60 s: scripts/flood_worker.py measures +13-21 MB).
-        # Dropping with pyzmq calls (4 us a message) let 20 s add 600 MB (12 s: about 360 MB).
-        assert peak_kb - before_kb < 200 * 1024, (before_kb, peak_kb, result[0])
+        assert peak_kb - before_kb < 200 * 1024, (before_kb, peak_kb, sent)
         deadline = time.monotonic() + 30
-        while rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards
-            assert time.monotonic() < deadline, (before_kb, rss_kb(w.proc.pid))
+        while tree_rss_kb(w.proc.pid) - before_kb > 100 * 1024:  # and it is given back afterwards
+            assert time.monotonic() < deadline, (before_kb, tree_rss_kb(w.proc.pid))
             time.sleep(0.5)
+        for tok in (7, 11, 13):  # the owner goes on, exact
+            assert np.array_equal(local.decode([tok]), target.decode([tok]))
     finally:
+        for f in flooders:
+            if f.poll() is None:
+                f.kill()
         local.close()
         target.close()
         stop_worker(w.proc)
@@ -267,7 +284,14 @@ def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost
     path = slice_layers(model_path, tmp_path / "s.gguf", 0, 15)
     proc = StageProcess()
     proc.load(StageSpec(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), True, 256, 32, 1, True, 1), 300)
-    os.kill(proc.proc.pid, signal.SIGSTOP)  # it cannot exit within close()'s 2 s: close() kills it
+    os.kill(proc.proc.pid, signal.SIGSTOP)  # it cannot exit within close()'s wait: close() kills it
+    # ... once every thread has stopped: a thread that reached the end of its pipe first would
+    # exit at once (the child ends when its pipes do), and the stop would come too late
+    tasks = Path(f"/proc/{proc.proc.pid}/task")
+    deadline = time.monotonic() + 30
+    while any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for t in tasks.iterdir()):
+        assert time.monotonic() < deadline, "the stage process did not stop"
+        time.sleep(0.01)
     with caplog.at_level("ERROR", logger="potluck.engine.cluster.child"):
         proc.close()
     assert proc.proc.returncode == -signal.SIGKILL  # the slow exit path ran
@@ -286,7 +310,18 @@ def test_a_stage_released_while_its_process_is_slow_to_exit_is_not_reported_lost
         ("tcp://localhost:6000", False, "only from a head on this machine"),
         ("tcp://0.0.0.0:6000", False, "only from a head on this machine"),
         ("tcp://[::1]:6000", False, "only from a head on this machine"),
+        ("tcp://[::]:6000", False, "only from a head on this machine"),
         ("tcp://127.0.0.1:5555", True, "this worker itself"),
+        # issue 39: loopback by another name, each as libzmq's resolver reads it
+        ("tcp://127.1:6000", False, r"resolves to 127\.0\.0\.1\): an address of this machine"),
+        ("tcp://0:6000", False, r"resolves to 0\.0\.0\.0\): an address of this machine"),
+        ("tcp://2130706433:6000", False, r"resolves to 127\.0\.0\.1\)"),
+        ("tcp://0x7f000001:6000", False, r"resolves to 127\.0\.0\.1\)"),
+        ("tcp://017700000001:6000", False, r"resolves to 127\.0\.0\.1\)"),
+        ("tcp://0.1.2.3:6000", False, "only from a head on this machine"),
+        ("tcp://[::ffff:127.0.0.1]:6000", False, "only from a head on this machine"),
+        ("tcp://127.1:5555", True, "this worker itself"),
+        ("tcp://0x7f000001:5555", True, "this worker itself"),
     ],
 )
 def test_next_stage_addresses_a_worker_refuses(next_addr: str, head_here: bool, why: str) -> None:
@@ -294,10 +329,31 @@ def test_next_stage_addresses_a_worker_refuses(next_addr: str, head_here: bool, 
         check_next_stage(next_addr, 5555, head_here)
 
 
+def test_next_stage_names_are_resolved_and_checked_as_connected() -> None:
+    """Issue 39: names that resolve to this machine pass no more: `localhost.`, this
+    machine's own host name, its interface addresses, and a name resolving to any of them.
+    The worker connects to the address literal it checked, never to the name again."""
+    host = socket.gethostname()
+    refused = ["localhost.", host, f"{host}.", *local_ipv4()]
+    for name in refused:
+        with pytest.raises(PotluckError, match="refused"):
+            check_next_stage(f"tcp://{name}:6000", 5555, False)
+    # a name of the LAN, as the resolver answers it
+    lan = {"worker-2.lan": ["10.0.0.7"], "sneaky.lan": ["10.0.0.8", "127.0.0.1"], "v6.lan": ["fd00::7"]}
+    resolve = lambda name, port: lan[name]  # noqa: E731
+    assert check_next_stage("tcp://worker-2.lan:6000", 5555, False, resolve) == "tcp://10.0.0.7:6000"
+    assert check_next_stage("tcp://v6.lan:6000", 5555, False, resolve) == "tcp://[fd00::7]:6000"
+    with pytest.raises(PotluckError, match=r"resolves to 127\.0\.0\.1"):  # any answer on this machine refuses
+        check_next_stage("tcp://sneaky.lan:6000", 5555, False, resolve)
+    with pytest.raises(PotluckError, match="does not resolve"):
+        check_next_stage("tcp://no-such-host.invalid:6000", 5555, False)
+    assert check_next_stage("tcp://[::ffff:10.0.0.7]:6000", 5555, False) == "tcp://10.0.0.7:6000"
+
+
 def test_next_stage_addresses_a_worker_takes() -> None:
-    check_next_stage("tcp://10.0.0.7:5555", 5555, False)  # another machine, same port
-    check_next_stage("tcp://worker-2.lan:6000", 5555, False)
-    check_next_stage("tcp://127.0.0.1:6000", 5555, True)  # a head on this machine: its loopback workers
+    assert check_next_stage("tcp://10.0.0.7:5555", 5555, False) == "tcp://10.0.0.7:5555"  # another machine
+    assert check_next_stage("tcp://127.0.0.1:6000", 5555, True) == "tcp://127.0.0.1:6000"  # a head here
+    assert check_next_stage("tcp://127.1:6000", 5555, True) == "tcp://127.0.0.1:6000"  # its loopback workers
 
 
 def test_a_load_naming_a_forbidden_next_stage_is_refused_by_a_real_worker(pair: list[WorkerProc]) -> None:
@@ -320,7 +376,8 @@ def test_a_load_naming_a_forbidden_next_stage_is_refused_by_a_real_worker(pair: 
     try:
         assert isinstance(ask(wire.Hello("head-x", "0", key)), wire.Welcome)
         port = pair[1].address.rsplit(":", 1)[1]
-        for bad in ("inproc://zeromq.zap.01", "ipc:///tmp/potluck-x", f"tcp://127.0.0.1:{port}"):
+        itself = (f"tcp://{host}:{port}" for host in ("127.0.0.1", "127.1", "0x7f000001", "0", socket.gethostname()))
+        for bad in ("inproc://zeromq.zap.01", "ipc:///tmp/potluck-x", *itself):
             load = wire.Load("ab" * 32, 0, 2, True, False, 64, 8, 1, True, "f32", bad, "cd" * 32, "ef" * 32)
             reply = ask(load)
             assert isinstance(reply, wire.Error) and "next-stage address" in reply.message, (bad, reply)
@@ -348,3 +405,50 @@ def test_the_heads_own_worker_is_reached_at_the_heads_address_on_a_stages_networ
         assert hw.address_seen_from(f"{host}:7000") == hw.address  # this machine's own address
     finally:
         hw.close()
+
+
+def test_connections_past_the_bound_are_refused_at_the_handshake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every connection costs a worker about 40 kB of libzmq buffers and a queue of replies, so
+    a token holder opening thousands grew it without bound. Past its bound (1,500, lowered
+    here) a worker refuses handshakes with ZAP status 300 (temporary): counted, and a head
+    says it may be that (libzmq shows the client no reason); once the flood closes,
+    connections are taken again."""
+    from potluck.engine.cluster import worker as worker_module
+    from potluck.engine.cluster.link import NodeLink, NodeLostError
+    from potluck.engine.cluster.profile import NodeProfile
+
+    monkeypatch.setattr(worker_module, "MAX_CONNECTIONS", 20)
+    keys = keys_from_token(TOKEN)
+    w = worker_module.Worker(keys, NodeProfile("gated", 2, 1000, 1.0), tmp_path / "cache", bind="127.0.0.1")
+    serving = threading.Thread(target=w.serve_forever, daemon=True)
+    serving.start()
+    ctx = zmq.Context()
+    flood = []
+    try:
+        for _ in range(40):
+            s = client_socket(ctx, keys)
+            s.connect(f"tcp://127.0.0.1:{w.port}")
+            flood.append(s)
+        deadline = time.monotonic() + 30
+        while w.gate.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.gate.refused > 0  # the path ran: handshakes refused past the bound
+        link = NodeLink(ctx, keys, f"127.0.0.1:{w.port}")
+        with pytest.raises(NodeLostError, match="or it takes no more connections now"):
+            link.join("head-late", "0", timeout_s=3)
+        link.close(release=False)
+        for s in flood:
+            s.close(linger=0)
+        flood.clear()
+        late = client_socket(ctx, keys)  # the flood gone, a connection is taken again
+        late.connect(f"tcp://127.0.0.1:{w.port}")
+        late.send_multipart(wire.to_frames(wire.Ping(5)))
+        assert late.poll(30000), "no pong once the flood closed"
+        assert wire.parse_frames(late.recv_multipart()) == wire.Pong(5)
+        late.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)  # every socket of the test's, whatever failed
+        w.stop()
+        serving.join(10)

@@ -1,10 +1,14 @@
-"""Cluster token strength (issue 20, finding 4) and the ``--token`` warning.
+"""Cluster token strength (issue 20, finding 4; issue 39, item 10) and the ``--token`` warning.
 
-A typed token is refused below zxcvbn's 10^24 guesses (about 80 bits), from every source the
-head and workers read it from; tokens made by ``potluck token`` always pass."""
+A typed token is refused below 10^24 guesses (about 80 bits), from every source the head and
+workers read it from: zxcvbn's estimate once well-known texts, digests of common passwords
+and text outside ASCII count for what they are worth; tokens made by ``potluck token`` always
+pass."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import os
 import subprocess
@@ -24,6 +28,7 @@ from potluck.discovery.auth import (
     save_token,
     token_guesses_log10,
 )
+from potluck.discovery.passphrases import FOREIGN_WORD_GUESSES_LOG10
 from potluck.engine.core.errors import PotluckError
 
 # Accepted by the old rule (per-character entropy x length); each is a few dictionary words,
@@ -47,6 +52,53 @@ def test_guessable_passphrases_are_refused_from_every_source(
             attempt()
         message = str(err.value)
         assert len(message.splitlines()) == 1 and "guessable" in message and "potluck token" in message
+
+
+# Issue 39: each of these scored 106-209 bits with zxcvbn alone (its dictionaries are English).
+WELL_KNOWN = [
+    "the quick brown fox jumps over the lazy dog",
+    "The Quick Brown Fox Jumps Over The Lazy Dog! 1984",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore",
+    "Мама мыла раму. Мама мыла раму. Мама мыла раму.",
+    "Съешь же ещё этих мягких французских булок, да выпей же чаю",
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer",
+    "Portez ce vieux whisky au juge blond qui fume",
+]
+DIGESTS = [
+    hashlib.sha256(b"password").hexdigest(),
+    hashlib.sha256(b"dragon").hexdigest().upper(),
+    hashlib.md5(b"letmein").hexdigest(),
+    hashlib.sha1(b"iloveyou").hexdigest(),
+    hashlib.sha512(b"qwerty").hexdigest(),
+    base64.b64encode(hashlib.sha256(b"monkey").digest()).decode(),
+    hashlib.sha256(b"the quick brown fox jumps over the lazy dog").hexdigest(),
+]
+
+
+@pytest.mark.parametrize("text", WELL_KNOWN + DIGESTS)
+def test_well_known_texts_and_digests_of_common_passwords_are_refused(text: str) -> None:
+    assert token_guesses_log10(text) < MIN_GUESSES_LOG10
+    with pytest.raises(PotluckError, match=r"guessable .*(well-known text|of a common password).*`potluck token`"):
+        check_token(text)
+
+
+def test_text_outside_ascii_is_credited_a_conservative_floor() -> None:
+    """zxcvbn has no dictionary of other languages: a word outside ASCII is credited as one
+    of 100 common words, however long; the refusal says so and points to `potluck token`."""
+    russian = "Вдруг сквозь туман проступили очертания древнего замка на холме"  # 9 words
+    assert token_guesses_log10(russian) == pytest.approx(9 * FOREIGN_WORD_GUESSES_LOG10)
+    with pytest.raises(PotluckError, match=r"outside ASCII count as common words.*`potluck token`"):
+        check_token(russian)
+    with pytest.raises(PotluckError, match="outside ASCII"):
+        check_token("吾輩は猫である。名前はまだ無い。どこで生れたかとんと見当がつかぬ。")
+    # what zxcvbn can score keeps its estimate beside the floor
+    strong = generate_token().removeprefix("potluck-")
+    check_token(russian + " " + strong)
+
+
+def test_digests_of_random_bytes_and_strong_passphrases_still_pass() -> None:
+    check_token(hashlib.sha256(os.urandom(32)).hexdigest())
+    check_token("the quick brown fox jumps over the lazy dog " + generate_token().removeprefix("potluck-"))
 
 
 def test_generated_tokens_always_pass() -> None:

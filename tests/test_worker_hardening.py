@@ -705,7 +705,7 @@ def test_auto_mode_skips_a_node_that_does_not_join(
     try:
         with pytest.raises(NodeFailedError, match="did not accept us .*: nothing took the connection there"):
             open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache,
-                          join_timeout_s=1)
+                          join_timeout_s=1, strict_nodes=True)
         target = open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache,
                                join_timeout_s=1, skip_failed_joins=True)
         try:
@@ -718,3 +718,45 @@ def test_auto_mode_skips_a_node_that_does_not_join(
             target.close()
     finally:
         bogus.close()
+
+
+def test_a_listed_node_down_at_start_is_skipped_when_the_others_hold_the_model(
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 39 item 11: `--nodes a,b` with a not running failed at once, although the same
+    loss a second later is recovered. Now a is skipped with one warning line when the others
+    can hold the model; `--strict-nodes` (and a fixed `--split`) keep the refusal, and when
+    the others cannot hold the model the error names the node that did not join."""
+    caplog.set_level(logging.WARNING, logger="potluck")
+    down = socket.socket()
+    down.bind(("127.0.0.1", 0))  # a port nobody answers on (bound, never listening)
+    nowhere = f"127.0.0.1:{down.getsockname()[1]}"
+    small = FakeWorker(keys, model.n_vocab, lambda m: [], free_mb=1, node_id="small")
+    try:
+        with pytest.raises(NodeFailedError, match=f"{nowhere} did not accept us"):
+            open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache,
+                          join_timeout_s=1, strict_nodes=True)
+        with pytest.raises(NodeFailedError, match=f"{nowhere} did not accept us"):
+            open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache,
+                          join_timeout_s=1, split=[0, 10])  # the split names a stage for each node
+        caplog.clear()
+        target = open_pipeline(model_path, [nowhere, worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
+        try:
+            assert [lk.address for lk in target.links] == [worker.address]
+            (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert warning.startswith(f"skipped {nowhere} (") and "going on with 1 of 2 listed workers" in warning
+            assert "--strict-nodes" in warning and "\n" not in warning
+            with local_target(model) as local:
+                prompt = model.tokenize(PROMPT)
+                assert np.array_equal(local.decode(prompt), target.decode(prompt))
+        finally:
+            target.close()
+        with pytest.raises(PotluckError, match=f"^{nowhere}, listed in --nodes, did not join .*the other workers "
+                           "cannot hold the model without it"):
+            open_pipeline(model_path, [nowhere, small.address], keys, n_ctx=N_CTX, slice_cache=cache)
+        with pytest.raises(NodeFailedError, match=f"{nowhere} did not accept us"):  # nobody left: its own error
+            open_pipeline(model_path, [nowhere], keys, n_ctx=N_CTX, slice_cache=cache, join_timeout_s=1)
+    finally:
+        small.close()
+        down.close()

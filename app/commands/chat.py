@@ -126,6 +126,7 @@ def cluster_choice(args: argparse.Namespace, timeouts: ClusterSettings):  # -> C
         hidden_dtype="f16" if args.hidden_f16 else "f32",
         discover_timeout_s=timeouts.discover_timeout_s,
         join_timeout_s=timeouts.join_timeout_s,
+        strict_nodes=args.strict_nodes,
     )
 
 

@@ -72,6 +72,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--token", help=argparse.SUPPRESS)  # visible in `ps`: kept for old scripts, undocumented
     g.add_argument(
+        "--strict-nodes", action="store_true",
+        help="refuse to start when a listed worker does not join (default: skip it with a warning when the "
+        "others can hold the model)",
+    )
+    g.add_argument(
         "--split", help="fixed layer boundaries of the workers' stages, e.g. 0,12,30; the head computes the "
         "last layer and the output itself, so the last stage ends there (default: planned)",
     )
@@ -95,6 +100,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         flag for flag, value in (("--split", args.split), ("--token", args.token),
                                  ("--token-file", getattr(args, "token_file", None)),
                                  ("--hidden-f16", args.hidden_f16 or None),
+                                 ("--strict-nodes", getattr(args, "strict_nodes", False) or None),
                                  ("--discover-timeout", args.discover_timeout),
                                  ("--join-timeout", args.join_timeout))
         if value is not None
@@ -103,6 +109,8 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise PotluckError(f"{given[0]} only applies to cluster mode; add --nodes or drop {given[0]}")
     if nodes is None:
         return
+    if nodes == "auto" and getattr(args, "strict_nodes", False):
+        raise PotluckError("--strict-nodes applies to a list of workers, not --nodes auto; drop it")
     if nodes != "auto":
         validate.nodes(nodes)
         if args.discover_timeout is not None:
@@ -143,6 +151,7 @@ def cluster_spec(args: argparse.Namespace, timeouts: ClusterSettings | None = No
         hidden_dtype="f16" if args.hidden_f16 else "f32",
         potluck_version=potluck_version(),
         skip_failed_joins=nodes_arg == "auto",
+        strict_nodes=getattr(args, "strict_nodes", False),
         join_timeout_s=timeouts.join_timeout_s,
         on_plan=lambda plan: print("\n".join(plan.describe()), file=sys.stderr, flush=True),
         progress=_progress_bar,

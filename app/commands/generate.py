@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ...engine import PLAIN, Finished, PlanChanged, TokenText, open_session, validate
+from ...engine import PLAIN, Finished, PlanChanged, TokenText, open_session, printable, validate
 from .common import (
     add_cluster_args,
     add_model_args,
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, PlanChanged):  # a worker was lost and the head carried on
-                print(f"potluck: {event.reason}", file=sys.stderr, flush=True)
+                print(f"potluck: {printable(event.reason)}", file=sys.stderr, flush=True)  # it names workers
             elif isinstance(event, Finished):
                 finished = event
         assert finished is not None

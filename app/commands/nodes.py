@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from ...discovery.lan import DiscoveredNode, Membership
-from ...engine import PotluckError, default_threads, measure_profile, preview_plan, resolve_model
+from ...engine import PotluckError, default_threads, measure_profile, preview_plan, printable, resolve_model
 from .common import positive_int
 
 
@@ -32,11 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _row(n: DiscoveredNode, twins: int = 1) -> str:
+    """One node's line. Everything in it is what a record claims, and anyone on the LAN may
+    announce one without the token: its text is shown escaped (an ``ESC ]52;`` would write the
+    clipboard, ``ESC [2J`` clear the screen), one line, cut to its column's worth."""
     flag = "" if n.compatible else f"  (protocol {n.protocol}: incompatible)"
     if twins > 1:  # a worker with several addresses, or a clone: joining tells (the token proves it)
         flag += f"  (id advertised at {twins} addresses)"
+    node_id, address = printable(n.node_id, limit=40), printable(n.address, limit=60)
     return (
-        f"{n.node_id:<14}{n.address:<24}{n.cores:>6}{n.free_mb:>10}{n.speed:>9g}  {n.version}{flag}"
+        f"{node_id:<14}{address:<24}{n.cores:>6}{n.free_mb:>10}{n.speed:>9g}  {printable(n.version, limit=40)}{flag}"
     )
 
 

@@ -261,7 +261,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
     def report_error(self, message: str) -> None:
         """Every failure ends here: a notification and a line in the log view, never a crash."""
         log.error("%s", message)
-        self.notify(message, title="Error", severity="error", timeout=8)
+        self.notify(message, title="Error", severity="error", timeout=8, markup=False)  # it may quote a worker
 
     def chat_log(self, conversation_id: int | None = None) -> ChatLog | None:
         cid = self.active if conversation_id is None else conversation_id

@@ -33,6 +33,7 @@ class ClusterChoice:
     discover_timeout_s: float = DISCOVER_TIMEOUT_S
     join_timeout_s: float = JOIN_TIMEOUT_S
     interfaces: tuple[str, ...] | None = None  # zeroconf interfaces (tests: loopback only)
+    strict_nodes: bool = False  # --strict-nodes: a listed worker that does not join refuses the load
 
     def describe(self) -> str:
         return "workers found on the LAN" if self.nodes == AUTO else ", ".join(self.nodes)
@@ -54,7 +55,7 @@ class ClusterChoice:
             nodes=nodes, keys=keys, split=self.split, hidden_dtype=self.hidden_dtype,
             potluck_version=potluck_version(), on_plan=on_plan, progress=progress,
             skip_failed_joins=self.nodes == AUTO,  # zeroconf records are candidates, proven by joining
-            join_timeout_s=self.join_timeout_s,
+            join_timeout_s=self.join_timeout_s, strict_nodes=self.strict_nodes,
         )
 
 

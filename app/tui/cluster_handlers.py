@@ -41,7 +41,7 @@ class ClusterHandlers:
             log.info("%s", line)
         if self.cluster_state is not None:
             self.cluster_state = self.cluster_state.planned(event.lines, event.stages, event.head_layers)
-        self.notify("\n".join(event.lines), title="Cluster plan", timeout=10)
+        self.notify("\n".join(event.lines), title="Cluster plan", timeout=10, markup=False)  # workers' names
         self.show_cluster()
         self.update_status()
 

@@ -274,7 +274,7 @@ class ReplyHandlers:
     def on_cluster_notice(self, event: ClusterNotice) -> None:
         """A worker was lost mid-reply and the head re-planned: say so, the reply goes on."""
         log.warning("%s", event.text)
-        self.notify(event.text, title="Cluster", severity="warning", timeout=8)
+        self.notify(event.text, title="Cluster", severity="warning", timeout=8, markup=False)  # it names workers
 
     async def on_reply_failed(self, event: ReplyFailed) -> None:
         reply = event.reply

@@ -10,6 +10,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.markup import escape
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Input, Label, OptionList, RichLog, SelectionList, Static, TextArea
 from textual.widgets.option_list import Option
@@ -385,7 +386,8 @@ CLUSTER_HEADER = "      " + f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':
 
 
 def node_row(n: DiscoveredNode) -> str:
-    return f"{n.node_id[:9]:<10}{n.address:<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}"
+    """A record's row as markup: what a record says is escaped (anyone on the LAN may send one)."""
+    return escape(f"{printable(n.node_id[:9]):<10}{printable(n.address):<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}")
 
 
 class HelpScreen(ModalScreen[None]):

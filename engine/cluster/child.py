@@ -13,6 +13,14 @@ child dies (SIGABRT, SIGSEGV, killed), every pending future fails with
 Each batch crosses as few threads as possible (docs/facts.md §23): a thread wake-up costs
 50-200 µs on a virtual machine, which is most of a hop's own cost on a small model.
 
+The worker never waits on the child: work is written without blocking (what the pipe does not
+take yet waits in :attr:`StageProcess` 's own buffer, written when the pipe has room), the
+work queued beyond the child is bounded (:meth:`StageProcess.over_limit`), and :meth:`close`
+never writes to a full pipe. Once both sent on a full pipe at once (the worker its work, the
+child its results, ~219 KB each way): neither read again, and the worker ignored SIGTERM
+(issue 39 item 9). A child exits at once when told to close or when its control pipe ends,
+which is also how it learns that its worker died (the kernel closes a dead process's ends).
+
 Every job is checked by the stage inside the child, in its place in the queue, so a refused
 batch keeps the transaction order like any other.
 """
@@ -21,8 +29,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -31,6 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +55,9 @@ from ..core.printable import PrintableFormatter
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
+CLOSE_WAIT_S = 1.0  # a stage process that has not exited this long after close() is killed
+PENDING_FLOOR_BYTES = 64 << 20  # work a stage may hold queued, at the least (see StageProcess.limit)
+PENDING_ITEMS = 1 << 16
 
 
 class StageCrashed(PotluckError):
@@ -119,7 +134,15 @@ class StageProcess:
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, stdin=subprocess.DEVNULL)
         theirs.close()
         theirs_ctl.close()
+        self._fd = self._conn.fileno()  # kept: the poller unregisters it after close
+        os.set_blocking(self._conn.fileno(), False)  # the worker's writes never wait (see _flush)
+        os.set_blocking(self._control.fileno(), False)
+        self._out = bytearray()  # work written to no pipe yet (the pipe was full)
+        self._out_control = bytearray()  # the same for the control pipe
         self._pending: dict[int, Future] = {}
+        self._pending_bytes: dict[int, int] = {}
+        self.queued_bytes = 0  # work sent and not yet answered, or not yet sent
+        self.limit_bytes = PENDING_FLOOR_BYTES
         self._seq = itertools.count(1)
         self.crashed: str | None = None
         self.on_crash: Callable[[str], None] | None = None
@@ -130,13 +153,16 @@ class StageProcess:
     # -- lifetime
     def load(self, spec: StageSpec, timeout_s: float) -> StageInfo:
         """Load the slice in the child; raises PotluckError (refused) or StageCrashed."""
-        self._send(self._conn, ("load", spec))
-        if not self._conn.poll(timeout_s):
+        self._write(self._conn, ("load", spec))
+        deadline = time.monotonic() + timeout_s
+        while self._out and time.monotonic() < deadline:  # a load message is small: it fits at once
+            self._flush(0.1)
+        if self._out or not self._conn.poll(max(0.0, deadline - time.monotonic())):
             self.kill()
             self.close()
             raise StageCrashed(f"loading the slice took more than {timeout_s:g} s; the stage process was stopped")
         try:
-            reply = self._conn.recv()
+            reply = self._recv()
         except (EOFError, OSError):
             why = f"the stage process {self._exit_reason()}"
             self.close()
@@ -148,24 +174,59 @@ class StageProcess:
         return reply[1]
 
     def fileno(self) -> int:
-        """Readable when replies (or the child's end) are waiting: then call :meth:`take_replies`."""
-        return self._conn.fileno()
+        """Readable when replies (or the child's end) are waiting: then call :meth:`take_replies`;
+        writable, while :meth:`wants_write`, when the pipe has room again: then :meth:`flush`."""
+        return self._fd
 
-    def close(self) -> None:
-        """End the child (a release): it stops a running batch, frees its model and exits; one
-        that takes more than 2 s is killed. Either way the stage was released, not lost."""
+    @property
+    def queued_items(self) -> int:
+        """Work items sent (or waiting to be) and not yet answered."""
+        return len(self._pending)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes of work waiting for room in the pipe."""
+        return len(self._out)
+
+    def wants_write(self) -> bool:
+        """Whether work waits for room in the pipe (the worker polls for it: :meth:`flush`)."""
+        return bool(self._out) and not self._closing
+
+    def flush(self) -> None:
+        """Write what the pipe takes now of the work waiting for room."""
+        self._flush(0.0)
+
+    def over_limit(self, size: int = 0) -> bool:
+        """Whether queuing ``size`` more bytes of work would pass what this stage may hold
+        queued (:attr:`limit_bytes`, or :data:`PENDING_ITEMS` items): the worker refuses it."""
+        return self.queued_bytes + size > self.limit_bytes or len(self._pending) >= PENDING_ITEMS
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """End the child (a release, or the worker stopping): :meth:`begin_close`, then wait up
+        to ``wait_s`` for it to exit and kill it if it has not. Either way the stage was
+        released, not lost."""
+        self.begin_close()
+        self.end_close(time.monotonic() + wait_s)
+
+    def begin_close(self) -> None:
+        """Tell the child to end without waiting on anything: a close request if its control
+        pipe has room, and the end of both pipes (its control thread exits on either, and a
+        child blocked writing a result gets EPIPE)."""
+        if self._closing:
+            return
         self._closing = True
-        for conn in (self._control, self._conn):
-            try:
-                self._send(conn, ("close",))
-            except PotluckError:
-                pass
-        self._join(2.0)
-        if self.proc.poll() is None:
-            self.kill()
+        self._out_control += _frame(("close",))
+        _write_some(self._control, self._out_control)  # a few bytes; whatever fits, never waiting
         self._conn.close()
         self._control.close()
+        self._out.clear()
         self._fail_pending(StageCrashed("the stage was released"))
+
+    def end_close(self, deadline: float) -> None:
+        """Wait for the child until ``deadline`` (monotonic), then kill it."""
+        self._join(max(0.0, deadline - time.monotonic()))
+        if self.proc.poll() is None:
+            self.kill()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -175,17 +236,20 @@ class StageProcess:
     # -- work
     def submit(self, kind: str, payload: object = None) -> Future:
         """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset" or "skip" (job group of a
-        placeholder). The future is resolved by :meth:`take_replies`."""
+        placeholder). Never waits: what the pipe cannot take yet is written by :meth:`flush`.
+        The future is resolved by :meth:`take_replies`."""
         return self._request(self._conn, kind, payload)
 
     def take_replies(self) -> None:
         """Resolve the futures of the replies that arrived (their callbacks run here). If the
         child has ended, every pending future fails and :attr:`on_crash` is told why."""
-        if self._ended or not self._loaded:
+        if self._ended or not self._loaded or self._closing:
             return
         try:
+            self._flush(0.0)
             while self._conn.poll(0):
-                _, n, ok, payload = self._conn.recv()
+                _, n, ok, payload = self._recv()
+                self.queued_bytes -= self._pending_bytes.pop(n, 0)
                 fut = self._pending.pop(n, None)
                 if fut is None or fut.done():
                     continue
@@ -197,51 +261,81 @@ class StageProcess:
             self._child_ended()
 
     def cancel(self, group: int, *more: int) -> None:
-        try:
-            self._send(self._control, ("cancel", (group, *more)))
-        except PotluckError:
-            pass
+        """Best effort, never waiting: the child's control thread reads its pipe at once (a
+        cancel lost to a full pipe only lets a batch compute that would have been aborted;
+        the worker skips the group's later batches itself)."""
+        if self._closing:
+            return
+        self._out_control += _frame(("cancel", (group, *more)))
+        _write_some(self._control, self._out_control)
 
     def status(self) -> StageStatus:
         """The child's counters (answered beside a running batch); replies that arrive
         meanwhile are taken as :meth:`take_replies` would."""
-        fut = self._request(self._control, "status")
+        fut: Future = Future()
+        if self.crashed is not None or self._closing:
+            raise PotluckError("the stage process is gone")
+        n = next(self._seq)
+        self._pending[n] = fut
+        self._out_control += _frame(("status", n, None))
         deadline = time.monotonic() + STATUS_TIMEOUT_S
         while not fut.done():
             left = deadline - time.monotonic()
             if left <= 0 or self._ended:
                 break
             try:
-                if self._conn.poll(left):
+                _write_some(self._control, self._out_control)
+                if self._conn.poll(min(left, 0.05)):
                     self.take_replies()
+                else:
+                    self._flush(0.0)
             except (EOFError, OSError):
                 self._child_ended()
         if not fut.done():
+            self._pending.pop(n, None)
             raise PotluckError("the stage process did not answer a status request")
         return fut.result()
 
     # -- internals
     def _request(self, conn: Connection, kind: str, payload: object = None) -> Future:
         fut: Future = Future()
-        if self.crashed is not None:
-            fut.set_exception(StageCrashed(self.crashed))
+        if self.crashed is not None or self._closing:
+            fut.set_exception(StageCrashed(self.crashed or "the stage was released"))
             return fut
         n = next(self._seq)
+        data = _frame((kind, n, payload))
         self._pending[n] = fut
-        try:
-            self._send(conn, (kind, n, payload))
-        except PotluckError as e:
-            self._pending.pop(n, None)
-            if not fut.done():
-                fut.set_exception(StageCrashed(self.crashed or str(e)))
+        self._pending_bytes[n] = len(data)
+        self.queued_bytes += len(data)
+        self._out += data
+        self._flush(0.0)
         return fut
 
-    @staticmethod
-    def _send(conn: Connection, msg: tuple) -> None:
+    def _write(self, conn: Connection, msg: tuple) -> None:
+        """Queue ``msg`` on the work pipe (the load, before any work)."""
+        assert conn is self._conn
+        self._out += _frame(msg)
+        self._flush(0.0)
+
+    def _flush(self, wait_s: float) -> None:
+        """Write what the pipes take of what waits for them, waiting at most ``wait_s`` for
+        room in the work pipe."""
+        if self._closing:
+            return
+        if self._out_control:
+            _write_some(self._control, self._out_control)
+        if self._out and wait_s > 0:
+            select.select([], [self._conn.fileno()], [], wait_s)
+        _write_some(self._conn, self._out)
+
+    def _recv(self) -> object:
+        """One message from the work pipe, whose descriptor is non-blocking: the bytes of a
+        message the child started writing are waited for (it writes them whole)."""
+        os.set_blocking(self._conn.fileno(), True)
         try:
-            conn.send(msg)
-        except (OSError, ValueError, EOFError) as e:
-            raise PotluckError(f"the stage process is gone ({e})") from None
+            return self._conn.recv()
+        finally:
+            os.set_blocking(self._conn.fileno(), False)
 
     def _join(self, timeout_s: float) -> int | None:
         """The child's exit status (negative: the signal that ended it), or None if it still runs."""
@@ -271,9 +365,33 @@ class StageProcess:
 
     def _fail_pending(self, err: BaseException) -> None:
         pending, self._pending = self._pending, {}
+        self._pending_bytes.clear()
+        self.queued_bytes = len(self._out)
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(err)
+
+
+def _write_some(conn: Connection, out: bytearray) -> None:
+    """Write what ``conn``'s non-blocking descriptor takes of ``out`` now (and drop it from
+    ``out``); a pipe whose reader is gone drops everything (its end is seen when reading)."""
+    try:
+        while out:
+            n = os.write(conn.fileno(), out)
+            del out[:n]
+    except BlockingIOError:
+        return
+    except (OSError, ValueError):  # EPIPE, a closed handle
+        out.clear()
+
+
+def _frame(msg: tuple) -> bytes:
+    """``msg`` as :class:`multiprocessing.connection.Connection` frames it (a 4-byte length,
+    then the pickle), so the child reads it with ``recv``."""
+    data = bytes(ForkingPickler.dumps(msg))
+    if len(data) > 0x7FFFFFFF:
+        raise PotluckError("a work item of more than 2 GB")
+    return struct.pack("!i", len(data)) + data
 
 
 def _error(payload: tuple[str, str]) -> BaseException:
@@ -309,9 +427,9 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
     try:
         msg = conn.recv()
     except (EOFError, OSError):
-        return
+        os._exit(0)  # closed before any load (a spare): nothing to free, no interpreter teardown (~1 s)
     if msg[0] != "load":
-        return
+        os._exit(0)
     spec: StageSpec = msg[1]
     try:
         stage, runner = _open(spec)
@@ -351,12 +469,15 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
 
 
 def _serve_control(control: Connection, runner, reply: Callable[[int, bool, object], None]) -> None:  # pragma: no cover
-    """Cancels and status requests, beside the batch the main thread computes."""
+    """Cancels and status requests, beside the batch the main thread computes. A close request,
+    or the end of the pipe (the worker closed it, or died), ends the process at once: nothing
+    here outlives the worker's interest (its main thread may be mid-batch, or writing a result
+    nobody reads)."""
     while True:
         try:
             msg = control.recv()
         except (EOFError, OSError):
-            return
+            msg = ("close",)
         kind = msg[0]
         if kind == "cancel":
             runner.cancel(*msg[1])
@@ -364,9 +485,9 @@ def _serve_control(control: Connection, runner, reply: Callable[[int, bool, obje
             c, running = runner.counters, runner.running_group
             reply(msg[1], True, StageStatus(c.finished, c.aborted, c.skipped, -1 if running is None else running,
                                             tuple(runner.positions), c.busy_s))
-        elif kind == "close":  # the running batch stops; the work pipe's "close" follows
-            runner.close()
-            return
+        elif kind == "close":
+            runner.close()  # abort the running batch (llama.cpp's abort flag), then go
+            os._exit(0)
 
 
 def _open(spec: StageSpec):  # pragma: no cover - child

@@ -81,6 +81,7 @@ def open_pipeline(
     slice_cache: SliceCache | None = None,
     join_timeout_s: float = JOIN_TIMEOUT_S,
     skip_failed_joins: bool = False,
+    strict_nodes: bool = False,
     stall_timeout_s: float = STALL_TIMEOUT_S,
     recover: bool = True,
     head_fallback: bool = True,
@@ -99,6 +100,10 @@ def open_pipeline(
     a zeroconf record): those that do not prove to be workers are skipped with a warning
     instead of failing the pipeline, and one link is kept per node. Every address is joined at
     once under one deadline, ``join_timeout_s`` (:func:`.join.join_links`).
+    A fixed list (not ``skip_failed_joins``): a node that does not join (down, busy, another
+    token) is skipped with a one-line warning when the others can hold the model, as the same
+    loss mid-reply is recovered; ``strict_nodes`` (``--strict-nodes``) or a fixed ``split``
+    refuses instead. Dead addresses are given up on as with candidates (:func:`.join.join_links`).
     ``recover``: re-plan over the other workers when one is lost (else the target just fails);
     ``head_fallback``: when what is left cannot hold the model, the head loads layers itself.
     ``candidates``: the workers that may join between replies (default: ``addresses``, so a
@@ -121,11 +126,22 @@ def open_pipeline(
     tail: HeadTail | None = None
     t0 = time.perf_counter()
     try:
-        joins = join_links(links, head_id, potluck_version, join_timeout_s, all_needed=not skip_failed_joins)
+        # a fixed list waits for every node only under --strict-nodes: a node down at start is
+        # skipped as the same loss a second later would be recovered (unless --split names it)
+        listed = not skip_failed_joins
+        wait_all = listed and (strict_nodes or bool(split))
+        joins = join_links(links, head_id, potluck_version, join_timeout_s, all_needed=wait_all)
         links = joins.joined  # join_links closed the others
-        if joins.first_error is not None and not skip_failed_joins:
+        if joins.duplicates and listed:
+            raise PotluckError("the same worker is listed twice in --nodes")
+        if joins.first_error is not None and (wait_all or not links):
             raise joins.first_error
-        if joins.failed:
+        skipped = dict(joins.failed) if listed else {}
+        if skipped:
+            for address, why in skipped.items():
+                log.warning("skipped %s (%s); going on with %d of %d listed workers (--strict-nodes refuses "
+                            "instead)", address, why, len(links), len(addresses))
+        elif joins.failed:
             for address, why in joins.failed.items():
                 log.info("skipped %s: %s", address, why)
             log.warning("skipped %d of %d advertised address(es) that did not prove to be workers of this "
@@ -137,7 +153,14 @@ def open_pipeline(
         if len(set(ids)) != len(ids):
             raise PotluckError("the same worker is listed twice in --nodes")
         t_joined = time.perf_counter()
-        plan = plan_over(setup, links, split)
+        try:
+            plan = plan_over(setup, links, split)
+        except PotluckError as e:
+            if not skipped:
+                raise
+            address, why = next(iter(skipped.items()))
+            raise PotluckError(f"{address}, listed in --nodes, did not join ({why}), and the other workers "
+                               f"cannot hold the model without it: {e}") from None
         if on_plan:
             on_plan(plan)
         by_id = {lk.node_id: lk for lk in links}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .link import NodeFailedError, NodeLink
+from .link import NodeFailedError, NodeLink, SameNodeError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class JoinResult:
     joined: list[NodeLink] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     first_error: NodeFailedError | None = None  # in the order given: what a fixed --nodes list reports
+    duplicates: dict[str, str] = field(default_factory=dict)  # address -> node id joined at an earlier address
 
 
 class _Attempts:
@@ -116,11 +117,14 @@ def join_links(
             )
             continue
         err = errors[link]
+        if isinstance(err, SameNodeError):
+            result.duplicates[link.address] = err.node_id
         if err is not None:
             result.failed[link.address] = str(err)
             result.first_error = result.first_error or err
         elif link.node_id in seen and not all_needed:
             result.failed[link.address] = f"another address of node {link.node_id}"
+            result.duplicates[link.address] = link.node_id
             link.close(release=False)  # the worker's session is the first link's
         else:
             seen.add(link.node_id)

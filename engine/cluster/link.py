@@ -8,6 +8,7 @@ only for their own kind of reply; anything else that arrives meanwhile is late a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ import numpy as np
 import zmq
 
 from ..core.errors import PotluckError
+from ..core.printable import printable
 from ..core.spec import JOIN_TIMEOUT_S, CurveKeys
 from . import wire
 from .plan import NodeInfo
@@ -53,6 +55,14 @@ class NodeLostError(NodeFailedError):
         self.address = address
 
 
+class SameNodeError(NodeFailedError):
+    """The worker at this address is one another of our links joined already (``node_id``)."""
+
+    def __init__(self, message: str, node_id: str) -> None:
+        super().__init__(message)
+        self.node_id = node_id
+
+
 class NodeBusyError(NodeFailedError):
     """The worker serves another head (it refused our hello with code ``busy``): the node
     ``node_id``, which may be ours through another address."""
@@ -66,6 +76,24 @@ def max_result_bytes(n_batch: int, n_embd: int) -> int:
     """The largest message a worker may send this head: f32 hidden states of every row of
     the largest batch at the head's own width, plus headers (ZMQ_MAXMSGSIZE)."""
     return n_batch * n_embd * 4 + wire.MAX_HEADER_BYTES + (48 << 10) if n_embd > 0 else -1
+
+
+NODE_ID_CHARS = 64  # a worker's node id as the head shows it (its advertised id is a hostname's length)
+REFUSAL_CHARS = 400  # a worker's refusal as the head shows it (a line, not the worker's 4 kB)
+
+
+def shown(msg: wire.WireMessage) -> wire.WireMessage:
+    """``msg`` with the text a worker wrote for people (node id, version, state, refusals) made
+    printable: a worker is another party, and its text reaches the head's terminal, log and
+    chat app (an ``ESC ]52;`` in a refusal would write the user's clipboard)."""
+    if isinstance(msg, wire.Error):
+        return dataclasses.replace(msg, node=printable(msg.node, limit=NODE_ID_CHARS * 2), code=printable(
+            msg.code, limit=32), message=printable(msg.message, limit=REFUSAL_CHARS))
+    if isinstance(msg, wire.Welcome):
+        return dataclasses.replace(msg, node_id=printable(msg.node_id, limit=NODE_ID_CHARS),
+                                   potluck_version=printable(msg.potluck_version, limit=40),
+                                   state=printable(msg.state, limit=32))
+    return msg
 
 
 class NodeLink:
@@ -123,7 +151,7 @@ class NodeLink:
         lost = None
         while True:
             try:
-                event, _ = read_event(self.monitor) if self.monitor.poll(0) else (None, "")
+                event, _ = read_event(self.monitor) if self.monitor.poll(0) else (None, 0)
             except zmq.ZMQError:
                 return lost
             if event is None:
@@ -165,13 +193,15 @@ class NodeLink:
         return True
 
     def read(self) -> wire.WireMessage:
-        """The next message, refusals (``wire.Error``) included; a malformed one names the node."""
+        """The next message, refusals (``wire.Error``) included; a malformed one names the node.
+        What a worker writes for people to read (its node id, version, refusals) comes back
+        printable (:func:`shown`)."""
         frames = self.sock.recv_multipart(copy=False)
         self.bytes_in += sum(len(f.buffer) for f in frames)
         try:
-            return wire.parse_frames(frames)
+            return shown(wire.parse_frames(frames))
         except wire.WireError as e:
-            raise NodeFailedError(f"{self.describe()} sent a malformed message: {e}") from None
+            raise NodeFailedError(f"{self.describe()} sent a malformed message: {printable(e, limit=200)}") from None
 
     def recv(self) -> wire.WireMessage:
         """The next reply to a request; a refusal becomes :class:`NodeFailedError`."""
@@ -210,8 +240,10 @@ class NodeLink:
         self.drain_events()
         if self.handshaken and not self.auth_failed:
             return f"{self.describe()} did not answer within {timeout_s:g} s"
-        if self.auth_failed:  # an answer, not a silence: no deadline in the message
-            return f"{self.describe()} refused our CURVE keys: started with a different cluster token"
+        if self.auth_failed:  # an answer, not a silence: no deadline in the message (libzmq shows a
+            # client no reason: a worker past its connection bound refuses the same way)
+            return (f"{self.describe()} refused our CURVE handshake: started with a different cluster token, "
+                    "or it takes no more connections now (too many are open to it: a flood?)")
         if self.reachable is None:
             why = "nothing took the connection there: not running, or a wrong address"
         elif self.reachable is False:
@@ -249,7 +281,7 @@ class NodeLink:
                 break
             except NodeBusyError as e:
                 if e.node_id and ours(e.node_id):
-                    raise NodeFailedError(f"another address of node {e.node_id}") from None
+                    raise SameNodeError(f"another address of node {e.node_id}", e.node_id) from None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)

@@ -9,11 +9,13 @@ peer busy computing still answers them and only a dead or frozen process misses 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 
 import zmq
 import zmq.auth.thread
@@ -27,8 +29,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 500
 HEARTBEAT_TIMEOUT_MS = 2500  # a frozen peer is declared gone after this
 HANDSHAKE_IVL_MS = 2000  # a connection that has not finished CURVE by then is dropped
-# Replies queued per peer (a head reads its results as they come); past that they are dropped.
-SERVER_SNDHWM = 1024
+# Replies libzmq queues per peer; past that a peer's replies are dropped (the owner's wait in
+# the worker's own bounded outbox instead). A peer that reads none holds at most this many
+# (libzmq's default, 1,000 unread replies of about 1 kB, cost 0.3 MB a connection: issue 39 item 6).
+SERVER_SNDHWM = 16
+KEEPALIVE_IDLE_S = 2  # a worker's TCP keepalive: a vanished head is found within about 5 s
 MAX_OPEN_FILES = 65536  # soft file limit a worker asks for (each connection holds one)
 ZAP_DOMAIN = "potluck"
 
@@ -58,6 +63,23 @@ def server_socket(ctx: zmq.Context, keys: CurveKeys, *, max_msg_bytes: int) -> z
     sock = ctx.socket(zmq.ROUTER)
     _common(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that is gone fails at once
+    # A connection claiming a routing id already taken would never be read: libzmq keeps it
+    # aside, and what it sends piles up unread (issue 39 item 6: +340 MB in 20 s). With
+    # handover the newer connection takes the id and the older is closed; potluck's own
+    # sockets never choose one, and nothing trusts one (wire.py).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # ... which closes the older connection's pipe first: its engine then stops reading, and
+    # a heartbeat this side sends after the peer hangs up aborts the process (libzmq 4.3.5,
+    # stream_engine_base.cpp:310, reproduced under a flood; docs/facts.md §12). So a worker
+    # sends no heartbeats of its own: heads send theirs (a frozen worker is still found within
+    # 2.5 s) and a worker answers them. A head that vanished without closing its connection
+    # (power cut, cable) is found by TCP keepalive instead.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 0)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.SNDHWM, SERVER_SNDHWM)
     sock.setsockopt(zmq.SNDTIMEO, 0)
@@ -98,9 +120,99 @@ class _TokenCredentials:
         return ok
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> zmq.auth.thread.ThreadAuthenticator:
-    """Run the ZAP handler that gates every CURVE server socket of ``ctx``."""
-    auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("potluck.zap"))
+class ConnectionGate:
+    """How many connections a worker takes: every connection holds libzmq's buffers (about
+    40 kB once CURVE is up) and a queue of unread replies, so a token holder opening thousands
+    would grow the worker without bound (issue 39 item 6). Handshakes are refused past
+    ``total`` open TCP connections to ``port``, or ``per_peer`` from one address other than
+    loopback (where the tests, and a head beside its own workers, connect from). Counted from
+    the kernel's table (``/proc/net/tcp*``), so nothing drifts; elsewhere than Linux, never refused."""
+
+    def __init__(self, port: int, total: int, per_peer: int) -> None:
+        self.port, self.total, self.per_peer = port, total, per_peer
+        self.refused = 0
+
+    def admit(self, address: str) -> str:
+        """Why a handshake from ``address`` is refused ("" to admit it)."""
+        counts = established_by_peer(self.port)
+        if counts is None:
+            return ""
+        if sum(counts.values()) > self.total:
+            why = f"{sum(counts.values())} connections open (at most {self.total})"
+        else:
+            try:
+                peer = ipaddress.ip_address(address)
+            except ValueError:
+                return ""
+            if peer.is_loopback or counts.get(peer, 0) <= self.per_peer:
+                return ""
+            why = f"{counts[peer]} connections from {address} (at most {self.per_peer} from one address)"
+        self.refused += 1
+        if self.refused % 1000 == 1:
+            log.warning("refused a handshake: %s (%d refused so far)", why, self.refused)
+        return why
+
+
+def established_by_peer(port: int) -> dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """Established TCP connections to local ``port``, by peer address (IPv4-mapped peers as
+    IPv4), from the kernel's tables; None where they cannot be read."""
+    counts: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] = {}
+    found = False
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path, encoding="ascii") as f:
+                next(f, None)
+                found = True
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 4 or fields[3] != "01":  # ESTABLISHED
+                        continue
+                    local, remote = fields[1], fields[2]
+                    if int(local.rsplit(":", 1)[1], 16) != port:
+                        continue
+                    peer = _proc_ip(remote.rsplit(":", 1)[0])
+                    counts[peer] = counts.get(peer, 0) + 1
+        except (OSError, ValueError):
+            continue
+    return counts if found else None
+
+
+def _proc_ip(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp writes it (32-bit words in host byte order)."""
+    raw = bytes.fromhex(hexaddr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+class _GatedAuthenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's ZAP handler, with a :class:`ConnectionGate` asked first: a refused handshake
+    gets status 300 (temporary, RFC 27), which a head tells apart from a wrong token."""
+
+    def __init__(self, ctx: zmq.Context, gate: ConnectionGate | None) -> None:
+        super().__init__(ctx, log=logging.getLogger("potluck.zap"))
+        self.gate = gate
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if self.gate is not None and len(msg) >= 6:
+            why = self.gate.admit(msg[3].decode("ascii", "replace"))
+            if why:
+                self._send_zap_reply(msg[1], ZAP_BUSY, why.encode()[:200])
+                return
+        await super().handle_zap_message(msg)
+
+
+ZAP_BUSY = b"300"  # RFC 27: a temporary refusal (the worker takes no more connections now)
+
+
+def start_authenticator(
+    ctx: zmq.Context, keys: CurveKeys, gate: ConnectionGate | None = None
+) -> zmq.auth.thread.ThreadAuthenticator:
+    """Run the ZAP handler that gates every CURVE server socket of ``ctx``: the token's key,
+    and ``gate``'s bound on connections."""
+    auth = _GatedAuthenticator(ctx, gate)
     auth.start()
     auth.configure_curve_callback(
         domain=ZAP_DOMAIN, credentials_provider=_TokenCredentials(keys, lambda m: log.warning("%s", m))
@@ -115,11 +227,11 @@ AUTH_FAILED_EVENTS = {
 }
 
 
-def read_event(monitor: zmq.Socket) -> tuple[int, str]:
-    """(event id, endpoint) of one pending monitor message."""
+def read_event(monitor: zmq.Socket) -> tuple[int, int]:
+    """(event id, value) of one pending monitor message; the value of a refused handshake
+    (``EVENT_HANDSHAKE_FAILED_AUTH``) is the ZAP status: 300 for :data:`ZAP_BUSY`."""
     msg = parse_monitor_message(monitor.recv_multipart())
-    endpoint = msg.get("endpoint", b"")
-    return int(msg["event"]), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return int(msg["event"]), int(msg.get("value", 0))
 
 
 def raise_open_files_limit(want: int = MAX_OPEN_FILES) -> int:
@@ -164,41 +276,89 @@ def on_this_machine(address: str) -> bool:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return False
-    if ip.is_loopback:
+    return is_local_ip(ip)
+
+
+def is_local_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a connection to ``ip`` stays on this machine: loopback, the unspecified
+    address and the rest of 0.0.0.0/8 (Linux connects those locally), an IPv4-mapped IPv6
+    form of any of them, or an address of one of this machine's interfaces (it can bind it)."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback or ip.is_unspecified or (ip.version == 4 and ip in _THIS_NETWORK):
         return True
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((host, 0))
+            probe.bind((str(ip), 0))
         return True
     except OSError:
         return False
 
 
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 _TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]{0,252}):([0-9]{1,5})")
+RESOLVE_TIMEOUT_S = 2.0  # a name the resolver cannot answer by then is refused (the loop must not wait)
+
+Resolver = Callable[[str, int], Sequence[str]]
 
 
-def check_next_stage(next_addr: str, own_port: int, head_on_this_machine: bool) -> None:
-    """Refuse a next-stage address a worker must not connect to: anything but
-    ``tcp://host:port`` (``ipc://``, ``inproc://`` such as its own ZAP endpoint), this worker's
-    own listener, and loopback or wildcard addresses unless the head shares this machine
-    (on a LAN they would reach whatever listens on the worker's own loopback)."""
+def resolve_host(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to for a TCP connection, as libzmq's own connect would
+    resolve it (getaddrinfo: ``127.1``, ``0x7f000001`` and ``2130706433`` are 127.0.0.1), in
+    the resolver's order; within :data:`RESOLVE_TIMEOUT_S`, else PotluckError."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="potluck-resolve")
+    try:
+        infos = pool.submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM).result(RESOLVE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        raise PotluckError(f"{host!r} did not resolve within {RESOLVE_TIMEOUT_S:g} s") from None
+    except (OSError, UnicodeError) as e:
+        raise PotluckError(f"{host!r} does not resolve ({e})") from None
+    finally:
+        pool.shutdown(wait=False)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def check_next_stage(
+    next_addr: str, own_port: int, head_on_this_machine: bool, resolve: Resolver = resolve_host
+) -> str:
+    """The endpoint a worker connects to for the next-stage address ``next_addr``, as an
+    address literal (``tcp://192.168.1.21:5733``, ``tcp://[fe80::2]:5733``): what was checked
+    is what is connected, whatever a name resolves to later. Refused: anything but
+    ``tcp://host:port`` (``ipc://``, ``inproc://`` such as the worker's own ZAP endpoint); a
+    host that resolves to this machine (loopback in any spelling, the unspecified address,
+    this machine's own addresses and names) unless the head shares this machine (on a LAN
+    they would reach whatever listens on the worker's own loopback); and this worker's own
+    listener whoever asks."""
     m = _TCP_ENDPOINT.fullmatch(next_addr)
     if m is None or not 1 <= int(m.group(2)) <= 65535:
         raise PotluckError(f"next-stage address {next_addr[:80]!r} refused: only tcp://host:port is taken")
-    host = m.group(1).strip("[]")
+    host, port = m.group(1).strip("[]"), int(m.group(2))
     try:
-        ip = ipaddress.ip_address(host)
-        loopback = ip.is_loopback or ip.is_unspecified
-    except ValueError:
-        loopback = host.lower() == "localhost"
-    if loopback and not head_on_this_machine:
-        raise PotluckError(
-            f"next-stage address {next_addr!r} refused: a loopback address is taken only from a head "
-            "on this machine"
-        )
-    if int(m.group(2)) == own_port and (loopback or on_this_machine(next_addr)):
+        found = resolve(host, port)
+    except PotluckError as e:
+        raise PotluckError(f"next-stage address {next_addr!r} refused: {e}") from None
+    ips = []
+    for text in found:
+        try:
+            ips.append(ipaddress.ip_address(text.split("%", 1)[0]))
+        except ValueError:
+            continue
+    if not ips:
+        raise PotluckError(f"next-stage address {next_addr!r} refused: it resolves to no IP address")
+    local = [ip for ip in ips if is_local_ip(ip)]
+    if local and port == own_port:
         raise PotluckError(f"next-stage address {next_addr!r} refused: it is this worker itself")
+    if local and not head_on_this_machine:
+        why = "" if str(local[0]) == host else f" (it resolves to {local[0]})"
+        raise PotluckError(
+            f"next-stage address {next_addr!r} refused{why}: an address of this machine is taken only "
+            "from a head on this machine"
+        )
+    ip = ips[0]
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"tcp://[{ip}]:{port}" if ip.version == 6 else f"tcp://{ip}:{port}"
 
 
 def peer_address(frames: list) -> str:

@@ -25,6 +25,7 @@ received slices live under a quota and are re-hashed before each load.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from concurrent.futures import Future
@@ -37,13 +38,15 @@ from ..core.errors import PotluckError
 from ..core.jobs import CancelledGroups, GroupCancelled
 from ..core.spec import CurveKeys
 from . import inbox, wire
-from .child import StageCrashed, StageProcess
+from .child import CLOSE_WAIT_S, PENDING_FLOOR_BYTES, StageCrashed, StageProcess
 from .profile import NodeProfile, free_memory_mb
 from .slice_store import SliceStore, SliceUploads
 from .stage_host import Handback, LoadedStage, check_load, load_stage
 from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
+    ZAP_BUSY,
+    ConnectionGate,
     check_next_stage,
     client_socket,
     on_this_machine,
@@ -56,11 +59,21 @@ from .transport import (
 
 log = logging.getLogger(__name__)
 
-FORWARD_TIMEOUT_MS = 5000
+FORWARD_TIMEOUT_MS = 5000  # a next stage that takes nothing this long is lost
+FORWARD_SNDHWM = 32  # messages libzmq queues for the next stage; the rest wait in the worker's outbox
 DEFAULT_CACHE_QUOTA_MB = 20 * 1024
 PROBE_INTERVAL_S = 1.0
 SETUP_LEASE_S = 30.0  # an owner with no stage yet keeps the worker this long after its last request
 DRAIN_MAX = 20_000  # messages read in one pass over the socket
+POLL_MS = 200  # the loop's longest wait (the stop flag is checked at least this often)
+RETRY_MS = 5  # while replies to the owner wait for room: how soon to try again
+OWNER_OUTBOX_BYTES = 64 << 20  # results an owner leaves unread past this are dropped, the owner cut off
+REFUSAL_CHARS = 400  # a refusal sent to a peer is one line, not the 4 kB a message may hold
+REFUSALS_LOGGED = 10  # refusals logged a second; the rest are counted in one line
+TRIM_EVERY_S = 2.0  # freed heap goes back to the system at most this often during a flood
+TRIM_AFTER_BYTES = 16 << 20  # ... once this much arrived (or was dropped) since the last time
+MAX_CONNECTIONS = 1500  # handshakes beyond this many open TCP connections are refused (ZAP)
+PEER_CONNECTIONS = 64  # ... or beyond this many from one address other than loopback
 
 
 class NotOwnerError(PotluckError):
@@ -103,7 +116,6 @@ class Worker:
         self.version = potluck_version
         self.open_files = raise_open_files_limit()
         self.zctx = zmq.Context()
-        self.auth = start_authenticator(self.zctx, keys)
         self.sock = server_socket(self.zctx, keys, max_msg_bytes=max_msg_bytes)
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -116,6 +128,10 @@ class Worker:
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
         self.bind = bind
+        # every connection holds buffers and a reply queue: a token holder's thousands of them
+        # are refused at the handshake past a bound (issue 39 item 6)
+        self.gate = ConnectionGate(self.port, MAX_CONNECTIONS, PEER_CONNECTIONS)
+        self.auth = start_authenticator(self.zctx, keys, self.gate)
         self._stop = False
         self.stage: LoadedStage | None = None
         self.owner: bytes = b""  # routing id of the connection the owner last proved itself on
@@ -132,6 +148,13 @@ class Worker:
         self._trimmed_at = 0  # dropped count when freed memory was last given back
         self.forward: zmq.Socket | None = None
         self.next_lost = ""  # why a forward was not taken: the order downstream is broken
+        # what the next stage has not taken yet (libzmq holds FORWARD_SNDHWM more), in order
+        self.forward_outbox: collections.deque[list] = collections.deque()
+        self.forward_outbox_bytes = 0
+        self.forward_stuck_since = 0.0  # when the outbox last found the next stage full
+        # replies to the owner its connection had no room for yet (results must never be lost)
+        self.owner_outbox: collections.deque[tuple[bytes, list]] = collections.deque()
+        self.owner_outbox_bytes = 0
         self.handback = Handback()  # finished stage work and crashes, sent on by this thread
         # job groups the owner cancelled: their jobs that arrive later go to the stage as
         # placeholders, so a cancel never depends on which of the stage's pipes is read first
@@ -153,7 +176,13 @@ class Worker:
         self.unreachable_replies = 0  # replies to peers already gone
         self.crashes = 0
         self.forward_refused = 0  # forwards failed at once after the next stage was lost
-        self.bytes_received = 0
+        self.overloaded = 0  # pipeline messages refused: the stage held all the work it may queue
+        self.from_next_stage = 0  # messages the next stage sent back, dropped unread
+        self.bytes_received = 0  # from peers other than the owner and the upstream
+        self.bytes_read = 0  # from anyone
+        self._free_mb = (0.0, 0)  # (when, MB): the free memory a welcome last reported
+        self._trim_at = (0.0, 0)  # when freed memory was last given back, and what had arrived by then
+        self._refusals_logged = (0.0, 0, 0)  # window start, lines logged in it, refusals not logged
 
     # -- lifetime
     @property
@@ -163,25 +192,84 @@ class Worker:
     def stop(self) -> None:
         self._stop = True
 
+    def child_pids(self) -> list[int]:
+        """The stage processes' ids (the loaded stage's and the warm spare's)."""
+        procs = (self.stage.proc if self.stage is not None else None, self._spare)
+        return [p.proc.pid for p in procs if p is not None and p.proc.poll() is None]
+
     def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (or an exception: a signal handler's, see the worker
+        command). Nothing here waits on a peer or on the stage process: sends that find no
+        room wait in outboxes, written when the poller says there is room."""
         poller = self._poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         log.info("worker %s waiting for a head", self.node)
         try:
             while not self._stop:
-                events = dict(poller.poll(200))
+                self._register_writes()
+                events = dict(poller.poll(RETRY_MS if self.owner_outbox else POLL_MS))
                 if self.monitor in events:
                     self._log_handshake_failures()
+                if self.forward is not None and self.forward in events:
+                    self._from_next_stage(events[self.forward])
                 if self.stage is not None and self.stage.proc.fileno() in events:
                     self._send_finished()
                 if self.sock in events:
                     self._serve_pending()
-                elif not events and self.budget.dropped > self._trimmed_at:
-                    self._trimmed_at = self.budget.dropped
-                    inbox.give_back_freed_memory()  # a flood is over: what libzmq queued goes back
+                self._flush_outboxes()
+                self._give_back_memory(quiet=not events)
         finally:
             self.close()
+
+    def _register_writes(self) -> None:
+        """Poll for room where something waits for it: the stage process's pipe, the next stage."""
+        if self.stage is not None:
+            proc = self.stage.proc
+            self._poller.register(proc.fileno(), zmq.POLLIN | (zmq.POLLOUT if proc.wants_write() else 0))
+        if self.forward is not None:
+            self._poller.register(self.forward, zmq.POLLIN | (zmq.POLLOUT if self.forward_outbox else 0))
+
+    def _from_next_stage(self, flags: int) -> None:
+        """The next stage answers nothing the worker waits for (its refusals of our forwards
+        are for the logs): what it sends is dropped unread, so it cannot fill this process."""
+        if flags & zmq.POLLIN:
+            dropped = inbox.drop_all(self.forward)
+            if dropped and self.from_next_stage // 1000 != (self.from_next_stage + dropped) // 1000 or (
+                    dropped and not self.from_next_stage):
+                log.warning("the next stage sent %d message(s) back (refusals of our forwards?); dropped unread",
+                            self.from_next_stage + dropped)
+            self.from_next_stage += dropped
+
+    def _flush_outboxes(self) -> None:
+        if self.stage is not None and self.stage.proc.wants_write():
+            self.stage.proc.flush()
+        if self.forward_outbox:
+            self._flush_forward()
+        while self.owner_outbox:
+            ident, frames = self.owner_outbox[0]
+            try:
+                self.sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # the owner went away: what it would have read goes too
+                self.owner_outbox.clear()
+                self.owner_outbox_bytes = 0
+                return
+            self.owner_outbox.popleft()
+            self.owner_outbox_bytes -= wire.frames_nbytes(frames)
+
+    def _give_back_memory(self, quiet: bool) -> None:
+        """Return the heap a flood freed (inbox.give_back_freed_memory): when the socket is
+        quiet, and every TRIM_EVERY_S while floods go on, once TRIM_AFTER_BYTES came or went."""
+        at, seen = self._trim_at
+        now, arrived = time.monotonic(), self.bytes_read + self.budget.dropped * 64
+        if arrived - seen < (1 if quiet else TRIM_AFTER_BYTES) or (not quiet and now - at < TRIM_EVERY_S):
+            return
+        if quiet and now - at < TRIM_EVERY_S / 4:
+            return
+        self._trim_at = (now, arrived)
+        inbox.give_back_freed_memory()
 
     def _serve_pending(self) -> None:
         """Drain the socket at once (libzmq's queue has no bound, see :mod:`.inbox`): serve
@@ -207,21 +295,25 @@ class Worker:
                     ident = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-            if ident and (ident == self.owner or ident == self.upstream_ident):
-                self._serve(ident, self._rest())
-                budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
-                continue
+            metered = budget.metering  # as this message was read (skim counted it)
             rest = self._rest()
             size = sum(map(len, rest))
+            budget.read(size)
+            self.bytes_read += size
+            if ident and (ident == self.owner or ident == self.upstream_ident):
+                if budget.trusted_request(ident, rest):
+                    self._serve(ident, rest, timed=metered)
+                budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
+                continue
             self.bytes_received += size
-            if not budget.metering or budget.spend(key, size):  # a new upstream proves itself with its first message
-                self._serve(ident, rest)
+            if not metered or budget.spend(key, size):  # a new upstream proves itself with its first message
+                self._serve(ident, rest, timed=True)
                 budget.trust(self.owner, self.upstream_ident)
             elif budget.keep(size):
                 others.append((ident, rest))
         budget.log_drops()
         for ident, rest in others:
-            self._serve(ident, rest)
+            self._serve(ident, rest, timed=True)
 
     def _rest(self) -> list:
         """The frames after a routing id, zero-copy (a zmq.Frame knows its peer's address)."""
@@ -230,30 +322,45 @@ class Worker:
             frames.append(self.sock.recv(copy=False))
         return frames
 
-    def _serve(self, ident: bytes, frames: list) -> None:
+    def _serve(self, ident: bytes, frames: list, timed: bool = False) -> None:
+        """Serve one message; ``timed``: its time counts against the window's (inbox.WINDOW_SERVE_S)."""
+        t0 = time.perf_counter() if timed else 0.0
         self.handle(ident, frames)
+        if timed:
+            self.budget.served(time.perf_counter() - t0)
         self._send_finished()  # keep results flowing while a burst of requests arrives
 
     def _log_handshake_failures(self) -> None:
         while self.monitor.poll(0):
             try:
-                event, _ = read_event(self.monitor)
+                event, value = read_event(self.monitor)
             except zmq.ZMQError:
                 return
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == int(ZAP_BUSY):
+                continue  # refused by the connection gate, which logs its own
             if event in AUTH_FAILED_EVENTS:
                 self.rejected += 1
-                log.warning("refused a connection that failed the CURVE handshake (no or wrong token)")
+                self._log_refusal(b"", "a connection failed the CURVE handshake (no or wrong token)")
 
     def close(self) -> None:
+        """Stop serving, without waiting on anyone: both stage processes are told to end at
+        once and given CLOSE_WAIT_S together (then killed), every socket closes unsent."""
+        procs = [p for p in (self.stage.proc if self.stage is not None else None, self._spare) if p is not None]
+        if self.stage is not None:
+            proc = self.stage.proc
+            log.info("stopping with %d work item(s) queued for the stage process, %d byte(s) of them waiting "
+                     "for room in its pipe", proc.queued_items, proc.unsent_bytes)
+        for proc in procs:
+            proc.on_crash = None
+            proc.begin_close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for proc in procs:
+            proc.end_close(deadline)
+        self._spare = None
         self._release()
         self.uploads.drop()
-        if self._spare is not None:
-            self._spare.close()
-            self._spare = None
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
         self.auth.stop()
-        self.zctx.term()
+        self.zctx.destroy(linger=0)  # every socket (monitor, forward, listener) and the context
 
     # -- dispatch
     def handle(self, ident: bytes, frames: list) -> None:
@@ -277,8 +384,40 @@ class Worker:
 
     def _refuse(self, ident: bytes, code: str, why: str, txn: int = 0) -> None:
         self.rejected += 1
-        log.warning("refused a message from %r: %s", ident[:24], why)
+        self._log_refusal(ident, why)
+        why = why if len(why) <= REFUSAL_CHARS else why[: REFUSAL_CHARS - 1] + "…"
         self._send(ident, wire.Error(node=self.node, code=code, message=why, txn=txn))
+
+    def _log_refusal(self, ident: bytes, why: str) -> None:
+        """A line per refusal, but at most REFUSALS_LOGGED a second (a flood of bad messages
+        must not become a flood of log lines): the rest are counted in the next line."""
+        start, lines, quiet = self._refusals_logged
+        now = time.monotonic()
+        if now - start >= 1.0:
+            start, lines = now, 0
+        if lines >= REFUSALS_LOGGED:
+            self._refusals_logged = (start, lines, quiet + 1)
+            return
+        more = f" ({quiet} more refused unlogged before this one)" if quiet else ""
+        log.warning("refused a message from %r: %s%s", ident[:24], why[:REFUSAL_CHARS], more)
+        self._refusals_logged = (start, lines + 1, 0)
+
+    def _to_owner(self, msg: wire.WireMessage) -> bool:
+        """Send the owner a result or a refusal of pipeline work: none is lost to a full
+        connection (the head waits for each). What has no room yet waits, in order, in an
+        outbox the loop writes when it can; an owner that leaves OWNER_OUTBOX_BYTES unread is
+        cut off (it reads nothing: a flooder that said hello, not a head)."""
+        frames = wire.to_frames(msg)
+        if not self.owner_outbox:
+            try:
+                self.sock.send_multipart([self.owner, *frames], flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:  # gone
+                self.unreachable_replies += 1
+                return False
+        return self._owner_later(self.owner, frames)
 
     def _send(self, ident: bytes, msg: wire.WireMessage) -> bool:
         """Queue a reply without ever waiting: a peer that is gone or does not read its
@@ -296,6 +435,19 @@ class Worker:
             if self.unreachable_replies % 1000 == 1:
                 log.info("could not reply to %r: %s (%d so far)", ident[:24], e, self.unreachable_replies)
         return False
+
+    def _owner_later(self, ident: bytes, frames: list) -> bool:
+        size = wire.frames_nbytes(frames)
+        if self.owner_outbox_bytes + size > OWNER_OUTBOX_BYTES:
+            self.dropped_replies += 1
+            self.budget.cut_off(ident)
+            if self.dropped_replies % 1000 == 1:
+                log.warning("dropped a result for the owner, which read none of the last %d MB; its "
+                            "connection is cut off for now", OWNER_OUTBOX_BYTES >> 20)
+            return False
+        self.owner_outbox.append((ident, frames))
+        self.owner_outbox_bytes += size
+        return True
 
     def _owner_present(self) -> bool:
         """Whether the owner's connection is still up (a probe it ignores; rate-limited)."""
@@ -360,18 +512,25 @@ class Worker:
                     "releases it or goes away"
                 )
             log.info("head %s went away without releasing; a new head takes over", self.owner_name)
+        rejoined = key == self.owner_key and self.stage is None  # its hello again (a flood of them, or a retry)
         self._release()
         if key != self.owner_key:
             self.uploads.drop()
         self.owner, self.owner_key, self.owner_name = ident, key, msg.head_id
         self.owner_seen = time.monotonic()
-        log.info("head %s joined", msg.head_id)
+        if rejoined:
+            log.debug("head %s said hello again", msg.head_id)
+        else:
+            log.info("head %s joined", msg.head_id)
         p = self.profile
         # the free figure the head plans with: heap a past slice transfer freed goes back to
         # the system first (8-15 MB after an 8b stage's transfer, docs/facts.md §17)
-        inbox.give_back_freed_memory()
+        if not rejoined:
+            inbox.give_back_freed_memory()
+        if not rejoined or time.monotonic() - self._free_mb[0] > 1.0:  # /proc and cgroup reads: not per hello
+            self._free_mb = (time.monotonic(), free_memory_mb())
         welcome = wire.Welcome(
-            p.node_id, self.version, p.cores, free_memory_mb(), p.speed, "idle", self.max_msg_bytes
+            p.node_id, self.version, p.cores, self._free_mb[1], p.speed, "idle", self.max_msg_bytes
         )
         self._send(ident, welcome)
 
@@ -381,8 +540,8 @@ class Worker:
 
     # -- stage
     def _load(self, msg: wire.Load) -> wire.Loaded:
-        if not msg.last:
-            check_next_stage(msg.next_addr, self.port, self.owner_local)
+        # the address literal the name resolved to and was checked as: what is connected
+        next_endpoint = "" if msg.last else check_next_stage(msg.next_addr, self.port, self.owner_local)
         path = self.cached_path(msg.sha256)
         if not self.store.has(msg.sha256):  # here and intact: its seal (one stat), else a re-hash
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
@@ -393,7 +552,7 @@ class Worker:
         proc, self._spare = self._spare or StageProcess(), None
         try:
             stage = load_stage(proc, path, msg, self.n_threads)
-            self.forward = None if msg.last else self._connect_next(msg.next_addr, stage)
+            self.forward = None if msg.last else self._connect_next(next_endpoint, stage)
         except Exception as e:
             self._spare = StageProcess()  # nothing loaded: the next load finds one warm
             if isinstance(e, StageCrashed):
@@ -401,6 +560,9 @@ class Worker:
                 raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
             raise
         proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from take_replies, this thread
+        # work a stage may hold queued: a conversation's worth of its inputs, twice over (a
+        # replay after a loss sends the whole conversation at once; rejected drafts add rows)
+        proc.limit_bytes = max(PENDING_FLOOR_BYTES, 2 * msg.n_ctx * (16 + (0 if msg.first else 4 * stage.info.n_embd)))
         self.stage = stage
         self._poller.register(proc.fileno(), zmq.POLLIN)
         self.upstream_key = bytes.fromhex(msg.upstream_key)
@@ -414,7 +576,8 @@ class Worker:
 
     def _connect_next(self, address: str, stage: LoadedStage) -> zmq.Socket:
         fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
-        fwd.setsockopt(zmq.SNDTIMEO, FORWARD_TIMEOUT_MS)
+        fwd.setsockopt(zmq.SNDHWM, FORWARD_SNDHWM)  # the rest waits in forward_outbox, bounded
+        fwd.setsockopt(zmq.IPV6, address.startswith("tcp://["))
         try:
             fwd.connect(address)
         except zmq.ZMQError as e:
@@ -433,8 +596,13 @@ class Worker:
             self._spare = self._spare or StageProcess()
         self.handback.forget_finished()
         if self.forward is not None:
+            self._poller.unregister(self.forward)
             self.forward.close(linger=0)
             self.forward = None
+        self.forward_outbox.clear()
+        self.forward_outbox_bytes = 0
+        self.owner_outbox.clear()
+        self.owner_outbox_bytes = 0
         self.next_lost = ""
         self.upstream_key = self.downstream_key = b""
         self.upstream_ident = b""
@@ -461,6 +629,16 @@ class Worker:
         self.upstream_ident = ident  # its connection: served first from now on
         if msg.txn != self.txn + 1:
             raise PotluckError(f"transaction {msg.txn} out of order (expected {self.txn + 1})")
+        if ld.proc.over_limit(_input_bytes(msg)) or self.forward_outbox_bytes > ld.proc.limit_bytes:
+            # the stage holds all the work it may queue (or the next stage takes nothing): a
+            # head sends no more than a conversation's worth; this sender is cut off for now
+            self.overloaded += 1
+            self.budget.cut_off(ident)
+            raise PotluckError(
+                f"transaction {msg.txn} refused: this stage already holds {ld.proc.queued_bytes >> 20} MB of "
+                f"work (at most {ld.proc.limit_bytes >> 20} MB) and the next stage "
+                f"{self.forward_outbox_bytes >> 20} MB of its results"
+            )
         self.txn = msg.txn  # in order: consumed whatever happens next, so later stages see it too
         if isinstance(msg, wire.Reset):
             fut = ld.proc.submit("reset")
@@ -483,14 +661,14 @@ class Worker:
                 self._pass_on(ld, msg, fut)
             except PotluckError as e:
                 log.warning("%s", e)
-                self._send(self.owner, wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
+                self._to_owner(wire.Error(self.node, "failed", str(e), getattr(msg, "txn", 0)))
         for proc, why in crashed:
             if self.stage is None or self.stage.proc is not proc:
                 continue
             self.crashes += 1
             ld = self.stage
             log.error("layers %d-%d: %s", ld.load.layer_lo, ld.load.layer_hi, why)
-            self._send(self.owner, wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
+            self._to_owner(wire.Error(self.node, "crashed", f"layers {ld.load.layer_lo}-"
                                              f"{ld.load.layer_hi}: {why}", 0))
             self._release()  # the head keeps its session: it may load again
 
@@ -502,12 +680,12 @@ class Worker:
             if err is not None and not isinstance(err, GroupCancelled):
                 log.warning("batch of transaction %d refused or failed: %s", msg.txn, err)
                 self.rejected += 1
-                self._send(self.owner, wire.Error(self.node, "failed", f"{err}", msg.txn))
+                self._to_owner(wire.Error(self.node, "failed", f"{err}", msg.txn))
             out = None if err is not None else fut.result()
             hidden = out.astype(np.float16) if out is not None and ld.load.hidden_dtype == "f16" else out
             if ld.load.last:
                 rows = hidden if hidden is not None else np.zeros((0, 1), dtype=np.float32)
-                self._send(self.owner, wire.Result(msg.txn, msg.group, hidden is None, rows))
+                self._to_owner(wire.Result(msg.txn, msg.group, hidden is None, rows))
                 return
             if hidden is None:
                 self._forward(msg.skipped() if not msg.skip else msg)
@@ -516,21 +694,50 @@ class Worker:
             return
         if err is not None:  # a KV operation refused or lost: the head must know
             self.rejected += 1
-            self._send(self.owner, wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
+            self._to_owner(wire.Error(self.node, "failed", f"{err}", getattr(msg, "txn", 0)))
         if self.forward is not None:
             self._forward(msg)
 
     def _forward(self, msg: wire.WireMessage) -> None:
-        """Pass ``msg`` to the next stage, signed with the key its stage takes from us."""
+        """Pass ``msg`` to the next stage, signed with the key its stage takes from us, without
+        waiting: what libzmq has no room for waits in the outbox, in order."""
         assert self.forward is not None
         if self.next_lost:  # once one is lost the next stage refuses the rest: fail them at once
             self.forward_refused += 1
             raise PotluckError(self.next_lost)
-        try:
-            self.forward.send_multipart(wire.to_frames(msg, self.downstream_key), copy=False)
-        except zmq.Again:
-            self.next_lost = (
-                f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable "
-                f"(it took nothing for {FORWARD_TIMEOUT_MS / 1000:g} s)"
-            )
-            raise PotluckError(self.next_lost) from None
+        frames = wire.to_frames(msg, self.downstream_key)
+        if not self.forward_outbox:
+            self.forward_stuck_since = time.monotonic()
+        self.forward_outbox.append(frames)
+        self.forward_outbox_bytes += wire.frames_nbytes(frames)
+        self._flush_forward()
+
+    def _flush_forward(self) -> None:
+        """Send what the next stage has room for; one that took nothing for FORWARD_TIMEOUT_MS
+        is lost (what waits is dropped: the order downstream is broken, the head re-plans)."""
+        assert self.forward is not None
+        while self.forward_outbox:
+            try:
+                self.forward.send_multipart(self.forward_outbox[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if time.monotonic() - self.forward_stuck_since < FORWARD_TIMEOUT_MS / 1000:
+                    return
+                self.next_lost = (
+                    f"next stage {self.stage.load.next_addr if self.stage else ''} is unreachable "
+                    f"(it took nothing for {FORWARD_TIMEOUT_MS / 1000:g} s)"
+                )
+                log.warning("%s", self.next_lost)
+                self.forward_refused += len(self.forward_outbox)
+                self.forward_outbox.clear()
+                self.forward_outbox_bytes = 0
+                self._to_owner(wire.Error(self.node, "failed", self.next_lost, self.txn))
+                return
+            self.forward_outbox_bytes -= wire.frames_nbytes(self.forward_outbox.popleft())
+            self.forward_stuck_since = time.monotonic()
+
+
+def _input_bytes(msg: wire.WireMessage) -> int:
+    """About what a pipeline message queues in the stage process (its arrays)."""
+    if isinstance(msg, wire.Forward):
+        return 64 + sum(a.nbytes for a in (msg.inputs, msg.positions, msg.seq_ids, msg.outputs))
+    return 64

@@ -42,6 +42,7 @@ class ClusterSpec:
     progress: Callable[[str, int, int], None] | None = field(default=None, compare=False)
     skip_failed_joins: bool = False  # --nodes auto: a node that does not join is skipped, with a warning
     join_timeout_s: float = JOIN_TIMEOUT_S  # --join-timeout: slow or busy machines need longer
+    strict_nodes: bool = False  # --strict-nodes: a listed node that does not join refuses the run (else skipped)
 
 
 @dataclass(frozen=True)

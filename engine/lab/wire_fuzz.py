@@ -104,9 +104,10 @@ class FakeWorker:
 
     def __init__(
         self, keys: CurveKeys, n_vocab: int, result: Callable[[wire.Forward], list], n_embd: int = 576,
-        stale: bool = False, port: int = 0, node_id: str = "fake",
+        stale: bool = False, port: int = 0, node_id: str = "fake", free_mb: int = 4000,
     ) -> None:
         self.node_id = node_id
+        self.free_mb = free_mb
         self.ctx = zmq.Context()
         self.auth = start_authenticator(self.ctx, keys)
         self.sock = server_socket(self.ctx, keys, max_msg_bytes=64 << 20)
@@ -139,7 +140,7 @@ class FakeWorker:
                 continue
             replies: list = []
             if isinstance(msg, wire.Hello):
-                replies = [wire.to_frames(wire.Welcome(self.node_id, "0", 2, 4000, 1.0, "idle", 64 << 20))]
+                replies = [wire.to_frames(wire.Welcome(self.node_id, "0", 2, self.free_mb, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Offer):
                 replies = [wire.to_frames(wire.OfferReply(msg.sha256, True, 0))]
                 if self.stale:  # a result of the old chain, the welcome of a hello that timed out
