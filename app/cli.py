@@ -38,6 +38,11 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse's errors (bad numbers, unknown options) as one line and exit code 2, like
     every other refusal; its default prints the usage block first. Subcommands inherit it."""
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # no prefix matching: `serve --api-key X` once meant --api-key-file X
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 

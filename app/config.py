@@ -160,16 +160,26 @@ class ServerSettings:
     """Address to bind; any non-loopback address needs an API key."""
     port: int = 8080
     api_key_file: str | None = None
-    """File (mode 0600) holding the API key clients send as ``Authorization: Bearer KEY``;
+    """File (mode 0600) holding the API keys clients send as ``Authorization: Bearer KEY``: one
+    key, or one ``NAME KEY`` a line (each key's conversations are cached apart);
     ``$POTLUCK_API_KEY`` also works. Unset with neither: no key (loopback only)."""
     max_queue: int = 8
     """Requests waiting beside the running one; past it a request gets 429 with Retry-After."""
+    max_tokens: int | None = None
+    """Longest reply when a request sets no max_tokens; unset: to the end of the reply or of
+    the context (as OpenAI and llama.cpp's server do)."""
     max_body_kb: int = 1024
     """Largest request body."""
     body_timeout_s: float = 30.0
     """Longest wait for a request's body."""
     request_timeout_s: float = 600.0
     """Longest a request may wait and run before it is cancelled."""
+    header_timeout_s: float = 10.0
+    """Longest a connection may take to send a request's head (its first line and headers)."""
+    max_connections: int = 512
+    """Open connections at most (fewer if the open-file limit is lower)."""
+    connections_per_address: int = 64
+    """Open connections at most from one client address."""
     prompt_cache_mb: int = 1024
     """Memory for recent conversations' KV caches (at most a quarter of the free memory)."""
     cached_conversations: int = 16

@@ -53,6 +53,17 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- model
 
 
+@dataclass(frozen=True)
+class SpecialToken:
+    """A token the tokenizer matches as a whole string (llama.cpp's ``cache_special_tokens``)."""
+
+    id: int
+    text: str
+    control: bool  # control or unknown: matched only when special parsing is on
+    lstrip: bool  # whitespace before it is dropped
+    rstrip: bool  # whitespace after it is dropped
+
+
 class Model(NativeObject):
     """Weights and vocabulary of one GGUF file."""
 
@@ -97,6 +108,9 @@ class Model(NativeObject):
         self.chat_template: str | None = tmpl.decode("utf-8") if tmpl else None
         self._piece_cache: dict[int, bytes] = {}
         self._piece_cache_special: dict[int, bytes] = {}
+        self._vocab_lock = threading.Lock()  # the server tokenizes off the engine thread
+        self._specials: tuple[SpecialToken, ...] | None = None
+        self._longest: int | None = None
 
     # -- lifetime
     def close(self) -> None:
@@ -165,6 +179,42 @@ class Model(NativeObject):
         return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
             "utf-8", errors="replace"
         )
+
+    def special_tokens(self) -> tuple[SpecialToken, ...]:
+        """The tokens llama.cpp's tokenizer matches as whole strings before anything else
+        (control, unknown and user-defined ones), with their text and whitespace-strip flags;
+        read once (a call per vocabulary entry) and kept."""
+        with self._vocab_lock:
+            if self._specials is None:
+                self._specials = self._read_special_tokens()
+            return self._specials
+
+    def _read_special_tokens(self) -> tuple[SpecialToken, ...]:
+        wanted = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN | ll.LLAMA_TOKEN_ATTR_USER_DEFINED
+        out = []
+        for token in range(self.n_vocab):
+            attr = int(ll.llama_vocab_get_attr(self._vocab, token))
+            if not attr & wanted:
+                continue
+            text = (ll.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
+            if text:
+                out.append(SpecialToken(
+                    token, text, control=bool(attr & (ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN)),
+                    lstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP), rstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)))
+        return tuple(out)
+
+    def longest_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (a text of B bytes is at least B / this
+        tokens); read once and kept."""
+        with self._vocab_lock:
+            if self._longest is None:
+                buf = ctypes.create_string_buffer(256)
+                longest = 1
+                for t in range(self.n_vocab):
+                    n = ll.llama_token_to_piece(self._vocab, t, buf, len(buf), 0, True)
+                    longest = max(longest, abs(n))  # negative: the piece needs -n bytes
+                self._longest = longest
+            return self._longest
 
     def vocab_signature(self) -> tuple[int, int, int]:
         """Cheap fingerprint used to refuse a draft whose vocabulary differs from the target's."""
