@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core import paths, validate
     from .core.backend import check_gguf_file
     from .core.chat import Message
-    from .core.errors import ContextFullError, DecodeError, ModelError, PotluckError
+    from .core.errors import ContextFullError, DecodeError, GrammarError, ModelError, PotluckError
     from .core.events import (
         ClusterView,
         DrafterStanding,
@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         TokenText,
     )
     from .core.gguf_tools import describe as describe_gguf
+    from .core.grammar import GrammarSpec, json_object_spec, json_schema_spec
+    from .core.grammar import check as check_grammar
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
@@ -68,6 +70,11 @@ _WHERE = {
     "PrintableFormatter": ".core.printable:PrintableFormatter",
     "Message": ".core.chat:Message",
     "ContextFullError": ".core.errors:ContextFullError",
+    "GrammarError": ".core.errors:GrammarError",
+    "GrammarSpec": ".core.grammar:GrammarSpec",
+    "check_grammar": ".core.grammar:check",
+    "json_object_spec": ".core.grammar:json_object_spec",
+    "json_schema_spec": ".core.grammar:json_schema_spec",
     "DecodeError": ".core.errors:DecodeError",
     "ModelError": ".core.errors:ModelError",
     "PotluckError": ".core.errors:PotluckError",
@@ -135,6 +142,8 @@ __all__ = [
     "EngineSpec",
     "Event",
     "Finished",
+    "GrammarError",
+    "GrammarSpec",
     "Message",
     "Model",
     "ModelError",
@@ -153,10 +162,13 @@ __all__ = [
     "TokenText",
     "Worker",
     "check_gguf_file",
+    "check_grammar",
     "checked_spec",
     "default_threads",
     "describe_gguf",
     "get_strategy_class",
+    "json_object_spec",
+    "json_schema_spec",
     "measure_profile",
     "open_session",
     "paths",

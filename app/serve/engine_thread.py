@@ -20,18 +20,39 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ...engine import Finished, NodeStatus, PlanChanged, PotluckError, Prompt, ReplyStarted, Session, TokenText
+from ...engine import (
+    Finished,
+    Model,
+    NodeStatus,
+    PlanChanged,
+    PotluckError,
+    Prompt,
+    ReplyStarted,
+    Session,
+    TokenText,
+)
 from .protocol import ApiError, GenerationRequest
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Delta:
+    """New text of one choice, with its tokens' log-probabilities when the request asked
+    (OpenAI's entries: token, logprob, bytes, top_logprobs)."""
+
+    choice: int
+    text: str
+    logprobs: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How a reply ended, with the figures the response and the log line report."""
 
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled": the first choice's (the log line's)
     prompt_tokens: int
     completion_tokens: int
     reused_tokens: int  # prompt tokens whose KV came from a cache (not processed again)
@@ -40,6 +61,7 @@ class Outcome:
     accepted: int
     tokens_per_s: float
     ttft_s: float
+    finish_reasons: tuple[str, ...] = ()  # each choice's
 
 
 class StopScanner:
@@ -81,7 +103,7 @@ class Job:
         self.queued_at = time.monotonic()
 
     def put(self, kind: str, item: object) -> None:
-        """From the engine thread: ("text", str), ("done", Outcome) or ("error", ApiError)."""
+        """From the engine thread: ("text", Delta), ("done", Outcome) or ("error", ApiError)."""
         if kind != "text":
             self.finished.set()
         try:
@@ -225,10 +247,11 @@ class EngineThread:
         try:
             # no max_tokens: to the end of the reply, or of the context (finish_reason "length")
             max_tokens = req.max_tokens if req.max_tokens is not None else session.target.n_ctx
-            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner)
-            scanner = StopScanner(req.stop)
-            stopped = False
-            finished: Finished | None = None
+            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner, grammar=req.grammar,
+                                    logprobs=req.logprobs, n=req.n)
+            scanners = [StopScanner(req.stop) for _ in range(req.n)]
+            stopped = [False] * req.n
+            finished: list[Finished] = []
             for event in events:
                 if isinstance(event, ReplyStarted):
                     started = True
@@ -236,11 +259,12 @@ class EngineThread:
                         job.run_id = event.run_id
                     if job.cancelled.is_set():  # hung up before its run had an id
                         session.cancel(event.run_id)
-                elif isinstance(event, TokenText) and not stopped:
-                    text, stopped = scanner.feed(event.text)
-                    if text:
-                        job.put("text", text)
-                    if stopped:
+                elif isinstance(event, TokenText) and not stopped[event.choice]:
+                    c = event.choice
+                    text, stopped[c] = scanners[c].feed(event.text)
+                    if text or event.logprobs:
+                        job.put("text", Delta(c, text, logprob_entries(session.model, event)))
+                    if stopped[c] and req.n == 1:  # with several choices the others go on
                         session.cancel(event.run_id)
                 elif isinstance(event, NodeStatus):
                     self.nodes[event.node] = event
@@ -248,12 +272,12 @@ class EngineThread:
                     self.notice = event.reason
                     log.warning("%s", event.reason)
                 elif isinstance(event, Finished):
-                    finished = event
-            assert finished is not None
-            if not stopped:
-                tail = scanner.flush()
-                if tail:
-                    job.put("text", tail)
+                    finished.append(event)
+                    if not stopped[event.choice]:
+                        tail = scanners[event.choice].flush()
+                        if tail:
+                            job.put("text", Delta(event.choice, tail))
+            assert finished
             job.put("done", self._outcome(job, finished, stopped))
         except PotluckError as e:
             # before the reply started: the request's fault (a prompt longer than the context);
@@ -268,23 +292,49 @@ class EngineThread:
             self.error = f"internal error: {type(e).__name__}"
             job.put("error", ApiError(500, f"internal error ({type(e).__name__}); see the server's log"))
 
-    def _outcome(self, job: Job, f: Finished, stopped: bool) -> Outcome:
-        if stopped:
-            reason = "stop"
-        elif f.reason == "cancelled":
-            reason = "cancelled"
+    def _outcome(self, job: Job, ends: list[Finished], stopped: list[bool]) -> Outcome:
+        reasons = []
+        for f in ends:
+            if stopped[f.choice]:
+                reasons.append("stop")
+            elif f.reason == "cancelled":
+                reasons.append("cancelled")
+            else:
+                reasons.append("stop" if f.reason == "stop" else "length")  # length or context_full
+        f = ends[0]
+        if reasons[0] == "cancelled":
             self.counters["cancelled_running"] += 1
             self.counters["cancelled_before_decoding"] += not f.tokens  # e.g. mid-prompt: no token decoded
-        else:
-            reason = "stop" if f.reason == "stop" else "length"  # length or context_full
         reused = f.prompt_tokens - f.prefill_tokens if f.prefill_tokens or f.tokens else 0
+        generated = sum(len(e.tokens) for e in ends)
         c = self.counters
-        c["completed"] += reason != "cancelled"
+        c["completed"] += reasons[0] != "cancelled"
         c["prompt_tokens"] += f.prompt_tokens
         c["reused_tokens"] += reused
-        c["completion_tokens"] += len(f.tokens)
+        c["completion_tokens"] += generated
+        seconds = sum(len(e.tokens) / e.tokens_per_s for e in ends if e.tokens_per_s > 0)
         return Outcome(
-            finish_reason=reason, prompt_tokens=f.prompt_tokens, completion_tokens=len(f.tokens),
-            reused_tokens=reused, strategy=f.strategy, drafted=f.drafted, accepted=f.accepted,
-            tokens_per_s=f.tokens_per_s, ttft_s=f.ttft_s,
+            finish_reason=reasons[0], prompt_tokens=f.prompt_tokens, completion_tokens=generated,
+            reused_tokens=reused, strategy=f.strategy, drafted=sum(e.drafted for e in ends),
+            accepted=sum(e.accepted for e in ends), tokens_per_s=generated / seconds if seconds else 0.0,
+            ttft_s=f.ttft_s, finish_reasons=tuple(reasons),
         )
+
+
+def logprob_entries(model: Model, event: TokenText) -> tuple[dict[str, Any], ...]:
+    """``event``'s log-probabilities as OpenAI's chat entries (the completions shape is made
+    from these)."""
+
+    def token(t: int) -> tuple[str, list[int]]:
+        raw = model.token_bytes(t)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    out = []
+    for lp in event.logprobs:
+        text, raw = token(lp.token)
+        top = []
+        for t, value in lp.top:
+            t_text, t_raw = token(t)
+            top.append({"token": t_text, "logprob": value, "bytes": t_raw})
+        out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return tuple(out)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -26,9 +26,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...engine import ContextFullError, PotluckError, Prompt, printable
+from ...engine import ContextFullError, GrammarError, PotluckError, Prompt, check_grammar, printable
 from ..config import SamplingSettings, ServerSettings
-from .engine_thread import EngineThread, Job, Outcome, QueueFull
+from .engine_thread import Delta, EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
 from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request
 
@@ -65,6 +65,11 @@ class ServeState:
         assert session is not None
 
         def tokenize() -> Prompt:
+            if req.grammar is not None:  # the model's vocabulary decides what llama.cpp can parse
+                try:
+                    check_grammar(session.model, req.grammar, req.grammar_field)
+                except GrammarError as e:
+                    raise ApiError(400, str(e), param=req.grammar_field.split(".")[0]) from None
             if req.kind == "chat":
                 return session.prompt_for(req.messages, variables=dict(req.variables))
             return session.raw_prompt(req.prompt)
@@ -119,11 +124,12 @@ class JobResponse:
                                           f"({self.state.server.request_timeout_s:g} s) and was cancelled")
 
     async def _whole(self, send: Send, deadline: float) -> None:
-        parts: list[str] = []
+        replies = [Reply() for _ in range(self.job.request.n)]
         while True:
             kind, item = await self._next(deadline)
             if kind == "text":
-                parts.append(item)  # type: ignore[arg-type]
+                assert isinstance(item, Delta)
+                replies[item.choice].add(item)
             elif kind == "gone":
                 return
             elif kind == "error":
@@ -133,7 +139,7 @@ class JobResponse:
             else:
                 assert isinstance(item, Outcome)
                 self._note(item)
-                body = completion_object(self.state, self.job.request, "".join(parts), item)
+                body = completion_object(self.state, self.job.request, replies, item)
                 await self._send_json(send, 200, body)
                 return
 
@@ -156,13 +162,15 @@ class JobResponse:
             await send({"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True})
 
         if req.kind == "chat":
-            await event(chunk_object(self.state, req, {"role": "assistant", "content": ""}))
+            for c in range(req.n):
+                await event(chunk_object(self.state, req, c, {"role": "assistant", "content": ""}))
         while True:
             kind, item = await self._next(deadline)
             if kind == "gone":
                 return
             if kind == "text":
-                await event(chunk_object(self.state, req, item))  # type: ignore[arg-type]
+                assert isinstance(item, Delta)
+                await event(chunk_object(self.state, req, item.choice, item.text, logprobs=item.logprobs))
                 continue
             if kind == "error":
                 assert isinstance(item, ApiError)
@@ -170,9 +178,10 @@ class JobResponse:
             else:
                 assert isinstance(item, Outcome)
                 self._note(item)
-                await event(chunk_object(self.state, req, None, item))
+                for c in range(req.n):
+                    await event(chunk_object(self.state, req, c, None, item))
                 if req.include_usage:
-                    await event(chunk_object(self.state, req, None, item, usage_only=True))
+                    await event(chunk_object(self.state, req, 0, None, item, usage_only=True))
             await event("[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
@@ -194,25 +203,63 @@ def potluck_figures(o: Outcome) -> dict[str, Any]:
             "reused_tokens": o.reused_tokens}
 
 
-def _finish(o: Outcome) -> str:
-    return "stop" if o.finish_reason == "cancelled" else o.finish_reason
+def _finish(o: Outcome, choice: int = 0) -> str:
+    reason = o.finish_reasons[choice] if choice < len(o.finish_reasons) else o.finish_reason
+    return "stop" if reason == "cancelled" else reason
 
 
-def completion_object(state: ServeState, req: GenerationRequest, text: str, o: Outcome) -> dict[str, Any]:
+class Reply:
+    """One choice's text and log-probabilities, gathered for a whole (not streamed) answer."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+
+    def add(self, delta: Delta) -> None:
+        self.parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def logprobs_object(req: GenerationRequest, entries: Sequence[dict[str, Any]], offset: int = 0
+                    ) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice (or a chunk of one): chat's ``content`` entries, or
+    the completions API's four lists (``offset``: where the entries' text starts)."""
+    if req.logprobs is None:
+        return None
     if req.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": _finish(o)}
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(o)}
-        kind, prefix = "text_completion", "cmpl-"
+        return {"content": list(entries), "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def completion_object(state: ServeState, req: GenerationRequest, replies: Sequence[Reply], o: Outcome
+                      ) -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    for i, r in enumerate(replies):
+        lp = logprobs_object(req, r.logprobs)
+        if req.kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
+                            "logprobs": lp, "finish_reason": _finish(o, i)})
+        else:
+            choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": _finish(o, i)})
+    kind, prefix = ("chat.completion", "chatcmpl-") if req.kind == "chat" else ("text_completion", "cmpl-")
     return {"id": prefix + req.id, "object": kind, "created": req.created, "model": state.model_id,
-            "choices": [choice], "usage": usage(o), "system_fingerprint": None, "potluck": potluck_figures(o)}
+            "choices": choices, "usage": usage(o), "system_fingerprint": None, "potluck": potluck_figures(o)}
 
 
-def chunk_object(state: ServeState, req: GenerationRequest, text: str | dict[str, Any] | None,
-                 o: Outcome | None = None, *, usage_only: bool = False) -> dict[str, Any]:
-    """A stream chunk: text (or the first delta), the last one (``o``), or the usage chunk."""
+def chunk_object(state: ServeState, req: GenerationRequest, choice: int, text: str | dict[str, Any] | None,
+                 o: Outcome | None = None, *, usage_only: bool = False,
+                 logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """A stream chunk of ``choice``: text (or the first delta), the last one (``o``), or the usage chunk."""
     chat = req.kind == "chat"
     out: dict[str, Any] = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
                            "object": "chat.completion.chunk" if chat else "text_completion",
@@ -221,12 +268,13 @@ def chunk_object(state: ServeState, req: GenerationRequest, text: str | dict[str
         assert o is not None
         out.update(choices=[], usage=usage(o))
         return out
-    finish = None if o is None else _finish(o)
+    finish = None if o is None else _finish(o, choice)
+    lp = logprobs_object(req, logprobs) if logprobs else None
     if chat:
         delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
-        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        out["choices"] = [{"index": choice, "delta": delta, "logprobs": lp, "finish_reason": finish}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        out["choices"] = [{"index": choice, "text": text or "", "logprobs": lp, "finish_reason": finish}]
     if req.include_usage:
         out["usage"] = None
     if o is not None:

@@ -23,7 +23,16 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...engine import Message, PotluckError, SamplingParams, validate
+from ...engine import (
+    GrammarError,
+    GrammarSpec,
+    Message,
+    PotluckError,
+    SamplingParams,
+    json_object_spec,
+    json_schema_spec,
+    validate,
+)
 from ..config import SamplingSettings
 
 MAX_STOPS = 16
@@ -80,6 +89,10 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     variables: tuple[tuple[str, str], ...] = ()  # extra names for the chat template (reasoning_effort)
+    grammar: GrammarSpec | None = None  # every choice follows it (response_format, grammar, json_schema)
+    grammar_field: str = ""  # the field it came from, for a refusal once the model checks it
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    n: int = 1  # choices
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -99,8 +112,7 @@ IGNORED = "ignored"  # any value: it cannot change the reply
 USED = "used"  # read by parse_request
 
 _NO_TOOLS = "tools are not supported yet"
-_ONE_CHOICE = "potluck serve answers with one choice"
-_NO_LOGPROBS = "logprobs are not supported yet"
+_BEST_OF = "best_of is not supported: send n for several choices"
 
 # Fields both endpoints share, by name: USED, IGNORED or Neutral(...).
 _COMMON: dict[str, object] = {
@@ -109,16 +121,13 @@ _COMMON: dict[str, object] = {
     "temperature": USED, "top_p": USED, "top_k": USED, "min_p": USED, "repeat_penalty": USED,
     "frequency_penalty": Neutral((0,), "frequency penalties are not supported yet"),
     "presence_penalty": Neutral((0,), "presence penalties are not supported yet"),
-    "n": Neutral((1,), _ONE_CHOICE),
-    "best_of": Neutral((1,), _ONE_CHOICE),
-    "logprobs": Neutral((False, 0), _NO_LOGPROBS),
-    "top_logprobs": Neutral((0,), _NO_LOGPROBS),
-    "n_probs": Neutral((0,), _NO_LOGPROBS),
+    "n": USED, "logprobs": USED, "top_logprobs": USED,
+    "best_of": Neutral((1,), _BEST_OF),
+    "n_probs": Neutral((0,), "n_probs is llama.cpp's own field: send logprobs and top_logprobs"),
     "logit_bias": Neutral(({},), "logit biases are not supported"),
     "typical_p": Neutral((1,), "typical sampling is not supported"),
     "mirostat": Neutral((0,), "mirostat sampling is not supported"),
-    "grammar": Neutral(("",), "grammars are not supported yet"),
-    "json_schema": Neutral(({},), "structured output is not supported yet"),
+    "grammar": USED, "json_schema": USED, "response_format": USED,  # llama.cpp's two, and OpenAI's
     "ignore_eos": Neutral((False,), "replies always end at the model's end of turn"),
     "user": IGNORED, "metadata": IGNORED, "store": IGNORED, "service_tier": IGNORED,
     "cache_prompt": IGNORED, "safety_identifier": IGNORED, "prompt_cache_key": IGNORED,
@@ -131,7 +140,6 @@ CHAT_FIELDS: dict[str, object] = {
     "tool_choice": Neutral(("none", "auto"), _NO_TOOLS),
     "function_call": Neutral(("none",), _NO_TOOLS),
     "parallel_tool_calls": IGNORED,  # means nothing without tools
-    "response_format": Neutral(({"type": "text"},), "structured output is not supported yet"),
     "modalities": Neutral((["text"],), "the model answers in text only"),
     "audio": Neutral((), "the model answers in text only"),
     "web_search_options": Neutral((), "potluck serve cannot search the web"),
@@ -362,6 +370,84 @@ def _variables(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return (("reasoning_effort", effort),)
 
 
+def _grammar(body: dict[str, Any]) -> tuple[GrammarSpec | None, str]:
+    """The grammar every choice follows, and the field it came from: OpenAI's
+    ``response_format``, or llama.cpp's ``json_schema`` (a schema) and ``grammar`` (GBNF)."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) not in (None, "", {})]
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise bad(given[1], f"send one of {' and '.join(given)}, not both")
+    if not given:
+        return None, ""
+    key = given[0]
+    try:
+        if key == "grammar":
+            if not isinstance(body["grammar"], str):
+                raise bad("grammar", "must be a string of GBNF (llama.cpp's grammar format)")
+            return GrammarSpec(_text("grammar", body["grammar"])), "grammar"
+        if key == "json_schema":
+            return json_schema_spec(body["json_schema"], "json_schema"), "json_schema"
+        return _response_format(fmt)
+    except GrammarError as e:
+        raise ApiError(400, str(e), param=key) from None
+
+
+def _response_format(fmt: object) -> tuple[GrammarSpec | None, str]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None, ""
+    if kind == "json_object":  # llama.cpp's server also takes a schema beside it
+        assert isinstance(fmt, dict)
+        if fmt.get("schema") is not None:
+            return json_schema_spec(fmt["schema"], "response_format.schema"), "response_format.schema"
+        return json_object_spec(), "response_format"
+    if kind == "json_schema":
+        assert isinstance(fmt, dict)
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad("response_format.json_schema", 'must be an object like {"name": "...", "schema": {...}}')
+        where = "response_format.json_schema.schema"
+        return json_schema_spec(spec.get("schema", {}), where), where
+    raise bad("response_format.type", f'must be "text", "json_object" or "json_schema", got {_short(kind)}')
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many likeliest tokens each position reports (None: no logprobs). Chat: ``logprobs``
+    true with ``top_logprobs``; completions: ``logprobs`` is that count."""
+    if kind == "completion":
+        count = _whole(body, "logprobs")
+        if count is None:
+            return None
+        field = "logprobs"
+    else:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad("logprobs", "must be true or false")
+        count = _whole(body, "top_logprobs")
+        if not wanted:
+            if count:
+                raise bad("top_logprobs", "needs logprobs: true")
+            return None
+        count = count or 0
+        field = "top_logprobs"
+    try:
+        return validate.top_logprobs(count)
+    except PotluckError:
+        raise bad(field, f"must be from 0 to {validate.MAX_TOP_LOGPROBS}, got {_short(count)}") from None
+
+
+def _choices(body: dict[str, Any]) -> int:
+    n = _whole(body, "n")
+    if n is None:
+        return 1
+    try:
+        return validate.choices(n)
+    except PotluckError:
+        raise bad("n", f"must be from 1 to {validate.MAX_CHOICES}, got {_short(n)}") from None
+
+
 def parse_request(kind: str, body: object, defaults: SamplingSettings,
                   max_tokens: int | None = None) -> GenerationRequest:
     """A chat (``kind`` "chat") or completions request from a parsed JSON body; :class:`ApiError`
@@ -373,6 +459,7 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
         raise bad("model", "must be a string")
     stream, include_usage = _stream(body)
     keys = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
+    grammar, grammar_field = _grammar(body)
     if kind == "completion" and max_tokens is None:
         max_tokens = COMPLETION_MAX_TOKENS  # raw text seldom ends: OpenAI's legacy default
     return GenerationRequest(
@@ -385,4 +472,8 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
         stream=stream,
         include_usage=include_usage,
         variables=_variables(body) if kind == "chat" else (),
+        grammar=grammar,
+        grammar_field=grammar_field,
+        logprobs=_logprobs(body, kind),
+        n=_choices(body),
     )

@@ -65,8 +65,49 @@ def json_schema_spec(schema: object, field: str) -> GrammarSpec:
     if not isinstance(schema, dict):
         raise GrammarError(f"{field} must be a JSON schema object")
     check_schema(schema, field)
-    key = json.dumps(schema)  # property order is the output's order: kept
+    key = json.dumps(_integer_ranges(schema))  # property order is the output's order: kept
     return _converted(key, field)
+
+
+MAX_RANGE_ENUM = 256  # integer ranges written out as enums (see _integer_ranges)
+
+
+def _integer_ranges(node: object) -> object:
+    """A copy of ``node`` with each integer range of at most ``MAX_RANGE_ENUM`` values written
+    as the enum of its values: llama-cpp-python's converter ignores ``minimum`` and ``maximum``
+    (a TODO in its source), and an enum it does constrain. Wider ranges stay unconstrained
+    (README: structured output). Called after :func:`check_schema`: the depth is bounded."""
+    if isinstance(node, list):
+        return [_integer_ranges(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in ("enum", "const", "default", "examples") else _integer_ranges(v)) for k, v in node.items()}
+    if out.get("type") == "integer" and "enum" not in out and "const" not in out:
+        lo, hi = _bound(out, "minimum", "exclusiveMinimum", 1), _bound(out, "maximum", "exclusiveMaximum", -1)
+        if lo is not None and hi is not None and 0 <= hi - lo < MAX_RANGE_ENUM:
+            rest = {k: v for k, v in out.items() if k not in _RANGE_KEYS}
+            return {**rest, "enum": list(range(lo, hi + 1))}
+    return out
+
+
+_RANGE_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _bound(node: dict, inclusive: str, exclusive: str, step: int) -> int | None:
+    """The integer bound ``node`` sets on one side (the tighter of the two keywords), or None."""
+    import math
+
+    found = []
+    for key, shift in ((inclusive, 0), (exclusive, step)):
+        value = node.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            edge = math.ceil(value) if step > 0 else math.floor(value)
+            if shift and edge == value:
+                edge += shift
+            found.append(int(edge))
+    if not found:
+        return None
+    return max(found) if step > 0 else min(found)
 
 
 @functools.lru_cache(maxsize=128)

@@ -1,0 +1,191 @@
+"""`potluck serve` for agents (issue 42): structured output, logprobs and several choices,
+through the official openai client, against a server that speculates (sd, the model its own draft).
+
+Every greedy reply and its logprobs are compared with plain decoding's in this process under
+the same grammar. Whether sd drafts depends on its timing-based break-even, which serve cannot
+pin: counters proving drafts kept and rejected under a grammar, with every strategy, are
+tests/test_structured.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from potluck.app.serve.launch import RunningServer
+from potluck.engine import (
+    PLAIN,
+    EngineSpec,
+    Finished,
+    GrammarSpec,
+    Message,
+    SamplingParams,
+    TokenText,
+    json_object_spec,
+    json_schema_spec,
+    open_session,
+)
+
+from .support.serving import serving
+
+CTX = 1024
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "languages": {"type": "array", "items": {"enum": ["en", "fr", "de", "it"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person named Ada, who speaks two languages, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[RunningServer]:
+    config = "[sampling]\ntemperature = 0.0\n"
+    args = ["--ctx", str(CTX), "--strategy", "sd", "--draft", str(model_path)]
+    with serving(tmp_path_factory.mktemp("serve-agents"), config, args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[Callable[..., list[Finished | TokenText]]]:
+    """Plain decoding's events for a conversation (greedy unless told), in this process."""
+    s = open_session(EngineSpec(n_ctx=CTX, strategy=PLAIN))
+
+    def run(messages: list[dict[str, str]], max_tokens: int, grammar: GrammarSpec | None = None,
+            logprobs: int | None = None, sampling: SamplingParams | None = None, n: int = 1
+            ) -> list[Finished | TokenText]:
+        prompt = s.prompt_for([Message(m["role"], m["content"]) for m in messages])
+        return [e for e in s.answer(prompt, sampling or SamplingParams(), max_tokens, grammar=grammar,
+                                    logprobs=logprobs, n=n) if isinstance(e, (Finished, TokenText))]
+
+    yield run
+    s.close()
+
+
+def finished(events: list[Finished | TokenText]) -> list[Finished]:
+    return [e for e in events if isinstance(e, Finished)]
+
+
+def test_json_schema_reply_validates_and_equals_plain_decoding(
+    client: openai.OpenAI, plain: Callable[..., list[Finished | TokenText]]
+) -> None:
+    r = client.chat.completions.create(model="potluck", messages=ASK, max_tokens=120, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert r.choices[0].finish_reason == "stop"
+    want = finished(plain(ASK, 120, json_schema_spec(PERSON, "schema")))[0]
+    assert text == want.text
+    assert r.model_extra["potluck"]["strategy"] == "sd"
+
+
+def test_json_object_streamed_and_sampled(client: openai.OpenAI,
+                                          plain: Callable[..., list[Finished | TokenText]]) -> None:
+    ask = [{"role": "user", "content": "Give me a JSON object about the weather in Paris."}]
+    chunks = client.chat.completions.create(model="potluck", messages=ask, max_tokens=80, stream=True,
+                                            response_format={"type": "json_object"})
+    chunks = list(chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    want = finished(plain(ask, 80, json_object_spec()))[0]
+    assert text == want.text and text.startswith("{")
+    if want.reason == "stop":  # the model may loop within the object until max_tokens
+        assert chunks[-1].choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict)
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model="potluck", messages=ASK, max_tokens=120, temperature=0.9,
+                                           seed=seed, response_format={"type": "json_schema", "json_schema": {
+                                               "name": "person", "schema": PERSON}})
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_llama_cpp_grammar_and_json_schema_fields(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="potluck", messages=[{"role": "user", "content": "Yes or no?"}],
+                                       max_tokens=8, extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(model="potluck", prompt="The answer is", max_tokens=8,
+                                  extra_body={"json_schema": {"enum": ["up", "down"]}})
+    assert r.choices[0].text in ('"up"', '"down"')
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"v": {"enum": list(range(5000))}}}}}},
+     "response_format", "response_format.json_schema.schema.properties.v.enum has 5000 values"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+        '{"type": "array", "items": ' * 60 + '{}' + '}' * 60)}}}, "response_format", "nests deeper"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ({"grammar": "root ::= nowhere"}, "grammar", "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar", "not both"),
+    ({"logprobs": False, "top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
+    ({"n": 17}, "n", "from 1 to 16"),
+    ({"best_of": 2}, "best_of", "best_of"),
+])
+def test_refusals_name_the_field(client: openai.OpenAI, server: RunningServer, body: dict[str, object],
+                                 param: str, words: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="potluck", messages=ASK, max_tokens=4, extra_body=body)
+    error = e.value.body
+    assert error["param"] == param and words in error["message"] and "\n" not in error["message"], error
+    assert server.health()["status"] == "ready"
+
+
+def test_logprobs_are_plain_decodings(client: openai.OpenAI,
+                                      plain: Callable[..., list[Finished | TokenText]]) -> None:
+    """The target's log-probabilities under speculation, exactly as plain decoding reports them,
+    whole and streamed."""
+    ask = [{"role": "user", "content": "Count from one to ten in words."}]
+    r = client.chat.completions.create(model="potluck", messages=ask, max_tokens=24, logprobs=True, top_logprobs=3)
+    want = [lp for e in plain(ask, 24, logprobs=3) if isinstance(e, TokenText) for lp in e.logprobs]
+    got = r.choices[0].logprobs.content
+    assert [g.logprob for g in got] == [w.logprob for w in want]
+    assert [[t.logprob for t in g.top_logprobs] for g in got] == [[v for _, v in w.top] for w in want]
+    assert "".join(g.token for g in got) == r.choices[0].message.content
+    chunks = client.chat.completions.create(model="potluck", messages=ask, max_tokens=24, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [g.logprob for g in got]
+    c = client.completions.create(model="potluck", prompt="One, two, three,", max_tokens=6, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == c.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_n_choices(client: openai.OpenAI, plain: Callable[..., list[Finished | TokenText]]) -> None:
+    """n = 3 sampled: three different replies from one prompt's processing, streamed chunks
+    carrying each choice's index; n = 2 greedy: both are plain decoding's reply. (A seeded
+    sampled reply repeats exactly only where the strategy's draft lengths do: sd's adapt to
+    timing, so the seed's draws are compared with plain decoding in tests/test_structured.py.)"""
+    ask = [{"role": "user", "content": "Tell me a short story."}]
+    sampling = {"temperature": 1.0, "seed": 7, "extra_body": {"top_k": 40}}
+    r = client.chat.completions.create(model="potluck", messages=ask, max_tokens=12, n=3, **sampling)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    chunks = client.chat.completions.create(model="potluck", messages=ask, max_tokens=12, n=3, stream=True,
+                                            **sampling)
+    streamed = {0: "", 1: "", 2: ""}
+    ends = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                ends[choice.index] = choice.finish_reason
+    assert all(streamed.values()) and len(set(streamed.values())) == 3 and sorted(ends) == [0, 1, 2]
+    greedy = client.chat.completions.create(model="potluck", messages=ask, max_tokens=12, n=2, temperature=0)
+    want = finished(plain(ask, 12))[0].text
+    assert [c.message.content for c in greedy.choices] == [want, want]
+    assert greedy.usage.completion_tokens == 2 * len(finished(plain(ask, 12))[0].tokens)
