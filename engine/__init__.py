@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
     from .core import paths, validate
     from .core.backend import check_gguf_file
-    from .core.chat import Message
+    from .core.chat import Message, ToolCall
     from .core.errors import ContextFullError, DecodeError, GrammarError, ModelError, PotluckError
     from .core.events import (
         ClusterView,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         TokenText,
     )
     from .core.gguf_tools import describe as describe_gguf
-    from .core.grammar import GrammarSpec, json_object_spec, json_schema_spec
+    from .core.grammar import GrammarSpec, check_schema, json_object_spec, json_schema_spec
     from .core.grammar import check as check_grammar
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
+    from .core.tools import CallScanner, Tool, call_grammar, tool_format
     from .loader import checked_spec, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
@@ -69,10 +70,16 @@ _WHERE = {
     "printable": ".core.printable:printable",
     "PrintableFormatter": ".core.printable:PrintableFormatter",
     "Message": ".core.chat:Message",
+    "ToolCall": ".core.chat:ToolCall",
+    "Tool": ".core.tools:Tool",
+    "CallScanner": ".core.tools:CallScanner",
+    "call_grammar": ".core.tools:call_grammar",
+    "tool_format": ".core.tools:tool_format",
     "ContextFullError": ".core.errors:ContextFullError",
     "GrammarError": ".core.errors:GrammarError",
     "GrammarSpec": ".core.grammar:GrammarSpec",
     "check_grammar": ".core.grammar:check",
+    "check_schema": ".core.grammar:check_schema",
     "json_object_spec": ".core.grammar:json_object_spec",
     "json_schema_spec": ".core.grammar:json_schema_spec",
     "DecodeError": ".core.errors:DecodeError",
@@ -133,6 +140,7 @@ __all__ = [
     "JOIN_TIMEOUT_S",
     "PLAIN",
     "STRATEGIES",
+    "CallScanner",
     "ClusterSpec",
     "ClusterView",
     "ContextFullError",
@@ -160,9 +168,13 @@ __all__ = [
     "Session",
     "StageView",
     "TokenText",
+    "Tool",
+    "ToolCall",
     "Worker",
     "check_gguf_file",
     "check_grammar",
+    "check_schema",
+    "call_grammar",
     "checked_spec",
     "default_threads",
     "describe_gguf",
@@ -176,5 +188,6 @@ __all__ = [
     "resolve_model",
     "strategy_fits",
     "strategy_names",
+    "tool_format",
     "validate",
 ]

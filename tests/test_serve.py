@@ -333,7 +333,7 @@ def test_refused_options_are_named(client: openai.OpenAI) -> None:
     for extra, name in [({"n": 17}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
                         ({"logprobs": 1}, "logprobs"), ({"response_format": {"type": "xml"}},
                                                         "response_format.type"),
-                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:
+                        ({"tool_choice": "required"}, "tool_choice")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**base, **extra)
         assert e.value.status_code == 400 and e.value.body["param"] == name and name in e.value.body["message"]

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...engine import (
+    CallScanner,
     Finished,
+    GrammarSpec,
     Model,
     NodeStatus,
     PlanChanged,
@@ -32,6 +34,7 @@ from ...engine import (
     ReplyStarted,
     Session,
     TokenText,
+    ToolCall,
 )
 from .protocol import ApiError, GenerationRequest
 
@@ -46,6 +49,7 @@ class Delta:
     choice: int
     text: str
     logprobs: tuple[dict[str, Any], ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # the choice's calls, once it ended
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class Job:
         self.request = request
         self.owner = owner  # the API key's name: kept conversations are reused only for it
         self.prompt: Prompt | None = None  # set once tokenized (EngineThread.ready)
+        self.grammar: GrammarSpec | None = request.grammar  # or a tool call's, set when tokenized
+        self.tool_format = ""  # the template's call format, when the request has tools
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -247,9 +253,11 @@ class EngineThread:
         try:
             # no max_tokens: to the end of the reply, or of the context (finish_reason "length")
             max_tokens = req.max_tokens if req.max_tokens is not None else session.target.n_ctx
-            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner, grammar=req.grammar,
+            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner, grammar=job.grammar,
                                     logprobs=req.logprobs, n=req.n)
             scanners = [StopScanner(req.stop) for _ in range(req.n)]
+            calls = [CallScanner(job.tool_format, req.tools) if req.tools else None for _ in range(req.n)]
+            called = [False] * req.n
             stopped = [False] * req.n
             finished: list[Finished] = []
             for event in events:
@@ -262,6 +270,9 @@ class EngineThread:
                 elif isinstance(event, TokenText) and not stopped[event.choice]:
                     c = event.choice
                     text, stopped[c] = scanners[c].feed(event.text)
+                    scanner = calls[c]
+                    if scanner is not None:
+                        text = scanner.feed(text)
                     if text or event.logprobs:
                         job.put("text", Delta(c, text, logprob_entries(session.model, event)))
                     if stopped[c] and req.n == 1:  # with several choices the others go on
@@ -273,12 +284,19 @@ class EngineThread:
                     log.warning("%s", event.reason)
                 elif isinstance(event, Finished):
                     finished.append(event)
-                    if not stopped[event.choice]:
-                        tail = scanners[event.choice].flush()
-                        if tail:
-                            job.put("text", Delta(event.choice, tail))
+                    c = event.choice
+                    tail = "" if stopped[c] else scanners[c].flush()
+                    scanner = calls[c]
+                    found: tuple[ToolCall, ...] = ()
+                    if scanner is not None:
+                        tail = scanner.feed(tail)
+                        rest, found = scanner.finish()
+                        tail += rest
+                        called[c] = bool(found)
+                    if tail or found:
+                        job.put("text", Delta(c, tail, tool_calls=found))
             assert finished
-            job.put("done", self._outcome(job, finished, stopped))
+            job.put("done", self._outcome(job, finished, stopped, called))
         except PotluckError as e:
             # before the reply started: the request's fault (a prompt longer than the context);
             # after: the engine's (a cluster that lost its workers for good)
@@ -292,10 +310,12 @@ class EngineThread:
             self.error = f"internal error: {type(e).__name__}"
             job.put("error", ApiError(500, f"internal error ({type(e).__name__}); see the server's log"))
 
-    def _outcome(self, job: Job, ends: list[Finished], stopped: list[bool]) -> Outcome:
+    def _outcome(self, job: Job, ends: list[Finished], stopped: list[bool], called: list[bool]) -> Outcome:
         reasons = []
         for f in ends:
-            if stopped[f.choice]:
+            if called[f.choice]:
+                reasons.append("tool_calls")
+            elif stopped[f.choice]:
                 reasons.append("stop")
             elif f.reason == "cancelled":
                 reasons.append("cancelled")

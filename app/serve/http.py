@@ -26,7 +26,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...engine import ContextFullError, GrammarError, PotluckError, Prompt, check_grammar, printable
+from ...engine import (
+    ContextFullError,
+    GrammarError,
+    PotluckError,
+    Prompt,
+    call_grammar,
+    check_grammar,
+    printable,
+    tool_format,
+)
 from ..config import SamplingSettings, ServerSettings
 from .engine_thread import Delta, EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
@@ -59,19 +68,29 @@ class ServeState:
         # than one core taken from decoding however many requests arrive.
         self.tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="potluck-tokenize")
 
-    async def prompt(self, req: GenerationRequest) -> Prompt:
-        """``req``'s prompt, rendered and tokenized on the tokenizer thread."""
+    async def prepare(self, job: Job) -> Prompt:
+        """``job``'s prompt, rendered and tokenized on the tokenizer thread, and the grammar that
+        forces a tool call where the request requires one (its format is the template's)."""
         session = self.engine.session
         assert session is not None
+        req = job.request
 
         def tokenize() -> Prompt:
-            if req.grammar is not None:  # the model's vocabulary decides what llama.cpp can parse
+            if req.tools:
+                job.tool_format = tool_format(session.format.source)
+                if req.tool_choice == "required":
+                    try:
+                        job.grammar = call_grammar(job.tool_format, req.tools, req.parallel_tool_calls)
+                    except GrammarError as e:
+                        raise ApiError(400, str(e), param="tools") from None
+            if job.grammar is not None:  # the model's vocabulary decides what llama.cpp can parse
+                field = req.grammar_field or "tools"
                 try:
-                    check_grammar(session.model, req.grammar, req.grammar_field)
+                    check_grammar(session.model, job.grammar, field)
                 except GrammarError as e:
-                    raise ApiError(400, str(e), param=req.grammar_field.split(".")[0]) from None
+                    raise ApiError(400, str(e), param=field.split(".")[0]) from None
             if req.kind == "chat":
-                return session.prompt_for(req.messages, variables=dict(req.variables))
+                return session.prompt_for(req.messages, variables=dict(req.variables), tools=req.tools)
             return session.raw_prompt(req.prompt)
 
         try:
@@ -170,7 +189,10 @@ class JobResponse:
                 return
             if kind == "text":
                 assert isinstance(item, Delta)
-                await event(chunk_object(self.state, req, item.choice, item.text, logprobs=item.logprobs))
+                if item.text or item.logprobs:
+                    await event(chunk_object(self.state, req, item.choice, item.text, logprobs=item.logprobs))
+                if item.tool_calls:
+                    await event(chunk_object(self.state, req, item.choice, {"tool_calls": tool_calls_object(item)}))
                 continue
             if kind == "error":
                 assert isinstance(item, ApiError)
@@ -214,14 +236,22 @@ class Reply:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
+        self.tool_calls: list[dict[str, Any]] = []
 
     def add(self, delta: Delta) -> None:
         self.parts.append(delta.text)
         self.logprobs.extend(delta.logprobs)
+        self.tool_calls.extend(tool_calls_object(delta))
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def tool_calls_object(delta: Delta) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` entries of a delta (``index`` is for streamed chunks)."""
+    return [{"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(delta.tool_calls)]
 
 
 def logprobs_object(req: GenerationRequest, entries: Sequence[dict[str, Any]], offset: int = 0
@@ -247,8 +277,11 @@ def completion_object(state: ServeState, req: GenerationRequest, replies: Sequen
     for i, r in enumerate(replies):
         lp = logprobs_object(req, r.logprobs)
         if req.kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
-                            "logprobs": lp, "finish_reason": _finish(o, i)})
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            if r.tool_calls:
+                message.update(content=r.text or None, tool_calls=[{k: v for k, v in c.items() if k != "index"}
+                                                                   for c in r.tool_calls])
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": _finish(o, i)})
         else:
             choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": _finish(o, i)})
     kind, prefix = ("chat.completion", "chatcmpl-") if req.kind == "chat" else ("text_completion", "cmpl-")
@@ -349,7 +382,7 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
                            kind="rate_limit_error", headers={"Retry-After": str(e.retry_after_s)}) from None
         request.scope["potluck.job"] = job
         try:
-            prompt = await state.prompt(req)
+            prompt = await state.prepare(job)
         except BaseException:
             state.engine.withdraw(job)
             raise

@@ -18,6 +18,7 @@ and config.toml's; numbers of any size, NaN and Infinity are refused by name, ne
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,9 @@ from ...engine import (
     Message,
     PotluckError,
     SamplingParams,
+    Tool,
+    ToolCall,
+    check_schema,
     json_object_spec,
     json_schema_spec,
     validate,
@@ -93,6 +97,9 @@ class GenerationRequest:
     grammar_field: str = ""  # the field it came from, for a refusal once the model checks it
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
     n: int = 1  # choices
+    tools: tuple[Tool, ...] = ()  # functions the model may call (none with tool_choice "none")
+    tool_choice: str = "auto"  # "auto" | "required" (a call forced, to one of ``tools``)
+    parallel_tool_calls: bool = True
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -111,7 +118,7 @@ class Neutral:
 IGNORED = "ignored"  # any value: it cannot change the reply
 USED = "used"  # read by parse_request
 
-_NO_TOOLS = "tools are not supported yet"
+_FUNCTIONS = "functions and function_call are OpenAI's deprecated fields: send tools and tool_choice"
 _BEST_OF = "best_of is not supported: send n for several choices"
 
 # Fields both endpoints share, by name: USED, IGNORED or Neutral(...).
@@ -135,11 +142,9 @@ _COMMON: dict[str, object] = {
 CHAT_FIELDS: dict[str, object] = {
     **_COMMON,
     "messages": USED, "max_completion_tokens": USED, "reasoning_effort": USED,
-    "tools": Neutral(([],), _NO_TOOLS),
-    "functions": Neutral(([],), _NO_TOOLS),
-    "tool_choice": Neutral(("none", "auto"), _NO_TOOLS),
-    "function_call": Neutral(("none",), _NO_TOOLS),
-    "parallel_tool_calls": IGNORED,  # means nothing without tools
+    "tools": USED, "tool_choice": USED, "parallel_tool_calls": USED,
+    "functions": Neutral(([],), _FUNCTIONS),
+    "function_call": Neutral(("none",), _FUNCTIONS),
     "modalities": Neutral((["text"],), "the model answers in text only"),
     "audio": Neutral((), "the model answers in text only"),
     "web_search_options": Neutral((), "potluck serve cannot search the web"),
@@ -153,14 +158,12 @@ COMPLETION_FIELDS: dict[str, object] = {
     "suffix": Neutral(("",), "suffixes (fill in the middle) are not supported"),
 }
 MESSAGE_FIELDS: dict[str, object] = {
-    "role": USED, "content": USED, "name": USED,
-    "tool_calls": Neutral(([],), _NO_TOOLS),
-    "function_call": Neutral((), _NO_TOOLS),
-    "tool_call_id": Neutral((), _NO_TOOLS),
+    "role": USED, "content": USED, "name": USED, "tool_calls": USED, "tool_call_id": USED,
+    "function_call": Neutral((), _FUNCTIONS),
     "audio": Neutral((), "the model answers in text only"),
     "refusal": IGNORED, "reasoning_content": IGNORED,
 }
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 NOT_A_MODEL_INPUT = {
     "image_url": "the model has no vision: send text only",
     "input_image": "the model has no vision: send text only",
@@ -336,17 +339,102 @@ def _messages(body: dict[str, Any]) -> tuple[Message, ...]:
         if not isinstance(m, dict):
             raise bad(where, "must be an object with role and content")
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise bad(f"{where}.role", f"{_NO_TOOLS}; {role} messages cannot be answered")
+        if role == "function":
+            raise bad(f"{where}.role", _FUNCTIONS + " (role tool)")
         if role not in ROLES:
             raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_short(role)}")
         _check_fields(m, MESSAGE_FIELDS, f"{where}.")
         name = m.get("name")
         if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
             raise bad(f"{where}.name", f"must be a string of 1 to {MAX_NAME_CHARS} characters")
-        out.append(Message(ROLES[role], _content(f"{where}.content", role, m.get("content")),
-                           _text(f"{where}.name", name) if name else None))
+        calls = _calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+        call_id = m.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise bad(f"{where}.tool_call_id", "must be the id of the call this result answers")
+        if role != "tool" and call_id is not None:
+            raise bad(f"{where}.tool_call_id", "belongs to tool messages only")
+        content = m.get("content")
+        out.append(Message(ROLES[role], _content(f"{where}.content", "assistant" if calls else role, content),
+                           _text(f"{where}.name", name) if name else None, calls,
+                           _text(f"{where}.tool_call_id", call_id) if role == "tool" else None))
     return tuple(out)
+
+
+def _calls(raw: object, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's earlier calls (their arguments are the JSON text the model wrote)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise bad(where, f"must be a list of at most {MAX_TOOLS} calls")
+    calls = []
+    for j, c in enumerate(raw):
+        function = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), str) or not isinstance(c.get("id", ""), str):
+            raise bad(f"{where}[{j}]", 'must be {"id": "...", "type": "function", "function": '
+                                       '{"name": "...", "arguments": "<JSON text>"}}')
+        calls.append(ToolCall(_text(f"{where}[{j}].id", c.get("id") or f"call_{j}"),
+                              _text(f"{where}[{j}].function.name", function["name"]),
+                              _text(f"{where}[{j}].function.arguments", function.get("arguments") or "{}")))
+    return tuple(calls)
+
+
+MAX_TOOLS = 128
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], str, bool]:
+    """(the tools the model may call, "auto" or "required", parallel calls allowed); a named
+    ``tool_choice`` leaves only that tool, required."""
+    raw = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "must be true or false")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "needs tools")
+        return (), "auto", True
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise bad("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    tools = []
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        function = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(function, dict):
+            raise bad(where, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise bad(f"{where}.function.name", "must be 1 to 64 letters, digits, _, . or -")
+        if name in {x.name for x in tools}:
+            raise bad(f"{where}.function.name", f"{name!r} is given twice")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise bad(f"{where}.function.description", "must be a string")
+        params = function.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise bad(f"{where}.function.parameters", "must be a JSON schema object")
+            try:
+                check_schema(params, f"{where}.function.parameters")
+            except GrammarError as e:
+                raise ApiError(400, str(e), param=f"{where}.function.parameters") from None
+        tools.append(Tool(name, _text(f"{where}.function.description", description), params))
+    if choice is None or choice == "auto":
+        return tuple(tools), "auto", parallel is not False
+    if choice == "none":
+        return (), "auto", True  # the model answers in text: the tools are not shown
+    if choice == "required":
+        return tuple(tools), "required", parallel is not False
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                 '{"name": "..."}}')
+    chosen = [t for t in tools if t.name == named]
+    if not chosen:
+        raise bad("tool_choice", f"names {_short(named)}, which is not in tools")
+    return tuple(chosen), "required", parallel is not False
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -460,6 +548,9 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
     stream, include_usage = _stream(body)
     keys = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
     grammar, grammar_field = _grammar(body)
+    tools, tool_choice, parallel = _tools(body) if kind == "chat" else ((), "auto", True)
+    if tools and grammar is not None:
+        raise bad(grammar_field.split(".")[0], "cannot be combined with tools; send tool_choice none or leave it out")
     if kind == "completion" and max_tokens is None:
         max_tokens = COMPLETION_MAX_TOKENS  # raw text seldom ends: OpenAI's legacy default
     return GenerationRequest(
@@ -476,4 +567,7 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
         grammar_field=grammar_field,
         logprobs=_logprobs(body, kind),
         n=_choices(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
     )

@@ -31,6 +31,8 @@ from .sampling import logprobs as sampling_logprobs
 from .sampling import warm_up as warm_up_sampler
 from .strategy import Generation, Strategy
 from .target import Target
+from .tools import Tool, renders_tools
+from .tools import conversation as tool_conversation
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +120,16 @@ class Session:
         return len(self._tokens)
 
     # -- prompts: thread-safe (the server tokenizes a request off the engine thread)
-    def prompt_for(self, messages: Sequence[Message], *, variables: Mapping[str, object] | None = None) -> Prompt:
+    def prompt_for(self, messages: Sequence[Message], *, variables: Mapping[str, object] | None = None,
+                   tools: Sequence[Tool] = ()) -> Prompt:
         """``messages`` rendered and tokenized; special tokens come only from the chat template.
-        Refuses (ContextFullError) a conversation whose bytes alone cannot fit the context."""
-        return self.prompts.conversation(messages, self.target.n_ctx, variables=variables)
+        ``tools``: functions the model may call, rendered by the template or, for one that knows
+        none, described in the system message (:mod:`.tools`). Refuses (ContextFullError) a
+        conversation whose bytes alone cannot fit the context."""
+        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+            messages = tool_conversation(messages, tools, self.format.source)
+        definitions = [t.openai() for t in tools] if tools and renders_tools(self.format.source) else None
+        return self.prompts.conversation(messages, self.target.n_ctx, variables=variables, tools=definitions)
 
     def raw_prompt(self, text: str) -> Prompt:
         """Raw text without the chat template (OpenAI's completions API)."""
