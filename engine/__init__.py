@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
     from .core.prompt_cache import PromptCache, PromptCacheStats
+    from .core.reasoning import ThinkSplitter, thinks
     from .core.runtime import Model
     from .core.sampling import SamplingParams
     from .core.session import Session
@@ -72,6 +73,8 @@ _WHERE = {
     "Message": ".core.chat:Message",
     "ToolCall": ".core.chat:ToolCall",
     "Tool": ".core.tools:Tool",
+    "ThinkSplitter": ".core.reasoning:ThinkSplitter",
+    "thinks": ".core.reasoning:thinks",
     "CallScanner": ".core.tools:CallScanner",
     "call_grammar": ".core.tools:call_grammar",
     "tool_format": ".core.tools:tool_format",
@@ -167,6 +170,7 @@ __all__ = [
     "SamplingParams",
     "Session",
     "StageView",
+    "ThinkSplitter",
     "TokenText",
     "Tool",
     "ToolCall",
@@ -188,6 +192,7 @@ __all__ = [
     "resolve_model",
     "strategy_fits",
     "strategy_names",
+    "thinks",
     "tool_format",
     "validate",
 ]

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.request import urlopen
 
 import jsonschema
 import openai
@@ -291,3 +292,29 @@ def test_litellm_tools_and_json(server: RunningServer) -> None:
     r = litellm.completion(messages=ASK, max_tokens=120, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}, **common)
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_metrics(server: RunningServer, client: openai.OpenAI) -> None:
+    """/metrics in Prometheus' format, llama.cpp's names where they mean the same, the counts
+    following the requests made."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        with urlopen(f"{server.base_url}/metrics", timeout=60) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = scrape()
+    r = client.chat.completions.create(model="potluck", messages=ASK, max_tokens=10)
+    after = scrape()
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == \
+        r.usage.completion_tokens
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == \
+        r.usage.prompt_tokens - cached
+    assert after["potluck:time_to_first_token_seconds_count"] == before["potluck:time_to_first_token_seconds_count"] + 1
+    assert after["llamacpp:requests_processing"] == 0 and after["llamacpp:requests_deferred"] == 0
+    assert after["llamacpp:predicted_tokens_seconds"] > 0 and after["llamacpp:tokens_predicted_seconds_total"] > 0
+    assert after["potluck:draft_tokens_total"] >= after["potluck:draft_tokens_accepted_total"] >= 0
+    assert "potluck:stage_layers" not in after  # one machine: no stages

@@ -33,6 +33,7 @@ from ...engine import (
     Prompt,
     ReplyStarted,
     Session,
+    ThinkSplitter,
     TokenText,
     ToolCall,
 )
@@ -50,6 +51,7 @@ class Delta:
     text: str
     logprobs: tuple[dict[str, Any], ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()  # the choice's calls, once it ended
+    reasoning: str = ""  # thinking, told apart from the answer (``reasoning_content``)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Job:
         self.prompt: Prompt | None = None  # set once tokenized (EngineThread.ready)
         self.grammar: GrammarSpec | None = request.grammar  # or a tool call's, set when tokenized
         self.tool_format = ""  # the template's call format, when the request has tools
+        self.split_thinking = False  # the template thinks and [server] reasoning is on
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -136,7 +139,10 @@ class EngineThread:
         self.nodes: dict[str, NodeStatus] = {}  # cluster mode: each stage's health at the last report
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
-             "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
+             "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens",
+             "drafted", "accepted"), 0)
+        self.counters.update(prompt_seconds=0.0, predicted_seconds=0.0)  # prompt processing, generation
+        self.on_outcome: Callable[[Outcome], None] | None = None  # /metrics' time to first token
         self._opener = opener
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
@@ -258,6 +264,8 @@ class EngineThread:
             scanners = [StopScanner(req.stop) for _ in range(req.n)]
             calls = [CallScanner(job.tool_format, req.tools) if req.tools else None for _ in range(req.n)]
             called = [False] * req.n
+            opened = job.prompt.text.rstrip().endswith("<think>")
+            thoughts = [ThinkSplitter(opened) if job.split_thinking else None for _ in range(req.n)]
             stopped = [False] * req.n
             finished: list[Finished] = []
             for event in events:
@@ -270,11 +278,12 @@ class EngineThread:
                 elif isinstance(event, TokenText) and not stopped[event.choice]:
                     c = event.choice
                     text, stopped[c] = scanners[c].feed(event.text)
+                    thought, text = _split(thoughts[c], text)
                     scanner = calls[c]
                     if scanner is not None:
                         text = scanner.feed(text)
-                    if text or event.logprobs:
-                        job.put("text", Delta(c, text, logprob_entries(session.model, event)))
+                    if text or thought or event.logprobs:
+                        job.put("text", Delta(c, text, logprob_entries(session.model, event), reasoning=thought))
                     if stopped[c] and req.n == 1:  # with several choices the others go on
                         session.cancel(event.run_id)
                 elif isinstance(event, NodeStatus):
@@ -286,6 +295,7 @@ class EngineThread:
                     finished.append(event)
                     c = event.choice
                     tail = "" if stopped[c] else scanners[c].flush()
+                    thought, tail = _split(thoughts[c], tail, end=True)
                     scanner = calls[c]
                     found: tuple[ToolCall, ...] = ()
                     if scanner is not None:
@@ -293,8 +303,8 @@ class EngineThread:
                         rest, found = scanner.finish()
                         tail += rest
                         called[c] = bool(found)
-                    if tail or found:
-                        job.put("text", Delta(c, tail, tool_calls=found))
+                    if tail or found or thought:
+                        job.put("text", Delta(c, tail, tool_calls=found, reasoning=thought))
             assert finished
             job.put("done", self._outcome(job, finished, stopped, called))
         except PotluckError as e:
@@ -333,12 +343,30 @@ class EngineThread:
         c["reused_tokens"] += reused
         c["completion_tokens"] += generated
         seconds = sum(len(e.tokens) / e.tokens_per_s for e in ends if e.tokens_per_s > 0)
-        return Outcome(
+        c["drafted"] += sum(e.drafted for e in ends)
+        c["accepted"] += sum(e.accepted for e in ends)
+        c["prompt_seconds"] += f.ttft_s if f.prefill_tokens else 0.0
+        c["predicted_seconds"] += seconds
+        outcome = Outcome(
             finish_reason=reasons[0], prompt_tokens=f.prompt_tokens, completion_tokens=generated,
             reused_tokens=reused, strategy=f.strategy, drafted=sum(e.drafted for e in ends),
             accepted=sum(e.accepted for e in ends), tokens_per_s=generated / seconds if seconds else 0.0,
             ttft_s=f.ttft_s, finish_reasons=tuple(reasons),
         )
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+        return outcome
+
+
+def _split(splitter: ThinkSplitter | None, text: str, end: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of a reply's new text (all answer where thinking is not split)."""
+    if splitter is None:
+        return "", text
+    thought, answer = splitter.feed(text)
+    if end:
+        more, rest = splitter.finish()
+        thought, answer = thought + more, answer + rest
+    return thought, answer
 
 
 def logprob_entries(model: Model, event: TokenText) -> tuple[dict[str, Any], ...]:

@@ -34,11 +34,13 @@ from ...engine import (
     call_grammar,
     check_grammar,
     printable,
+    thinks,
     tool_format,
 )
 from ..config import SamplingSettings, ServerSettings
 from .engine_thread import Delta, EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
+from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request
 
 log = logging.getLogger("potluck.serve")
@@ -76,6 +78,7 @@ class ServeState:
         req = job.request
 
         def tokenize() -> Prompt:
+            job.split_thinking = self.server.reasoning and req.kind == "chat" and thinks(session.format.source)
             if req.tools:
                 job.tool_format = tool_format(session.format.source)
                 if req.tool_choice == "required":
@@ -189,6 +192,8 @@ class JobResponse:
                 return
             if kind == "text":
                 assert isinstance(item, Delta)
+                if item.reasoning:
+                    await event(chunk_object(self.state, req, item.choice, {"reasoning_content": item.reasoning}))
                 if item.text or item.logprobs:
                     await event(chunk_object(self.state, req, item.choice, item.text, logprobs=item.logprobs))
                 if item.tool_calls:
@@ -237,9 +242,11 @@ class Reply:
         self.parts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.tool_calls: list[dict[str, Any]] = []
+        self.reasoning: list[str] = []
 
     def add(self, delta: Delta) -> None:
         self.parts.append(delta.text)
+        self.reasoning.append(delta.reasoning)
         self.logprobs.extend(delta.logprobs)
         self.tool_calls.extend(tool_calls_object(delta))
 
@@ -278,6 +285,8 @@ def completion_object(state: ServeState, req: GenerationRequest, replies: Sequen
         lp = logprobs_object(req, r.logprobs)
         if req.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            if any(r.reasoning):
+                message["reasoning_content"] = "".join(r.reasoning)
             if r.tool_calls:
                 message.update(content=r.text or None, tool_calls=[{k: v for k, v in c.items() if k != "index"}
                                                                    for c in r.tool_calls])
@@ -437,6 +446,11 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
                 body["cluster_notice"] = printable(engine.notice)
         return JSONResponse(body, status_code=status)
 
+    metrics = ServeMetrics(state.engine)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return error_response(exc)
@@ -456,6 +470,7 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
         ],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
     )
