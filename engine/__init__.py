@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
     from .core.prompt_cache import PromptCache, PromptCacheStats
-    from .core.reasoning import ThinkSplitter, thinks
+    from .core.reasoning import ThinkSplitter, split_thinking, thinks
     from .core.runtime import Model
     from .core.sampling import SamplingParams
     from .core.session import Session
@@ -75,6 +75,7 @@ _WHERE = {
     "Tool": ".core.tools:Tool",
     "ThinkSplitter": ".core.reasoning:ThinkSplitter",
     "thinks": ".core.reasoning:thinks",
+    "split_thinking": ".core.reasoning:split_thinking",
     "CallScanner": ".core.tools:CallScanner",
     "call_grammar": ".core.tools:call_grammar",
     "tool_format": ".core.tools:tool_format",
@@ -190,6 +191,7 @@ __all__ = [
     "paths",
     "printable",
     "resolve_model",
+    "split_thinking",
     "strategy_fits",
     "strategy_names",
     "thinks",

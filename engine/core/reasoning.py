@@ -70,3 +70,13 @@ class ThinkSplitter:
         if self.state == "thinking":
             return held, ""
         return "", held if self.state != "after" else held.lstrip()
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """(thinking, answer) of a whole reply; a ``</think>`` with no ``<think>`` before it closes
+    a block the template opened."""
+    close = text.find(CLOSE)
+    splitter = ThinkSplitter(opened=close >= 0 and OPEN not in text[:close])
+    thought, answer = splitter.feed(text)
+    more, rest = splitter.finish()
+    return thought + more, answer + rest
