@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string"}}, "required": ["city"]}}}
+MAX_TOKENS = 64  # a reply cut here is counted as failing its check
 ASK_JSON = [{"role": "user", "content": "Describe a person named Ada as JSON."}]
 ASK_TOOL = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOL_RESULT = [*ASK_TOOL, {"role": "assistant", "content": None, "tool_calls": [
@@ -90,7 +92,7 @@ def streamed_tool_calls(base: str, body: dict) -> tuple[int, int]:
 
 
 def chat(body: dict) -> Callable[[str, int], tuple[int, object]]:
-    return lambda base, seed: post(base, "/v1/chat/completions", {"max_tokens": 96, "seed": seed, **body})
+    return lambda base, seed: post(base, "/v1/chat/completions", {"max_tokens": MAX_TOKENS, "seed": seed, **body})
 
 
 def rows(samples: int) -> list[tuple[str, Callable[[str], str]]]:
@@ -112,7 +114,7 @@ def rows(samples: int) -> list[tuple[str, Callable[[str], str]]]:
         return cell
 
     def stream_cell(base: str) -> str:
-        code, n = streamed_tool_calls(base, {"messages": ASK_TOOL, "max_tokens": 96, "temperature": 0,
+        code, n = streamed_tool_calls(base, {"messages": ASK_TOOL, "max_tokens": MAX_TOKENS, "temperature": 0,
                                              "tools": [WEATHER], "tool_choice": "required"})
         return f"{code}: {n} tool-call deltas"
 
@@ -184,22 +186,28 @@ def llama_server(bin_dir: Path, model: Path, ctx: int, threads: int) -> tuple[su
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops both servers
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bin", type=Path, default=Path.home() / ".cache/potluck-peers/bin")
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled model)")
     p.add_argument("--samples", type=int, default=3, help="seeds per sampled row")
+    p.add_argument("--only", choices=["llama-server", "potluck"], help="fill one column")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     model = args.model or default_model_path()
     table = {name: {} for name, _ in rows(args.samples)}
-    proc, base = llama_server(args.bin, model, args.ctx, args.threads)
-    try:
-        for name, cell in rows(args.samples):
-            table[name]["llama-server"] = cell(base)
-    finally:
-        proc.kill()
-        proc.wait()
+    if args.only != "potluck":
+        proc, base = llama_server(args.bin, model, args.ctx, args.threads)
+        try:
+            for name, cell in rows(args.samples):
+                table[name]["llama-server"] = cell(base)
+                print(f"llama-server | {name} | {table[name]['llama-server']}", file=sys.stderr, flush=True)
+        finally:
+            proc.kill()
+            proc.wait()
+    if args.only == "llama-server":
+        return _print(table, model, args)
     with tempfile.TemporaryDirectory() as home:
         (Path(home) / "config").mkdir()
         (Path(home) / "config" / "config.toml").write_text(f"[model]\nn_threads = {args.threads}\n")
@@ -207,12 +215,17 @@ def main() -> int:
         try:
             for name, cell in rows(args.samples):
                 table[name]["potluck serve"] = cell(running.base_url)
+                print(f"potluck | {name} | {table[name]['potluck serve']}", file=sys.stderr, flush=True)
         finally:
             stop_server(running.proc)
+    return _print(table, model, args)
+
+
+def _print(table: dict[str, dict[str, str]], model: Path, args: argparse.Namespace) -> int:
     print(f"model {model.name}, ctx {args.ctx}, threads {args.threads}, {args.samples} seeds per sampled row\n")
     print("| request | llama-server --jinja | potluck serve |\n|---|---|---|")
     for name, cells in table.items():
-        print(f"| {name} | {cells['llama-server']} | {cells['potluck serve']} |")
+        print(f"| {name} | {cells.get('llama-server', '-')} | {cells.get('potluck serve', '-')} |")
     return 0
 
 

@@ -281,7 +281,8 @@ def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_token
         class target:  # noqa: N801 - the attribute the engine thread reads
             n_ctx = 64
 
-        def answer(self, prompt: object, sampling: object, max_tokens: int, *, owner: str) -> Iterator[object]:
+        def answer(self, prompt: object, sampling: object, max_tokens: int, *, owner: str,
+                   **shape: object) -> Iterator[object]:  # grammar, logprobs, n
             ran.append(str(prompt))
             yield ReplyStarted(1, "plain", 1, 1, 64)
             yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)

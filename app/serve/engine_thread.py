@@ -264,7 +264,7 @@ class EngineThread:
             scanners = [StopScanner(req.stop) for _ in range(req.n)]
             calls = [CallScanner(job.tool_format, req.tools) if req.tools else None for _ in range(req.n)]
             called = [False] * req.n
-            opened = job.prompt.text.rstrip().endswith("<think>")
+            opened = job.split_thinking and job.prompt.text.rstrip().endswith("<think>")  # the template opened it
             thoughts = [ThinkSplitter(opened) if job.split_thinking else None for _ in range(req.n)]
             stopped = [False] * req.n
             finished: list[Finished] = []
