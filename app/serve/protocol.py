@@ -99,7 +99,7 @@ class GenerationRequest:
     n: int = 1  # choices
     tools: tuple[Tool, ...] = ()  # functions the model may call (none with tool_choice "none")
     tool_choice: str = "auto"  # "auto" | "required" (a call forced, to one of ``tools``)
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = False  # llama.cpp server's default: one call unless the client asks for more
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -384,8 +384,10 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], str, bool]:
-    """(the tools the model may call, "auto" or "required", parallel calls allowed); a named
-    ``tool_choice`` leaves only that tool, required."""
+    """(the tools the model may call, "auto" or "required", parallel calls allowed: only when
+    the client sends ``parallel_tool_calls: true``, as llama.cpp's server, since a small model
+    forced to call repeats calls up to the limit); a named ``tool_choice`` leaves only that tool,
+    required."""
     raw = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -421,11 +423,11 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], str, bool]:
                 raise ApiError(400, str(e), param=f"{where}.function.parameters") from None
         tools.append(Tool(name, _text(f"{where}.function.description", description), params))
     if choice is None or choice == "auto":
-        return tuple(tools), "auto", parallel is not False
+        return tuple(tools), "auto", parallel is True
     if choice == "none":
         return (), "auto", True  # the model answers in text: the tools are not shown
     if choice == "required":
-        return tuple(tools), "required", parallel is not False
+        return tuple(tools), "required", parallel is True
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         isinstance(choice.get("function"), dict) else None
     if named is None:
@@ -434,7 +436,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], str, bool]:
     chosen = [t for t in tools if t.name == named]
     if not chosen:
         raise bad("tool_choice", f"names {_short(named)}, which is not in tools")
-    return tuple(chosen), "required", parallel is not False
+    return tuple(chosen), "required", parallel is True
 
 
 def _prompt(body: dict[str, Any]) -> str:
