@@ -318,3 +318,6 @@ def test_metrics(server: RunningServer, client: openai.OpenAI) -> None:
     assert after["llamacpp:predicted_tokens_seconds"] > 0 and after["llamacpp:tokens_predicted_seconds_total"] > 0
     assert after["potluck:draft_tokens_total"] >= after["potluck:draft_tokens_accepted_total"] >= 0
     assert "potluck:stage_layers" not in after  # one machine: no stages
+    with pytest.raises(openai.NotFoundError) as e:  # the table's last row: a 404 that says why
+        client.embeddings.create(model="potluck", input="hello")
+    assert "chat model" in e.value.body["message"]

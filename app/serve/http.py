@@ -448,6 +448,10 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
 
     metrics = ServeMetrics(state.engine)
 
+    async def embeddings(request: Request) -> Response:
+        raise ApiError(404, "potluck serve has no /v1/embeddings: it serves a chat model, whose embeddings are "
+                            "not a retrieval model's; run an embedding model for them", code="not_supported")
+
     async def prometheus(request: Request) -> Response:
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
@@ -471,6 +475,7 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
         ],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
     )
