@@ -19,7 +19,9 @@ from typing import NoReturn
 from ..engine import PotluckError, PrintableFormatter
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
-COMMANDS = ["chat", "generate", "serve", "models", "perf", "locate", "worker", "nodes", "token", "bench", "simulate"]
+COMMANDS = [
+    "chat", "generate", "serve", "models", "pull", "perf", "locate", "worker", "nodes", "token", "bench", "simulate",
+]
 
 
 def potluck_version() -> str:

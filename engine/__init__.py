@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.gguf_tools import describe as describe_gguf
     from .core.grammar import GrammarSpec, check_schema, json_object_spec, json_schema_spec
     from .core.grammar import check as check_grammar
+    from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
@@ -52,7 +53,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
     from .core.tools import CallScanner, Tool, call_grammar, tool_format
-    from .loader import checked_spec, open_session, resolve_model, strategy_fits
+    from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
     PLAIN: str
@@ -100,6 +101,7 @@ _WHERE = {
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
     "describe_gguf": ".core.gguf_tools:describe",
+    "Lanes": ".core.lanes:Lanes",
     "Prompt": ".core.prompt:Prompt",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
@@ -113,6 +115,7 @@ _WHERE = {
     "EngineSpec": ".core.spec:EngineSpec",
     "checked_spec": ".loader:checked_spec",
     "open_session": ".loader:open_session",
+    "open_lanes": ".loader:open_lanes",
     "resolve_model": ".loader:resolve_model",
     "strategy_fits": ".loader:strategy_fits",
     "STRATEGIES": ".speculation.strategies.registry:STRATEGIES",
@@ -156,6 +159,7 @@ __all__ = [
     "Finished",
     "GrammarError",
     "GrammarSpec",
+    "Lanes",
     "Message",
     "Model",
     "ModelError",
@@ -187,6 +191,7 @@ __all__ = [
     "json_object_spec",
     "json_schema_spec",
     "measure_profile",
+    "open_lanes",
     "open_session",
     "paths",
     "printable",

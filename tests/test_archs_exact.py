@@ -9,6 +9,7 @@ without the network; the cluster tests split the same way over loopback workers.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.fixtures import build_shape
+from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
 
 from .support.split_target import SplitTarget
 
@@ -36,6 +38,7 @@ ARCH_SHAPES: dict[str, Callable[[], Path]] = {
     "gemma3": _gemma3,  # slow: a 262k-token vocabulary; tests/test_cluster_pipeline.py splits it too
     "qwen2": lambda: build_shape("qwen2-small"),
     "qwen3": lambda: build_shape("qwen3-small"),
+    "qwen35moe": lambda: build_hybrid_shape("qwen35moe-small"),  # tests/test_hybrid.py speculates on it
 }
 PROMPTS = ["<|im_start|>user\nHello there, how are you?<|im_end|>\n<|im_start|>assistant\n",
            "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n"]
@@ -48,16 +51,16 @@ def test_every_architecture_of_the_table_is_checked_here() -> None:
 
 
 def split_bounds(path: Path, n_stages: int) -> list[int]:
-    """Stage boundaries as even as llama.cpp loads them (a Gemma 3 slice needs a sliding layer):
-    the first boundaries off any period (1, then the middle), the last stage as short as loads."""
+    """Stage boundaries as even as llama.cpp loads them (a Gemma 3 slice needs a sliding layer,
+    a Qwen3.5 slice both kinds of layer): the loadable ones nearest to the first boundaries off
+    any period (1, then the middle) and the last stage as short as possible."""
     costs = layer_costs(path)
     n = costs.n_layer
     wanted = [0, n // 2 + 1, n] if n_stages == 2 else [0, 1, n - 1, n]
-    b = list(wanted)
-    while not all(loadable(costs, lo, hi) for lo, hi in zip(b, b[1:])):
-        b[-2] -= 1
-        assert b[-2] > b[-3], f"no loadable {n_stages}-stage split of {path.name}"
-    return b
+    splits = [[0, *inner, n] for inner in itertools.combinations(range(1, n), n_stages - 1)]
+    fits = [b for b in splits if all(loadable(costs, lo, hi) for lo, hi in zip(b, b[1:]))]
+    assert fits, f"no loadable {n_stages}-stage split of {path.name}"
+    return min(fits, key=lambda b: sum(abs(x - y) for x, y in zip(b, wanted)))
 
 
 SLOW = {"gemma3"}

@@ -47,9 +47,9 @@ def want() -> Iterator[Callable[[list[Message], int], str]]:
     """The greedy reply a fresh engine session gives (what `potluck generate --temp 0` gives)."""
     s = open_session(EngineSpec(n_ctx=CTX))
 
-    def reply(messages: list[Message], max_tokens: int) -> str:
+    def reply(messages: list[Message], max_tokens: int, sampling: SamplingParams = SamplingParams()) -> str:
         s.load_messages(messages)
-        return [e for e in s.generate(None, SamplingParams(), max_tokens) if isinstance(e, Finished)][-1].text
+        return [e for e in s.generate(None, sampling, max_tokens) if isinstance(e, Finished)][-1].text
 
     yield reply
     s.close()
@@ -79,6 +79,19 @@ def test_the_openai_client_sends_harmless_fields(server: RunningServer, want: Ca
         prediction={"type": "content", "content": "Banana"}, parallel_tool_calls=False,
         extra_body={"some_future_option": {"x": 1}, "cache_prompt": True})
     assert r.choices[0].message.content == want(history_messages(), 12)
+
+
+def test_frequency_and_presence_penalties_are_applied(server: RunningServer, want: Callable[..., str]) -> None:
+    """The penalties reach the engine's sampler: greedy text equals the engine's with them, and
+    differs from the text without them (a reply long enough to repeat itself)."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=600)
+    messages = [{"role": "user", "content": "List the days of the week, then list them again."}]
+    penalised = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5)
+    r = client.chat.completions.create(model="potluck", messages=messages, max_tokens=40, temperature=0,
+                                       frequency_penalty=1.5, presence_penalty=0.5)
+    text = r.choices[0].message.content
+    assert text == want([Message("user", messages[0]["content"])], 40, penalised)
+    assert text != want([Message("user", messages[0]["content"])], 40)
 
 
 def test_an_image_part_gets_a_400_saying_no_vision(server: RunningServer) -> None:

@@ -28,6 +28,7 @@ from ...engine.lab.benchmark import (
 )
 from ...engine.lab.cluster_bench import ClusterBenchConfig, ClusterRow
 from ...engine.lab.fixtures import RECIPES, SHAPES, build_all, build_fixture, build_shape
+from ...engine.lab.hybrid_shapes import HYBRID_SHAPES, build_hybrid_shape
 from .common import positive_int
 
 
@@ -69,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
         "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
-        help="the target's KV cache: bf16 (default) or f16 (faster prefill, 1-token steps on one thread)",
+        help="the target's KV cache: bf16 (default; prompts prefilled at F16's speed) or f16 (1-token steps "
+        "on one thread)",
     )
     p.add_argument(
         "--option",
@@ -86,9 +88,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--shape",
-        choices=list(SHAPES),
-        help="with --build-fixtures: build only a random-weight llama GGUF in this model shape "
-        "(1b, 3b, 8b; wide: 4 layers x 2048) and print its path on the last line",
+        choices=[*SHAPES, *HYBRID_SHAPES],
+        help="with --build-fixtures: build only a random-weight GGUF in this model shape "
+        "(1b, 3b, 8b; wide: 4 layers x 2048; qwen35moe-35b-a3b: Qwen3.5's MoE hybrid) and print its "
+        "path on the last line",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None,
+        help="with --shape qwen35moe-*: this many layers of the shape's width instead of all 40 (19.6 GB)",
     )
     p.add_argument("--fixture-seed", type=int, default=0, help="with --shape: the seed of the random weights")
     p.add_argument(
@@ -145,6 +152,11 @@ def _parse_options(items: list[str]) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     if args.shape is not None and not args.build_fixtures:
         raise PotluckError("--shape only applies to --build-fixtures; add --build-fixtures")
+    if args.layers is not None and args.shape not in HYBRID_SHAPES:
+        raise PotluckError("--layers applies to --shape qwen35moe-35b-a3b or qwen35moe-small")
+    if args.build_fixtures and args.shape in HYBRID_SHAPES:
+        print(build_hybrid_shape(args.shape, args.fixture_seed, layers=args.layers))
+        return 0
     if args.build_fixtures and args.shape is not None:
         print(build_shape(args.shape, args.fixture_seed))
         return 0

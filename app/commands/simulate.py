@@ -3,7 +3,9 @@
 Compares iterative, synchronous speculative, pipelined speculative and PipeInfer decoding
 for per-stage compute times measured by `potluck perf` (``--from-perf``) or given, and with
 ``--trends`` reproduces the PipeInfer paper's trend figures at 1-32 nodes as tables and
-text plots (a PNG too with ``--png`` where matplotlib is installed). Its figures are
+text plots (a PNG too with ``--png`` where matplotlib is installed), and with
+``--conversations 1,2,4`` models several conversations decoded together (a server's lanes,
+engine/lab/sim_lanes.py). Its figures are
 predictions, not measurements: check them against loopback runs (``--fit-iterative`` takes
 one measured speed to fix the per-hop cost of real sockets).
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 from ...engine import PotluckError
 from ...engine.lab.sim_config import CUTOFF_RULES, STRATEGIES, PerfTiming, SimConfig, check_batch_cost
+from ...engine.lab.sim_lanes import simulate_lanes
 from ...engine.lab.simulate import TrendSetting, fit_latency, simulate, trends
 
 DEFAULT_MODEL_MS = 12.0  # SmolLM2-135M, one token on 2 threads (docs/facts.md §6)
@@ -48,8 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"ms of one token through the whole model, split evenly (default {DEFAULT_MODEL_MS})")
     g.add_argument("--from-perf", type=Path, metavar="FILE.json",
                    help="`potluck perf --json` output: its decode speed and batch-cost curve")
-    g.add_argument("--batch-cost", help="batch cost relative to one token, k:cost,... (default: docs/facts.md §6, "
-                   "1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
+    g.add_argument("--batch-cost", help="batch cost relative to one token, k:cost,... (default: the bundled "
+                   "model measured on 2 cores, 1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
     g.add_argument("--head-ms", type=float, default=d.head_ms, help="the head's output layer, ms a token")
     g.add_argument("--sample-ms", type=float, default=d.sample_ms, help="sampling one run's result, ms")
     g.add_argument("--run-ms", type=float, default=d.run_ms, help="a stage's fixed cost per job, whatever its rows")
@@ -80,8 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cutoff recovery factor (default: min(0.4, 1 / (stages + 1)), as the strategy; paper 0.4)")
     s.add_argument("--decay", type=float, default=d.decay, help="cutoff decay factor (paper 0.01)")
     s.add_argument("--cutoff-rule", choices=CUTOFF_RULES, default=None,
-                   help="how the cutoff's counters reset (see engine/lab/simulate.py; default: 'code', potluck's "
-                   "strategy, and 'reference', the paper authors' code, for --trends)")
+                   help="how the cutoff's counters reset: 'paper' as PipeInfer's paper writes it, 'reference' as its "
+                   "authors' code does, 'code' as potluck's strategy does (default: 'code', and 'reference' "
+                   "for --trends)")
     s.add_argument("--strategies", default=None, help=f"comma-separated, from {','.join(STRATEGIES)} (default all)")
     r = p.add_argument_group("run")
     r.add_argument("--tokens", type=int, default=d.tokens, help="tokens generated per conversation")
@@ -90,6 +94,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--n-batch", type=int, default=d.n_batch, help="prefill chunk size")
     r.add_argument("--prefill-ms", type=float, default=None, help="whole model, ms a prompt token (default: "
                    "--from-perf's prefill speed, else the batch-cost curve)")
+    r.add_argument("--conversations", metavar="N,N,...",
+                   help="conversations decoded together (a server's lanes, plain decoding): aggregate tokens/s "
+                   "for each count and the gain over one, e.g. 1,2,4")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--trends", action="store_true",
                    help="the paper's trend figures at 1-32 nodes (a big target split evenly, gigabit LAN); "
@@ -103,6 +110,15 @@ def run(args: argparse.Namespace) -> int:
         raise PotluckError("simulate: --png draws the --trends figures; add --trends")
     plt = pyplot() if args.png else None  # refused before any work when matplotlib is missing
     cfg = config_from_args(args)
+    if args.conversations:
+        if args.trends:
+            raise PotluckError("simulate: --conversations and --trends are separate tables; pick one")
+        lanes = simulate_lanes(cfg, parse_counts(args.conversations))
+        if args.json:
+            print(json.dumps(lanes))
+        else:
+            print_lanes(lanes)
+        return 0
     if args.trends:
         rule = args.cutoff_rule or "reference"
         setting = trend_setting(args)
@@ -188,6 +204,13 @@ def parse_floats(text: str, flag: str) -> list[float]:
     return values
 
 
+def parse_counts(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PotluckError(f"simulate: --conversations takes whole numbers separated by commas, got {text!r}") from None
+
+
 def parse_batch_cost(text: str) -> tuple[tuple[int, float], ...]:
     try:
         points = tuple((int(k), float(c)) for k, c in (item.split(":") for item in text.split(",")))
@@ -230,6 +253,23 @@ def print_table(result: dict) -> None:
         vs = f"{r['speed_vs_iterative']:.2f}x" if r["speed_vs_iterative"] is not None else "-"
         print(f"{name:<24}{r['tok_s']:8.1f}{vs:>9}{r['ttft_ms']:9.1f}{r['ttft_e2e_ms']:9.1f}  {busy:<20}"
               f"{r['cancelled']:7.1f}{r['wasted']:7.1f}{r['tokens_per_run']:8.2f}")
+
+
+def print_lanes(result: dict) -> None:
+    cfg, rows = result["config"], result["results"]
+    stages = cfg["stage_ms"]
+    print(f"{len(stages)} stages ({', '.join(f'{ms:.2f}' for ms in stages)} ms a token), link "
+          f"{cfg['latency_ms']:.3g} ms + {cfg['bandwidth_mbps']:g} Mbit/s, sampling {cfg['sample_ms']:g} ms a row, "
+          + (f"{cfg['cores']} shared core{'s' * (cfg['cores'] > 1)}" if cfg["cores"] else "a machine each")
+          + f"; {cfg['tokens']} tokens a conversation, plain decoding")
+    per_stage = len(stages) <= 4
+    busy_head = "busy per stage" if per_stage else "busy (mean)"
+    print(f"{'conversations':<14}{'tok/s':>8}{'each':>8}{'vs one':>8}{'rows/batch':>11}{'in flight':>10}  {busy_head}")
+    for n, r in rows.items():
+        busy = "/".join(f"{b:.2f}" for b in r["stage_busy"]) if per_stage else f"{r['busy_mean']:.2f}"
+        vs = f"{r['gain_vs_one']:.2f}x" if r["gain_vs_one"] is not None else "-"
+        print(f"{n:<14}{r['tok_s']:8.1f}{r['per_conversation_tok_s']:8.1f}{vs:>8}{r['rows_per_batch']:11.2f}"
+              f"{r['max_in_flight']:10d}  {busy}")
 
 
 def print_trends(result: dict, rule: str) -> None:

@@ -126,8 +126,7 @@ _COMMON: dict[str, object] = {
     "model": USED,  # any name: the server holds one model
     "stream": USED, "stream_options": USED, "stop": USED, "max_tokens": USED, "seed": USED,
     "temperature": USED, "top_p": USED, "top_k": USED, "min_p": USED, "repeat_penalty": USED,
-    "frequency_penalty": Neutral((0,), "frequency penalties are not supported yet"),
-    "presence_penalty": Neutral((0,), "presence penalties are not supported yet"),
+    "frequency_penalty": USED, "presence_penalty": USED,
     "n": USED, "logprobs": USED, "top_logprobs": USED,
     "best_of": Neutral((1,), _BEST_OF),
     "n_probs": Neutral((0,), "n_probs is llama.cpp's own field: send logprobs and top_logprobs"),
@@ -240,7 +239,7 @@ def _short(value: object) -> str:
 def _sampling(body: dict[str, Any], defaults: SamplingSettings) -> SamplingParams:
     """Omitted options take config.toml's [sampling] values; the engine's checks decide the rest."""
     given: dict[str, Any] = {}
-    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
         value = _number(body, key)
         if value is not None:
             given[key] = value

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import archs
-from .errors import ModelError
+from .errors import ModelError, PotluckError
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -287,6 +287,11 @@ def _layout_of_version(
     rules = archs.require_splittable(h, src.name)
     arch, n_layer = h.arch, h.n_layer  # the trunk: next-token blocks are never in a slice
     archs.check_layer_map(h, layer_map)
+    lo, hi = min(layer_map), max(layer_map) + 1
+    if list(layer_map) == list(range(lo, hi)):  # a stage's range (merges repeat layers)
+        why = archs.slice_rules(h).why_not(lo, hi)
+        if why is not None:
+            raise PotluckError(f"cannot split {src.name} at layers {lo}-{hi - 1}: they {why}")
     by_layer: dict[int, list] = {}
     others: list = []
     for t in r.tensors:

@@ -10,6 +10,7 @@ from .strategy import Generation, Round, Strategy
 
 class Plain(Strategy):
     name = "plain"
+    shares_batches = True
     description = "plain decoding, one token per target step"
 
     def run(self, g: Generation) -> Iterator[Round]:

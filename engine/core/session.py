@@ -19,7 +19,7 @@ import numpy as np
 
 from . import validate as limits
 from .chat import ChatFormat, Message, TextStream
-from .errors import PotluckError
+from .errors import ContextFullError, PotluckError
 from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, TokenLogprob, TokenText
 from .grammar import GrammarSpec, ReplyGrammar
 from .grammar import check as check_grammar
@@ -75,8 +75,8 @@ class Session:
         self._prefill_group: int | None = None  # the target job group of a prompt being processed
         self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
         self._covered = ""  # rendered text that self._tokens stand for
-        self._owner = ""  # whose conversation the context holds (Session.answer's owner)
         warm_up_sampler()  # the sampler's kernel loads with the model, not in a reply's first token
+        self._owner = ""  # whose conversation the context holds (Session.answer's owner)
 
     # -- conversation editing
     @property
@@ -89,9 +89,25 @@ class Session:
         if text:
             self.messages.insert(0, Message("system", text))
 
-    def load_messages(self, messages: Sequence[Message]) -> None:
-        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
+    def load_messages(self, messages: Sequence[Message], *, fresh: bool = False) -> None:
+        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it
+        matches. ``fresh``: the next prompt is computed whole, as a new session computes it (the
+        app sends a conversation cut to fit the context so: its reply is a fresh session's)."""
         self.messages = list(messages)
+        if fresh:
+            self._tokens, self._covered = [], ""
+
+    @property
+    def n_ctx(self) -> int:
+        return self.target.n_ctx
+
+    def count_tokens(self, messages: Sequence[Message]) -> int:
+        """The tokens ``messages`` take as a prompt, the chat template and the reply's opening
+        included: what a caller fits into :attr:`n_ctx` before it sends."""
+        try:
+            return len(self.prompt_for(messages).tokens())
+        except ContextFullError:  # its bytes alone prove it cannot fit: more than the context
+            return self.target.n_ctx + 1
 
     def use_prompt_cache(self, cache: PromptCache) -> None:
         """Keep recent conversations' KV in ``cache`` (an HTTP server's clients take turns),
@@ -114,6 +130,18 @@ class Session:
         prefill = self._prefill_group
         if prefill is not None:
             self.target.cancel(prefill)
+
+    def held_text(self, owner: str = "") -> str:
+        """The rendered conversation whose tokens the context holds, if ``owner``'s ("" after a
+        cancelled prompt, or another owner's): a server gives a request to the lane whose held
+        text it continues furthest, and never for another API key's conversation."""
+        return self._covered if self._owner == owner else ""
+
+    def prompt_progress(self) -> tuple[int, int]:
+        """(tokens of the prompt read, tokens to read) while a reply's prompt is processed;
+        safe from any thread (the app's status line polls it). (0, 0) otherwise."""
+        progress = getattr(self.target, "decode_progress", (0, 0))  # a target of its own may not count
+        return progress if self._prefill_group is not None else (0, 0)
 
     @property
     def conversation_tokens(self) -> int:
@@ -225,7 +253,9 @@ class Session:
                 for gone in cache.keep(kept_now):
                     target.drop_kv(gone.slot)
         kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv), owner)
-        if kept is not None and n > in_context:
+        # a recurrent state comes back at its end only: a shorter shared part would be read again
+        usable = kept is not None and (not target.recurrent or n == kept.n_kv)
+        if kept is not None and usable and n > in_context:
             if target.restore_kv(kept.slot, kept.n_kv):
                 cache.restored(kept)
                 self._tokens, self._covered, self._owner = list(kept.tokens), kept.covered, owner
@@ -246,6 +276,7 @@ class Session:
         reused = common_prefix_len(self._tokens[: target.n_past], tokens) if self._owner == owner else 0
         reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits
         target.truncate(reused)
+        reused = target.n_past  # a recurrent state may be cut back further (Target.truncate)
         # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
         self._tokens = tokens[:reused]
         self._covered = ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol, TypeVar
@@ -29,6 +30,7 @@ from .errors import ContextFullError, PotluckError
 from .events import ClusterView, Event, NodeStatus
 from .jobs import DecodeJob, GroupCancelled, Ticket
 from .kv import KvOp
+from .rollback import KEEP_BATCHES
 from .runner import StageRunner
 from .runtime import ContextParams, Model
 from .stage import Stage
@@ -49,6 +51,7 @@ class Target(Protocol):
     n_batch: int
     n_seq_max: int
     n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
+    recurrent: bool  # layers with a recurrent state: see truncate
 
     # -- job groups
     def new_group(self) -> int:
@@ -82,14 +85,15 @@ class Target(Protocol):
         """Forget every sequence (a new conversation)."""
         ...
 
-    def keep_kv(self, slot: int) -> bool:
-        """Save sequence 0's cells as ``slot`` on every stage, after the work queued so far
-        (a kept conversation, :mod:`.prompt_cache`); False if they could not be kept."""
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
+        """Save sequence ``seq``'s cells as ``slot`` on every stage, after the work queued so
+        far (a kept conversation, :mod:`.prompt_cache`); False if they could not be kept."""
         ...
 
-    def restore_kv(self, slot: int, n_past: int) -> bool:
-        """Replace sequence 0 with ``slot``'s cells, which hold ``n_past`` tokens; False (and
-        nothing changed) if the slot is gone: a cluster that rebuilt its chain lost them."""
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        """Replace sequence ``seq`` with ``slot``'s cells, which hold ``n_past`` tokens (the
+        canonical sequence's length becomes ``n_past`` when ``seq`` is 0); False (and nothing
+        changed) if the slot is gone: a cluster that rebuilt its chain lost them."""
         ...
 
     def drop_kv(self, slot: int) -> None:
@@ -116,7 +120,9 @@ class Target(Protocol):
         ...
 
     def truncate(self, n_past: int) -> None:
-        """Forget every token of sequence 0 at position >= ``n_past``."""
+        """Forget every token of sequence 0 at position >= ``n_past``. A target with a
+        recurrent state (``recurrent``) keeps it restorable only a few batches back: asked
+        for more, it forgets the whole sequence; read ``n_past`` after."""
         ...
 
     def settle(self) -> None:
@@ -160,10 +166,17 @@ class TargetBase(ABC):
     n_batch: int
     n_seq_max: int
     n_stages: int = 1
+    # layers with a recurrent state (core/rollback.py): a tail can be dropped only as far as
+    # the last KEEP_BATCHES batches of sequence 0 reach
+    recurrent: bool = False
 
     def __init__(self) -> None:
         self._n_past = 0
         self._groups = itertools.count(1)
+        self._spans: deque[list[int]] = deque(maxlen=KEEP_BATCHES)  # [pos0, n] of sequence 0's last batches
+        # (tokens computed, tokens in all) of the decode running now, one n_batch job at a time:
+        # read from other threads (the chat's status line while a long prompt is read)
+        self.decode_progress: tuple[int, int] = (0, 0)
 
     def new_group(self) -> int:
         return next(self._groups)
@@ -210,14 +223,17 @@ class TargetBase(ABC):
             )
         group = self.new_group() if group is None else group
         outputs = "all" if all_logits else "last"
-        tickets = [
-            self.submit(DecodeJob.tokens(group, tokens[i : i + self.n_batch], self._n_past + i, outputs=outputs))
-            for i in range(0, n, self.n_batch)
-        ]
+        tickets = []
+        for i in range(0, n, self.n_batch):
+            chunk = tokens[i : i + self.n_batch]
+            tickets.append(self.submit(DecodeJob.tokens(group, chunk, self._n_past + i, outputs=outputs)))
+            self._spans.append([self._n_past + i, len(chunk)])
         rows: list[np.ndarray] = []
+        self.decode_progress = (0, n)
         try:
             for t in tickets:
                 rows.append(self.wait(t))
+                self.decode_progress = (min(n, len(rows) * self.n_batch), n)
         except BaseException:
             # Cancelled or failed mid-prompt: settle the group's other jobs, then drop whatever
             # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
@@ -229,7 +245,7 @@ class TargetBase(ABC):
                         self.wait(t)
                     except GroupCancelled:
                         pass
-                self.kv(KvOp.rm(0, self._n_past))
+                self._n_past = self._cut(self._n_past)
             except PotluckError:
                 pass
             raise
@@ -257,19 +273,22 @@ class TargetBase(ABC):
                 f"{self.n_ctx}; start a new conversation or raise --ctx"
             )
         ticket = self.submit(DecodeJob.tokens(group, tokens, self._n_past, outputs="all"))
+        self._spans.append([self._n_past, n])
         self._n_past += n
         return ticket
 
     def set_threads(self, n_threads: int) -> None:
         """Workers and in-process stages keep the threads they were opened with."""
 
-    def keep_kv(self, slot: int) -> bool:
-        self.kv(KvOp.save(slot))
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
+        self.kv(KvOp.save(slot, seq))
         return True
 
-    def restore_kv(self, slot: int, n_past: int) -> bool:
-        self.kv(KvOp.load(slot))
-        self._n_past = n_past
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        self.kv(KvOp.load(slot, seq))
+        if seq == 0:
+            self._n_past = n_past
+            self._spans.clear()
         return True
 
     def drop_kv(self, slot: int) -> None:
@@ -280,8 +299,26 @@ class TargetBase(ABC):
 
     def truncate(self, n_past: int) -> None:
         if n_past < self._n_past:
-            self.kv(KvOp.rm(0, n_past))
-            self._n_past = n_past
+            self._n_past = self._cut(n_past)
+
+    def _cut_point(self, n_past: int) -> int:
+        """Where sequence 0 can end: ``n_past``, or 0 on a recurrent target whose stages
+        keep no state that far back. Every stage keeps at least the last KEEP_BATCHES
+        batches this head sent (a stage computes a subset of them: core/rollback.py)."""
+        if self.recurrent and not (self._spans and n_past >= self._spans[0][0]):
+            return 0
+        return n_past
+
+    def _cut(self, n_past: int) -> int:
+        """Drop sequence 0 from ``n_past`` (or from where it can be cut) on every stage; the
+        batches kept for a rollback end there too. Returns where it ends."""
+        n_past = self._cut_point(n_past)
+        self.kv(KvOp.rm(0, n_past))
+        while self._spans and self._spans[-1][0] >= n_past:
+            self._spans.pop()
+        if self._spans and sum(self._spans[-1]) > n_past:
+            self._spans[-1][1] = n_past - self._spans[-1][0]
+        return n_past
 
     def node_status(self, run_id: int) -> list[NodeStatus]:
         return []
@@ -309,6 +346,7 @@ class LocalTarget(TargetBase):
         self.n_ctx = self.stage.n_ctx
         self.n_batch = params.n_batch
         self.n_seq_max = self.stage.n_seq_max
+        self.recurrent = model.recurrent
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
 
@@ -337,6 +375,7 @@ class LocalTarget(TargetBase):
     def reset(self) -> None:
         self.runner.submit(Stage.clear)
         self._n_past = 0
+        self._spans.clear()
 
     def set_threads(self, n_threads: int) -> None:
         self.runner.set_threads(n_threads)
@@ -344,9 +383,9 @@ class LocalTarget(TargetBase):
     def settle(self) -> None:
         self.runner.submit(Stage.settle).result()
 
-    def keep_kv(self, slot: int) -> bool:
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
         try:
-            self.runner.submit(KvOp.save(slot)).result()
+            self.runner.submit(KvOp.save(slot, seq)).result()
         except PotluckError as e:  # no room: the conversation is not kept
             log.info("conversation not kept: %s", e)
             return False

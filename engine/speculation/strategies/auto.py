@@ -38,6 +38,7 @@ LONG_DOCUMENT_TOKENS = 2048
 class Auto(Strategy):
     name = "auto"
     accepts_draft = True  # with --draft: sd on short conversations
+    shares_batches = True  # both picks do
     description = "picks per reply: sd with a draft model on a chat, anpd otherwise (N-grams)"
     options = LENGTH_OPTIONS
 
