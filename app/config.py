@@ -203,6 +203,9 @@ class ServerSettings:
     """Host header names accepted besides localhost and the bind address (DNS-rebinding guard)."""
     allowed_origins: tuple[str, ...] = ()
     """Browser origins allowed besides loopback ones, e.g. "http://mybox:3000"."""
+    reasoning: bool = True
+    """Return a thinking model's ``<think>`` block as ``reasoning_content`` (false: left in the
+    reply's content, as the model wrote it)."""
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
     from .core import paths, validate
     from .core.backend import check_gguf_file
-    from .core.chat import Message
-    from .core.errors import ContextFullError, DecodeError, ModelError, PotluckError
+    from .core.chat import Message, ToolCall
+    from .core.errors import ContextFullError, DecodeError, GrammarError, ModelError, PotluckError
     from .core.events import (
         ClusterView,
         DrafterStanding,
@@ -41,15 +41,19 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         TokenText,
     )
     from .core.gguf_tools import describe as describe_gguf
+    from .core.grammar import GrammarSpec, check_schema, json_object_spec, json_schema_spec
+    from .core.grammar import check as check_grammar
     from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
     from .core.prompt_cache import PromptCache, PromptCacheStats
+    from .core.reasoning import ThinkSplitter, split_thinking, thinks
     from .core.runtime import Model
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
+    from .core.tools import CallScanner, Tool, call_grammar, tool_format
     from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
@@ -70,7 +74,21 @@ _WHERE = {
     "printable": ".core.printable:printable",
     "PrintableFormatter": ".core.printable:PrintableFormatter",
     "Message": ".core.chat:Message",
+    "ToolCall": ".core.chat:ToolCall",
+    "Tool": ".core.tools:Tool",
+    "ThinkSplitter": ".core.reasoning:ThinkSplitter",
+    "thinks": ".core.reasoning:thinks",
+    "split_thinking": ".core.reasoning:split_thinking",
+    "CallScanner": ".core.tools:CallScanner",
+    "call_grammar": ".core.tools:call_grammar",
+    "tool_format": ".core.tools:tool_format",
     "ContextFullError": ".core.errors:ContextFullError",
+    "GrammarError": ".core.errors:GrammarError",
+    "GrammarSpec": ".core.grammar:GrammarSpec",
+    "check_grammar": ".core.grammar:check",
+    "check_schema": ".core.grammar:check_schema",
+    "json_object_spec": ".core.grammar:json_object_spec",
+    "json_schema_spec": ".core.grammar:json_schema_spec",
     "DecodeError": ".core.errors:DecodeError",
     "ModelError": ".core.errors:ModelError",
     "PotluckError": ".core.errors:PotluckError",
@@ -131,6 +149,7 @@ __all__ = [
     "JOIN_TIMEOUT_S",
     "PLAIN",
     "STRATEGIES",
+    "CallScanner",
     "ClusterSpec",
     "ClusterView",
     "ContextFullError",
@@ -140,6 +159,8 @@ __all__ = [
     "EngineSpec",
     "Event",
     "Finished",
+    "GrammarError",
+    "GrammarSpec",
     "Lanes",
     "Message",
     "Model",
@@ -156,13 +177,21 @@ __all__ = [
     "SamplingParams",
     "Session",
     "StageView",
+    "ThinkSplitter",
     "TokenText",
+    "Tool",
+    "ToolCall",
     "Worker",
     "check_gguf_file",
+    "check_grammar",
+    "check_schema",
+    "call_grammar",
     "checked_spec",
     "default_threads",
     "describe_gguf",
     "get_strategy_class",
+    "json_object_spec",
+    "json_schema_spec",
     "measure_profile",
     "open_lanes",
     "open_session",
@@ -170,7 +199,10 @@ __all__ = [
     "preview_plan",
     "printable",
     "resolve_model",
+    "split_thinking",
     "strategy_fits",
     "strategy_names",
+    "thinks",
+    "tool_format",
     "validate",
 ]

@@ -636,3 +636,30 @@ async def test_what_records_and_workers_say_is_shown_not_interpreted(tmp_path: P
         shown = prompt.plain if isinstance(prompt, Content) else Content.from_markup(str(prompt)).plain
         assert "[/x]\\x1b]5" in shown and "\x1b" not in shown
         assert app.is_running
+
+
+@run_async
+async def test_thinking_is_folded_under_the_reply(tmp_path: Path) -> None:
+    """A reasoning model's <think> block: the answer is the reply's Markdown, the thinking a
+    folded Collapsible under it, for a streamed reply and one reopened from history."""
+    from textual.widgets import Collapsible, Static
+
+    text = "<think>\nThe user greets me.\n</think>\n\nHello **there**."
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
+    async with app.run_test(size=SIZE) as pilot:
+        chat, view = await streaming_view(app)
+        await view.append(text[:20])
+        await view.finish(text)
+        await pilot.pause()
+        fold = view.query_one(".thinking", Collapsible)
+        assert view.markdown.source == "Hello **there**." and fold.display and fold.collapsed
+        assert "The user greets me." in str(view.query_one(".thought", Static).render())
+        assert view.content == text  # copied and saved as the model wrote it
+        reopened = MessageView("assistant", text)
+        await chat.mount(reopened)
+        await pilot.pause()
+        assert reopened.markdown.source == "Hello **there**." and reopened.query_one(".thinking", Collapsible).display
+        plain = MessageView("assistant", "No thinking here.")
+        await chat.mount(plain)
+        await pilot.pause()
+        assert not plain.query_one(".thinking", Collapsible).display

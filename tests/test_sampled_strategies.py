@@ -89,3 +89,50 @@ def test_a_broken_residual_is_caught(
     monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
     tokens, p = verified_tokens(model, strategies[name], CASES[name][2], DEFAULTS, context=context(model, name))
     assert chi2_pvalue(tokens, p) < ALPHA
+
+
+# --------------------------------------------------------------------------- under a grammar
+
+# After the prompt's last token: a space, then a letter from b to z. Each prompt's likeliest
+# continuations hold refused ones (" and"; " apples", which anpd drafts; " a") beside allowed
+# ones, so the constrained distribution is the filtered one restricted and renormalized.
+LETTERS = 'root ::= <[{last}]> " " [b-z] [a-z]*'
+# Digits right after it: none of the filtered candidates is allowed, so the filters run again
+# over the allowed tokens alone (the grammar's fallback).
+DIGITS = 'root ::= <[{last}]> [0-9]+'
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sampled_tokens_follow_the_constrained_distribution(
+    name: str, model: Model, strategies: dict[str, Strategy]
+) -> None:
+    """Structured output keeps the target's constrained distribution with every strategy:
+    drafts the grammar refuses are rejected, the residual comes from the constrained p."""
+    tokens, p = verified_tokens(model, strategies[name], CASES[name][2], DEFAULTS,
+                                context=context(model, name), grammar=LETTERS)
+    assert chi2_pvalue(tokens, p) > ALPHA
+
+
+@pytest.mark.parametrize("name", ["plain", "sd"])
+def test_sampled_tokens_where_the_grammar_refuses_every_candidate(
+    name: str, model: Model, strategies: dict[str, Strategy]
+) -> None:
+    tokens, p = verified_tokens(model, strategies[name], CASES[name][2], DEFAULTS,
+                                context=context(model, name), grammar=DIGITS)
+    assert chi2_pvalue(tokens, p) > ALPHA
+    assert all(model.token_bytes(t).isdigit() for t in tokens) and len(set(tokens)) > 3
+
+
+@pytest.mark.parametrize("name", ["sd"])
+def test_a_broken_residual_is_caught_under_a_grammar(
+    name: str, model: Model, strategies: dict[str, Strategy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model drafts within a grammar that leaves the prompt's likeliest words (its
+    drafts differ from the target's choices often enough for a wrong residual to show). Where
+    a draft is refused, as anpd's " apples" is, p gives it nothing and p's residual after it is
+    p itself: no residual can be wrong there."""
+    monkeypatch.setattr(inflight, "verify_chain", functools.partial(verify.verify_chain, residual_fn=broken_residual))
+    monkeypatch.setattr(inflight, "judge", functools.partial(verify.judge, residual_fn=broken_residual))
+    tokens, p = verified_tokens(model, strategies[name], CASES[name][2], DEFAULTS, context=context(model, name),
+                                grammar='root ::= <[{last}]> " " [a-z]+')
+    assert chi2_pvalue(tokens, p) < ALPHA

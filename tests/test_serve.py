@@ -355,10 +355,10 @@ def test_past_the_queue_a_request_gets_429_with_retry_after(server: RunningServe
 
 def test_refused_options_are_named(client: openai.OpenAI) -> None:
     base = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    for extra, name in [({"n": 2}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
-                        ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}},
-                                                           "response_format"),
-                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:
+    for extra, name in [({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"logprobs": 1}, "logprobs"), ({"response_format": {"type": "xml"}},
+                                                        "response_format.type"),
+                        ({"tool_choice": "required"}, "tool_choice")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**base, **extra)
         assert e.value.status_code == 400 and e.value.body["param"] == name and name in e.value.body["message"]
@@ -380,7 +380,7 @@ _bad_fields = st.one_of(
               | st.floats(max_value=-0.001) | st.integers(min_value=3)),
     st.tuples(st.just("max_tokens"), st.integers(max_value=0) | st.floats() | st.text() | st.booleans()),
     st.tuples(st.just("top_p"), st.floats(min_value=1.001) | st.floats(max_value=0.0) | st.text()),
-    st.tuples(st.just("n"), st.integers(min_value=2)),
+    st.tuples(st.just("n"), st.integers(min_value=17) | st.integers(max_value=0)),
     st.tuples(st.just("seed"), st.text() | st.floats() | st.lists(st.integers(), max_size=2)),
     st.tuples(st.just("stop"), st.integers() | st.just("") | st.lists(st.integers(), min_size=1, max_size=2)
               | st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=18)),

@@ -101,10 +101,11 @@ def test_an_image_part_gets_a_400_saying_no_vision(server: RunningServer) -> Non
             {"type": "text", "text": "What is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
     assert "no vision" in e.value.body["message"] and e.value.body["param"] == "messages[0].content[1]"
-    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 2),
-                         ("logprobs", True), ("response_format", {"type": "json_object"})]:
+    for field, value in [("tool_choice", "required"), ("n", 17),
+                         ("top_logprobs", 21)]:
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="potluck", max_tokens=2, messages=HISTORY, **{field: value})
+            extra = {"logprobs": True} if field == "top_logprobs" else {}
+            client.chat.completions.create(model="potluck", max_tokens=2, messages=HISTORY, **{field: value}, **extra)
         assert e.value.body["param"] == field and field in e.value.body["message"]
 
 

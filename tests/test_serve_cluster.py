@@ -1,10 +1,11 @@
 """`potluck serve --nodes` over loopback workers: the split model answers exactly what one
-machine answers, and /health shows the chain's stages."""
+machine answers, and /health and /metrics show the chain's stages."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from urllib.request import urlopen
 
 import openai
 import pytest
@@ -56,6 +57,15 @@ def test_a_split_model_answers_exactly_like_one_machine(cluster_server: RunningS
     health = cluster_server.health()
     stages = health["cluster"]["stages"]
     assert [s["layers"] for s in stages] == [[0, 15], [15, 29]] and all(s["state"] == "ok" for s in stages)
+    # /metrics: each stage's layers, traffic and health, by node
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"{cluster_server.base_url}/metrics", timeout=60) as reply:
+        samples = [s for f in text_string_to_metric_families(reply.read().decode()) for s in f.samples]
+    layers = {s.labels["node"]: s.value for s in samples if s.name == "potluck:stage_layers"}
+    assert sorted(layers.values()) == [14, 15] and set(layers) == {s["node"] for s in stages}
+    assert all(s.value > 0 for s in samples if s.name == "potluck:stage_bytes_total")
+    assert [s.value for s in samples if s.name == "potluck:stage_up"] == [1, 1]
 
 
 def test_four_clients_at_once_keep_the_stages_busy_and_each_answer_is_exact(cluster_server: RunningServer) -> None:

@@ -289,7 +289,7 @@ def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_token
                 pass
 
         def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *,
-                   owner: str) -> Iterator[object]:
+                   owner: str, **shape: object) -> Iterator[object]:  # grammar, logprobs, n
             ran.append(prompt.text)
             yield ReplyStarted(1, "plain", 1, 1, 64)
             yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)

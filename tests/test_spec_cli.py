@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from potluck.app.cli import main
@@ -16,34 +15,20 @@ from potluck.engine.lab.benchmark import BenchRow, load_prompts, ngram_scaling
 from potluck.engine.lab.fixtures import build_fixture
 
 from .conftest import flat_cost_line
+from .support.templated import with_metadata
 
 
 def write_foreign_vocab(src: Path, dst: Path) -> Path:
     """A copy of ``src`` whose tokenizer spells two tokens differently (same vocab size)."""
-    import gguf
 
-    r = gguf.GGUFReader(str(src), "r")
-    arch = str(r.fields["general.architecture"].contents())
-    w = gguf.GGUFWriter(str(dst), arch=arch, use_temp_file=False)
-    for field in r.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == "tokenizer.ggml.tokens":
-            value = list(value)
-            value[1000], value[1001] = value[1001], value[1000]
-        w.add_key_value(field.name, value, vtype, sub_type=sub)
-    for t in r.tensors:
-        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in r.tensors:
-        w.write_tensor_data(np.asarray(t.data))
-    w.close()
-    return dst
+    def swap(key: str, value: object) -> object:
+        if key != "tokenizer.ggml.tokens":
+            return value
+        tokens = list(value)  # type: ignore[call-overload]
+        tokens[1000], tokens[1001] = tokens[1001], tokens[1000]
+        return tokens
+
+    return with_metadata(src, dst, swap)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

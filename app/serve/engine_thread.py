@@ -23,11 +23,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ...engine import (
+    CallScanner,
     ClusterView,
     Finished,
+    GrammarSpec,
     Lanes,
+    Model,
     NodeStatus,
     PlanChanged,
     PotluckError,
@@ -35,7 +39,9 @@ from ...engine import (
     PromptCache,
     ReplyStarted,
     Session,
+    ThinkSplitter,
     TokenText,
+    ToolCall,
 )
 from .protocol import ApiError, GenerationRequest
 
@@ -43,10 +49,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Delta:
+    """New text of one choice, with its tokens' log-probabilities when the request asked
+    (OpenAI's entries: token, logprob, bytes, top_logprobs)."""
+
+    choice: int
+    text: str
+    logprobs: tuple[dict[str, Any], ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # the choice's calls, once it ended
+    reasoning: str = ""  # thinking, told apart from the answer (``reasoning_content``)
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How a reply ended, with the figures the response and the log line report."""
 
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled": the first choice's (the log line's)
     prompt_tokens: int
     completion_tokens: int
     reused_tokens: int  # prompt tokens whose KV came from a cache (not processed again)
@@ -55,6 +73,7 @@ class Outcome:
     accepted: int
     tokens_per_s: float
     ttft_s: float
+    finish_reasons: tuple[str, ...] = ()  # each choice's
 
 
 class StopScanner:
@@ -88,6 +107,9 @@ class Job:
         self.request = request
         self.owner = owner  # the API key's name: kept conversations are reused only for it
         self.prompt: Prompt | None = None  # set once tokenized (EngineThread.ready)
+        self.grammar: GrammarSpec | None = request.grammar  # or a tool call's, set when tokenized
+        self.tool_format = ""  # the template's call format, when the request has tools
+        self.split_thinking = False  # the template thinks and [server] reasoning is on
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -96,7 +118,7 @@ class Job:
         self.queued_at = time.monotonic()
 
     def put(self, kind: str, item: object) -> None:
-        """From the engine thread: ("text", str), ("done", Outcome) or ("error", ApiError)."""
+        """From the engine thread: ("text", Delta), ("done", Outcome) or ("error", ApiError)."""
         if kind != "text":
             self.finished.set()
         try:
@@ -138,7 +160,10 @@ class EngineThread:
         self.nodes: dict[str, NodeStatus] = {}  # cluster mode: each stage's health at the last report
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
-             "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
+             "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens",
+             "drafted", "accepted"), 0)
+        self.counters.update(prompt_seconds=0.0, predicted_seconds=0.0)  # prompt processing, generation
+        self.on_outcome: Callable[[Outcome], None] | None = None  # /metrics' time to first token
         self._opener = opener
         self._queue: deque[Job] = deque()
         self._running: dict[int, Job] = {}  # lane -> the job it runs
@@ -337,10 +362,15 @@ class EngineThread:
         try:
             # no max_tokens: to the end of the reply, or of the context (finish_reason "length")
             max_tokens = req.max_tokens if req.max_tokens is not None else session.target.n_ctx
-            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner)
-            scanner = StopScanner(req.stop)
-            stopped = False
-            finished: Finished | None = None
+            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner, grammar=job.grammar,
+                                    logprobs=req.logprobs, n=req.n)
+            scanners = [StopScanner(req.stop) for _ in range(req.n)]
+            calls = [CallScanner(job.tool_format, req.tools) if req.tools else None for _ in range(req.n)]
+            called = [False] * req.n
+            opened = job.split_thinking and job.prompt.text.rstrip().endswith("<think>")  # the template opened it
+            thoughts = [ThinkSplitter(opened) if job.split_thinking else None for _ in range(req.n)]
+            stopped = [False] * req.n
+            finished: list[Finished] = []
             for event in events:
                 if isinstance(event, ReplyStarted):
                     started = True
@@ -348,11 +378,16 @@ class EngineThread:
                         job.run_id = event.run_id
                     if job.cancelled.is_set():  # hung up before its run had an id
                         session.cancel(event.run_id)
-                elif isinstance(event, TokenText) and not stopped:
-                    text, stopped = scanner.feed(event.text)
-                    if text:
-                        job.put("text", text)
-                    if stopped:
+                elif isinstance(event, TokenText) and not stopped[event.choice]:
+                    c = event.choice
+                    text, stopped[c] = scanners[c].feed(event.text)
+                    thought, text = _split(thoughts[c], text)
+                    scanner = calls[c]
+                    if scanner is not None:
+                        text = scanner.feed(text)
+                    if text or thought or event.logprobs:
+                        job.put("text", Delta(c, text, logprob_entries(session.model, event), reasoning=thought))
+                    if stopped[c] and req.n == 1:  # with several choices the others go on
                         session.cancel(event.run_id)
                 elif isinstance(event, NodeStatus):
                     self.nodes[event.node] = event
@@ -360,13 +395,21 @@ class EngineThread:
                     self.notice = event.reason
                     log.warning("%s", event.reason)
                 elif isinstance(event, Finished):
-                    finished = event
-            assert finished is not None
-            if not stopped:
-                tail = scanner.flush()
-                if tail:
-                    job.put("text", tail)
-            job.put("done", self._outcome(job, finished, stopped))
+                    finished.append(event)
+                    c = event.choice
+                    tail = "" if stopped[c] else scanners[c].flush()
+                    thought, tail = _split(thoughts[c], tail, end=True)
+                    scanner = calls[c]
+                    found: tuple[ToolCall, ...] = ()
+                    if scanner is not None:
+                        tail = scanner.feed(tail)
+                        rest, found = scanner.finish()
+                        tail += rest
+                        called[c] = bool(found)
+                    if tail or found or thought:
+                        job.put("text", Delta(c, tail, tool_calls=found, reasoning=thought))
+            assert finished
+            job.put("done", self._outcome(job, finished, stopped, called))
         except PotluckError as e:
             # before the reply started: the request's fault (a prompt longer than the context);
             # after: the engine's (a cluster that lost its workers for good)
@@ -382,24 +425,69 @@ class EngineThread:
             self.error = f"internal error: {type(e).__name__}"
             job.put("error", ApiError(500, f"internal error ({type(e).__name__}); see the server's log"))
 
-    def _outcome(self, job: Job, f: Finished, stopped: bool) -> Outcome:
-        if stopped:
-            reason = "stop"
-        elif f.reason == "cancelled":
-            reason = "cancelled"
-        else:
-            reason = "stop" if f.reason == "stop" else "length"  # length or context_full
+    def _outcome(self, job: Job, ends: list[Finished], stopped: list[bool], called: list[bool]) -> Outcome:
+        reasons = []
+        for f in ends:
+            if called[f.choice]:
+                reasons.append("tool_calls")
+            elif stopped[f.choice]:
+                reasons.append("stop")
+            elif f.reason == "cancelled":
+                reasons.append("cancelled")
+            else:
+                reasons.append("stop" if f.reason == "stop" else "length")  # length or context_full
+        f = ends[0]
         reused = f.prompt_tokens - f.prefill_tokens if f.prefill_tokens or f.tokens else 0
+        generated = sum(len(e.tokens) for e in ends)
+        seconds = sum(len(e.tokens) / e.tokens_per_s for e in ends if e.tokens_per_s > 0)
         with self._cond:  # lanes finish on threads of their own
             c = self.counters
-            c["cancelled_running"] += reason == "cancelled"
-            c["cancelled_before_decoding"] += reason == "cancelled" and not f.tokens  # e.g. mid-prompt
-            c["completed"] += reason != "cancelled"
+            c["cancelled_running"] += reasons[0] == "cancelled"
+            c["cancelled_before_decoding"] += reasons[0] == "cancelled" and not f.tokens  # e.g. mid-prompt
+            c["completed"] += reasons[0] != "cancelled"
             c["prompt_tokens"] += f.prompt_tokens
             c["reused_tokens"] += reused
-            c["completion_tokens"] += len(f.tokens)
-        return Outcome(
-            finish_reason=reason, prompt_tokens=f.prompt_tokens, completion_tokens=len(f.tokens),
-            reused_tokens=reused, strategy=f.strategy, drafted=f.drafted, accepted=f.accepted,
-            tokens_per_s=f.tokens_per_s, ttft_s=f.ttft_s,
+            c["completion_tokens"] += generated
+            c["drafted"] += sum(e.drafted for e in ends)
+            c["accepted"] += sum(e.accepted for e in ends)
+            c["prompt_seconds"] += f.ttft_s if f.prefill_tokens else 0.0
+            c["predicted_seconds"] += seconds
+        outcome = Outcome(
+            finish_reason=reasons[0], prompt_tokens=f.prompt_tokens, completion_tokens=generated,
+            reused_tokens=reused, strategy=f.strategy, drafted=sum(e.drafted for e in ends),
+            accepted=sum(e.accepted for e in ends), tokens_per_s=generated / seconds if seconds else 0.0,
+            ttft_s=f.ttft_s, finish_reasons=tuple(reasons),
         )
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+        return outcome
+
+
+def _split(splitter: ThinkSplitter | None, text: str, end: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of a reply's new text (all answer where thinking is not split)."""
+    if splitter is None:
+        return "", text
+    thought, answer = splitter.feed(text)
+    if end:
+        more, rest = splitter.finish()
+        thought, answer = thought + more, answer + rest
+    return thought, answer
+
+
+def logprob_entries(model: Model, event: TokenText) -> tuple[dict[str, Any], ...]:
+    """``event``'s log-probabilities as OpenAI's chat entries (the completions shape is made
+    from these)."""
+
+    def token(t: int) -> tuple[str, list[int]]:
+        raw = model.token_bytes(t)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    out = []
+    for lp in event.logprobs:
+        text, raw = token(lp.token)
+        top = []
+        for t, value in lp.top:
+            t_text, t_raw = token(t)
+            top.append({"token": t_text, "logprob": value, "bytes": t_raw})
+        out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return tuple(out)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -26,10 +26,21 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...engine import ContextFullError, PotluckError, Prompt, printable
+from ...engine import (
+    ContextFullError,
+    GrammarError,
+    PotluckError,
+    Prompt,
+    call_grammar,
+    check_grammar,
+    printable,
+    thinks,
+    tool_format,
+)
 from ..config import SamplingSettings, ServerSettings
-from .engine_thread import EngineThread, Job, Outcome, QueueFull
+from .engine_thread import Delta, EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
+from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request, sampling_fields
 
 log = logging.getLogger("potluck.serve")
@@ -59,14 +70,30 @@ class ServeState:
         # than one core taken from decoding however many requests arrive.
         self.tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="potluck-tokenize")
 
-    async def prompt(self, req: GenerationRequest) -> Prompt:
-        """``req``'s prompt, rendered and tokenized on the tokenizer thread."""
+    async def prepare(self, job: Job) -> Prompt:
+        """``job``'s prompt, rendered and tokenized on the tokenizer thread, and the grammar that
+        forces a tool call where the request requires one (its format is the template's)."""
         session = self.engine.session
         assert session is not None
+        req = job.request
 
         def tokenize() -> Prompt:
+            job.split_thinking = self.server.reasoning and req.kind == "chat" and thinks(session.format.source)
+            if req.tools:
+                job.tool_format = tool_format(session.format.source)
+                if req.tool_choice == "required":
+                    try:
+                        job.grammar = call_grammar(job.tool_format, req.tools, req.parallel_tool_calls)
+                    except GrammarError as e:
+                        raise ApiError(400, str(e), param="tools") from None
+            if job.grammar is not None:  # the model's vocabulary decides what llama.cpp can parse
+                field = req.grammar_field or "tools"
+                try:
+                    check_grammar(session.model, job.grammar, field)
+                except GrammarError as e:
+                    raise ApiError(400, str(e), param=field.split(".")[0]) from None
             if req.kind == "chat":
-                return session.prompt_for(req.messages, variables=dict(req.variables))
+                return session.prompt_for(req.messages, variables=dict(req.variables), tools=req.tools)
             return session.raw_prompt(req.prompt)
 
         try:
@@ -119,11 +146,12 @@ class JobResponse:
                                           f"({self.state.server.request_timeout_s:g} s) and was cancelled")
 
     async def _whole(self, send: Send, deadline: float) -> None:
-        parts: list[str] = []
+        replies = [Reply() for _ in range(self.job.request.n)]
         while True:
             kind, item = await self._next(deadline)
             if kind == "text":
-                parts.append(item)  # type: ignore[arg-type]
+                assert isinstance(item, Delta)
+                replies[item.choice].add(item)
             elif kind == "gone":
                 return
             elif kind == "error":
@@ -133,7 +161,7 @@ class JobResponse:
             else:
                 assert isinstance(item, Outcome)
                 self._note(item)
-                body = completion_object(self.state, self.job.request, "".join(parts), item)
+                body = completion_object(self.state, self.job.request, replies, item)
                 await self._send_json(send, 200, body)
                 return
 
@@ -156,13 +184,20 @@ class JobResponse:
             await send({"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True})
 
         if req.kind == "chat":
-            await event(chunk_object(self.state, req, {"role": "assistant", "content": ""}))
+            for c in range(req.n):
+                await event(chunk_object(self.state, req, c, {"role": "assistant", "content": ""}))
         while True:
             kind, item = await self._next(deadline)
             if kind == "gone":
                 return
             if kind == "text":
-                await event(chunk_object(self.state, req, item))  # type: ignore[arg-type]
+                assert isinstance(item, Delta)
+                if item.reasoning:
+                    await event(chunk_object(self.state, req, item.choice, {"reasoning_content": item.reasoning}))
+                if item.text or item.logprobs:
+                    await event(chunk_object(self.state, req, item.choice, item.text, logprobs=item.logprobs))
+                if item.tool_calls:
+                    await event(chunk_object(self.state, req, item.choice, {"tool_calls": tool_calls_object(item)}))
                 continue
             if kind == "error":
                 assert isinstance(item, ApiError)
@@ -170,9 +205,10 @@ class JobResponse:
             else:
                 assert isinstance(item, Outcome)
                 self._note(item)
-                await event(chunk_object(self.state, req, None, item))
+                for c in range(req.n):
+                    await event(chunk_object(self.state, req, c, None, item))
                 if req.include_usage:
-                    await event(chunk_object(self.state, req, None, item, usage_only=True))
+                    await event(chunk_object(self.state, req, 0, None, item, usage_only=True))
             await event("[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
@@ -194,25 +230,78 @@ def potluck_figures(o: Outcome) -> dict[str, Any]:
             "reused_tokens": o.reused_tokens}
 
 
-def _finish(o: Outcome) -> str:
-    return "stop" if o.finish_reason == "cancelled" else o.finish_reason
+def _finish(o: Outcome, choice: int = 0) -> str:
+    reason = o.finish_reasons[choice] if choice < len(o.finish_reasons) else o.finish_reason
+    return "stop" if reason == "cancelled" else reason
 
 
-def completion_object(state: ServeState, req: GenerationRequest, text: str, o: Outcome) -> dict[str, Any]:
+class Reply:
+    """One choice's text and log-probabilities, gathered for a whole (not streamed) answer."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self.reasoning: list[str] = []
+
+    def add(self, delta: Delta) -> None:
+        self.parts.append(delta.text)
+        self.reasoning.append(delta.reasoning)
+        self.logprobs.extend(delta.logprobs)
+        self.tool_calls.extend(tool_calls_object(delta))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def tool_calls_object(delta: Delta) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` entries of a delta (``index`` is for streamed chunks)."""
+    return [{"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(delta.tool_calls)]
+
+
+def logprobs_object(req: GenerationRequest, entries: Sequence[dict[str, Any]], offset: int = 0
+                    ) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice (or a chunk of one): chat's ``content`` entries, or
+    the completions API's four lists (``offset``: where the entries' text starts)."""
+    if req.logprobs is None:
+        return None
     if req.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": _finish(o)}
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(o)}
-        kind, prefix = "text_completion", "cmpl-"
+        return {"content": list(entries), "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def completion_object(state: ServeState, req: GenerationRequest, replies: Sequence[Reply], o: Outcome
+                      ) -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    for i, r in enumerate(replies):
+        lp = logprobs_object(req, r.logprobs)
+        if req.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            if any(r.reasoning):
+                message["reasoning_content"] = "".join(r.reasoning)
+            if r.tool_calls:
+                message.update(content=r.text or None, tool_calls=[{k: v for k, v in c.items() if k != "index"}
+                                                                   for c in r.tool_calls])
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": _finish(o, i)})
+        else:
+            choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": _finish(o, i)})
+    kind, prefix = ("chat.completion", "chatcmpl-") if req.kind == "chat" else ("text_completion", "cmpl-")
     return {"id": prefix + req.id, "object": kind, "created": req.created, "model": state.model_id,
-            "choices": [choice], "usage": usage(o), "system_fingerprint": None, "potluck": potluck_figures(o)}
+            "choices": choices, "usage": usage(o), "system_fingerprint": None, "potluck": potluck_figures(o)}
 
 
-def chunk_object(state: ServeState, req: GenerationRequest, text: str | dict[str, Any] | None,
-                 o: Outcome | None = None, *, usage_only: bool = False) -> dict[str, Any]:
-    """A stream chunk: text (or the first delta), the last one (``o``), or the usage chunk."""
+def chunk_object(state: ServeState, req: GenerationRequest, choice: int, text: str | dict[str, Any] | None,
+                 o: Outcome | None = None, *, usage_only: bool = False,
+                 logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """A stream chunk of ``choice``: text (or the first delta), the last one (``o``), or the usage chunk."""
     chat = req.kind == "chat"
     out: dict[str, Any] = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
                            "object": "chat.completion.chunk" if chat else "text_completion",
@@ -221,12 +310,13 @@ def chunk_object(state: ServeState, req: GenerationRequest, text: str | dict[str
         assert o is not None
         out.update(choices=[], usage=usage(o))
         return out
-    finish = None if o is None else _finish(o)
+    finish = None if o is None else _finish(o, choice)
+    lp = logprobs_object(req, logprobs) if logprobs else None
     if chat:
         delta = text if isinstance(text, dict) else ({} if text is None else {"content": text})
-        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        out["choices"] = [{"index": choice, "delta": delta, "logprobs": lp, "finish_reason": finish}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        out["choices"] = [{"index": choice, "text": text or "", "logprobs": lp, "finish_reason": finish}]
     if req.include_usage:
         out["usage"] = None
     if o is not None:
@@ -301,7 +391,7 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
                            kind="rate_limit_error", headers={"Retry-After": str(e.retry_after_s)}) from None
         request.scope["potluck.job"] = job
         try:
-            prompt = await state.prompt(req)
+            prompt = await state.prepare(job)
         except BaseException:
             state.engine.withdraw(job)
             raise
@@ -359,6 +449,15 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
                 body["cluster_notice"] = printable(engine.notice)
         return JSONResponse(body, status_code=status)
 
+    metrics = ServeMetrics(state.engine)
+
+    async def embeddings(request: Request) -> Response:
+        raise ApiError(404, "potluck serve has no /v1/embeddings: it serves a chat model, whose embeddings are "
+                            "not a retrieval model's; run an embedding model for them", code="not_supported")
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return error_response(exc)
@@ -378,6 +477,8 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
         ],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
     )

@@ -18,12 +18,25 @@ and config.toml's; numbers of any size, NaN and Infinity are refused by name, ne
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...engine import Message, PotluckError, SamplingParams, validate
+from ...engine import (
+    GrammarError,
+    GrammarSpec,
+    Message,
+    PotluckError,
+    SamplingParams,
+    Tool,
+    ToolCall,
+    check_schema,
+    json_object_spec,
+    json_schema_spec,
+    validate,
+)
 from ..config import SamplingSettings
 
 MAX_STOPS = 16
@@ -80,6 +93,13 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     variables: tuple[tuple[str, str], ...] = ()  # extra names for the chat template (reasoning_effort)
+    grammar: GrammarSpec | None = None  # every choice follows it (response_format, grammar, json_schema)
+    grammar_field: str = ""  # the field it came from, for a refusal once the model checks it
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    n: int = 1  # choices
+    tools: tuple[Tool, ...] = ()  # functions the model may call (none with tool_choice "none")
+    tool_choice: str = "auto"  # "auto" | "required" (a call forced, to one of ``tools``)
+    parallel_tool_calls: bool = False  # llama.cpp server's default: one call unless the client asks for more
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -98,9 +118,8 @@ class Neutral:
 IGNORED = "ignored"  # any value: it cannot change the reply
 USED = "used"  # read by parse_request
 
-_NO_TOOLS = "tools are not supported yet"
-_ONE_CHOICE = "potluck serve answers with one choice"
-_NO_LOGPROBS = "logprobs are not supported yet"
+_FUNCTIONS = "functions and function_call are OpenAI's deprecated fields: send tools and tool_choice"
+_BEST_OF = "best_of is not supported: send n for several choices"
 
 # Fields both endpoints share, by name: USED, IGNORED or Neutral(...).
 _COMMON: dict[str, object] = {
@@ -108,16 +127,13 @@ _COMMON: dict[str, object] = {
     "stream": USED, "stream_options": USED, "stop": USED, "max_tokens": USED, "seed": USED,
     "temperature": USED, "top_p": USED, "top_k": USED, "min_p": USED, "repeat_penalty": USED,
     "frequency_penalty": USED, "presence_penalty": USED,
-    "n": Neutral((1,), _ONE_CHOICE),
-    "best_of": Neutral((1,), _ONE_CHOICE),
-    "logprobs": Neutral((False, 0), _NO_LOGPROBS),
-    "top_logprobs": Neutral((0,), _NO_LOGPROBS),
-    "n_probs": Neutral((0,), _NO_LOGPROBS),
+    "n": USED, "logprobs": USED, "top_logprobs": USED,
+    "best_of": Neutral((1,), _BEST_OF),
+    "n_probs": Neutral((0,), "n_probs is llama.cpp's own field: send logprobs and top_logprobs"),
     "logit_bias": Neutral(({},), "logit biases are not supported"),
     "typical_p": Neutral((1,), "typical sampling is not supported"),
     "mirostat": Neutral((0,), "mirostat sampling is not supported"),
-    "grammar": Neutral(("",), "grammars are not supported yet"),
-    "json_schema": Neutral(({},), "structured output is not supported yet"),
+    "grammar": USED, "json_schema": USED, "response_format": USED,  # llama.cpp's two, and OpenAI's
     "ignore_eos": Neutral((False,), "replies always end at the model's end of turn"),
     "user": IGNORED, "metadata": IGNORED, "store": IGNORED, "service_tier": IGNORED,
     "cache_prompt": IGNORED, "safety_identifier": IGNORED, "prompt_cache_key": IGNORED,
@@ -125,12 +141,9 @@ _COMMON: dict[str, object] = {
 CHAT_FIELDS: dict[str, object] = {
     **_COMMON,
     "messages": USED, "max_completion_tokens": USED, "reasoning_effort": USED,
-    "tools": Neutral(([],), _NO_TOOLS),
-    "functions": Neutral(([],), _NO_TOOLS),
-    "tool_choice": Neutral(("none", "auto"), _NO_TOOLS),
-    "function_call": Neutral(("none",), _NO_TOOLS),
-    "parallel_tool_calls": IGNORED,  # means nothing without tools
-    "response_format": Neutral(({"type": "text"},), "structured output is not supported yet"),
+    "tools": USED, "tool_choice": USED, "parallel_tool_calls": USED,
+    "functions": Neutral(([],), _FUNCTIONS),
+    "function_call": Neutral(("none",), _FUNCTIONS),
     "modalities": Neutral((["text"],), "the model answers in text only"),
     "audio": Neutral((), "the model answers in text only"),
     "web_search_options": Neutral((), "potluck serve cannot search the web"),
@@ -144,14 +157,12 @@ COMPLETION_FIELDS: dict[str, object] = {
     "suffix": Neutral(("",), "suffixes (fill in the middle) are not supported"),
 }
 MESSAGE_FIELDS: dict[str, object] = {
-    "role": USED, "content": USED, "name": USED,
-    "tool_calls": Neutral(([],), _NO_TOOLS),
-    "function_call": Neutral((), _NO_TOOLS),
-    "tool_call_id": Neutral((), _NO_TOOLS),
+    "role": USED, "content": USED, "name": USED, "tool_calls": USED, "tool_call_id": USED,
+    "function_call": Neutral((), _FUNCTIONS),
     "audio": Neutral((), "the model answers in text only"),
     "refusal": IGNORED, "reasoning_content": IGNORED,
 }
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 NOT_A_MODEL_INPUT = {
     "image_url": "the model has no vision: send text only",
     "input_image": "the model has no vision: send text only",
@@ -339,17 +350,104 @@ def _messages(body: dict[str, Any]) -> tuple[Message, ...]:
         if not isinstance(m, dict):
             raise bad(where, "must be an object with role and content")
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise bad(f"{where}.role", f"{_NO_TOOLS}; {role} messages cannot be answered")
+        if role == "function":
+            raise bad(f"{where}.role", _FUNCTIONS + " (role tool)")
         if role not in ROLES:
             raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_short(role)}")
         _check_fields(m, MESSAGE_FIELDS, f"{where}.")
         name = m.get("name")
         if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
             raise bad(f"{where}.name", f"must be a string of 1 to {MAX_NAME_CHARS} characters")
-        out.append(Message(ROLES[role], _content(f"{where}.content", role, m.get("content")),
-                           _text(f"{where}.name", name) if name else None))
+        calls = _calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+        call_id = m.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise bad(f"{where}.tool_call_id", "must be the id of the call this result answers")
+        if role != "tool" and call_id is not None:
+            raise bad(f"{where}.tool_call_id", "belongs to tool messages only")
+        content = m.get("content")
+        out.append(Message(ROLES[role], _content(f"{where}.content", "assistant" if calls else role, content),
+                           _text(f"{where}.name", name) if name else None, calls,
+                           _text(f"{where}.tool_call_id", call_id) if role == "tool" else None))
     return tuple(out)
+
+
+def _calls(raw: object, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's earlier calls (their arguments are the JSON text the model wrote)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise bad(where, f"must be a list of at most {MAX_TOOLS} calls")
+    calls = []
+    for j, c in enumerate(raw):
+        function = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), str) or not isinstance(c.get("id", ""), str):
+            raise bad(f"{where}[{j}]", 'must be {"id": "...", "type": "function", "function": '
+                                       '{"name": "...", "arguments": "<JSON text>"}}')
+        calls.append(ToolCall(_text(f"{where}[{j}].id", c.get("id") or f"call_{j}"),
+                              _text(f"{where}[{j}].function.name", function["name"]),
+                              _text(f"{where}[{j}].function.arguments", function.get("arguments") or "{}")))
+    return tuple(calls)
+
+
+MAX_TOOLS = 128
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], str, bool]:
+    """(the tools the model may call, "auto" or "required", parallel calls allowed: only when
+    the client sends ``parallel_tool_calls: true``, as llama.cpp's server, since a small model
+    forced to call repeats calls up to the limit); a named ``tool_choice`` leaves only that tool,
+    required."""
+    raw = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "must be true or false")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "needs tools")
+        return (), "auto", True
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise bad("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    tools = []
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        function = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(function, dict):
+            raise bad(where, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise bad(f"{where}.function.name", "must be 1 to 64 letters, digits, _, . or -")
+        if name in {x.name for x in tools}:
+            raise bad(f"{where}.function.name", f"{name!r} is given twice")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise bad(f"{where}.function.description", "must be a string")
+        params = function.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise bad(f"{where}.function.parameters", "must be a JSON schema object")
+            try:
+                check_schema(params, f"{where}.function.parameters")
+            except GrammarError as e:
+                raise ApiError(400, str(e), param=f"{where}.function.parameters") from None
+        tools.append(Tool(name, _text(f"{where}.function.description", description), params))
+    if choice is None or choice == "auto":
+        return tuple(tools), "auto", parallel is True
+    if choice == "none":
+        return (), "auto", True  # the model answers in text: the tools are not shown
+    if choice == "required":
+        return tuple(tools), "required", parallel is True
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                 '{"name": "..."}}')
+    chosen = [t for t in tools if t.name == named]
+    if not chosen:
+        raise bad("tool_choice", f"names {_short(named)}, which is not in tools")
+    return tuple(chosen), "required", parallel is True
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -373,6 +471,84 @@ def _variables(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return (("reasoning_effort", effort),)
 
 
+def _grammar(body: dict[str, Any]) -> tuple[GrammarSpec | None, str]:
+    """The grammar every choice follows, and the field it came from: OpenAI's
+    ``response_format``, or llama.cpp's ``json_schema`` (a schema) and ``grammar`` (GBNF)."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) not in (None, "", {})]
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise bad(given[1], f"send one of {' and '.join(given)}, not both")
+    if not given:
+        return None, ""
+    key = given[0]
+    try:
+        if key == "grammar":
+            if not isinstance(body["grammar"], str):
+                raise bad("grammar", "must be a string of GBNF (llama.cpp's grammar format)")
+            return GrammarSpec(_text("grammar", body["grammar"])), "grammar"
+        if key == "json_schema":
+            return json_schema_spec(body["json_schema"], "json_schema"), "json_schema"
+        return _response_format(fmt)
+    except GrammarError as e:
+        raise ApiError(400, str(e), param=key) from None
+
+
+def _response_format(fmt: object) -> tuple[GrammarSpec | None, str]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None, ""
+    if kind == "json_object":  # llama.cpp's server also takes a schema beside it
+        assert isinstance(fmt, dict)
+        if fmt.get("schema") is not None:
+            return json_schema_spec(fmt["schema"], "response_format.schema"), "response_format.schema"
+        return json_object_spec(), "response_format"
+    if kind == "json_schema":
+        assert isinstance(fmt, dict)
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad("response_format.json_schema", 'must be an object like {"name": "...", "schema": {...}}')
+        where = "response_format.json_schema.schema"
+        return json_schema_spec(spec.get("schema", {}), where), where
+    raise bad("response_format.type", f'must be "text", "json_object" or "json_schema", got {_short(kind)}')
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """How many likeliest tokens each position reports (None: no logprobs). Chat: ``logprobs``
+    true with ``top_logprobs``; completions: ``logprobs`` is that count."""
+    if kind == "completion":
+        count = _whole(body, "logprobs")
+        if count is None:
+            return None
+        field = "logprobs"
+    else:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad("logprobs", "must be true or false")
+        count = _whole(body, "top_logprobs")
+        if not wanted:
+            if count:
+                raise bad("top_logprobs", "needs logprobs: true")
+            return None
+        count = count or 0
+        field = "top_logprobs"
+    try:
+        return validate.top_logprobs(count)
+    except PotluckError:
+        raise bad(field, f"must be from 0 to {validate.MAX_TOP_LOGPROBS}, got {_short(count)}") from None
+
+
+def _choices(body: dict[str, Any]) -> int:
+    n = _whole(body, "n")
+    if n is None:
+        return 1
+    try:
+        return validate.choices(n)
+    except PotluckError:
+        raise bad("n", f"must be from 1 to {validate.MAX_CHOICES}, got {_short(n)}") from None
+
+
 def parse_request(kind: str, body: object, defaults: SamplingSettings,
                   max_tokens: int | None = None) -> GenerationRequest:
     """A chat (``kind`` "chat") or completions request from a parsed JSON body; :class:`ApiError`
@@ -384,6 +560,10 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
         raise bad("model", "must be a string")
     stream, include_usage = _stream(body)
     keys = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
+    grammar, grammar_field = _grammar(body)
+    tools, tool_choice, parallel = _tools(body) if kind == "chat" else ((), "auto", True)
+    if tools and grammar is not None:
+        raise bad(grammar_field.split(".")[0], "cannot be combined with tools; send tool_choice none or leave it out")
     if kind == "completion" and max_tokens is None:
         max_tokens = COMPLETION_MAX_TOKENS  # raw text seldom ends: OpenAI's legacy default
     return GenerationRequest(
@@ -396,4 +576,11 @@ def parse_request(kind: str, body: object, defaults: SamplingSettings,
         stream=stream,
         include_usage=include_usage,
         variables=_variables(body) if kind == "chat" else (),
+        grammar=grammar,
+        grammar_field=grammar_field,
+        logprobs=_logprobs(body, kind),
+        n=_choices(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
     )

@@ -16,8 +16,9 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, ListItem, ListView, Markdown, Sparkline, Static, TextArea
+from textual.widgets import Collapsible, Footer, ListItem, ListView, Markdown, Sparkline, Static, TextArea
 
+from ...engine import split_thinking
 from ..store import Conversation
 from .cluster import ClusterState, human_bytes
 from .export import code_blocks
@@ -99,6 +100,7 @@ class MessageView(Vertical, can_focus=True):
         self._tail_lines = -1  # wrapped lines the streaming tail had at its last layout
         self._laid_out_at = 0.0  # when streaming last laid the screen out (monotonic)
         self._code_index = 0
+        self._thought = ""  # a reasoning model's thinking, shown folded under the reply
         # Streamed text arrives from the pump's timer task and the reply's end from the app's
         # message queue: Textual's Markdown.append is not safe to overlap (two appends parse
         # from the same line and one block is lost), so they take turns.
@@ -116,14 +118,19 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Static(self._role_text(), classes="role", markup=False)
-        yield Markdown(self.content, classes="body")
+        thought, answer = split_thinking(self.content) if self.role == "assistant" else ("", self.content)
+        self._thought = thought
+        yield Markdown(answer, classes="body")
         yield Static("", classes="tail", markup=False)
+        with Collapsible(title="Thinking", collapsed=True, classes="thinking"):
+            yield Static(thought.strip(), classes="thought", markup=False)
         yield Static(self._note, classes="note")
 
     def on_mount(self) -> None:
         self.set_class(self._streaming, "streaming")
         self.query_one(".note", Static).display = bool(self._note)
         self.query_one(".tail", Static).display = False
+        self.query_one(".thinking", Collapsible).display = bool(self._thought)
 
     @property
     def markdown(self) -> Markdown:
@@ -174,7 +181,13 @@ class MessageView(Vertical, can_focus=True):
             await self._finish(final_text, note)
 
     async def _finish(self, final_text: str, note: str) -> None:
-        if final_text != self.content or self._rendered < len(final_text):
+        thought, answer = split_thinking(final_text) if self.role == "assistant" else ("", final_text)
+        self._thought = thought
+        if thought:  # a reasoning model's thinking: folded, under the answer
+            self.query_one(".thought", Static).update(thought.strip())
+            self.query_one(".thinking", Collapsible).display = True
+            await self.markdown.update(answer)
+        elif final_text != self.content or self._rendered < len(final_text):
             if final_text.startswith(self.content[: self._rendered]) and self._rendered:
                 await self.markdown.append(final_text[self._rendered:])
             else:

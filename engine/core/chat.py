@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import datetime as _dt
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,10 +26,50 @@ CHATML = (
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function the assistant called: ``arguments`` is the JSON text it wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Message:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result)
     content: str
     name: str | None = None  # the participant's name (OpenAI's ``name``), for templates that show it
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def as_dict(self) -> dict[str, object]:
+        """The message as Hugging Face templates read it (a call's arguments as an object where
+        they parse: templates write them with ``tojson``)."""
+        out: dict[str, object] = {"role": self.role, "content": self.content}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> object:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _tojson(value: object, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    """Hugging Face's ``tojson`` (not Jinja's, which escapes HTML): templates render tools and
+    calls with it, and llama.cpp's server renders them the same way."""
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 def _raise(message: str) -> None:
@@ -42,6 +83,7 @@ class ChatFormat:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: _dt.datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         self.source = template or CHATML
         try:
             self._tmpl = env.from_string(self.source)
@@ -51,13 +93,14 @@ class ChatFormat:
         self.eos_token = eos_token
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-               variables: Mapping[str, object] | None = None) -> str:
-        """``variables``: more names the template may read (``reasoning_effort``)."""
+               variables: Mapping[str, object] | None = None, tools: Sequence[object] | None = None) -> str:
+        """``variables``: more names the template may read (``reasoning_effort``); ``tools``:
+        OpenAI's tool definitions, for templates that render them."""
         try:
             return self._tmpl.render(
                 **(variables or {}),
-                messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                          for m in messages],
+                **({"tools": list(tools)} if tools else {}),
+                messages=[m.as_dict() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

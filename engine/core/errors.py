@@ -17,3 +17,7 @@ class ContextFullError(PotluckError):
 
 class DecodeError(PotluckError):
     """llama.cpp refused a batch (out of KV cells, bad positions, ...)."""
+
+
+class GrammarError(PotluckError):
+    """A grammar or JSON schema that cannot constrain a reply (it does not parse, or is too big)."""

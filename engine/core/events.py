@@ -25,12 +25,25 @@ class ReplyStarted:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A reply token's log-probability under the target (the softmax of its raw logits, before
+    penalties, filters, temperature or grammar: what llama-server reports), and the likeliest
+    tokens at its position with theirs, likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenText:
     """Newly accepted tokens and the valid UTF-8 text they complete."""
 
     run_id: int
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the reply asked for them
+    choice: int = 0  # which of a request's n replies (Session.answer's n)
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,7 @@ class Finished:
     strategy: str = "plain"
     n_past: int = 0  # tokens in the KV cache after the reply
     extra: dict[str, float] = field(default_factory=dict)
+    choice: int = 0  # which of a request's n replies (Session.answer's n)
 
     @property
     def acceptance_rate(self) -> float | None:

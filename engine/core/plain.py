@@ -17,7 +17,7 @@ class Plain(Strategy):
         logits = g.first_logits
         while True:
             token = g.sampler.sample(logits, g.history)
-            yield Round(tokens=[token])
+            yield Round(tokens=[token], rows=[logits])
             if g.done or g.remaining <= 0:
                 return
             logits = g.target.decode([token])[0]

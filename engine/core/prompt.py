@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .chat import ChatFormat, Message
+from .chat import ChatFormat, Message, ToolCall
 from .errors import ContextFullError
 from .runtime import Model, SpecialToken
 
@@ -101,13 +101,15 @@ class PromptTokenizer:
 
     # -- what the server and the session call
     def conversation(self, messages: Sequence[Message], n_ctx: int, *, add_generation_prompt: bool = True,
-                     variables: Mapping[str, object] | None = None) -> Prompt:
-        """``messages`` rendered by the chat template; their text never becomes special tokens."""
+                     variables: Mapping[str, object] | None = None, tools: Sequence[object] | None = None
+                     ) -> Prompt:
+        """``messages`` rendered by the chat template; their text never becomes special tokens,
+        nor does any text of ``tools`` (OpenAI's definitions) or of calls and their results."""
         self._refuse_too_long(sum(_utf8_len(m.content) + _utf8_len(m.name or "") for m in messages), n_ctx)
         masker = _Masker(self._specials())
-        masked = [Message(m.role, masker.mask(m.content), masker.mask(m.name) if m.name else m.name)
-                  for m in messages]
-        text = self.chat.render(masked, add_generation_prompt=add_generation_prompt, variables=variables)
+        masked = [_masked_message(masker, m) for m in messages]
+        text = self.chat.render(masked, add_generation_prompt=add_generation_prompt, variables=variables,
+                                tools=_masked_json(masker, list(tools)) if tools else None)
         return self._prompt(text, masker, tuple(messages))
 
     def raw(self, text: str, n_ctx: int) -> Prompt:
@@ -251,6 +253,23 @@ class _Masker:
     def _original(self, a: str, b: str) -> str:
         n = (ord(a) - _FIRST) * _SPAN + ord(b) - _FIRST
         return self.originals[n] if n < len(self.originals) else MASK + a + b
+
+
+def _masked_message(masker: _Masker, m: Message) -> Message:
+    calls = tuple(ToolCall(masker.mask(c.id), masker.mask(c.name), masker.mask(c.arguments)) for c in m.tool_calls)
+    return Message(m.role, masker.mask(m.content), masker.mask(m.name) if m.name else m.name, calls,
+                   masker.mask(m.tool_call_id) if m.tool_call_id else m.tool_call_id)
+
+
+def _masked_json(masker: _Masker, value: object) -> object:
+    """``value`` (parsed JSON) with every string in it masked, keys too."""
+    if isinstance(value, str):
+        return masker.mask(value)
+    if isinstance(value, list):
+        return [_masked_json(masker, v) for v in value]
+    if isinstance(value, dict):
+        return {masker.mask(k) if isinstance(k, str) else k: _masked_json(masker, v) for k, v in value.items()}
+    return value
 
 
 def _utf8_len(text: str) -> int:

@@ -2,8 +2,9 @@
 closeable wrappers over its C API.
 
 Objects here do what they are told and never decide anything: :class:`Model` (weights and
-vocabulary), :class:`Context` (a KV cache plus batch runs, logits, KV operations, an abort
-flag and capture of one named intermediate tensor) and, in :mod:`.batch`, :class:`~.batch.Batch` (token ids
+vocabulary), :class:`Grammar` (a GBNF grammar's state over that vocabulary), :class:`Context`
+(a KV cache plus batch runs, logits, KV operations, an abort flag and capture of one named
+intermediate tensor) and, in :mod:`.batch`, :class:`~.batch.Batch` (token ids
 or embeddings with explicit positions, sequence ids and output flags).
 
 Facts this module relies on (docs/facts.md):
@@ -17,6 +18,7 @@ Facts this module relies on (docs/facts.md):
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import threading
@@ -41,7 +43,7 @@ from .backend import (
     last_llama_error,
 )
 from .batch import Batch
-from .errors import DecodeError, ModelError
+from .errors import DecodeError, GrammarError, ModelError
 from .kv import KvOp
 from .kv_state import GGML_TYPE_BF16
 from .load_watch import default_threads
@@ -238,6 +240,72 @@ class Model(NativeObject):
     def vocab_signature(self) -> tuple[int, int, int]:
         """Cheap fingerprint used to refuse a draft whose vocabulary differs from the target's."""
         return (self.n_vocab, self.bos, self.eos)
+
+
+# --------------------------------------------------------------------------- grammar
+
+# llama_token_data as numpy sees it, so a whole candidate list is filled and read without a
+# Python loop
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class Grammar(NativeObject):
+    """Where a GBNF grammar stands after the tokens accepted so far (llama.cpp's grammar
+    sampler over a model's vocabulary).
+
+    It only answers and advances: :meth:`allows` says which tokens may come next,
+    :meth:`accept` takes one of them, :meth:`clone` forks the state (a draft position).
+    llama.cpp aborts the process when it accepts a token the grammar does not allow
+    (``llama_grammar_accept_impl`` throws, or GGML_ABORTs on an end-of-generation token), so
+    :meth:`accept` must only ever see a token :meth:`allows` passed; the sampler guarantees it.
+    """
+
+    def __init__(self, model: Model, text: str, root: str = "root", *, _ptr: object = None) -> None:
+        self.model = model
+        self.text = text
+        self.root = root
+        self._buf: np.ndarray | None = None  # token data for allows(), [n_vocab]
+        if _ptr is not None:
+            self._ptr = _ptr
+            return
+        clear_llama_errors()
+        self._ptr = ll.llama_sampler_init_grammar(model._vocab, text.encode("utf-8"), root.encode("utf-8"))
+        if not self._ptr:
+            why = last_llama_error() or "it does not parse"
+            raise GrammarError(f"llama.cpp refused the grammar: {why}")
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            ll.llama_sampler_free(self._ptr)
+            self._ptr = None
+
+    def clone(self) -> Grammar:
+        return Grammar(self.model, self.text, self.root, _ptr=ll.llama_sampler_clone(self._ptr))
+
+    def accept(self, token: int) -> None:
+        ll.llama_sampler_accept(self._ptr, token)
+
+    def allows(self, tokens: np.ndarray) -> np.ndarray:
+        """Which of ``tokens`` (ids) the grammar lets come next: bool [len(tokens)]. Costs
+        about a microsecond a token plus ctypes' call; the whole vocabulary is milliseconds."""
+        n = len(tokens)
+        if self._buf is None or self._buf.shape[0] < n:
+            self._buf = np.zeros(max(n, 64), dtype=_TOKEN_DATA)
+        buf = self._buf[:n]
+        buf["id"] = tokens
+        buf["logit"] = 0.0
+        data = ll.llama_token_data_array(buf.ctypes.data_as(ll.llama_token_data_p), n, -1, False)
+        ll.llama_sampler_apply(self._ptr, ctypes.byref(data))
+        return buf["logit"] == 0.0
+
+
+def json_schema_grammar(schema: object) -> str:
+    """GBNF for JSON values that match ``schema``, by the converter llama-cpp-python ships
+    (llama.cpp's json-schema-to-grammar ported to Python); the top rule is ``root``. Raises
+    whatever the converter raises on a schema it cannot take."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    return json_schema_to_gbnf(json.dumps(schema))
 
 
 # --------------------------------------------------------------------------- context

@@ -13,20 +13,26 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import validate as limits
 from .chat import ChatFormat, Message, TextStream
-from .errors import ContextFullError
-from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, TokenText
+from .errors import ContextFullError, PotluckError
+from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, TokenLogprob, TokenText
+from .grammar import GrammarSpec, ReplyGrammar
+from .grammar import check as check_grammar
 from .prompt import Prompt, PromptTokenizer
 from .prompt_cache import KeptConversation, PromptCache
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
+from .sampling import logprobs as sampling_logprobs
 from .sampling import warm_up as warm_up_sampler
 from .strategy import Generation, Strategy
 from .target import Target
+from .tools import Tool, renders_tools
+from .tools import conversation as tool_conversation
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +148,16 @@ class Session:
         return len(self._tokens)
 
     # -- prompts: thread-safe (the server tokenizes a request off the engine thread)
-    def prompt_for(self, messages: Sequence[Message], *, variables: Mapping[str, object] | None = None) -> Prompt:
+    def prompt_for(self, messages: Sequence[Message], *, variables: Mapping[str, object] | None = None,
+                   tools: Sequence[Tool] = ()) -> Prompt:
         """``messages`` rendered and tokenized; special tokens come only from the chat template.
-        Refuses (ContextFullError) a conversation whose bytes alone cannot fit the context."""
-        return self.prompts.conversation(messages, self.target.n_ctx, variables=variables)
+        ``tools``: functions the model may call, rendered by the template or, for one that knows
+        none, described in the system message (:mod:`.tools`). Refuses (ContextFullError) a
+        conversation whose bytes alone cannot fit the context."""
+        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+            messages = tool_conversation(messages, tools, self.format.source)
+        definitions = [t.openai() for t in tools] if tools and renders_tools(self.format.source) else None
+        return self.prompts.conversation(messages, self.target.n_ctx, variables=variables, tools=definitions)
 
     def raw_prompt(self, text: str) -> Prompt:
         """Raw text without the chat template (OpenAI's completions API)."""
@@ -174,17 +186,30 @@ class Session:
         yield from self.answer(self.raw_prompt(prompt), sampling, max_tokens)
 
     def answer(self, prompt: Prompt, sampling: SamplingParams = GREEDY, max_tokens: int = 512, *,
-               owner: str = "") -> Iterator[Event]:
+               owner: str = "", grammar: GrammarSpec | None = None, logprobs: int | None = None,
+               n: int = 1) -> Iterator[Event]:
         """Stream the reply to ``prompt`` (from :meth:`prompt_for` or :meth:`raw_prompt`); the
         session then holds its messages. KV kept for one ``owner`` (an API key) is never reused
-        for another's prompt."""
+        for another's prompt.
+
+        ``grammar``: every reply follows it (structured output, forced tool calls; see
+        :mod:`.sampling` for the distribution). ``logprobs``: each token's log-probability
+        under the target and that many likeliest tokens' (None: none). ``n``: that many replies
+        (``choice`` 0..n-1 in the events), each from the prompt's cache: the prompt is processed
+        once and every reply starts from its logits; the session keeps the last one."""
         limits.max_tokens(max_tokens)
         sampling = limits.sampling(sampling)
+        limits.choices(n)
+        if logprobs is not None:
+            limits.top_logprobs(logprobs)
+        if grammar is not None:
+            check_grammar(self.model, grammar, "the grammar")
         self._continue_closest_kept(prompt, owner)
         tokens = self._tokens_for(prompt, owner)
         limits.prompt_fits(len(tokens), self.target.n_ctx)
         self.messages = list(prompt.messages) if prompt.messages is not None else []
-        yield from self._run(tokens, prompt.text, sampling, max_tokens, owner)
+        yield from self._run(tokens, prompt.text, sampling, max_tokens, owner,
+                             _Shape(grammar, logprobs, n))
 
     def regenerate(
         self, sampling: SamplingParams = GREEDY, max_tokens: int = 512
@@ -238,8 +263,10 @@ class Session:
                 cache.discard(kept)
 
     def _run(
-        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int, owner: str
+        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int, owner: str,
+        shape: _Shape | None = None,
     ) -> Iterator[Event]:
+        shape = shape or _Shape()
         target = self.target
         self._cancel.clear()
         run_id = self.run_id = next(self._reply_ids)
@@ -278,13 +305,34 @@ class Session:
         finally:
             self._prefill_group = None
         yield from target.notices(run_id)  # a worker lost and replaced during the prompt
+        root = np.random.SeedSequence(sampling.seed)
+        for choice in range(shape.n):
+            if choice:
+                if self._cancel.is_set():
+                    return
+                target.truncate(len(tokens))  # the next reply starts from the prompt's cells
+                self.messages.pop()  # the session keeps the last reply only
+                t_start = time.perf_counter()
+            # choice 0 draws as a lone request does; the others from seeds of their own
+            seeds = root if choice == 0 else np.random.SeedSequence(root.entropy, spawn_key=(_CHOICE_KEY, choice))
+            yield from self._reply(tokens, rendered, sampling, max_tokens, shape, seeds, first_logits,
+                                   run_id, shown, reused if choice == 0 else len(tokens), t_start, choice)
+
+    def _reply(
+        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int, shape: _Shape,
+        seeds: np.random.SeedSequence, first_logits: np.ndarray, run_id: int, shown: str, reused: int,
+        t_start: float, choice: int,
+    ) -> Iterator[Event]:
+        """One reply after the prompt, whose cells the target holds and whose last logits are
+        ``first_logits``."""
+        target = self.target
         self._tokens = list(tokens)
         self._covered = rendered
-        seeds = np.random.SeedSequence(sampling.seed)
+        grammar = ReplyGrammar.open(self.model, shape.grammar, self._tokens) if shape.grammar else None
         g = Generation(
             run_id=run_id,
             target=target,
-            sampler=Sampler(sampling, np.random.default_rng(seeds)),
+            sampler=Sampler(sampling, np.random.default_rng(seeds), grammar),
             seeds=seeds,
             history=self._tokens,  # shared list: rounds append to it
             first_logits=first_logits,
@@ -337,7 +385,8 @@ class Session:
                 delta = stream.feed(self.model.token_bytes(t) for t in visible)
                 if delta or kept:
                     text_parts.append(delta)
-                    yield TokenText(run_id, delta, tuple(kept))
+                    probs = _logprobs(rnd.rows, kept, shape.logprobs)
+                    yield TokenText(run_id, delta, tuple(kept), probs, choice)
                 if reason == "stop" or g.n_new >= g.max_new:
                     g.done = True
                 elif self._cancel.is_set():
@@ -348,6 +397,8 @@ class Session:
                     break
         finally:
             g.done = True
+            if grammar is not None:
+                grammar.close()
             # Whatever happened, the KV cache must hold a prefix of the conversation's tokens.
             if target.n_past > len(self._tokens):
                 target.truncate(len(self._tokens))
@@ -382,8 +433,36 @@ class Session:
             rounds=rounds,
             strategy=shown,
             n_past=target.n_past,
+            choice=choice,
         )
 
     def close(self) -> None:
         self.strategy.close()
         self.target.close()
+
+
+# a choice's seed: the request's seed with this key and the choice's index (spawn keys of the
+# request's own seed, its drafters', are single numbers)
+_CHOICE_KEY = 0x6E
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a request asks of its replies besides sampling (Session.answer)."""
+
+    grammar: GrammarSpec | None = None
+    logprobs: int | None = None
+    n: int = 1
+
+
+def _logprobs(rows: Sequence[np.ndarray], kept: Sequence[int], n_top: int | None) -> tuple[TokenLogprob, ...]:
+    """Each kept token's log-probability at the target row it was decided at (none unless asked)."""
+    if n_top is None:
+        return ()
+    if len(rows) < len(kept):
+        raise PotluckError("this strategy does not report the target's rows, so it cannot give logprobs")
+    out = []
+    for row, token in zip(rows, kept):
+        lp, top = sampling_logprobs(row, token, n_top)
+        out.append(TokenLogprob(token, lp, tuple(top)))
+    return tuple(out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -44,6 +44,9 @@ class Round:
     # the drafter reading the conversation before this round (a draft model's prefill, after
     # the first token): prompt processing, as llama.cpp's speculative example counts it
     prompt_ms: float = 0.0
+    # the target's logits [vocab] each of ``tokens`` was decided at (views, not copies): the
+    # logprobs a client asks for are the target's, whichever strategy ran
+    rows: Sequence[np.ndarray] = ()
 
 
 @dataclass

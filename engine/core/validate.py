@@ -166,6 +166,26 @@ def max_tokens(n: int) -> int:
     return count
 
 
+MAX_CHOICES = 16  # replies to one request (n): each costs a whole reply
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+def choices(n: int) -> int:
+    """How many replies one request may ask for (``n``)."""
+    count = _whole(n)
+    if count is None or not 1 <= count <= MAX_CHOICES:
+        raise PotluckError(f"n must be a whole number from 1 to {MAX_CHOICES}, got {n!r}")
+    return count
+
+
+def top_logprobs(n: int) -> int:
+    """How many likeliest tokens a reply may report at each position."""
+    count = _whole(n)
+    if count is None or not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise PotluckError(f"top_logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}, got {n!r}")
+    return count
+
+
 def text(what: str, value: str) -> str:
     """Text that can be encoded for the tokenizer: invalid UTF-8 (argv, files) arrives as
     lone surrogates, which would fail deep inside tokenization."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.jobs import GroupCancelled, InFlight
-from ..core.sampling import Candidates, Sampler, distribution
+from ..core.sampling import Candidates, Sampler
 from ..core.target import Target
 from .verify import Decision, Guess, Verdict, judge, verify_chain, verify_greedy, verify_lazily
 
@@ -48,15 +48,16 @@ class RowJudge:
 
     def own_token(self, row: np.ndarray, kept: Sequence[int]) -> int:
         """The target's own token from ``row`` (after the kept guesses)."""
-        return self.sampler.sample(row, self.recent(kept))
+        return self.sampler.sample(row, self.recent(kept), kept)
 
     def keep(self, row: np.ndarray, x: int, q: Candidates | None, kept: Sequence[int]) -> int | None:
         """Guess ``x`` (drawn from ``q``; None: deterministic) at ``row``: None keeps it, else
-        the token the target emits instead."""
+        the token the target emits instead. Under a grammar p is the constrained distribution,
+        so a guess the grammar refuses has p(x) = 0 and is never kept."""
         if self.params.greedy:
             t = self.own_token(row, kept)
             return None if t == x else t
-        return judge(distribution(row, self.params, self.recent(kept)), q, x, self.sampler.uniform)
+        return judge(self.sampler.distribution(row, self.recent(kept), kept), q, x, self.sampler.uniform)
 
     def decide(
         self, guess_at: Callable[[int], Guess | None], row_at: Callable[[int], np.ndarray | None]
@@ -71,7 +72,7 @@ class RowJudge:
             return verify_greedy(drafts, lambda i: self.own_token(after[i], drafts[:i]))
         return verify_chain(
             drafts,
-            lambda i: distribution(after[i], self.params, self.recent(drafts[:i])),
+            lambda i: self.sampler.distribution(after[i], self.recent(drafts[:i]), drafts[:i]),
             q[: len(drafts)] if q is not None else None,
             self.sampler.uniform,
         )

@@ -32,7 +32,7 @@ one ``drafts[i]`` was drawn from, or ``q_rows`` is ``None`` for deterministic dr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -95,6 +95,7 @@ class Decision:
     tokens: list[int]  # kept guesses, then the target's own token when one was decided
     n_accepted: int  # guesses kept: a prefix of ``tokens``
     judged: int  # guesses judged: the kept ones and the rejected one, if any
+    rows: list = field(default_factory=list)  # the target's row each of ``tokens`` was decided at
 
     @property
     def own(self) -> bool:
@@ -120,19 +121,21 @@ def verify_lazily(
     (pearl, pipeinfer: :class:`~.inflight.RowJudge`).
     """
     kept: list[int] = []
+    rows: list[Row] = []
     judged = 0
     while True:
         row = row_at(len(kept))
         if row is None:
-            return Decision(kept, len(kept), judged)
+            return Decision(kept, len(kept), judged, rows)
+        rows.append(row)
         guess = guess_at(len(kept))
         if guess is None:
-            return Decision([*kept, own_token(row, kept)], len(kept), judged)
+            return Decision([*kept, own_token(row, kept)], len(kept), judged, rows)
         x, q = guess
         judged += 1
         fix = keep(row, x, q, kept)
         if fix is not None:
-            return Decision([*kept, fix], len(kept), judged)
+            return Decision([*kept, fix], len(kept), judged, rows)
         kept.append(x)
 
 

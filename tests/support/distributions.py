@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from potluck.engine.core.sampling import Candidates, SamplingParams, distribution
+from potluck.engine.core.sampling import Candidates, SamplingParams, distribution, penalize
 
 
 def candidates(p: np.ndarray) -> Candidates:
@@ -26,3 +26,17 @@ def dense(c: Candidates, n_vocab: int) -> np.ndarray:
 def dense_probs(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
     """The sampler's distribution for ``logits`` as a dense row over the vocabulary."""
     return dense(distribution(logits, params, history), np.asarray(logits).shape[-1])
+
+
+def constrained_probs(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int], allowed: np.ndarray
+) -> np.ndarray:
+    """The rule a grammar samples by (core/sampling.py), written from its definition over the
+    whole vocabulary: the filtered distribution restricted to the ``allowed`` tokens (bool
+    [vocab]) and renormalized; if none of its tokens is allowed, the filters over the allowed
+    tokens only (every other logit at -inf)."""
+    p = dense_probs(logits, params, history) * allowed
+    if p.sum() > 0:
+        return p / p.sum()
+    masked = np.where(allowed, penalize(np.asarray(logits, dtype=np.float32), history, params), -np.inf)
+    return dense_probs(masked.astype(np.float32), params)

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 import numpy as np
 from scipy.stats import chisquare
 
-from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.grammar import GrammarSpec, ReplyGrammar
+from potluck.engine.core.runtime import ContextParams, Grammar, Model
 from potluck.engine.core.sampling import Candidates, Sampler, SamplingParams
 from potluck.engine.core.strategy import Generation, Round, Strategy
-from potluck.engine.core.target import LocalTarget
+from potluck.engine.core.target import LocalTarget, Target
 
-from .distributions import dense_probs
+from .distributions import constrained_probs, dense_probs
 
 # Several temperatures with llama.cpp's filters, and the penalties: what the strategies must keep.
 SETTINGS = {
@@ -36,15 +37,19 @@ TRIALS = 150
 ALPHA = 1e-3  # one significance level: the exact verifier passes it, the broken one must not
 
 
-def generation(target: LocalTarget, prompt: list[int], first_logits: np.ndarray, seed: int, model: Model,
-               params: SamplingParams = DEFAULTS, max_new: int = 8) -> Generation:
+def generation(target: Target, prompt: list[int], first_logits: np.ndarray, seed: int, model: Model,
+               params: SamplingParams = DEFAULTS, max_new: int = 8, grammar: GrammarSpec | None = None) -> Generation:
+    """A reply's state after ``prompt``; with ``grammar``, the reply follows it (close the
+    sampler's grammar after the reply)."""
     seeds = np.random.SeedSequence(seed)
+    history = list(prompt)
     return Generation(
         run_id=seed,
         target=target,
-        sampler=Sampler(params, np.random.default_rng(seeds)),
+        sampler=Sampler(params, np.random.default_rng(seeds),
+                        ReplyGrammar.open(model, grammar, history) if grammar else None),
         seeds=seeds,
-        history=list(prompt),
+        history=history,
         first_logits=first_logits,
         max_new=max_new,
         is_eog=model.is_eog,
@@ -61,29 +66,45 @@ def next_round(g: Generation, rounds: Iterator[Round]) -> Round:
 
 def verified_tokens(
     model: Model, strategy: Strategy, text: str, params: SamplingParams = DEFAULTS, trials: int = TRIALS,
-    context: ContextParams | None = None,
+    context: ContextParams | None = None, grammar: str | None = None,
 ) -> tuple[list[int], np.ndarray]:
     """The first token the verifier chose right after the prompt ``text`` in each of ``trials``
     replies (one seed each), and the target's exact distribution there (module docstring).
-    Plain decoding drafts nothing: its second round is a plain draw there."""
+    Plain decoding drafts nothing: its second round is a plain draw there.
+
+    ``grammar``: GBNF the replies follow, whose first token is the prompt's last
+    (``{last}`` in it stands for that token's id); the distribution is then the constrained one
+    (tests/support/distributions.py)."""
     target = LocalTarget(model, context or ContextParams(n_ctx=256, n_threads=1))
     *head, last = model.tokenize(text, add_special=True)
     target.decode(head)  # then the last token alone, as each trial's verify batch computes it
-    p = dense_probs(target.decode([last])[-1].copy(), params, [*head, last])
+    logits = target.decode([last])[-1].copy()
+    spec = GrammarSpec(grammar.replace("{last}", str(last))) if grammar else None
+    if spec is None:
+        p = dense_probs(logits, params, [*head, last])
+    else:
+        with Grammar(model, spec.text) as after_last:
+            after_last.accept(last)
+            allowed = after_last.allows(np.arange(model.n_vocab))
+        p = constrained_probs(logits, params, [*head, last], allowed)
     certain = np.full(model.n_vocab, -100.0, dtype=np.float32)
     certain[last] = 100.0
     out = []
     try:
         for seed in range(trials):
             target.truncate(len(head))
-            g = generation(target, head, certain, seed, model, params)
+            g = generation(target, head, certain, seed, model, params, grammar=spec)
             strategy.prepare(g)
             rounds = strategy.run(g)
-            assert next_round(g, rounds).tokens == [last]  # undrafted, from the given logits
-            rnd = next_round(g, rounds)
-            assert rnd.drafted > 0 or strategy.name == "plain"  # the verifier chose this token
-            out.append(rnd.tokens[0])
-            rounds.close()
+            try:
+                assert next_round(g, rounds).tokens == [last]  # undrafted, from the given logits
+                rnd = next_round(g, rounds)
+                assert rnd.drafted > 0 or strategy.name == "plain"  # the verifier chose this token
+                out.append(rnd.tokens[0])
+            finally:
+                rounds.close()
+                if g.sampler.grammar is not None:
+                    g.sampler.grammar.close()
     finally:
         target.close()
     return out, p

@@ -17,7 +17,13 @@ from typing import Protocol
 
 import numpy as np
 
-from ...core.sampling import Candidates, SamplingParams
+from ...core.sampling import Candidates, SamplingParams, TokenFilter
+
+
+class TokenGrammar(TokenFilter, Protocol):
+    """A grammar's state a drafter may advance (:class:`~potluck.engine.core.runtime.Grammar`)."""
+
+    def accept(self, token: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class DraftRequest:
     max_tokens: int
     min_accept_p: float
     sampling: SamplingParams
+    # the reply's grammar after ``context`` (None: none), the drafter's own copy to advance;
+    # drafting within it is optional (a drafter that ignores it only drafts worse)
+    grammar: TokenGrammar | None = None
 
 
 class ContextView(Sequence[int]):

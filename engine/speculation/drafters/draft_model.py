@@ -153,7 +153,8 @@ class DraftModelDrafter:
         for i in range(k):
             logits = self._logits
             assert logits is not None
-            q = distribution(logits, params, recent)  # greedy: the argmax alone (with the penalties)
+            # greedy: the argmax alone (with the penalties); within the reply's grammar if any
+            q = distribution(logits, params, recent, req.grammar)
             # the draft's confidence stands in for its chance of acceptance: stop drafting
             # when the next token cannot pay for its share of the verify batch (decided
             # before drawing, so a drafted token is still an unbiased draw from q)
@@ -163,6 +164,8 @@ class DraftModelDrafter:
                 break
             x = q.token_at(self._rng.random()) if stochastic else top
             drafts.append(x)
+            if req.grammar is not None:
+                req.grammar.accept(x)  # drawn from q, which only holds tokens it allows
             if stochastic:
                 qs.append(q)
             if penalty:

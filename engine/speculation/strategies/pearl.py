@@ -363,7 +363,7 @@ class Pearl(Strategy):
                     if decoded:  # the first token decodes nothing: it times no step
                         self.gate.record(0, 1, ms)
                     last = time.perf_counter()
-                    yield Round(tokens=[token], verify_ms=ms, prompt_ms=prompt_ms)
+                    yield Round(tokens=[token], verify_ms=ms, prompt_ms=prompt_ms, rows=[book.rows[p]])
                     prompt_ms = 0.0
                     if g.done or g.remaining <= 0:
                         return
@@ -420,6 +420,7 @@ class Pearl(Strategy):
                     verify_ms=verify_ms,
                     overlap_ms=overlap_ms,
                     prompt_ms=prompt_ms,
+                    rows=decision.rows,
                 )
                 prompt_ms = 0.0
                 if g.done or g.remaining <= 0:

@@ -298,6 +298,7 @@ class PipeInfer(Strategy):
                         draft_ms=draft_ms,
                         verify_ms=wait_ms,
                         overlap_ms=max(0.0, (now - last) * 1e3 - wait_ms - draft_ms),
+                        rows=decision.rows,
                     )
                     last, draft_ms, wait_ms = now, 0.0, 0.0
                     if g.done or g.remaining <= 0:

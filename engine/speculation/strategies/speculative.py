@@ -96,11 +96,10 @@ class Speculative(Strategy):
             # first round only samples the prompt's own logits (see prepare)
             k, min_accept_p, drafter = self.plan(g, pending) if pending else (0, 0.0, self.drafter)
 
-            # 2. draft
+            # 2. draft (under a grammar: a draft model drafts within it on a copy of its state;
+            # other drafts stop after the first token it refuses, which verification rejects)
             t0 = time.perf_counter()
-            request = DraftRequest(g.history, k, min_accept_p, sampler.params)
-            draft = drafter.draft(request) if k > 0 else Draft([])
-            drafts = draft.tokens[:k]
+            draft, drafts = self.draft(drafter, g, k, min_accept_p)
             t1 = time.perf_counter()
 
             # 3. one target decode: row i holds the logits after the conversation + drafts[:i]
@@ -131,6 +130,7 @@ class Speculative(Strategy):
                 draft_ms=draft_ms,
                 verify_ms=verify_ms,
                 prompt_ms=prompt_ms,
+                rows=after[: len(tokens)],
             )
             if g.done or g.remaining <= 0:
                 return
@@ -140,6 +140,24 @@ class Speculative(Strategy):
                 self.start_drafting(g)
                 prompt_ms = (time.perf_counter() - t) * 1e3
             pending = [tokens[-1]]
+
+    @staticmethod
+    def draft(drafter: Drafter, g: Generation, k: int, min_accept_p: float) -> tuple[Draft, list[int]]:
+        """The drafter's guesses (at most ``k``), cut after the first one the reply's grammar
+        refuses: that one is judged (and rejected), guesses past it could never be kept."""
+        if k <= 0:
+            return Draft([]), []
+        grammar = g.sampler.grammar
+        own = grammar.fork() if grammar is not None else None
+        try:
+            draft = drafter.draft(DraftRequest(g.history, k, min_accept_p, g.sampler.params, own))
+        finally:
+            if own is not None:
+                own.close()
+        drafts = draft.tokens[:k]
+        if grammar is not None and drafts:
+            drafts = drafts[: grammar.allowed_run(drafts) + 1]
+        return draft, drafts
 
     def plan(self, g: Generation, pending: list[int]) -> tuple[int, float, Drafter]:
         """This round's draft length, the chance each draft token must have to pay for its
