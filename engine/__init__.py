@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         StageView,
         TokenText,
     )
-    from .core.gguf_tools import describe as describe_gguf
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt_cache import PromptCache, PromptCacheStats
@@ -49,6 +48,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
     from .loader import checked_spec, open_session, resolve_model, strategy_fits
+    from .loader import describe_model as describe_gguf
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
     PLAIN: str
@@ -82,7 +82,7 @@ _WHERE = {
     "RoundStats": ".core.events:RoundStats",
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
-    "describe_gguf": ".core.gguf_tools:describe",
+    "describe_gguf": ".loader:describe_model",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
     "Model": ".core.runtime:Model",

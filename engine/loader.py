@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 from ..assets import default_model_path
 from .core import validate as limits
+from .core.batch_exact import check_speculation, model_exactness
 from .core.errors import ModelError, PotluckError
 from .core.runtime import ContextParams, Model
 from .core.session import Session
 from .core.spec import KV_TYPES, EngineSpec
-from .core.target import LocalTarget, Target
+from .core.target import MAX_EXACT_BATCH, LocalTarget, Target
 from .speculation.strategies.registry import STRATEGIES, get_strategy_class
 
 if TYPE_CHECKING:
@@ -81,7 +82,10 @@ def open_session(spec: EngineSpec) -> Session:
             limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences)
         if spec.system:
             limits.prompt_fits(len(model.tokenize(spec.system)), spec.n_ctx, "the system prompt")
+        if strategy_cls.needs_exact_batches:
+            check_speculation(model.batch_exact, strategy_cls.name)
         target = _open_target(model, spec, strategy_cls)
+        target.exact = model.batch_exact
         try:
             strategy = strategy_cls.build(model, spec)
         except BaseException:
@@ -91,6 +95,23 @@ def open_session(spec: EngineSpec) -> Session:
         model.close()
         raise
     return Session(model, target, strategy, system=spec.system)
+
+
+def describe_model(path: Path) -> dict[str, object]:
+    """:func:`.core.gguf_tools.describe`, and how speculation stays lossless on the file's
+    weights here (``speculation``: the longest exact verify batch, or why none is)."""
+    from .core.backend import default_extra_bufts
+    from .core.gguf_tools import describe
+
+    row = describe(path)
+    exact = model_exactness(Path(path), use_extra_bufts=default_extra_bufts())
+    if not exact.speculates:
+        row["speculation"] = f"refused: {exact.reason}"
+    elif exact.max_rows == MAX_EXACT_BATCH and not exact.two_row_steps:
+        row["speculation"] = f"verify batches up to {exact.max_rows} rows"
+    else:
+        row["speculation"] = f"verify batches up to {exact.max_rows} rows ({exact.reason})"
+    return row
 
 
 def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> ContextParams:

@@ -13,7 +13,8 @@ from ...engine import describe_gguf as describe
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "models", help="list the bundled model and describe GGUF files (layers, experts, whether --nodes splits them)"
+        "models", help="list the bundled model and describe GGUF files (layers, experts, whether --nodes splits them, "
+        "how long a verify batch stays exact)"
     )
     p.add_argument("files", nargs="*", type=Path, help="GGUF files to describe")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
             f"{mark} {row['name']}\n    {row['path']}\n"
             f"    arch {row['arch']}, {row['n_layer']} layers, n_embd {row['n_embd']}, "
             f"vocab {row['n_vocab']}, {row['size_mb']:.0f} MB{experts}\n"
-            f"    split over machines (--nodes): {split}"
+            f"    split over machines (--nodes): {split}\n"
+            f"    speculation: {row['speculation']}"
         )
     return 1 if any("error" in r for r in rows) else 0

@@ -10,6 +10,7 @@ from .strategy import Generation, Round, Strategy
 
 class Plain(Strategy):
     name = "plain"
+    needs_exact_batches = False
     description = "plain decoding, one token per target step"
 
     def run(self, g: Generation) -> Iterator[Round]:

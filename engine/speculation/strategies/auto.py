@@ -23,9 +23,11 @@ decoding when drafts are bad, and output is plain decoding's (greedy) or its dis
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ...core.plain import Plain
 from ...core.strategy import Generation, Round, Strategy
 from .kit import LENGTH_OPTIONS
 from .speculative import DraftModelSpeculative, NgramSpeculative, Speculative
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from ...core.runtime import Model
     from ...core.spec import EngineSpec
 
+log = logging.getLogger(__name__)
+
 # A conversation this long (tokens) is a long document: N-gram drafts, whatever is loaded.
 LONG_DOCUMENT_TOKENS = 2048
 
@@ -41,17 +45,23 @@ LONG_DOCUMENT_TOKENS = 2048
 class Auto(Strategy):
     name = "auto"
     accepts_draft = True  # with --draft: sd on short conversations
+    needs_exact_batches = False  # decodes plainly, and says why, where no batch is exact
     description = "picks per reply: sd with a draft model on a chat, anpd otherwise (N-grams)"
     options = LENGTH_OPTIONS
 
-    def __init__(self, ngram: Speculative, draft: Speculative | None) -> None:
+    def __init__(self, ngram: Speculative | None, draft: Speculative | None, plain_reason: str = "") -> None:
         self.ngram = ngram
         self.draft = draft
-        self.current: Speculative = draft or ngram
+        self.plain_reason = plain_reason  # why every reply is plain decoding ("" : it is not)
+        self.current: Strategy = draft or ngram or Plain()
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         cls.check_options(spec.strategy_options)  # the length options, passed to both picks
+        exact = target_model.batch_exact
+        if not exact.speculates:  # no verify batch is exact on these weights: plain decoding
+            log.warning("auto decodes plainly: %s", exact.reason)
+            return cls(None, None, f"no exact verify batch ({exact.reason})")
         ngram = NgramSpeculative.build(target_model, spec)
         draft = DraftModelSpeculative.build(target_model, spec) if spec.draft is not None else None
         assert isinstance(ngram, Speculative) and (draft is None or isinstance(draft, Speculative))
@@ -59,12 +69,16 @@ class Auto(Strategy):
 
     def choose(self, n_tokens: int) -> Strategy:
         """The strategy for a reply to a conversation of ``n_tokens`` tokens."""
+        if self.ngram is None:
+            return self.current
         if self.draft is not None and n_tokens < LONG_DOCUMENT_TOKENS and self.draft.sure_draft_pays():
             return self.draft
         return self.ngram
 
     def pick_for_reply(self, n_tokens: int) -> str:
         self.current = self.choose(n_tokens)
+        if self.plain_reason:
+            return f"{self.name}: plain, {self.plain_reason}"
         return f"{self.name}: {self.current.name}"
 
     def prepare(self, g: Generation) -> None:
@@ -74,11 +88,11 @@ class Auto(Strategy):
         return self.current.run(g)
 
     def reset(self) -> None:
-        self.ngram.reset()
-        if self.draft is not None:
-            self.draft.reset()
+        for s in (self.ngram, self.draft):
+            if s is not None:
+                s.reset()
 
     def close(self) -> None:
-        self.ngram.close()
-        if self.draft is not None:
-            self.draft.close()
+        for s in (self.ngram, self.draft):
+            if s is not None:
+                s.close()
