@@ -131,10 +131,11 @@ SPEED_PROMPTS = (
 )
 
 
-def speed(path: Path, strategy: str, n_threads: int, tokens: int, reps: int) -> None:
+def speed(path: Path, strategy: str, n_threads: int, tokens: int, reps: int, fixed: bool) -> None:
     """Tokens/s of ``strategy`` with the engine's cap and with it lifted (every batch up to 48
     rows, as before batch_exact.py), plain decoding beside them, interleaved; whether each
-    reply equals plain decoding's."""
+    reply equals plain decoding's. ``fixed``: the strategy's longest drafts every round
+    (adaptive=false), so the cap's effect is not hidden by the floor's gate."""
     from potluck.engine.core import runtime
     from potluck.engine.core.batch_exact import FREE
     from potluck.engine.core.events import Finished
@@ -145,7 +146,9 @@ def speed(path: Path, strategy: str, n_threads: int, tokens: int, reps: int) -> 
     capped = runtime.Model.batch_exact
 
     def reply(name: str, prompt: str) -> Finished:
-        session = open_session(EngineSpec(model=path, strategy=name, n_ctx=1024, n_threads=n_threads))
+        options: dict[str, object] = {"adaptive": False} if fixed and name != "plain" else {}
+        session = open_session(EngineSpec(model=path, strategy=name, n_ctx=1024, n_threads=n_threads,
+                                          strategy_options=options))
         try:
             return next(ev for ev in session.generate(prompt, SamplingParams(), tokens) if isinstance(ev, Finished))
         finally:
@@ -167,7 +170,8 @@ def speed(path: Path, strategy: str, n_threads: int, tokens: int, reps: int) -> 
                 print(f"{mode:8s} {got.tokens_per_s:6.1f} tok/s, accepted {got.accepted}/{got.drafted} in "
                       f"{got.rounds} rounds, {same}", flush=True)
     load = Path("/proc/loadavg").read_text().split()[0]
-    print(f"{path.name} {strategy}, {n_threads} threads, {tokens} tokens, median tok/s: " + ", ".join(
+    mode = " adaptive=false" if fixed else ""
+    print(f"{path.name} {strategy}{mode}, {n_threads} threads, {tokens} tokens, median tok/s: " + ", ".join(
         f"{k} {statistics.median(v):.1f}" for k, v in rates.items()) + f"; load {load}")
 
 
@@ -183,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", default="anpd")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--fixed", action="store_true", help="--speed: adaptive=false, the longest drafts")
     args = ap.parse_args(argv)
     if args.speed:
-        speed(args.speed, args.strategy, int(args.threads.split(",")[0]), args.tokens, args.reps)
+        speed(args.speed, args.strategy, int(args.threads.split(",")[0]), args.tokens, args.reps, args.fixed)
         return 0
     if args.cost:
         for path in args.cost:
