@@ -19,7 +19,9 @@ from typing import NoReturn
 from ..engine import PotluckError, PrintableFormatter
 
 # Order is the order of `potluck --help`. The first one runs when no command is given.
-COMMANDS = ["chat", "generate", "serve", "models", "perf", "locate", "worker", "nodes", "token", "bench", "simulate"]
+COMMANDS = [
+    "chat", "generate", "serve", "models", "pull", "perf", "locate", "worker", "nodes", "token", "bench", "simulate",
+]
 
 
 def potluck_version() -> str:
@@ -37,6 +39,11 @@ def one_line(message: str) -> str:
 class OneLineParser(argparse.ArgumentParser):
     """argparse's errors (bad numbers, unknown options) as one line and exit code 2, like
     every other refusal; its default prints the usage block first. Subcommands inherit it."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # no prefix matching: `serve --api-key X` once meant --api-key-file X
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")

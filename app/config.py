@@ -145,6 +145,18 @@ class KeySettings:
     copy_code: str = "f5"
     export: str = "ctrl+s"
     log: str = "ctrl+l"
+    help: str = "f1"
+    """The keys, and what the app can do (``?`` too, outside the input)."""
+    settings: str = "f6"
+    """This conversation's sampling, reply length, seed and strategy; the context size."""
+    search: str = "ctrl+f"
+    """Search every conversation."""
+    previous_answer: str = "alt+left"
+    """The last reply's earlier version (regenerated answers are kept); on a focused message, its own."""
+    next_answer: str = "alt+right"
+    edit_prompt: str = "alt+e"
+    """Put the last prompt back in the input: sending it resends the conversation from there."""
+    quit: str = "ctrl+q"
 
     def keymap(self) -> dict[str, str]:
         """Binding id -> keys, the form ``App.set_keymap`` takes."""
@@ -160,16 +172,26 @@ class ServerSettings:
     """Address to bind; any non-loopback address needs an API key."""
     port: int = 8080
     api_key_file: str | None = None
-    """File (mode 0600) holding the API key clients send as ``Authorization: Bearer KEY``;
+    """File (mode 0600) holding the API keys clients send as ``Authorization: Bearer KEY``: one
+    key, or one ``NAME KEY`` a line (each key's conversations are cached apart);
     ``$POTLUCK_API_KEY`` also works. Unset with neither: no key (loopback only)."""
     max_queue: int = 8
     """Requests waiting beside the running one; past it a request gets 429 with Retry-After."""
+    max_tokens: int | None = None
+    """Longest reply when a request sets no max_tokens; unset: to the end of the reply or of
+    the context (as OpenAI and llama.cpp's server do)."""
     max_body_kb: int = 1024
     """Largest request body."""
     body_timeout_s: float = 30.0
     """Longest wait for a request's body."""
     request_timeout_s: float = 600.0
     """Longest a request may wait and run before it is cancelled."""
+    header_timeout_s: float = 10.0
+    """Longest a connection may take to send a request's head (its first line and headers)."""
+    max_connections: int = 512
+    """Open connections at most (fewer if the open-file limit is lower)."""
+    connections_per_address: int = 64
+    """Open connections at most from one client address."""
     prompt_cache_mb: int = 1024
     """Memory for recent conversations' KV caches (at most a quarter of the free memory)."""
     cached_conversations: int = 16
@@ -291,13 +313,37 @@ def load_settings(path: Path | None = None) -> Settings:
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> Path:
-    """Write the non-default settings atomically (the picker saves its choice here)."""
-    import tomli_w
+    """Write what changed into config.toml, atomically (the picker and the settings dialog
+    save their choices here). The file is the user's: tomlkit keeps its comments, layout and
+    the keys it did not change; a key set back to "unset" is removed (TOML has no null)."""
+    import tomlkit
 
     if path is None:
         path = paths.config_file()
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        doc = tomlkit.parse(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        doc = tomlkit.document()
+    except (tomlkit.exceptions.ParseError, UnicodeDecodeError) as e:
+        raise PotluckError(f"config: {path} is not valid TOML ({e}); not overwriting it") from None
+    defaults = Settings()
+    for section in _SECTIONS:
+        current, default = getattr(settings, section), getattr(defaults, section)
+        table = doc.get(section)
+        for f in dataclasses.fields(current):
+            value = getattr(current, f.name)
+            value = list(value) if isinstance(value, tuple) else value
+            if table is not None and f.name in table:
+                if value is None:
+                    del table[f.name]
+                elif table[f.name] != value:
+                    table[f.name] = value
+            elif value is not None and value != (list(d) if isinstance(d := getattr(default, f.name), tuple) else d):
+                if table is None:
+                    doc[section] = table = tomlkit.table()
+                table[f.name] = value
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(tomli_w.dumps(settings_to_dict(settings)), encoding="utf-8")
+    tmp.write_text(tomlkit.dumps(doc), encoding="utf-8")
     tmp.replace(path)
     return path

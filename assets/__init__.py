@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1, bundled)"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (bundled)"  # its one name: the app, `models`, the picker
 
 
 def default_model_path() -> Path | None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     )
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
+    from .core.prompt import Prompt
     from .core.prompt_cache import PromptCache, PromptCacheStats
     from .core.runtime import Model
     from .core.sampling import SamplingParams
@@ -83,6 +84,7 @@ _WHERE = {
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
     "describe_gguf": ".loader:describe_model",
+    "Prompt": ".core.prompt:Prompt",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
     "Model": ".core.runtime:Model",
@@ -142,6 +144,7 @@ __all__ = [
     "PlanChanged",
     "PotluckError",
     "PrintableFormatter",
+    "Prompt",
     "PromptCache",
     "PromptCacheStats",
     "ReplyStarted",

@@ -1,7 +1,7 @@
 """The chat app's speed in a real terminal (issue 22): tmux, a fixed pane, timed from Enter
 until the whole reply is visible in `tmux capture-pane`, against `potluck generate`.
 
-    .venv/bin/python -m scripts.chat_tmux_speed --reps 3 [--max-tokens 300] [--load]
+    .venv/bin/python -m scripts.chat_tmux_speed --reps 3 [--max-tokens 300] [--load] [--ref COMMIT]
 
 Each rep runs `potluck generate --json` (greedy, plain, the same prompt) for its own time (time
 to first token + decode), then the real chat app in a detached tmux session at 120x40 with a
@@ -17,6 +17,8 @@ measures it on `generate`). ``--load`` repeats all with one process spinning a c
 one JSON line; the ratio is app / generate, both end to end (prompt + reply);
 ``app_engine_decode_tok_s`` (the app's own decode speed, as its history stores it)
 against ``generate_decode_tok_s`` separates the engine's slowdown from the app's fixed costs.
+``--ref COMMIT`` runs the app at that commit too (a git worktree on this venv), each rep
+alternating which app goes first: ``after_over_before`` is this tree's app against it.
 """
 
 from __future__ import annotations
@@ -127,12 +129,14 @@ class TmuxControl:
 
 
 def app_reply(prompt: str, max_tokens: int, threads: int, poll_s: float,
-              timeout_s: float = 300.0) -> tuple[float, int, float]:
+              timeout_s: float = 300.0, pythonpath: Path | None = None) -> tuple[float, int, float]:
     """(seconds from Enter until the reply is stored and drawn, its tokens, the engine's own
-    decode speed as the app stored it), in the real app under tmux."""
+    decode speed as the app stored it), in the real app under tmux; ``pythonpath``: the app of
+    another tree (``--ref``)."""
     name = f"potluck-speed-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="potluck-tmux-") as home:
-        cmd = (f"POTLUCK_HOME={home} {sys.executable} -m potluck.app.cli chat --strategy plain --temp 0 "
+        where = f"PYTHONPATH={pythonpath} " if pythonpath else ""
+        cmd = (f"{where}POTLUCK_HOME={home} {sys.executable} -m potluck.app.cli chat --strategy plain --temp 0 "
                f"--max-tokens {max_tokens} --threads {threads}")
         tmux("new-session", "-d", "-s", name, "-x", str(PANE[0]), "-y", str(PANE[1]), cmd)
         ctl = TmuxControl(name)
@@ -224,6 +228,8 @@ def main() -> int:
     ap.add_argument("--load", action="store_true", help="also with one core busy")
     ap.add_argument("--poll-cost", action="store_true",
                     help="only measure what polling the pane takes from `generate` (no app)")
+    ap.add_argument("--ref", help="also the app at this earlier commit, interleaved with this tree's "
+                    "(before and after in one run)")
     args = ap.parse_args()
     if shutil.which("tmux") is None:
         print("chat_tmux_speed: tmux is not installed; install it to measure the app in a terminal", file=sys.stderr)
@@ -231,27 +237,65 @@ def main() -> int:
     if args.poll_cost:
         print(json.dumps(poll_cost(args.prompt, args.max_tokens, args.threads, args.poll_ms / 1000, args.reps)))
         return 0
+    with tempfile.TemporaryDirectory(prefix="potluck-speed-ref-") as tmp:
+        before = earlier_tree(args.ref, Path(tmp)) if args.ref else None
+        try:
+            rows = measure(args, before)
+        finally:
+            if args.ref:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "tree")],
+                               capture_output=True, check=False)
+    print(json.dumps({"pane": f"{PANE[0]}x{PANE[1]}", "reps": args.reps, "ref": args.ref, "rows": rows}))
+    return 0
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def earlier_tree(ref: str, work: Path) -> Path:
+    """A PYTHONPATH folder whose ``potluck`` is ``ref``'s tree (a git worktree), with this venv."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work / "tree"), ref],
+                   check=True, capture_output=True)
+    pkg = work / "path" / "potluck"
+    pkg.mkdir(parents=True)
+    for name in ("app", "engine", "discovery", "assets"):
+        (pkg / name).symlink_to(work / "tree" / name)
+    return work / "path"
+
+
+def measure(args: argparse.Namespace, before: Path | None) -> list[dict]:
+    """Per load: generate, then the app (and the earlier app, in alternating order), ``reps`` times."""
     rows = []
+    poll_s = args.poll_ms / 1000
     for busy in (False, True) if args.load else (False,):
-        app_rates, gen_rates, gen_decode, app_decode = [], [], [], []
+        app_rates, gen_rates, gen_decode, app_decode, before_rates, before_decode = [], [], [], [], [], []
         with one_core_busy(busy):
-            for _ in range(args.reps):
+            for rep in range(args.reps):
                 ref = generate(args.prompt, args.max_tokens, args.threads)
                 n = len(ref["tokens"])
                 gen_rates.append(n / (ref["ttft_s"] + ref["decode_s"]))
                 gen_decode.append(ref["tokens_per_s"])
-                seconds, n_app, engine_rate = app_reply(args.prompt, args.max_tokens, args.threads, args.poll_ms / 1000)
-                app_rates.append(n_app / seconds)
-                app_decode.append(engine_rate)
+                sides = [None, before] if before is not None else [None]
+                for side in sides if rep % 2 == 0 else sides[::-1]:
+                    seconds, n_app, engine_rate = app_reply(
+                        args.prompt, args.max_tokens, args.threads, poll_s, pythonpath=side
+                    )
+                    (app_rates if side is None else before_rates).append(n_app / seconds)
+                    (app_decode if side is None else before_decode).append(engine_rate)
         app, gen = statistics.median(app_rates), statistics.median(gen_rates)
-        rows.append({"load": "one core busy" if busy else "quiet", "tokens": n,
-                     "app_tok_s": round(app, 1), "generate_tok_s": round(gen, 1),
-                     "generate_decode_tok_s": round(statistics.median(gen_decode), 1),
-                     "app_engine_decode_tok_s": round(statistics.median(app_decode), 1),
-                     "ratio": round(app / gen, 3), "app_runs": [round(r, 1) for r in app_rates],
-                     "generate_runs": [round(r, 1) for r in gen_rates]})
-    print(json.dumps({"pane": f"{PANE[0]}x{PANE[1]}", "reps": args.reps, "rows": rows}))
-    return 0
+        row = {"load": "one core busy" if busy else "quiet", "tokens": n,
+               "app_tok_s": round(app, 1), "generate_tok_s": round(gen, 1),
+               "generate_decode_tok_s": round(statistics.median(gen_decode), 1),
+               "app_engine_decode_tok_s": round(statistics.median(app_decode), 1),
+               "ratio": round(app / gen, 3), "app_runs": [round(r, 1) for r in app_rates],
+               "generate_runs": [round(r, 1) for r in gen_rates]}
+        if before_rates:
+            old = statistics.median(before_rates)
+            row.update({"before_app_tok_s": round(old, 1), "before_ratio": round(old / gen, 3),
+                        "before_engine_decode_tok_s": round(statistics.median(before_decode), 1),
+                        "after_over_before": round(app / old, 3), "before_runs": [round(r, 1) for r in before_rates]})
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

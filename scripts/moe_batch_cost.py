@@ -1,5 +1,5 @@
 """The verify batch's cost curve of mixture-of-experts shapes against a dense one, and how many
-experts a batch of k reply tokens reads (docs/facts.md §29).
+experts a batch of k reply tokens reads (docs/facts.md §32).
 
     .venv/bin/python -m scripts.moe_batch_cost --shapes gpt-oss-20b:8,qwen3-30b-a3b:8,8b:8 -t 2
 

@@ -6,6 +6,7 @@
     sudo .venv/bin/python -m scripts.scale_demo --rpc ~/.cache/potluck-peers/bin  # and llama.cpp's RPC
     sudo .venv/bin/python -m scripts.scale_demo --shape gpt-oss-20b --rpc ~/.cache/potluck-peers/bin
     sudo .venv/bin/python -m scripts.scale_demo --shape gpt-oss-20b --layers 6   # fewer layers, same width
+    sudo .venv/bin/python -m scripts.scale_demo --shape qwen35moe-35b-a3b --layers 16   # the hybrid
 
 One run reports: greedy tokens against one uncapped process; the first load (slices streamed)
 and the second (cached); TTFT and tokens/s of the synchronous pipeline and of pipeinfer; peak
@@ -20,7 +21,11 @@ the servers' tensor cache warm). Needs root for the cgroups
 (cgroup v1 memory controller, as on this machine). The Llama shapes' vocabulary is the bundled
 model's 49,152 tokens: a real Llama 3's output layer (128,256 tokens) is 2.6x larger, so the
 head's memory here is smaller than it would be with a real 8B; the mixtures' shapes (gpt-oss-20b,
-qwen3-30b-a3b) have their published vocabulary (the bundled tokenizer, padded).
+qwen3-30b-a3b) have their published vocabulary (the bundled tokenizer, padded), the hybrid's
+(qwen35moe-35b-a3b) the bundled one. Every slice of the hybrid holds both kinds of layer (three
+Gated DeltaNet layers to one of attention), so each of its three stages needs 4 layers or more:
+``--layers 12`` at least. Its router is F32, as in published GGUFs: pipeinfer's verify batches
+then need not equal single steps (docs/facts.md §30), and the demo says so where they differ.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from potluck.app.loopback import spawn_worker, stop_worker
 from potluck.discovery.auth import generate_token, keys_from_token
 from potluck.engine.core import memory
 from potluck.engine.core.errors import PotluckError
-from potluck.engine.lab.fixtures import build_shape
+from potluck.engine.lab.shapes import SHAPE_NAMES, build_named_shape
 
 from .peers import BENCH_ARGS, rpc_addresses, rpc_servers
 from .procfs import process_tree
@@ -197,7 +202,7 @@ def _child(args: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="8b")
+    p.add_argument("--shape", default="8b", choices=SHAPE_NAMES)
     p.add_argument("--layers", type=int, help="build the shape with this many layers (its width), not all")
     p.add_argument("--cap", type=float, default=0.6, help="each worker's memory limit, as a share of the model file")
     p.add_argument("--tokens", type=int, default=32)
@@ -222,7 +227,7 @@ def main() -> None:
         print(json.dumps(run))
         return
 
-    path = build_shape(args.shape, layers=args.layers)
+    path = build_named_shape(args.shape, layers=args.layers)
     size = path.stat().st_size
     print(f"model {path.name}: {size / 1e9:.2f} GB; workers capped at {args.cap:.0%} = {args.cap * size / 1e9:.2f} GB")
     common = ["--model", str(path), "--tokens", str(args.tokens), "--ctx", str(args.ctx), "--batch", str(args.batch)]
@@ -270,7 +275,8 @@ def main() -> None:
                       f"({measured / predicted - 1:+.0%})")
             for name in ("plain", "pipeinfer"):
                 r = run[name]
-                same = r["tokens"][: len(ref["tokens"])] == ref["tokens"][: len(r["tokens"])]
+                first = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref["tokens"])) if a != b), None)
+                same = "True" if first is None else f"False (from token {first})"
                 print(f"  {name:<15} identical {same}, TTFT {r['ttft_s']:.2f} s, {r['tokens_per_s']:.2f} tok/s, "
                       f"{r['last_hop_bytes_per_token']:,.0f} B/token from the last worker")
         peaks = watch.stop()

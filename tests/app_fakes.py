@@ -38,6 +38,10 @@ def words(text: str, delay_s: float = 0.0) -> list[Step]:
 Script = Callable[[str | None, list[Message]], list[Step]]
 
 
+def prompt_tokens(messages: Sequence[Message]) -> int:
+    return sum(len(m.content.split()) + 4 for m in messages)
+
+
 class ScriptedSession:
     """Implements what the app uses of ``Session``; every reply follows ``script``."""
 
@@ -59,15 +63,22 @@ class ScriptedSession:
         self.tokens_per_s = tokens_per_s
         self.ttft_s = ttft_s
         self.loaded: list[list[Message]] = []
+        self.fresh: list[bool] = []  # per load: whether the prompt is computed whole
         self.prompts: list[str | None] = []
+        self.sampling: list[SamplingParams] = []
         self.closed = False
         self.running = threading.Event()
         self.run_id = 0  # the latest reply's
         self._cancel = threading.Event()
 
-    def load_messages(self, messages: Sequence[Message]) -> None:
+    def load_messages(self, messages: Sequence[Message], *, fresh: bool = False) -> None:
         self.messages = list(messages)
         self.loaded.append(list(messages))
+        self.fresh.append(fresh)
+
+    def count_tokens(self, messages: Sequence[Message]) -> int:
+        """A word is a token, and each message's framing 4 (as the prompt figure below)."""
+        return prompt_tokens(messages) + 3
 
     def cancel(self, run_id: int | None = None) -> None:
         if run_id is None or run_id == self.run_id:
@@ -87,6 +98,7 @@ class ScriptedSession:
         if user is not None:
             self.messages.append(Message("user", user))
         self.prompts.append(user)
+        self.sampling.append(sampling)
         return self._run(self.script(user, list(self.messages)))
 
     def regenerate(
@@ -99,7 +111,7 @@ class ScriptedSession:
     def _run(self, steps: list[Step]) -> Iterator[Event]:
         self._cancel.clear()
         self.run_id = run = self.run_id + 1
-        prompt = sum(len(m.content.split()) + 4 for m in self.messages)
+        prompt = prompt_tokens(self.messages) + 3
         self.running.set()
         reason, text, tokens = "stop", [], []
         drafted = accepted = rounds = 0

@@ -55,10 +55,15 @@ def test_unreadable_files_carry_their_error(tmp_path: Path) -> None:
     notgguf = tmp_path / "x.gguf"
     notgguf.write_text("hello")
     assert read_model_info(notgguf).error == "not a GGUF file"
-    infos = gather_models(None, None, [str(tmp_path)])
+    infos = gather_models(None, None, [str(tmp_path)], found=[])
     assert {i.name for i in infos if i.error} >= {"bad.gguf", "x.gguf"}
 
 
 def test_code_blocks_are_found_even_unclosed() -> None:
     md = "a\n```py\nx = 1\n```\ntext\n~~~\ny\n~~~\n```sh\nls"
     assert code_blocks(md) == ["x = 1", "y", "ls"]
+
+
+def test_models_are_named_by_their_file(model_path: Path) -> None:
+    # The bundled file's internal name is "Smollm2 135M 8k Lc100K Mix1 Ep2": not what a user knows.
+    assert read_model_info(model_path).name == model_path.name

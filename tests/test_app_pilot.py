@@ -160,7 +160,7 @@ async def test_escape_stops_mid_reply_and_keeps_the_partial_text(tmp_path: Path)
 
 
 @run_async
-async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
+async def test_regenerate_keeps_every_answer_and_steps_between_them(tmp_path: Path) -> None:
     answers = iter(["first answer", "second answer"])
     factory = FakeFactory(lambda spec: ScriptedSession(lambda _u, _m: words(next(answers))))
     app = make_app(tmp_path, factory)
@@ -172,11 +172,19 @@ async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
         await until(lambda: app.reply is not None or views(app)[-1].content == "second answer")
         await reply_done(app)
         assert [v.content for v in views(app)] == ["question", "second answer"]
+        assert views(app)[-1].variant == (2, 2)
         stored = app.store.messages(app.active)  # type: ignore[union-attr, arg-type]
         assert [m.content for m in stored] == ["question", "second answer"]
         session = factory.sessions[0]
         assert session.prompts == ["question", None]  # regenerate answers the same history
-        assert [m.content for m in session.loaded[-1]] == ["question", "first answer"]
+        assert [m.content for m in session.loaded[-1]] == ["question"]
+        # Both answers are kept: step back to the first and forward again.
+        await pilot.press("alt+left")
+        await until(lambda: views(app)[-1].content == "first answer", what="the earlier answer")
+        assert views(app)[-1].variant == (1, 2)
+        assert [m.content for m in app.store.messages(app.active)] == ["question", "first answer"]  # type: ignore[union-attr, arg-type]
+        await pilot.press("alt+right")
+        await until(lambda: views(app)[-1].content == "second answer", what="the later answer")
 
 
 @run_async
@@ -244,9 +252,11 @@ async def test_export_writes_markdown(tmp_path: Path) -> None:
         await pilot.press("ctrl+s")
         files = list((tmp_path / "exports").glob("*.md"))
         assert len(files) == 1
-        assert files[0].read_text() == (
-            "# Export test\n\n## You\n\nExport test\n\n## Assistant\n\n**bold** answer\n"
-        )
+        text = files[0].read_text()
+        head, body = text.split("**System prompt:** none\n\n")
+        assert head.startswith("# Export test\n\n*Exported 20") and "model SmolLM2-135M-Instruct (bundled)" in head
+        assert "· auto ·" in head and "temp 0.8" in head  # the strategy and the sampling in use
+        assert body == "## You\n\nExport test\n\n## Assistant\n\n**bold** answer\n"
 
 
 @run_async
@@ -265,6 +275,7 @@ async def test_copy_reply_and_code_block(tmp_path: Path) -> None:
         await pilot.press("f5")
         assert app.clipboard == "print(2)"
         views(app)[-1].focus()
+        await until(lambda: app.focused is views(app)[-1], what="the focus")
         await pilot.press("b")  # a focused message cycles through its code blocks
         assert app.clipboard == "ls -la"
         await pilot.press("y")
@@ -368,16 +379,12 @@ async def test_picker_offers_only_what_works_and_reloads(tmp_path: Path) -> None
         picker = app.screen
         assert isinstance(picker, PickerScreen)
 
-        def ids(list_id: str) -> list[str]:
-            ol = picker.query_one(list_id)
-            return [str(ol.get_option_at_index(i).id) for i in range(ol.option_count)]  # type: ignore[attr-defined]
-
-        assert ids("#pick-draft") == ["-", "/models/small.gguf"]  # other.gguf: different vocabulary
-        assert ids("#pick-strategy") == ["autoregressive"]  # sd needs a draft, none chosen yet
+        assert picker._rows_draft == [None, SAME_VOCAB]  # other.gguf: different vocabulary
+        assert picker._rows_strategy == ["autoregressive"]  # sd needs a draft, none chosen yet
         assert "other" in str(picker.query_one("#picker-hidden").render()).lower()
         picker.draft = SAME_VOCAB
         picker._refresh_lists()
-        assert ids("#pick-strategy") == ["autoregressive", "sd"]
+        assert picker._rows_strategy == ["autoregressive", "sd"]
         picker.strategy = "sd"
         await pilot.press("ctrl+s")
         await until(lambda: len(factory.sessions) == 2 and not app.loading)
@@ -400,9 +407,7 @@ async def test_picker_lists_the_registered_strategies(tmp_path: Path) -> None:
         picker = app.screen
         picker.draft = SAME_VOCAB  # type: ignore[attr-defined]
         picker._refresh_lists()  # type: ignore[attr-defined]
-        ol = picker.query_one("#pick-strategy")
-        shown = {str(ol.get_option_at_index(i).id) for i in range(ol.option_count)}  # type: ignore[attr-defined]
-        assert shown == set(STRATEGIES)
+        assert set(picker._rows_strategy) == set(STRATEGIES)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("key", ["ctrl+t"])

@@ -1,26 +1,34 @@
-"""Snapshot tests (pytest-textual-snapshot): main screen, live panels, picker, cluster panel.
+"""Snapshot tests (pytest-textual-snapshot): the first screen, a conversation, the picker,
+the settings dialog and the help at 120x40, 80x24 and 60x20; the live and cluster panels.
 
 Deterministic by construction: fixed terminal size, no cursor blink, no panel timer (the
 panels are sampled by the test at chosen instants), a fake model catalog and strategy
-table, fixed fake figures. Update on purpose only: ``pytest --snapshot-update``.
+table, fixed fake figures, the sampling pinned (not config.toml's defaults, which may change).
+Update on purpose only: ``pytest --snapshot-update``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from potluck.app.config import Settings, UISettings
+import pytest
+
+from potluck.app.config import SamplingSettings, Settings, UISettings
 from potluck.app.tui import PotluckApp, build_app
 from potluck.app.tui.catalog import ModelInfo
 from potluck.app.tui.cluster import ClusterState, StageRow
-from potluck.app.tui.screens import PickerScreen
+from potluck.app.tui.screens import HelpScreen, PickerScreen
+from potluck.app.tui.settings import SettingsScreen
 from potluck.app.tui.stats import ReplyProgress
 from potluck.engine.core.events import NodeStatus, ReplyStarted, RoundStats
 
 from .app_fakes import FakeFactory, ScriptedSession, Step, until, words
 
-SIZE = (110, 34)
-STILL = Settings(ui=UISettings(cursor_blink=False, stats_interval_s=0))
+SIZES = [(120, 40), (80, 24), (60, 20)]  # a full terminal, the classic one, a small split pane
+STILL = Settings(
+    ui=UISettings(cursor_blink=False, stats_interval_s=0),
+    sampling=SamplingSettings(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, max_tokens=512),
+)
 REPLY = (
     "Sure! Here is a function that reverses a string:\n\n"
     "```python\ndef reverse(s: str) -> str:\n    return s[::-1]\n```\n\n"
@@ -67,9 +75,35 @@ async def converse(app: PotluckApp, pilot) -> None:  # noqa: ANN001
     await pilot.pause()
 
 
-def test_main_screen(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_first_screen(snap_compare, tmp_path: Path, size: tuple[int, int]) -> None:  # noqa: ANN001
+    app, _ = make(tmp_path, words("ok"))
+
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await until(lambda: app.session is not None)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_main_screen(snap_compare, tmp_path: Path, size: tuple[int, int]) -> None:  # noqa: ANN001
     app, _ = make(tmp_path, words(REPLY) + [Step("", drafted=4, accepted=3, draft_len=4)])
-    assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: converse(app, pilot))
+    assert snap_compare(app, terminal_size=size, run_before=lambda pilot: converse(app, pilot))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("key,screen", [("f6", SettingsScreen), ("f1", HelpScreen)], ids=["settings", "help"])
+def test_dialogs(snap_compare, tmp_path: Path, size: tuple[int, int], key: str, screen: type) -> None:  # noqa: ANN001
+    app, _ = make(tmp_path, words(REPLY))
+
+    async def run_before(pilot) -> None:  # noqa: ANN001
+        await converse(app, pilot)
+        await pilot.press(key)
+        await until(lambda: isinstance(app.screen, screen))
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
 def test_live_panels_mid_reply(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
@@ -89,10 +123,11 @@ def test_live_panels_mid_reply(snap_compare, tmp_path: Path) -> None:  # noqa: A
             app.sample_stats(now=t)
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
 
 
-def test_picker(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_picker(snap_compare, tmp_path: Path, size: tuple[int, int]) -> None:  # noqa: ANN001
     app, _ = make(tmp_path, words("ok"))
 
     async def run_before(pilot) -> None:  # noqa: ANN001
@@ -101,7 +136,7 @@ def test_picker(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
         await until(lambda: isinstance(app.screen, PickerScreen))
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
 def test_cluster_panel(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
@@ -119,4 +154,4 @@ def test_cluster_panel(snap_compare, tmp_path: Path) -> None:  # noqa: ANN001
         app.show_cluster()
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=(110, 44), run_before=run_before)
+    assert snap_compare(app, terminal_size=(120, 44), run_before=run_before)

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from potluck.app.config import SamplingSettings
 from potluck.app.tui.replies import Reply, ReplyFinished, reply_in_thread
 from potluck.app.tui.stats import ReplyProgress, SpeedMeter
 from potluck.engine.core.events import Event, Finished, NodeStatus, ReplyStarted, RoundStats, TokenText
@@ -92,7 +91,7 @@ def test_reply_thread_feeds_every_event_to_the_progress_with_the_clock() -> None
     posted: list[object] = []
     reply = Reply(1, session, None, "hi")  # type: ignore[arg-type]  # the view is the UI's business
     idle = threading.Event()
-    reply_in_thread(lambda m: posted.append(m) or True, reply, SamplingSettings(), lambda: next(times), idle)
+    reply_in_thread(lambda m: posted.append(m) or True, reply, lambda: next(times), idle)
 
     assert idle.is_set() and [type(m) for m in posted] == [ReplyFinished]
     assert reply.take() == "one two"
@@ -108,7 +107,7 @@ def test_esc_before_the_engine_starts_the_reply_still_stops_it() -> None:
     reply = Reply(1, session, None, "hi")  # type: ignore[arg-type]
     reply.cancel()  # the engine's own flag is reset when the run starts; the reply remembers
     posted: list[object] = []
-    reply_in_thread(lambda m: posted.append(m) or True, reply, SamplingSettings(), lambda: 0.0, threading.Event())
+    reply_in_thread(lambda m: posted.append(m) or True, reply, lambda: 0.0, threading.Event())
     (done,) = posted
     assert isinstance(done, ReplyFinished) and done.finished.reason == "cancelled"
     assert reply.take() == ""
@@ -140,3 +139,41 @@ def test_pearl_overlap_and_minions_drafters_reach_the_panel() -> None:
     f = meter.sample(p, now=20.3)
     assert f.drafters == votes  # a plain round keeps the last standings on show
     assert f.overlap_pct is None  # nothing overlapped: no row rather than a misleading 0 %
+
+
+def test_no_contradictory_figures_when_the_floor_stops_drafting() -> None:
+    # 2 rounds drafted (3 of 4 each), then 40 plain rounds the floor kept plain (timed 10 ms).
+    events: list[tuple[float, Event]] = [(0.0, ReplyStarted(1, "auto: anpd", 10, 10, 1024))]
+    for i in range(2):
+        events.append((0.1, RoundStats(1, 4, 3, 4, 4, 1.0, 20.0, 20 + 4 * i)))
+    for i in range(40):
+        events.append((0.2, RoundStats(1, 0, 0, 1, 0, 0.0, 10.0, 28 + i)))
+    p = fold(events)
+    f = SpeedMeter().sample(p, now=1.0)
+    assert f.acceptance_rate == 0.75 and f.mean_accepted_len == 3.0  # per round that drafted
+    assert f.draft_len is None  # not "draft length 0"
+    assert f.gain == "drafting paused: did not pay"
+
+
+def test_the_gain_line_compares_with_plain_decoding_measured_here() -> None:
+    meter = SpeedMeter()
+    plain = fold([(0.0, ReplyStarted(1, "plain", 10, 10, 1024)), (1.0, finished(1, drafted=0, accepted=0,
+                                                                              strategy="plain", tokens_per_s=50.0))])
+    assert meter.sample(plain, now=1.0).gain == "plain decoding"
+    assert meter.plain_tok_s == 50.0
+    sd = fold([(2.0, ReplyStarted(2, "sd", 10, 10, 1024)), (2.1, RoundStats(2, 4, 4, 5, 4, 1.0, 2.0, 15)),
+               (3.0, finished(2, tokens_per_s=80.0))])
+    assert meter.sample(sd, now=3.0).gain == "1.60× plain (50 tok/s here)"
+
+
+def test_the_heads_own_stage_is_this_machine_and_layers_read_as_the_plan_writes_them() -> None:
+    from potluck.app.tui.cluster import ClusterState, StageRow
+    from potluck.app.tui.widgets import _plain, cluster_table
+
+    state = ClusterState(stages=(
+        StageRow("ebe6b179", "192.168.1.20:5733", (0, 14)),
+        StageRow("5f0c1d2e", "127.0.0.1:40123", (14, 29)),  # the head's fallback worker joins on loopback
+    ), head_layers=(29, 30))
+    text = _plain(cluster_table(state, "ctrl+g"))
+    assert "layers 0-14" in text and "layers 14-29" in text and "head layers 29-30" in text  # as `plan` prints
+    assert "127.0.0.1:40123 (this machine)" in text and "192.168.1.20:5733 (this" not in text

@@ -13,6 +13,7 @@ from potluck.engine.core import archs
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.gguf_tools import describe, layer_layout, open_reader, write_layers
 from potluck.engine.lab.fixtures import SHAPES, build_shape
+from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
 
 
 def header_of(path: Path) -> archs.Header:
@@ -128,6 +129,9 @@ def test_potluck_models_says_whether_a_file_splits_and_why_not(
     assert "split over machines (--nodes): yes" in oss
     assert "8 of 128 experts + 1 shared a token" in glm_part
     assert "split over machines (--nodes): no: architecture 'glm4moe': llama.cpp's GLM-4.5 graph aborts" in glm_part
+    # Qwen3.5's one shared expert is known by its width alone (no expert_shared_count)
+    assert main(["models", str(build_hybrid_shape("qwen35moe-small"))]) == 0
+    assert "2 of 8 experts + 1 shared a token, cache kv+recurrent" in capsys.readouterr().out
 
 
 def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: pytest.CaptureFixture[str]) -> None:

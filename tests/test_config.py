@@ -77,3 +77,37 @@ def test_sampling_settings_are_validated() -> None:
 def test_keymap_uses_binding_ids() -> None:
     keymap = KeySettings(toggle_panels="f9").keymap()
     assert keymap["toggle_panels"] == "f9" and keymap["stop"] == "escape"
+
+
+def test_saving_keeps_the_users_comments_and_layout(tmp_path: Path) -> None:
+    from potluck.app.config import ModelSettings, save_settings
+
+    path = tmp_path / "config.toml"
+    original = (
+        "# my settings, written by hand\n"
+        "[model]\n"
+        "strategy = \"anpd\"  # fast on my laptop\n"
+        "n_ctx = 8192\n"
+        "\n"
+        "[sampling]\n"
+        "# greedy: I want the same answer every time\n"
+        "temperature = 0.0\n"
+    )
+    path.write_text(original)
+    settings = load_settings(path)
+    chosen = Settings(
+        model=ModelSettings(path="/models/big.gguf", strategy="sd", draft="/models/small.gguf", n_ctx=8192),
+        sampling=settings.sampling,
+    )
+    save_settings(chosen, path)
+    text = path.read_text()
+    for kept in ("# my settings, written by hand", "# fast on my laptop", "# greedy: I want the same answer every time",
+                 "temperature = 0.0"):
+        assert kept in text, text
+    assert 'strategy = "sd"  # fast on my laptop' in text  # the value changes, its comment stays
+    reread = load_settings(path)
+    assert reread.model == chosen.model and reread.sampling.temperature == 0.0
+    # A setting back to "unset" leaves the file (TOML has no null); the rest stays.
+    save_settings(Settings(model=ModelSettings(path="/models/big.gguf", strategy="sd", n_ctx=8192),
+                           sampling=settings.sampling), path)
+    assert "draft" not in path.read_text() and "# fast on my laptop" in path.read_text()

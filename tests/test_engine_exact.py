@@ -43,12 +43,7 @@ def session(model: Model) -> Iterator[Session]:
 
 
 def prompt_tokens(session: Session, text: str) -> list[int]:
-    session.messages.append(Message("user", text))
-    try:
-        tokens, _ = session._conversation_tokens()
-    finally:
-        session.messages.pop()
-    return tokens
+    return session.prompt_for([*session.messages, Message("user", text)]).tokens()
 
 
 @pytest.fixture(scope="module")

@@ -151,6 +151,10 @@ def test_layers_builds_fewer_layers_of_a_shape(capsys: pytest.CaptureFixture[str
     path = Path(capsys.readouterr().out.splitlines()[-1])
     d = describe(path)
     assert (d["arch"], d["n_layer"], d["n_expert"], d["n_expert_shared"]) == ("deepseek2", 2, 8, 1)
+    # the hybrid's shapes (engine/lab/hybrid_shapes.py) through the same option
+    assert main(["bench", "--build-fixtures", "--shape", "qwen35moe-small", "--layers", "4"]) == 0
+    d = describe(Path(capsys.readouterr().out.splitlines()[-1]))
+    assert (d["arch"], d["n_layer"], d["cache"]) == ("qwen35moe", 4, "kv+recurrent")
     assert main(["bench", "--layers", "2"]) == 2
     assert "--layers only applies to --build-fixtures --shape" in capsys.readouterr().err
 

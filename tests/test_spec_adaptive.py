@@ -113,7 +113,7 @@ def test_break_even_ignores_timings_of_a_busy_moment() -> None:
 
 def test_break_even_follows_the_measured_curve_not_a_line() -> None:
     """Q4_0's dip (4 rows cost less than 2, docs/facts.md §20) and a mixture's concave curve
-    (the first extra rows read new experts, later ones share them, §29): what k drafts cost
+    (the first extra rows read new experts, later ones share them, §32): what k drafts cost
     is read off the curve, between measured sizes and past the largest."""
     dip = DraftBreakEven()
     for k, ms in ((1, 10.0), (2, 17.0), (4, 13.0), (8, 25.0)):

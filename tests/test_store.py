@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from potluck.app.store import Store
-from potluck.app.store.migrations import SCHEMA_VERSION, v1_initial, v2_reply_stats
+from potluck.app.store import ConversationParams, Store
+from potluck.app.store.migrations import SCHEMA_VERSION, v1_initial, v2_reply_stats, v3_partial_replies, v5_search
 from potluck.engine.core.errors import PotluckError
 
 
 def test_fresh_database_gets_the_latest_schema(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "h.sqlite3")
-    assert store.version == SCHEMA_VERSION == 3
+    assert store.version == SCHEMA_VERSION == 5
     store.close()
 
 
@@ -66,9 +66,10 @@ def test_conversations_messages_rename_delete(tmp_path: Path) -> None:
     store.add_message(a.id, "user", "q")
     r1 = store.add_message(a.id, "assistant", "first", finish_reason="stop", tokens_per_s=9.5)
     assert [c.id for c in store.conversations()] == [a.id, b.id]
-    r2 = store.add_message(a.id, "assistant", "second", replaces=r1.id)  # regenerate
+    r2 = store.add_message(a.id, "assistant", "second", variant_of=r1.id)  # regenerate
     assert [m.content for m in store.messages(a.id)] == ["q", "second"]
     assert store.messages(a.id)[-1].id == r2.id
+    assert (store.messages(a.id)[-1].variant, store.messages(a.id)[-1].variants) == (2, 2)
     store.rename(a.id, "renamed")
     store.set_system(a.id, "")
     conv = store.conversation(a.id)
@@ -102,7 +103,7 @@ def test_schema_2_database_is_upgraded_and_a_reply_streams_into_it(tmp_path: Pat
     conn.close()
 
     store = Store.open(path)
-    assert store.version == 3
+    assert store.version == SCHEMA_VERSION
     assert [(m.content, m.finish_reason) for m in store.messages(1)] == [("hello", None), ("hi!", "stop")]
     draft = store.begin_reply(1, "Once")
     store.save_partial(draft, "Once upon")
@@ -144,7 +145,7 @@ def test_a_reply_left_partial_by_a_crash_reopens_interrupted(tmp_path: Path) -> 
     reopened.close()
 
 
-def test_an_interrupted_regeneration_replaces_the_old_reply_only_if_it_saved_text(tmp_path: Path) -> None:
+def test_an_interrupted_regeneration_is_kept_beside_the_old_reply_if_it_saved_text(tmp_path: Path) -> None:
     path = tmp_path / "h.sqlite3"
     store = Store.open(path)
     a, b = store.new_conversation("a"), store.new_conversation("b")
@@ -152,11 +153,85 @@ def test_an_interrupted_regeneration_replaces_the_old_reply_only_if_it_saved_tex
         store.add_message(conv.id, "user", "q")
     old_a = store.add_message(a.id, "assistant", "old a", finish_reason="stop")
     old_b = store.add_message(b.id, "assistant", "old b", finish_reason="stop")
-    store.begin_reply(a.id, "new a so far", replaces=old_a.id)
-    store.begin_reply(b.id, "", replaces=old_b.id)  # crashed before any text was saved
+    store.begin_reply(a.id, "new a so far", variant_of=old_a.id)
+    store.begin_reply(b.id, "", variant_of=old_b.id)  # crashed before any text was saved
     assert store.mark_interrupted() == 1
     assert [(m.content, m.finish_reason) for m in store.messages(a.id)] == [
         ("q", None), ("new a so far", "interrupted")
     ]
+    assert len(store.variants(old_a.id)) == 2  # the old answer is kept, one step back
     assert [(m.content, m.finish_reason) for m in store.messages(b.id)] == [("q", None), ("old b", "stop")]
+    store.close()
+
+
+def _schema_3(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path)
+    for upgrade in (v1_initial.upgrade, v2_reply_stats.upgrade, v3_partial_replies.upgrade):
+        upgrade(conn)
+    conn.execute("PRAGMA user_version = 3")
+    return conn
+
+
+def test_schema_3_database_becomes_a_tree_of_chained_messages(tmp_path: Path) -> None:
+    path = tmp_path / "v3.sqlite3"
+    conn = _schema_3(path)
+    conn.execute("INSERT INTO conversations VALUES (1, 'old chat', NULL, 1.0, 1.0)")
+    conn.execute("INSERT INTO conversations VALUES (2, 'other', NULL, 1.0, 1.0)")
+    for i, (cid, role, text) in enumerate(
+        [(1, "user", "one"), (2, "user", "elsewhere"), (1, "assistant", "two"), (1, "user", "three")], 1
+    ):
+        conn.execute(
+            "INSERT INTO messages (id, conversation_id, role, content, created_at) VALUES (?, ?, ?, ?, ?)",
+            (i, cid, role, text, float(i)),
+        )
+    conn.commit()
+    conn.close()
+
+    store = Store.open(path)
+    path1 = store.messages(1)
+    assert [(m.content, m.parent_id) for m in path1] == [("one", None), ("two", 1), ("three", 3)]
+    assert [(m.content, m.parent_id) for m in store.messages(2)] == [("elsewhere", None)]
+    # An edited prompt is a sibling: the old one and what followed it are kept.
+    edited = store.add_message(1, "user", "two, edited", variant_of=path1[1].id)
+    assert [m.content for m in store.messages(1)] == ["one", "two, edited"]
+    store.select(path1[2].id)  # back to the old branch, down to its end
+    assert [m.content for m in store.messages(1)] == ["one", "two", "three"]
+    assert store.variants(edited.id) == [path1[1].id, edited.id]
+    store.close()
+
+
+def test_conversation_params_round_trip_and_bad_json_is_ignored(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "h.sqlite3")
+    conv = store.new_conversation()
+    assert store.conversation(conv.id).params == ConversationParams()  # type: ignore[union-attr]
+    params = ConversationParams(temperature=0.0, top_k=5, seed=7, strategy="anpd")
+    store.set_params(conv.id, params)
+    assert store.conversation(conv.id).params == params  # type: ignore[union-attr]
+    assert ConversationParams.from_json('{"temperature": "hot", "top_k": 3, "nope": 1}') == ConversationParams(top_k=3)
+    assert ConversationParams.from_json("not json") == ConversationParams()
+    store.close()
+
+
+def test_search_finds_words_in_every_conversation(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "h.sqlite3")
+    a, b = store.new_conversation("pasta"), store.new_conversation("bikes")
+    store.add_message(a.id, "user", "How long do I boil spaghetti?")
+    store.add_message(a.id, "assistant", "Boil the spaghetti for nine minutes.")
+    store.add_message(b.id, "user", "How do I fix a flat tyre?")
+    hits = store.search("spaghetti boil")
+    assert {(h.conversation_id, h.title) for h in hits} == {(a.id, "pasta")} and len(hits) == 2
+    assert [h.title for h in store.search("tyre")] == ["bikes"]
+    assert store.search("spag")  # a prefix finds the word
+    assert store.search("%") == [] and store.search("zebra") == []
+    store.close()
+
+
+def test_search_without_fts5_falls_back_to_like(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(v5_search, "fts5_available", lambda conn: False)
+    store = Store.open(tmp_path / "h.sqlite3")
+    assert not store._has_fts()
+    conv = store.new_conversation("t")
+    store.add_message(conv.id, "user", "100% of the snake_case names")
+    assert [h.snippet for h in store.search("snake_case")] == ["100% of the snake_case names"]
+    assert store.search("case names") and not store.search("camel")
     store.close()

@@ -1,10 +1,12 @@
 """TriForce: greedy output equals plain decoding on a long conversation at 2 threads (past
 512 KV cells, so the per-sequence KV streams and the whole-sequence copy are exercised),
-every level of the hierarchy ran, and short conversations switch to anpd."""
+every level of the hierarchy ran, and short conversations switch to anpd; on a mixture of
+experts too (slow)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from potluck.engine.core.runtime import Model
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.strategy import Strategy
 from potluck.engine.lab.benchmark import load_prompts
+from potluck.engine.lab.fixtures import build_shape
 from potluck.engine.loader import open_session
 from potluck.engine.speculation.adaptive import DraftBreakEven
 from potluck.engine.speculation.strategies.triforce import TriForce
@@ -37,8 +40,9 @@ SHORT_TURNS = ("Summarize in one sentence: the cat sat on the mat all day.",)
 
 def _replies(strategy: str, turns: tuple[str, ...], options: dict[str, object] | None = None,
              max_tokens: int = 48, before_turn: Callable[[int, Strategy], None] | None = None,
-             ) -> tuple[list[tuple[int, ...]], object]:
-    spec = EngineSpec(strategy=strategy, n_ctx=N_CTX, n_threads=THREADS, strategy_options=options or {})
+             model: Path | None = None) -> tuple[list[tuple[int, ...]], object]:
+    spec = EngineSpec(model=model, strategy=strategy, n_ctx=N_CTX, n_threads=THREADS,
+                      strategy_options=options or {})
     session = open_session(spec)
     try:
         out = []
@@ -90,6 +94,20 @@ def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) ->
     c = strategy.counters  # type: ignore[attr-defined]
     assert c.long_replies == 2 and c.rebuilds >= 1
     assert c.direct_drafted > 0
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_equals_plain() -> None:
+    """gpt-oss-small (sliding-window layers, attention sinks, routed experts): the retrieval
+    level drafts over a subset of its attention cells, mostly wrong, and the target's verify
+    batches keep the reply plain decoding's."""
+    path = build_shape("gpt-oss-small")
+    options = {"adaptive": False, "max_draft": 4, "stride": 8, "budget": 128}
+    want = _replies("plain", LONG_TURNS[:1], max_tokens=32, model=path)[0]
+    got, strategy = _replies("triforce", LONG_TURNS[:1], options, max_tokens=32, model=path)
+    assert got == want
+    c = strategy.counters  # type: ignore[attr-defined]
+    assert c.long_replies == 1 and c.retrieval_drafted > c.retrieval_accepted and c.rebuilds >= 1
 
 
 def test_short_conversation_runs_as_anpd() -> None:

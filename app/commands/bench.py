@@ -27,7 +27,8 @@ from ...engine.lab.benchmark import (
     run_bench,
 )
 from ...engine.lab.cluster_bench import ClusterBenchConfig, ClusterRow
-from ...engine.lab.fixtures import RECIPES, SHAPES, build_all, build_fixture, build_shape
+from ...engine.lab.fixtures import RECIPES, build_all, build_fixture
+from ...engine.lab.shapes import SHAPE_NAMES, build_named_shape
 from .common import positive_int
 
 
@@ -69,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument(
         "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
-        help="the target's KV cache: bf16 (default) or f16 (faster prefill, 1-token steps on one thread)",
+        help="the target's KV cache: bf16 (default; prompts prefilled at F16's speed) or f16 (1-token steps "
+        "on one thread)",
     )
     p.add_argument(
         "--option",
@@ -86,10 +88,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--shape",
-        choices=list(SHAPES),
+        choices=list(SHAPE_NAMES),
         help="with --build-fixtures: build only a random-weight GGUF in this model's published shape "
-        "(Llama 1b, 3b, 8b; qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v2-lite; *-small and wide: the "
-        "test suite's) and print its path on the last line",
+        "(Llama 1b, 3b, 8b; qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v2-lite; qwen35moe-35b-a3b: "
+        "Qwen3.5's MoE hybrid; *-small and wide: the test suite's) and print its path on the last line",
     )
     p.add_argument(
         "--layers", type=positive_int, default=None,
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is not None and args.shape is None:
         raise PotluckError("--layers only applies to --build-fixtures --shape NAME; add --shape")
     if args.build_fixtures and args.shape is not None:
-        print(build_shape(args.shape, args.fixture_seed, layers=args.layers))
+        print(build_named_shape(args.shape, args.fixture_seed, layers=args.layers))
         return 0
     if args.build_fixtures:
         for fx in build_all():

@@ -20,14 +20,18 @@ from .common import (
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate one reply to PROMPT (or stdin) and print it")
+    p = sub.add_parser(
+        "generate", help="generate one reply to PROMPT (or stdin) and print it",
+        description="Generate one reply to PROMPT (or stdin) and stream it to stdout: plain greedy decoding "
+        "unless --strategy or --temp say otherwise; --json prints one object at the end.",
+    )
     add_model_args(p)
     add_sampling_args(p)
     add_cluster_args(p)
     p.add_argument(
         "--kv", default="bf16", choices=sorted(validate.KV_CACHES),
-        help="KV cache: bf16 (default) or f16, which prefills long prompts about 2x faster and runs "
-        "single-token steps on one thread (both exact)",
+        help="KV cache: bf16 (default: exact, prompts prefilled at F16's speed) or f16 (an F16 cache "
+        "throughout, exact by running single-token steps on one thread; rarely worth it)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end, nothing else")
     p.add_argument("prompt", nargs="?", help="the user message ('-' or omitted: read stdin)")

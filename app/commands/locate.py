@@ -10,7 +10,11 @@ from ...engine import paths
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("locate", help="print where settings, history, log and exports live")
+    p = sub.add_parser(
+        "locate", help="print where settings, history, log and exports live",
+        description="Print where potluck keeps its settings (config.toml), chat history, log, exports "
+        "and the bundled model; `potluck locate config` prints one path.",
+    )
     p.add_argument(
         "what",
         nargs="?",

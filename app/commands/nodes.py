@@ -13,7 +13,11 @@ from .common import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("nodes", help="list potluck workers found on the LAN (zeroconf)")
+    p = sub.add_parser(
+        "nodes", help="list potluck workers found on the LAN (zeroconf)",
+        description="List the potluck workers found on the LAN (zeroconf): node, address, cores, free "
+        "memory and speed; --watch keeps the list live.",
+    )
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to listen (default 2)")
     p.add_argument("--watch", action="store_true", help="keep listening; print nodes as they come and go")
     p.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,7 +14,11 @@ from .common import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("perf", help="measure plain decode / prompt speed and the batch-cost curve")
+    p = sub.add_parser(
+        "perf", help="measure plain decode / prompt speed and the batch-cost curve",
+        description="Measure this machine: plain decoding and prompt speed, and what a batch of k tokens "
+        "costs against one (what speculation's break-even rests on). Takes minutes; each step says so.",
+    )
     p.add_argument("-m", "--model", type=Path, help="GGUF model (default: the bundled one)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--runs", type=positive_int, default=5, help="repetitions; medians are reported")
@@ -28,9 +33,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     args.threads = validate.threads(args.threads, "--threads")
     ks = _batches(args.batches)
+
+    def progress(line: str) -> None:  # minutes of work: each step says where it is (stderr)
+        print(f"perf: {line}", file=sys.stderr, flush=True)
+
     with Model(resolve_model(args.model)) as model:
-        report = measure(model, n_threads=args.threads, runs=args.runs, ks=ks)
-        history = history_consistency(model, n_threads=args.threads) if args.history_check else None
+        report = measure(model, n_threads=args.threads, runs=args.runs, ks=ks, progress=progress)
+        history = (
+            history_consistency(model, n_threads=args.threads, progress=progress) if args.history_check else None
+        )
     if args.json:
         extra = {"history_check": asdict(history)} if history else {}
         print(json.dumps({**asdict(report), "batch_cost": report.batch_cost, **extra}))

@@ -16,9 +16,10 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model
+from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model, validate
+from ..serve.connections import ConnectionGate, connection_budget, gated_protocol, listening_socket
 from ..serve.engine_thread import EngineThread
-from ..serve.guard import Guard, read_api_key
+from ..serve.guard import Guard, read_api_keys
 from ..serve.http import ServeState, build_app
 from .common import CLUSTER_OVERRIDES, add_cluster_args, check_cluster_args, settings_with_overrides, with_cluster
 
@@ -34,6 +35,7 @@ _OVERRIDES = {
     "host": ("server", "host"),
     "port": ("server", "port"),
     "api_key_file": ("server", "api_key_file"),
+    "max_queue": ("server", "max_queue"),
     **CLUSTER_OVERRIDES,
 }
 
@@ -52,7 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: [model] n_threads)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; any other needs an API key)")
     p.add_argument("--port", type=int, help="TCP port (default 8080; 0: any free port)")
-    p.add_argument("--api-key-file", help="file (mode 0600) with the API key clients must send (or $POTLUCK_API_KEY)")
+    p.add_argument("--api-key-file", help="file (mode 0600) with the API key clients must send, or one NAME KEY "
+                   "a line (each key's conversations cached apart); or $POTLUCK_API_KEY")
+    p.add_argument("--api-key", help="the API key (shown to every user of this machine by ps: prefer "
+                   "$POTLUCK_API_KEY or --api-key-file)")
+    p.add_argument("--max-queue", type=int, help="requests waiting beside the running one before 429 (default 8)")
     add_cluster_args(p)
     p.set_defaults(**dict.fromkeys(_OVERRIDES))
 
@@ -67,13 +73,18 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= server.port <= 65535:
         raise PotluckError(f"--port must be 0..65535, got {server.port}")
     if server.max_queue < 1 or server.max_body_kb < 1 or server.body_timeout_s <= 0 \
-            or server.request_timeout_s <= 0 or server.prompt_cache_mb < 0 or server.cached_conversations < 1:
-        raise PotluckError("config: [server] max_queue, max_body_kb, cached_conversations and the timeouts must be "
-                           "positive, prompt_cache_mb at least 0")
+            or server.request_timeout_s <= 0 or server.header_timeout_s <= 0 or server.prompt_cache_mb < 0 \
+            or server.cached_conversations < 1 or server.max_connections < 1 or server.connections_per_address < 1:
+        raise PotluckError("config: [server] max_queue (--max-queue), max_body_kb, cached_conversations, "
+                           "max_connections, connections_per_address and the timeouts must be positive, "
+                           "prompt_cache_mb at least 0")
+    if server.max_tokens is not None:
+        validate.max_tokens(server.max_tokens)
     if server.cached_conversations > PromptCache.MAX_CONVERSATIONS:
         raise PotluckError(f"config: [server] cached_conversations must be at most {PromptCache.MAX_CONVERSATIONS}, "
                            f"got {server.cached_conversations}")
-    guard = Guard(server.host, read_api_key(server.api_key_file), server.allowed_hosts, server.allowed_origins)
+    guard = Guard(server.host, read_api_keys(server.api_key_file, args.api_key), server.allowed_hosts,
+                  server.allowed_origins)
     # No hidden system prompt: a request's messages are the whole conversation.
     spec = spec_from_settings(replace(settings, model=replace(settings.model, system=None)))
     model_path = resolve_model(spec.model)
@@ -91,12 +102,14 @@ def run(args: argparse.Namespace) -> int:
 
     engine = EngineThread(opener, server.max_queue)
     state = ServeState(engine, model_path.stem, spec.n_ctx, settings.sampling, server)
-    return _serve(build_app(state, guard), sock, engine, state)
+    gate = ConnectionGate(connection_budget(server.max_connections), server.connections_per_address,
+                          server.header_timeout_s)
+    return _serve(build_app(state, guard), sock, engine, state, gate)
 
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = listening_socket(family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -109,14 +122,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(app: object, sock: socket.socket, engine: EngineThread, state: ServeState) -> int:
+def _serve(app: object, sock: socket.socket, engine: EngineThread, state: ServeState, gate: ConnectionGate) -> int:
+    import asyncio
+
     import uvicorn
 
     logging.getLogger("potluck.serve").setLevel(logging.INFO)  # the per-request lines
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5, h11_max_incomplete_event_size=65536)
+    # log_config=None: uvicorn's own loggers go through potluck's handler (PrintableFormatter)
+    config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
+                            server_header=False, http=gated_protocol(gate), timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=65536)
+
     class Server(uvicorn.Server):
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            asyncio.get_running_loop().set_exception_handler(gate.accept_error_handler)
+            await super().serve(sockets)
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             engine.drain()  # open requests end now (503 or cancelled), within the graceful timeout
             await super().shutdown(sockets)
@@ -138,6 +160,7 @@ def _serve(app: object, sock: socket.socket, engine: EngineThread, state: ServeS
         server.run(sockets=[sock])
     finally:
         engine.stop()
+        state.tokenizer.shutdown(wait=False, cancel_futures=True)
         sock.close()
     if engine.state == "failed":
         raise PotluckError(engine.error)

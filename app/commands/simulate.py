@@ -48,8 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"ms of one token through the whole model, split evenly (default {DEFAULT_MODEL_MS})")
     g.add_argument("--from-perf", type=Path, metavar="FILE.json",
                    help="`potluck perf --json` output: its decode speed and batch-cost curve")
-    g.add_argument("--batch-cost", help="batch cost relative to one token, k:cost,... (default: docs/facts.md §6, "
-                   "1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
+    g.add_argument("--batch-cost", help="batch cost relative to one token, k:cost,... (default: the bundled "
+                   "model measured on 2 cores, 1:1,2:1.76,4:3.06,8:5.55,16:11.07)")
     g.add_argument("--head-ms", type=float, default=d.head_ms, help="the head's output layer, ms a token")
     g.add_argument("--sample-ms", type=float, default=d.sample_ms, help="sampling one run's result, ms")
     g.add_argument("--run-ms", type=float, default=d.run_ms, help="a stage's fixed cost per job, whatever its rows")
@@ -80,8 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cutoff recovery factor (default: min(0.4, 1 / (stages + 1)), as the strategy; paper 0.4)")
     s.add_argument("--decay", type=float, default=d.decay, help="cutoff decay factor (paper 0.01)")
     s.add_argument("--cutoff-rule", choices=CUTOFF_RULES, default=None,
-                   help="how the cutoff's counters reset (see engine/lab/simulate.py; default: 'code', potluck's "
-                   "strategy, and 'reference', the paper authors' code, for --trends)")
+                   help="how the cutoff's counters reset: 'paper' as PipeInfer's paper writes it, 'reference' as its "
+                   "authors' code does, 'code' as potluck's strategy does (default: 'code', and 'reference' "
+                   "for --trends)")
     s.add_argument("--strategies", default=None, help=f"comma-separated, from {','.join(STRATEGIES)} (default all)")
     r = p.add_argument_group("run")
     r.add_argument("--tokens", type=int, default=d.tokens, help="tokens generated per conversation")

@@ -9,7 +9,11 @@ from ...discovery.auth import generate_token, read_token_file, save_token, token
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("token", help="generate a cluster token (pass it to every worker and head)")
+    p = sub.add_parser(
+        "token", help="generate a cluster token (pass it to every worker and head)",
+        description="Generate and save a cluster token (256 random bits). Give it to every worker and head "
+        "($POTLUCK_TOKEN or a 0600 --token-file): it keys all cluster traffic.",
+    )
     p.add_argument("--show", action="store_true", help="print the saved token instead of making one")
     p.add_argument("--no-save", action="store_true", help="print a new token without saving it")
 

@@ -23,7 +23,11 @@ from .common import cluster_keys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="serve model layers to a head on the LAN (one per spare PC)")
+    p = sub.add_parser(
+        "worker", help="serve model layers to a head on the LAN (one per spare PC)",
+        description="Run on each spare PC: advertise this machine on the LAN and compute the layers a head "
+        "(`potluck chat --nodes auto`) sends it. Needs the cluster token ($POTLUCK_TOKEN or --token-file).",
+    )
     p.add_argument("--port", type=int, default=5733, help="TCP port (0: any free port; default 5733)")
     p.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all)")
     p.add_argument(

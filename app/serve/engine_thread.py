@@ -3,9 +3,12 @@
 A session is not thread-safe, and in cluster mode the pipeline's sockets belong to the thread
 that made them, so a single thread opens the session and serves a bounded FIFO of jobs: first
 come, first served, each request answered exactly as it would be alone. Past the bound a
-request is refused at once (the HTTP layer answers 429). A job cancelled while it waits leaves
-the queue; one cancelled while it runs is stopped through the session's cancel, which also
-aborts a prompt being processed mid-batch.
+request is refused at once (the HTTP layer answers 429). A job takes its place in the queue
+when it arrives, but the engine takes it only once its prompt is tokenized, which the HTTP
+side does on another thread: a huge prompt never holds the engine while it is tokenized, and
+requests that arrive behind it run first. A job cancelled while it waits leaves the queue;
+one cancelled while it runs is stopped through the session's cancel, which also aborts a
+prompt being processed mid-batch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...engine import Finished, NodeStatus, PlanChanged, PotluckError, ReplyStarted, Session, TokenText
+from ...engine import Finished, NodeStatus, PlanChanged, PotluckError, Prompt, ReplyStarted, Session, TokenText
 from .protocol import ApiError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,10 @@ class StopScanner:
 class Job:
     """One request on its way through the engine; its events arrive on ``events`` in the event loop."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, owner: str = "") -> None:
         self.request = request
+        self.owner = owner  # the API key's name: kept conversations are reused only for it
+        self.prompt: Prompt | None = None  # set once tokenized (EngineThread.ready)
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -103,7 +108,7 @@ class EngineThread:
         self.nodes: dict[str, NodeStatus] = {}  # cluster mode: each stage's health at the last report
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
-             "refused_busy", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
+             "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
         self._opener = opener
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
@@ -126,6 +131,19 @@ class EngineThread:
             self.counters["requests"] += 1
             self._queue.append(job)
             self._cond.notify()
+
+    def ready(self, job: Job, prompt: Prompt) -> None:
+        """``job``'s prompt is tokenized: the engine may take it."""
+        with self._cond:
+            job.prompt = prompt
+            self._cond.notify()
+
+    def withdraw(self, job: Job) -> None:
+        """``job`` will never be ready (its prompt was refused): give its place back."""
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                self.counters["refused_prompt"] += 1
 
     def cancel(self, job: Job) -> None:
         """Stop ``job`` at once: out of the queue if it waits, through the session if it runs."""
@@ -178,11 +196,13 @@ class EngineThread:
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not self._stop:
+                    while not self._stop and (job := self._first_ready()) is None:
                         self._cond.wait()
                     if self._stop:
                         return
-                    job = self._running = self._queue.popleft()
+                    assert job is not None
+                    self._queue.remove(job)
+                    self._running = job
                 started = time.monotonic()
                 try:
                     self._run(job)
@@ -194,17 +214,18 @@ class EngineThread:
             self.session.close()
             self.state = "stopped"
 
+    def _first_ready(self) -> Job | None:
+        return next((job for job in self._queue if job.prompt is not None), None)
+
     def _run(self, job: Job) -> None:
         session = self.session
-        assert session is not None
+        assert session is not None and job.prompt is not None
         req = job.request
         started = False
         try:
-            if req.kind == "chat":
-                session.load_messages(list(req.messages))
-                events = session.generate(None, req.sampling, req.max_tokens)
-            else:
-                events = session.complete(req.prompt, req.sampling, req.max_tokens)
+            # no max_tokens: to the end of the reply, or of the context (finish_reason "length")
+            max_tokens = req.max_tokens if req.max_tokens is not None else session.target.n_ctx
+            events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner)
             scanner = StopScanner(req.stop)
             stopped = False
             finished: Finished | None = None

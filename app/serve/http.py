@@ -1,10 +1,11 @@
 """The HTTP side: Starlette routes in OpenAI's shapes over one :class:`EngineThread`.
 
-Starlette (with uvicorn) parses HTTP; nothing here does. Each request passes the guard (key,
-Host, Origin, body size and time), becomes a checked :class:`GenerationRequest`, waits its turn
-in the engine's FIFO and is answered by a :class:`JobResponse`, which listens for the client
-hanging up the whole time (also while the prompt is processed, when nothing is written) and
-cancels the run at once. Every error is OpenAI's error JSON; one log line per request.
+Starlette (with uvicorn) parses HTTP; nothing here does. Each request passes the guard (Host,
+Origin, CORS, key, body size and time), becomes a checked :class:`GenerationRequest`, takes its
+place in the engine's FIFO, is tokenized on the tokenizer thread (never the engine's), and is
+answered by a :class:`JobResponse`, which listens for the client hanging up the whole time
+(also while the prompt is processed, when nothing is written) and cancels the run at once.
+Every error is OpenAI's error JSON; one log line per request, its path shown printable.
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ...engine import ContextFullError, PotluckError, Prompt, printable
 from ..config import SamplingSettings, ServerSettings
 from .engine_thread import EngineThread, Job, Outcome, QueueFull
 from .guard import Guard
-from .protocol import ApiError, GenerationRequest, parse_request
+from .protocol import MAX_INT_DIGITS, ApiError, GenerationRequest, HugeInteger, parse_request
 
 log = logging.getLogger("potluck.serve")
 
@@ -51,6 +55,26 @@ class ServeState:
         self.sampling = sampling
         self.server = server
         self.created = int(time.time())
+        # One thread tokenizes requests, in arrival order: never the engine's, and never more
+        # than one core taken from decoding however many requests arrive.
+        self.tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="potluck-tokenize")
+
+    async def prompt(self, req: GenerationRequest) -> Prompt:
+        """``req``'s prompt, rendered and tokenized on the tokenizer thread."""
+        session = self.engine.session
+        assert session is not None
+
+        def tokenize() -> Prompt:
+            if req.kind == "chat":
+                return session.prompt_for(req.messages, variables=dict(req.variables))
+            return session.raw_prompt(req.prompt)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer, tokenize)
+        except ContextFullError as e:
+            raise ApiError(400, str(e), code="context_length_exceeded") from None
+        except PotluckError as e:  # the chat template refused the conversation
+            raise ApiError(400, str(e), code="invalid_prompt") from None
 
 
 class JobResponse:
@@ -237,7 +261,7 @@ def parse_json(raw: bytes) -> object:
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})") from None
     try:
-        return json.loads(text, parse_constant=lambda c: _refuse_constant(c))
+        return json.loads(text, parse_constant=_refuse_constant, parse_int=_integer)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
                        ) from None
@@ -247,6 +271,12 @@ def parse_json(raw: bytes) -> object:
 
 def _refuse_constant(name: str) -> object:
     raise ApiError(400, f"the request body is not valid JSON ({name} is not a JSON number)")
+
+
+def _integer(digits: str) -> int | HugeInteger:
+    """Python refuses to read integers past 4,300 digits: a longer one stays a :class:`HugeInteger`,
+    which the field's own check refuses by name."""
+    return HugeInteger(len(digits.lstrip("-"))) if len(digits) > MAX_INT_DIGITS else int(digits)
 
 
 def build_app(state: ServeState, guard: Guard) -> Starlette:
@@ -262,14 +292,20 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             raw = await read_body(request, server.max_body_kb * 1024, server.body_timeout_s)
         except ClientDisconnect:
             raise ApiError(400, "the client hung up while sending the body") from None
-        req = parse_request(kind, parse_json(raw), state.sampling)
-        job = Job(req, asyncio.get_running_loop())
+        req = parse_request(kind, parse_json(raw), state.sampling, server.max_tokens)
+        job = Job(req, asyncio.get_running_loop(), owner=request.scope.get("potluck.key") or "")
         try:
-            state.engine.submit(job)
+            state.engine.submit(job)  # its place in line, taken before it is tokenized
         except QueueFull as e:
             raise ApiError(429, "the server is busy: every queue place is taken; retry later",
                            kind="rate_limit_error", headers={"Retry-After": str(e.retry_after_s)}) from None
         request.scope["potluck.job"] = job
+        try:
+            prompt = await state.prompt(req)
+        except BaseException:
+            state.engine.withdraw(job)
+            raise
+        state.engine.ready(job, prompt)
         return JobResponse(state, job)
 
     async def chat(request: Request) -> Response | JobResponse:
@@ -285,6 +321,9 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
 
     async def health(request: Request) -> Response:
         engine = state.engine
+        status = 200 if engine.state in ("ready", "loading") else 503
+        if request.scope.get("potluck.key") is None:  # no valid key: ready or not, nothing more
+            return JSONResponse({"status": engine.state}, status_code=status)
         running, waiting = engine.waiting()
         body: dict[str, Any] = {
             "status": engine.state, "model": state.model_id, "context_length": state.n_ctx,
@@ -294,7 +333,7 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
         cache = engine.session.prompt_cache if engine.session is not None else None
         body["prompt_cache"] = asdict(cache.stats()) if cache is not None else None  # None: loading
         if engine.error:
-            body["error"] = engine.error
+            body["error"] = printable(engine.error)  # may quote a worker's words
         view = None
         if engine.session is not None:
             try:
@@ -303,17 +342,19 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
                 log.debug("cluster view failed", exc_info=True)
         if view is not None:
             nodes = engine.nodes
+            # node ids, addresses and details come from other machines: shown printable
             body["cluster"] = {
-                "stages": [{"node": s.node, "address": s.address, "layers": list(s.layers),
+                "stages": [{"node": printable(s.node), "address": printable(s.address), "layers": list(s.layers),
                             "state": nodes[s.node].state if s.node in nodes else "ok",
-                            "detail": nodes[s.node].detail if s.node in nodes else ""} for s in view.stages],
+                            "detail": printable(nodes[s.node].detail) if s.node in nodes else ""}
+                           for s in view.stages],
                 "head_layers": list(view.head_layers),
-                "lost": [{"node": n.node, "state": n.state, "detail": n.detail} for n in nodes.values()
-                         if n.state != "ok" and n.node not in {s.node for s in view.stages}],
+                "lost": [{"node": printable(n.node), "state": n.state, "detail": printable(n.detail)}
+                         for n in nodes.values() if n.state != "ok" and n.node not in {s.node for s in view.stages}],
             }
             if engine.notice:
-                body["cluster_notice"] = engine.notice
-        return JSONResponse(body, status_code=200 if engine.state in ("ready", "loading") else 503)
+                body["cluster_notice"] = printable(engine.notice)
+        return JSONResponse(body, status_code=status)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -337,37 +378,85 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
         ],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
     )
-    app.add_middleware(GuardMiddleware, guard=guard)
+    # outermost first: Host and Origin (403), CORS (preflights answered without a key, headers
+    # on every answer to an allowed page, errors included), then the key (401, 429)
+    app.add_middleware(KeyMiddleware, guard=guard)
+    app.add_middleware(GuardCORSMiddleware, guard=guard, allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["*"], expose_headers=["Retry-After"], allow_private_network=True,
+                       max_age=600)
+    app.add_middleware(OriginMiddleware, guard=guard)
     return LogMiddleware(app)  # type: ignore[return-value]
 
 
-class GuardMiddleware:
-    """Host, Origin and API key, before anything else reads the request."""
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+class GuardStep:
+    """A middleware that answers a request itself with :meth:`check`'s error, or passes it on."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], guard: Guard) -> None:
         self.app = app
         self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        error = None
-        if not self.guard.host_allowed(headers.get("host")):
-            error = ApiError(403, "this Host is not allowed (a DNS-rebinding guard); add it to [server] allowed_hosts",
-                             kind="permission_error")
-        elif not self.guard.origin_allowed(headers.get("origin")):
-            error = ApiError(403, "requests from this web origin are not allowed; add it to [server] allowed_origins",
-                             kind="permission_error")
-        elif scope["path"] != "/health" and not self.guard.authorized(headers.get("authorization")):
-            error = ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                             kind="authentication_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
+        error = self.check(scope) if scope["type"] == "http" else None
         if error is not None:
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def check(self, scope: Scope) -> ApiError | None:
+        raise NotImplementedError
+
+
+class OriginMiddleware(GuardStep):
+    """Host and Origin (the DNS-rebinding guard), before anything else reads the request."""
+
+    def check(self, scope: Scope) -> ApiError | None:
+        headers = _headers(scope)
+        if not self.guard.host_allowed(headers.get("host")):
+            return ApiError(403, "this Host is not allowed (a DNS-rebinding guard); add it to [server] allowed_hosts",
+                            kind="permission_error")
+        if not self.guard.origin_allowed(headers.get("origin")):
+            return ApiError(403, "requests from this web origin are not allowed; add it to [server] allowed_origins",
+                            kind="permission_error")
+        return None
+
+
+class GuardCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS handling for the origins the guard allows (loopback pages and
+    ``[server] allowed_origins``): one list for both."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], guard: Guard, **options: Any) -> None:
+        super().__init__(app, **options)  # type: ignore[arg-type]
+        self.guard = guard
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return self.guard.origin_allowed(origin)
+
+
+class KeyMiddleware(GuardStep):
+    """The API key: its name goes into the scope (``potluck.key``; "" without keys, None for a
+    missing or wrong one, which only /health answers, saying ready or not). An address that
+    keeps sending wrong keys waits a second a try, its keys not even compared meanwhile."""
+
+    def check(self, scope: Scope) -> ApiError | None:
+        address = (scope.get("client") or ("",))[0]
+        authorization = _headers(scope).get("authorization")
+        keyed = bool(self.guard.api_keys and authorization)
+        wait_s = self.guard.throttle.wait_s(address) if keyed else 0.0
+        name = self.guard.key_name(authorization) if wait_s == 0 else None
+        if name is None and keyed and wait_s == 0:
+            self.guard.throttle.failed(address)
+        scope["potluck.key"] = name
+        if wait_s > 0:
+            return ApiError(429, "too many wrong API keys from this address; wait and retry",
+                            kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait_s)))})
+        if name is None and scope["path"] != "/health":
+            return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                            kind="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return None
 
 
 class LogMiddleware:
@@ -397,5 +486,5 @@ class LogMiddleware:
             tokens = f"{outcome.prompt_tokens}+{outcome.completion_tokens} tokens " \
                      f"{outcome.tokens_per_s:.1f} tok/s" if outcome else "- tokens - tok/s"
             end = " (client gone)" if job is not None and job.cancelled.is_set() else ""
-            log.info("%s %s %s %s %.2fs%s", scope["method"], scope["path"], status, tokens,
+            log.info("%s %s %s %s %.2fs%s", scope["method"], printable(scope["path"]), status, tokens,
                      time.monotonic() - started, end)

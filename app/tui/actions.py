@@ -6,18 +6,20 @@ A mixin of :class:`~.app.PotluckApp` (the app's state lives on the app itself).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
-from ...engine import EngineSpec, PotluckError, checked_spec, get_strategy_class, validate
+from ...engine import EngineSpec, PotluckError, paths
 from ..config import Settings, save_settings
-from ..store import Conversation, Store
+from ..store import Conversation, SearchHit, Store
 from .catalog import ModelInfo, StrategyClass, read_model_info
+from .commands import help_sections
 from .export import code_blocks, conversation_markdown, export_path
 from .replies import Reply
-from .screens import ConfirmScreen, LogScreen, Pick, PickerScreen, TextPromptScreen
+from .screens import ConfirmScreen, HelpScreen, LogScreen, Pick, PickerScreen, SearchScreen, TextPromptScreen
+from .settings import ChatSettings, SettingsScreen, spec_from_settings
 from .widgets import ConversationList, MessageView
 
 NEW_TITLE = "New chat"
@@ -27,25 +29,6 @@ def title_from(text: str) -> str:
     """A new conversation's title: the first line of its first message, cut to 40 characters."""
     line = text.strip().splitlines()[0] if text.strip() else NEW_TITLE
     return line if len(line) <= 40 else line[:39] + "…"
-
-
-def spec_from_settings(settings: Settings) -> EngineSpec:
-    """The chat's engine spec, checked by engine.limits (PotluckError: one line to show).
-
-    The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
-    m = settings.model
-    cls = get_strategy_class(m.strategy)  # an unknown name: one line
-    draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
-    return checked_spec(
-        EngineSpec(
-            model=validate.path("[model] path", m.path),
-            strategy=m.strategy,
-            draft=draft,
-            n_ctx=m.n_ctx,
-            n_threads=m.n_threads,
-            system=m.system or None,  # loading refuses one longer than the context
-        )
-    )
 
 
 class ConversationActions:
@@ -157,8 +140,7 @@ class ConversationActions:
             current = read_model_info(spec.model)
             models.insert(0, current)
         kept = self.settings.model.draft  # offered again even while the strategy ignores it
-        kept_key = str(Path(os.path.expanduser(kept))) if kept else None
-        draft = next((m for m in models if kept_key and m.key == kept_key), None)
+        draft = next((m for m in models if m.is_file(kept)), None)
         pick = await self.push_screen_wait(
             PickerScreen(models, self.strategies, Pick(current, draft, spec.strategy))
         )
@@ -173,8 +155,10 @@ class ConversationActions:
     def apply_pick(self, pick: Pick) -> None:
         """Load the picked combination; remember it in config.toml once it loads."""
         m = self.settings.model
-        model_path = str(pick.model.path) if pick.model.path else None
-        draft_path = str(pick.draft.path) if pick.draft and pick.draft.path else None
+        model_path = str(pick.model.path) if pick.model.path else None  # None: the bundled model
+        # The bundled model as a draft is named by its file: an unset draft means none.
+        draft_file = pick.draft.file if pick.draft else None
+        draft_path = str(draft_file) if draft_file else None
         self.settings = replace(
             self.settings,
             model=replace(m, path=model_path, draft=draft_path, strategy=pick.strategy),
@@ -184,11 +168,7 @@ class ConversationActions:
         except PotluckError as e:
             self.report_error(str(e))
             return
-        if self.settings_path is not None:
-            try:
-                save_settings(self.settings, self.settings_path)
-            except OSError as e:
-                self.report_error(f"could not save the settings: {e}")
+        self.save_choice()
         self.start_loading(spec)
 
     # ------------------------------------------------------------------ copy / export / log
@@ -239,7 +219,11 @@ class ConversationActions:
         path = export_path(self.export_dir, conv)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(conversation_markdown(conv, self.store.messages(conv.id)), "utf-8")
+            text = conversation_markdown(
+                conv, self.store.messages(conv.id), model=self._model_label(), sampling=self._sampling_label(),
+                exported_at=datetime.now(),
+            )
+            path.write_text(text, "utf-8")
         except OSError as e:
             self.report_error(f"could not export: {e}")
             return None
@@ -248,3 +232,74 @@ class ConversationActions:
 
     def action_log(self) -> None:
         self.push_screen(LogScreen(list(self.log_buffer.lines)))
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(help_sections(self.settings.keys)))
+
+    def action_search(self) -> None:
+        assert self.store is not None
+        store = self.store
+
+        async def done(hit: SearchHit | None) -> None:
+            if hit is None or self.store is None:
+                return
+            if self.reply is not None and hit.conversation_id == self.reply.conversation_id:
+                await self.open_conversation(hit.conversation_id)  # its path cannot change mid-reply
+                return
+            self.store.select(hit.message_id)  # the branch that holds the hit, if an older one
+            await self.open_conversation(hit.conversation_id)
+            await self.show_path(hit.conversation_id, focus=hit.message_id)
+
+        self.push_screen(SearchScreen(store.search), done)
+
+    def action_settings(self) -> None:
+        assert self.store is not None and self.active is not None
+        conv = self.store.conversation(self.active)
+        if conv is None:
+            return
+        has_draft = bool(self.settings.model.draft)
+
+        async def done(result: ChatSettings | None) -> None:
+            if result is None or self.store is None:
+                return
+            self.store.set_params(conv.id, result.params)
+            self.update_status()
+            if result.n_ctx != self.spec.n_ctx:
+                self.change_context(result.n_ctx)
+            else:
+                self.notify("settings saved; they apply from the next reply")
+
+        self.push_screen(
+            SettingsScreen(conv.title, conv.params, self.settings, self.spec.n_ctx, self.strategies, has_draft), done
+        )
+
+    def change_context(self, n_ctx: int) -> None:
+        """Reload the model with another context size (free memory is checked at load: a size
+        that does not fit is refused in one line and the loaded model stays)."""
+        if self.reply is not None:
+            self.notify("wait for the reply (or Esc) before changing the context", severity="warning")
+            return
+        self.settings = replace(self.settings, model=replace(self.settings.model, n_ctx=n_ctx))
+        self.notify(f"reloading the model with a context of {n_ctx:,} tokens…")
+        self.start_loading(replace(self.spec, n_ctx=n_ctx))
+        self.save_choice()
+
+    def save_choice(self) -> None:
+        """Remember the model choices in config.toml (its comments and layout are kept)."""
+        if self.settings_path is None:
+            return
+        try:
+            save_settings(self.settings, self.settings_path)
+        except OSError as e:
+            self.report_error(f"could not save the settings: {e}")
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Textual's screenshot command saves to Downloads, and fails where there is none:
+        then the data directory's screenshots folder."""
+        if path is None:
+            from platformdirs import user_downloads_dir
+
+            downloads = Path(user_downloads_dir())
+            path = str(downloads if downloads.is_dir() else paths.screenshots_dir())
+        super().action_screenshot(filename, path)  # type: ignore[misc]

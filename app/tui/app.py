@@ -20,6 +20,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -27,10 +28,10 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
-from ...engine import EngineSpec, Message, PotluckError, PrintableFormatter
+from ...engine import EngineSpec, PotluckError, PrintableFormatter
 from ..config import Settings
-from ..store import Conversation, Store, StoredMessage
-from .actions import ConversationActions, spec_from_settings
+from ..store import Store
+from .actions import ConversationActions
 from .catalog import ModelInfo, StrategyClass, gather_models
 from .cluster import (
     ClusterChoice,
@@ -41,6 +42,8 @@ from .cluster import (
     traffic,
 )
 from .cluster_handlers import ClusterHandlers
+from .commands import AppCommands
+from .context import context_note
 from .replies import (
     ChatSession,
     Reply,
@@ -49,8 +52,18 @@ from .replies import (
     load_in_thread,
 )
 from .reply_handlers import ReplyHandlers
+from .settings import conversation_sampling, sampling_summary, spec_from_settings
 from .stats import Figures, ReplyProgress, SpeedMeter
-from .widgets import ChatInput, ChatLog, ConversationList, KeysFooter, MessageView, StatsPanel, finish_note
+from .widgets import (
+    ChatInput,
+    ChatLog,
+    ConversationList,
+    FirstSteps,
+    KeysFooter,
+    MessageView,
+    StatsPanel,
+    finish_note,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +73,7 @@ log = logging.getLogger(__name__)
 # 4, 0.82x at 10 and 2 (docs/facts.md §26).
 TEXT_PUMP_S = 1 / 10
 ENGINE_GIL_WAIT_S = 0.001  # the longest the engine thread waits for the GIL while the UI draws
+READING_SHOWN_FROM = 256  # prompt tokens: a shorter prompt is read before anyone looks
 
 
 class LogBuffer(logging.Handler):
@@ -82,18 +96,29 @@ def _b(keys: str, action: str, description: str, show: bool = True, **kw: object
 
 class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None]):
     CSS_PATH = str(asset("potluck.tcss"))
+    COMMANDS = App.COMMANDS | {AppCommands}
     TITLE = "potluck"
     # Binding ids are KeySettings field names, so [keys] in config.toml remaps them.
+    # The footer shows the first ones that fit; F1 lists them all (HelpScreen).
     BINDINGS = [
-        _b("escape", "stop", "Stop", show=False),  # the status line says "Esc stops" while it can
-        _b("ctrl+r", "regenerate", "Regenerate"),
+        _b("ctrl+q", "quit", "Quit", priority=True),
+        _b("escape", "stop", "Stop/Input"),  # stops a reply; otherwise back to the input
+        _b("f1", "help", "Help"),
+        _b("ctrl+o", "picker", "Model"),
+        _b("f6", "settings", "Settings"),
+        _b("ctrl+r", "regenerate", "Regen"),
         _b("ctrl+n", "new_conversation", "New"),
+        _b("ctrl+f", "search", "Search"),
+        # priority: in a real terminal alt+e arrives with the character "e", which the input
+        # would take as text before the app saw the binding
+        _b("alt+left", "previous_answer", "Older", show=False, priority=True),
+        _b("alt+right", "next_answer", "Newer", show=False, priority=True),
+        _b("alt+e", "edit_prompt", "Edit", show=False, priority=True),
         _b("f2", "rename_conversation", "Rename"),
         _b("f8", "delete_conversation", "Delete"),
         _b("ctrl+pageup,alt+up", "previous_conversation", "Previous", show=False),
         _b("ctrl+pagedown,alt+down", "next_conversation", "Next", show=False),
         _b("f4", "system_prompt", "System"),
-        _b("ctrl+o", "picker", "Model"),
         _b("f9", "cluster", "Cluster"),
         _b("ctrl+g", "replan", "Re-plan", show=False),
         _b("ctrl+t", "toggle_panels", "Panels"),
@@ -102,6 +127,9 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         _b("ctrl+s", "export", "Export"),
         _b("ctrl+l", "log", "Log"),
     ]
+    # Below these widths the side panels fold away (the chat keeps the screen).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
     def __init__(
         self,
@@ -143,6 +171,9 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         self.log_buffer = LogBuffer()
         self.store: Store | None = None
         self.active: int | None = None
+        self.queued: tuple[int, int] | None = None
+        self._shown_reading: tuple[int, int] | None = None
+        self.editing: int | None = None
         self._engine_idle = threading.Event()
         self._engine_idle.set()
         self._closed = False
@@ -156,7 +187,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
                 yield Label("Conversations", classes="title")
                 yield ConversationList(id="conversations")
             with Vertical(id="center"):
-                yield Static(id="status")
+                yield Static(id="status", markup=False)  # it names model files: never markup
                 yield ContentSwitcher(id="chats")
                 yield ChatInput(
                     send_keys=keys.send,
@@ -180,7 +211,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             self.theme = self.settings.ui.theme
         else:
             log.warning("unknown theme %r in the settings; using the default", self.settings.ui.theme)
-        self._main.query_one(StatsPanel).display = self.settings.ui.show_panels
+        self._main.set_class(not self.settings.ui.show_panels, "-hide-panels")
         try:
             self.store = Store.open(self.history_path)
         except PotluckError as e:
@@ -191,6 +222,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         first = conversations[0] if conversations else self._create_conversation()
         await self.open_conversation(first.id)
         self._main.query_one(ChatInput).focus()
+        self.input.recall = lambda: self.store.recent_prompts() if self.store else []
         self.sample_stats()
         if self.settings.ui.stats_interval_s > 0:
             self.set_interval(self.settings.ui.stats_interval_s, self.sample_stats)
@@ -238,7 +270,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
 
     def _model_label(self) -> str:
         spec = self.spec
-        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME.split(" (")[0] + " (bundled)"
+        name = spec.model.name if spec.model else DEFAULT_MODEL_NAME
         draft = f" + draft {spec.draft.name}" if spec.draft else ""
         where = ""
         if self.cluster_state is not None and self.cluster_state.stages:
@@ -249,7 +281,15 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         """Show what the engine is doing; called whenever that changes."""
         self.refresh_bindings()  # check_action's answer for Esc depends on self.reply
         if self.reply is not None:
-            state = "generating… (Esc stops)"
+            reading = self._reading_prompt()
+            if reading is None:
+                state = "generating… (Esc stops)"
+            elif reading[0]:
+                state = f"reading the prompt: {reading[0]:,} of {reading[1]:,} tokens… (Esc stops)"
+            else:
+                state = f"reading the prompt: {reading[1]:,} tokens… (Esc stops)"
+            if self.cluster_state is not None and self.cluster_state.recovering:
+                state = "a worker was lost: recovering… (Esc stops)"
         elif self.loading and self.cluster_state is not None and self.cluster_state.transfer:
             what, done, total = self.cluster_state.transfer
             state = f"sending {what}: {100 * done / total if total else 100:.0f}% of {total / 1e6:,.1f} MB…"
@@ -258,15 +298,40 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         elif self.loading:
             state = "loading model…"
         elif self.session is None:
-            state = "no model (ctrl+o picks one)" if self.load_error else "starting…"
+            state = f"no model ({self._key('picker')} picks one)" if self.load_error else "starting…"
+        elif self.editing is not None:
+            state = "editing a sent prompt: Enter resends from there, Esc cancels"
         else:
             state = "ready"
+        if self.queued is not None and self.loading:
+            state += " · your message waits"
+        line = f"{state} · {self._model_label()} · {self._sampling_label()}"
         for status in self._main.query("#status").results(Static):  # none while the app closes
-            status.update(f"{state} · {self._model_label()}")
+            status.update(line)
 
-    def _history(self, conv: Conversation, messages: list[StoredMessage]) -> list[Message]:
-        out = [Message("system", conv.system)] if conv.system else []
-        return out + [Message(m.role, m.content) for m in messages]
+    def _reading_prompt(self) -> tuple[int, int] | None:
+        """(tokens read, tokens to read) of the prompt the engine is reading now, when there
+        are enough to wait for; read is 0 where the session cannot say (cluster heads, fakes)."""
+        p = self.reply.progress if self.reply is not None else None
+        if p is None or not p.running or p.first_token_at or p.rounds:
+            return None
+        todo = p.prompt_tokens - p.n_past
+        if todo < READING_SHOWN_FROM:
+            return None
+        progress = getattr(self.reply.session, "prompt_progress", None) if self.reply else None
+        done, total = progress() if progress is not None else (0, 0)
+        return (done, total) if total else (0, todo)
+
+    def _sampling_label(self) -> str:
+        """The sampling the active conversation's next reply uses (config.toml's, or its own)."""
+        conv = self.store.conversation(self.active) if self.store and self.active is not None else None
+        sampling = conversation_sampling(self.settings.sampling, conv.params) if conv else self.settings.sampling
+        return sampling_summary(sampling)
+
+    def _key(self, action: str) -> str:
+        """The key of an action as the user set it (the first of several)."""
+        keys = getattr(self.settings.keys, action, "")
+        return keys.split(",")[0].strip() if keys else action
 
     async def refresh_conversations(self) -> None:
         assert self.store is not None
@@ -281,17 +346,47 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         if chat is None:
             chat = ChatLog(conversation_id)
             await switcher.mount(chat)
-            views = [
-                MessageView(m.role, m.content, message_id=m.id, note=finish_note(m.finish_reason))
-                for m in self.store.messages(conversation_id)
-            ]
-            if views:
-                await chat.mount_all(views)
+            await self._fill(chat)
         switcher.current = chat.id
         self.active = conversation_id
+        if self.editing is not None:
+            self.editing = None
+            self.input.clear()
         await self.refresh_conversations()
         chat.scroll_end(animate=False)
         chat.call_after_refresh(chat.follow)
+        self.update_status()
+
+    async def _fill(self, chat: ChatLog, focus: int | None = None) -> None:
+        """Mount the active path's messages, and the line where the last cut began."""
+        assert self.store is not None
+        path = self.store.messages(chat.conversation_id)
+        views = [
+            MessageView(
+                m.role, m.content, message_id=m.id, note=finish_note(m.finish_reason), variant=(m.variant, m.variants)
+            )
+            for m in path
+        ]
+        if not views:
+            views = [FirstSteps(self.settings.keys)]
+        await chat.mount_all(views)
+        last = next((m for m in reversed(path) if m.role == "assistant"), None)
+        if last is not None and last.context_from is not None:
+            dropped = next((i for i, m in enumerate(path) if m.id == last.context_from), 0)
+            await chat.show_context(last.context_from, context_note(dropped, self.spec.n_ctx, self._key("settings")))
+        for view in chat.messages():
+            if focus is not None and view.message_id == focus:
+                view.focus()
+
+    async def show_path(self, conversation_id: int, focus: int | None = None) -> None:
+        """Redraw a conversation after its active path changed (another answer, an edit)."""
+        chat = self.chat_log(conversation_id)
+        if chat is None:
+            return
+        await chat.remove_children()
+        await self._fill(chat, focus)
+        if focus is None:
+            chat.scroll_end(animate=False)
         self.update_status()
 
     # ------------------------------------------------------------------ engine: loading
@@ -329,6 +424,7 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         if event.error is not None:
             self.load_error = event.error
             self.report_error(f"could not load the model: {event.error}")
+            self.queued_failed(event.error)
         elif event.session is not None:
             if self.cluster_state is not None:
                 view = event.session.cluster_view()
@@ -343,6 +439,8 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             self.sample_stats()
         self.show_cluster()
         self.update_status()
+        if self.session is not None and self.queued is not None:
+            self.call_later(self.answer_queued)
 
     # ------------------------------------------------------------------ panels
     def sample_stats(self, now: float | None = None) -> None:
@@ -350,14 +448,24 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
         panels = self._main.query(StatsPanel)
         if not panels:
             return  # shutting down
+        reading = self._reading_prompt()
+        if reading != self._shown_reading:  # the prompt's reading began, went on or ended: say so
+            self._shown_reading = reading
+            self.update_status()
         if self.session is None:
             figures = Figures()
         else:
             progress = self.reply.progress if self.reply is not None else self.progress
             figures = self.meter.sample(progress, self.clock() if now is None else now)
         if self.cluster_state is not None and self.session is not None:
-            now = traffic(self.session.cluster_view() if self.session else None)
-            self.cluster_state = self.cluster_state.with_bytes(bytes_per_token(now, self._traffic_at_load))
+            view = self.session.cluster_view()
+            now = traffic(view)
+            was = self.cluster_state
+            self.cluster_state = was.with_bytes(bytes_per_token(now, self._traffic_at_load))
+            if view is not None and view.health and self.reply is not None:
+                self.cluster_state = self.cluster_state.with_health(view.health)
+                if self.cluster_state.recovering != was.recovering:
+                    self.update_status()
             self.show_cluster()
         try:
             panels.first().show(figures)
@@ -365,14 +473,26 @@ class PotluckApp(ReplyHandlers, ClusterHandlers, ConversationActions, App[None])
             pass  # the screen is being torn down
 
     def action_toggle_panels(self) -> None:
-        panel = self._main.query_one(StatsPanel)
-        panel.display = not panel.display
+        """Show or hide the side panels (below 100 columns they are folded away until asked)."""
+        main = self._main
+        if main.has_class("-narrow"):
+            main.toggle_class("-show-panels")
+        else:
+            main.toggle_class("-hide-panels")
 
     # ------------------------------------------------------------------ actions
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "stop":
-            return self.reply is not None
-        return True
+    def on_key(self, event: events.Key) -> None:
+        """Keys no widget took: ``?`` opens the help; a printable key typed outside the input
+        goes to the input (after Shift+Tab into the messages, letters were silently lost)."""
+        if self.screen is not self._main or event.key in self.screen.active_bindings:
+            return  # a key the focused widget binds (y, b, e on a message) is its own
+        if event.character == "?":
+            event.stop()
+            self.action_help()
+        elif event.is_printable and event.character and not isinstance(self.focused, ChatInput):
+            event.stop()
+            self.input.focus()
+            self.input.insert(event.character)
 
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from ...assets import DEFAULT_MODEL_NAME, default_model_path
+from ..model_files import FoundModel, models_on_disk
 
 # GGUF value types -> struct format of one scalar (8 = string, 9 = array).
 _SCALAR = {
@@ -42,16 +43,32 @@ class ModelInfo:
     n_vocab: int = 0
     vocab: str = ""  # fingerprint of the token list; "" when unreadable
     error: str | None = None
+    source: str = ""  # where it was found: "hugging face", "lm studio", "ollama"; "" given
 
     @property
     def label(self) -> str:
         if self.error:
             return f"{self.name} (unreadable)"
-        return f"{self.name} · {self.arch} · {self.n_layer} layers"
+        where = f" · {self.source}" if self.source else ""
+        return f"{self.name} · {self.arch} · {self.n_layer} layers{where}"
 
     @property
     def key(self) -> str:
         return str(self.path) if self.path is not None else ""
+
+    @property
+    def file(self) -> Path | None:
+        """The GGUF on disk (the bundled model's too): what a draft setting names."""
+        return self.path if self.path is not None else default_model_path()
+
+    def is_file(self, path: str | Path | None) -> bool:
+        """Whether ``path`` (a setting, maybe with ``~``) names this model's file."""
+        if path is None or self.file is None:
+            return False
+        try:
+            return Path(path).expanduser().resolve() == self.file.resolve()
+        except OSError:
+            return False
 
 
 def _read_str(f: BinaryIO) -> bytes:
@@ -110,7 +127,7 @@ def read_header(path: Path, wanted: Iterable[str] = ()) -> tuple[dict[str, objec
     return values, fingerprint, n_vocab
 
 
-def read_model_info(path: Path | None) -> ModelInfo:
+def read_model_info(path: Path | None, name: str | None = None, source: str = "") -> ModelInfo:
     """Describe one model file; never raises (an unreadable file carries its error)."""
     real = default_model_path() if path is None else Path(path).expanduser()
     if real is None:
@@ -118,10 +135,12 @@ def read_model_info(path: Path | None) -> ModelInfo:
     try:
         values, vocab, n_vocab = read_header(real)
     except (OSError, ValueError, struct.error) as e:
-        name = DEFAULT_MODEL_NAME if path is None else real.name
-        return ModelInfo(path, name, error=str(e) or type(e).__name__)
+        return ModelInfo(path, name or (DEFAULT_MODEL_NAME if path is None else real.name),
+                         error=str(e) or type(e).__name__, source=source)
     arch = str(values.get("general.architecture", "?"))
-    name = DEFAULT_MODEL_NAME if path is None else str(values.get("general.name") or real.stem)
+    # By file name, as the user knows it: a GGUF's internal name is often a training run's
+    # ("Smollm2 135M 8k Lc100K Mix1 Ep2" is the bundled model's).
+    name = name or (DEFAULT_MODEL_NAME if path is None else real.name)
     return ModelInfo(
         path=None if path is None else real,
         name=name,
@@ -129,6 +148,7 @@ def read_model_info(path: Path | None) -> ModelInfo:
         n_layer=int(values.get(f"{arch}.block_count", 0) or 0),  # type: ignore[call-overload]
         n_vocab=n_vocab,
         vocab=vocab,
+        source=source,
     )
 
 
@@ -144,14 +164,19 @@ def gguf_files(entries: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def gather_models(model: str | None, draft: str | None, library: Iterable[str]) -> list[ModelInfo]:
-    """The bundled model, the configured target and draft, and the library, without repeats."""
+def gather_models(
+    model: str | None, draft: str | None, library: Iterable[str], found: Iterable[FoundModel] | None = None
+) -> list[ModelInfo]:
+    """The bundled model, the configured target and draft, the library, and the GGUFs other
+    tools left on this machine (:mod:`..model_files`; None: look now), without repeats."""
     infos = [read_model_info(None)]
     seen = {str(default_model_path().resolve()) if default_model_path() else ""}
-    for p in gguf_files([x for x in (model, draft) if x] + list(library)):
+    named = [(p, None, "") for p in gguf_files([x for x in (model, draft) if x] + list(library))]
+    on_disk = [(f.path, f.name, f.source) for f in (models_on_disk() if found is None else found)]
+    for p, name, source in named + on_disk:
         if str(p.resolve()) not in seen:
             seen.add(str(p.resolve()))
-            infos.append(read_model_info(p))
+            infos.append(read_model_info(p, name, source))
     return infos
 
 

@@ -69,8 +69,9 @@ class StageRow:
 
     @property
     def layer_text(self) -> str:
+        """As the split plan writes them: first layer, then the one after the last."""
         lo, hi = self.layers
-        return f"{lo}-{hi - 1}" if hi > lo else "-"
+        return f"{lo}-{hi}" if hi > lo else "-"
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,20 @@ class ClusterState:
             for node, lo, hi in e.stages
         )
         return replace(self, stages=rows, note=e.reason)
+
+    def with_health(self, health: Sequence[tuple[str, str, str]]) -> ClusterState:
+        """The head's word on its stages right now (``ClusterView.health``): a lost worker
+        shows lost, the others recovering, while the reply waits for the new chain."""
+        state = self
+        for node, status, detail in health:
+            row = next((r for r in state.stages if node in (r.node, r.address)), None)
+            if row is not None and row.state != status:
+                state = state.with_status(NodeStatus(0, node, row.layers, status, detail))
+        return state
+
+    @property
+    def recovering(self) -> bool:
+        return any(r.state == "recovering" for r in self.stages)
 
     def failed(self, error: str) -> ClusterState:
         """The reply failed (a stage lost or frozen): mark the stage the error names."""

@@ -67,6 +67,7 @@ class ClusterHandlers:
         if notes and event.reply.view.is_attached:  # the conversation says it, under the reply
             event.reply.view.set_note(notes[-1])
         self.show_cluster()
+        self.update_status()  # "recovering…" ends with the new plan
 
     def action_replan(self) -> None:
         """Reopen the session over the chosen workers (``auto``: those found now); the next

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from pathlib import Path
 
 from ..store import Conversation, StoredMessage
@@ -10,11 +11,21 @@ from ..store import Conversation, StoredMessage
 _ROLE_HEADING = {"user": "You", "assistant": "Assistant"}
 
 
-def conversation_markdown(conv: Conversation, messages: list[StoredMessage]) -> str:
-    parts = [f"# {conv.title}\n"]
+def conversation_markdown(
+    conv: Conversation, messages: list[StoredMessage], *, model: str, sampling: str, exported_at: datetime
+) -> str:
+    """The conversation as shown (its active path), with what produced it: the model and its
+    decoding, when it was exported, and the system prompt (or that there was none)."""
+    parts = [
+        f"# {conv.title}\n",
+        f"*Exported {exported_at:%Y-%m-%d %H:%M} · started {datetime.fromtimestamp(conv.created_at):%Y-%m-%d %H:%M}"
+        f" · model {model} · {sampling}*\n",
+    ]
     if conv.system:
         quoted = "\n".join(f"> {line}" if line else ">" for line in conv.system.splitlines())
         parts.append(f"**System prompt**\n\n{quoted}\n")
+    else:
+        parts.append("**System prompt:** none\n")
     for m in messages:
         body = m.content.rstrip()
         if m.stopped:

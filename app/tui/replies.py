@@ -31,6 +31,7 @@ from ...engine import (
 )
 from ..config import SamplingSettings
 from ..store import Store
+from .context import Fit, fit_history, reply_room
 from .stats import ReplyProgress
 from .widgets import MessageView
 
@@ -44,6 +45,11 @@ class ChatSession(Protocol):
 
     messages: list[Message]
 
+    @property
+    def n_ctx(self) -> int: ...
+
+    def count_tokens(self, messages: Sequence[Message]) -> int: ...
+
     def generate(
         self, user: str | None, sampling: SamplingParams = ..., max_tokens: int = ...
     ) -> Iterator[Event]: ...
@@ -52,7 +58,7 @@ class ChatSession(Protocol):
 
     def cancel(self, run_id: int | None = None) -> None: ...
 
-    def load_messages(self, messages: Sequence[Message]) -> None: ...
+    def load_messages(self, messages: Sequence[Message], *, fresh: bool = False) -> None: ...
 
     def close(self) -> None: ...
 
@@ -68,10 +74,19 @@ class Reply:
     conversation_id: int
     session: ChatSession
     view: MessageView
-    user_text: str | None  # None: regenerate the last reply
+    user_text: str | None  # None: answer the conversation as it stands (regenerate, a queued prompt)
     user_view: MessageView | None = None
     user_message_id: int | None = None
-    replaces: int | None = None  # regenerate: the stored reply the new one replaces
+    variant_of: int | None = None  # regenerate: the stored reply the new one is another answer to
+    # What may be sent (the reply thread fits it to the context): the system prompt and the
+    # turns, the new prompt last; their ids in the history, and where the last cut began.
+    system: Message | None = None
+    turns: list[Message] = field(default_factory=list)
+    turn_ids: list[int | None] = field(default_factory=list)
+    start: int = 0
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    fit: Fit | None = None  # set by the reply thread before it generates
+    settings_key: str = "F6"  # named when the prompt alone is too long for the context
     previous_text: str = ""
     previous_note: str = ""
     got_text: bool = False
@@ -89,6 +104,17 @@ class Reply:
     draft_id: int | None = None
     saved_len: int = 0
     saved_at: float = float("-inf")
+
+    @property
+    def parent_id(self) -> int | None:
+        """The stored message this reply answers: the last turn sent."""
+        return self.turn_ids[-1] if self.turn_ids else None
+
+    @property
+    def context_from(self) -> int | None:
+        """The first message sent, when the oldest were left out (None: all were sent)."""
+        fit = self.fit
+        return self.turn_ids[fit.first] if fit is not None and fit.first > 0 else None
 
     def push(self, text: str) -> None:  # engine thread
         with self.lock:
@@ -117,7 +143,9 @@ def checkpoint_reply(store: Store, reply: Reply, now: float | None = None) -> No
     if store.conversation(reply.conversation_id) is None:
         return  # deleted while it streamed
     if reply.draft_id is None:
-        reply.draft_id = store.begin_reply(reply.conversation_id, reply.text, replaces=reply.replaces)
+        reply.draft_id = store.begin_reply(
+            reply.conversation_id, reply.text, parent=reply.parent_id, variant_of=reply.variant_of
+        )
     else:
         store.save_partial(reply.draft_id, reply.text)
     reply.saved_len, reply.saved_at = len(reply.text), now
@@ -143,6 +171,14 @@ class ClusterNotice(TMessage):
     def __init__(self, reply: Reply, text: str) -> None:
         super().__init__()
         self.reply, self.text = reply, text
+
+
+class ContextFitted(TMessage):
+    """The conversation did not fit the context: the reply is sent without its oldest turns."""
+
+    def __init__(self, reply: Reply, fit: Fit) -> None:
+        super().__init__()
+        self.reply, self.fit = reply, fit
 
 
 class ReplyFailed(TMessage):
@@ -171,21 +207,46 @@ def load_in_thread(post: Post, factory: SessionFactory, spec: EngineSpec) -> Non
             session.close()  # the app is gone
 
 
+def fit_reply(reply: Reply) -> Fit:  # worker thread
+    """What of the conversation to send: all of it if it leaves room for the reply, else the
+    last cut (the KV cache of what was sent then is reused), else a new, deeper cut."""
+    session, sampling = reply.session, reply.sampling
+    room = reply_room(session.n_ctx, sampling.max_tokens)
+    count = session.count_tokens
+    if not reply.turns and reply.user_text is not None:  # a bare reply: its prompt alone
+        reply.turns, reply.turn_ids = [Message("user", reply.user_text)], [None]
+    key = reply.settings_key
+    whole = fit_history(reply.system, reply.turns, count, session.n_ctx, room, settings_key=key)
+    if whole.first == 0 or reply.start == 0:
+        return whole
+    return fit_history(reply.system, reply.turns, count, session.n_ctx, room, start=reply.start, settings_key=key)
+
+
 def reply_in_thread(
     post: Post,
     reply: Reply,
-    sampling: SamplingSettings,
     clock: Callable[[], float],
     idle: threading.Event,
 ) -> None:  # worker thread
     """Stream one reply: text goes to ``reply.pending`` (drawn by the UI's pump, never per
     token), every event into ``reply.progress`` stamped with ``clock``, and the end is
-    posted as :class:`ReplyFinished` or :class:`ReplyFailed`. ``idle`` is set on the way out."""
+    posted as :class:`ReplyFinished` or :class:`ReplyFailed`. ``idle`` is set on the way out.
+
+    First the conversation is fitted to the context (:func:`fit_reply`); when its start moved,
+    the session computes the prompt whole, so the reply is what a fresh session gives for the
+    messages sent (:meth:`Session.load_messages`)."""
     try:
+        sampling = reply.sampling
         params = sampling.params()
+        fit = reply.fit = fit_reply(reply)
+        if fit.first > 0:
+            post(ContextFitted(reply, fit))
+        fresh = fit.first != reply.start
         if reply.user_text is None:
+            reply.session.load_messages(fit.messages, fresh=fresh)
             events = reply.session.regenerate(params, sampling.max_tokens)
         else:
+            reply.session.load_messages(fit.messages[:-1], fresh=fresh)
             events = reply.session.generate(reply.user_text, params, sampling.max_tokens)
         for event in events:
             reply.progress = reply.progress.after(event, clock())

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Input, Label, OptionList, RichLog, SelectionList, Static, TextArea
 from textual.widgets.option_list import Option
 from textual.widgets.selection_list import Selection
 
 from ...discovery.lan import DiscoveredNode, Membership
-from ...engine import JOIN_TIMEOUT_S
-from .catalog import ModelInfo, StrategyClass, compatible_choices
+from ...engine import JOIN_TIMEOUT_S, printable
+from ..store import SearchHit
+from .catalog import ModelInfo, StrategyClass, compatible_choices, read_model_info
 from .cluster import ClusterChoice
 
 NO_DRAFT = "(no draft)"
+
+
+def steady_cursors(screen: Screen) -> None:
+    """A dialog's text fields blink as the chat's input does ([ui] cursor_blink: the snapshot
+    tests turn it off, or a field drew its cursor or not by the clock)."""
+    blink = getattr(getattr(screen.app, "settings", None), "ui", None)
+    for field in screen.query("Input, TextArea"):
+        field.cursor_blink = blink.cursor_blink if blink is not None else True  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -55,23 +66,26 @@ class PickerScreen(ModalScreen[Pick | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="picker", classes="dialog"):
             yield Label("Model and decoding strategy", classes="title")
-            with Horizontal(id="picker-lists"):
-                with Vertical():
-                    yield Label("Model")
-                    yield OptionList(id="pick-model")
-                with Vertical():
-                    yield Label("Draft (same vocabulary)")
-                    yield OptionList(id="pick-draft")
-                with Vertical():
-                    yield Label("Strategy")
-                    yield OptionList(id="pick-strategy")
-            yield Static(id="picker-hidden", classes="hint")
+            with VerticalScroll(classes="dialog-body"):
+                with Horizontal(id="picker-lists"):
+                    with Vertical():
+                        yield Label("Model")
+                        yield OptionList(id="pick-model")
+                    with Vertical():
+                        yield Label("Draft (same vocabulary)")
+                        yield OptionList(id="pick-draft")
+                    with Vertical():
+                        yield Label("Strategy")
+                        yield OptionList(id="pick-strategy")
+                yield Static(id="picker-hidden", classes="hint")
+            yield Input(placeholder="or open a GGUF by path: ~/models/model.gguf (Enter)", id="pick-path")
             with Horizontal(classes="buttons"):
                 yield Button("Cluster… (F9)", id="cluster")
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        steady_cursors(self)
         self._refresh_lists()
         self.query_one("#pick-model", OptionList).focus()
 
@@ -83,37 +97,74 @@ class PickerScreen(ModalScreen[Pick | None]):
         if self.strategy not in choices.strategies:
             self.strategy = choices.strategies[0] if choices.strategies else ""
 
-        def fill(list_id: str, rows: list[tuple[str, str, str]], selected: str) -> None:
+        # Option ids are positions, never model keys: the bundled model's key is "" like
+        # "(no draft)", and two equal ids make Textual's OptionList raise DuplicateID.
+        def fill(list_id: str, rows: list[tuple[str, str]], selected: int) -> None:
             ol = self.query_one(list_id, OptionList)
             ol.clear_options()
             ol.add_options(
-                [Option(("● " if key == selected else "  ") + text, id=key or "-") for key, text, _ in rows]
+                [  # file names may hold markup's brackets: plain text
+                    Option(Text(("● " if i == selected else "  ") + printable(text)), id=row_id)
+                    for i, (row_id, text) in enumerate(rows)
+                ]
             )
-            keys = [key for key, _, _ in rows]
-            if selected in keys:
-                ol.highlighted = keys.index(selected)
+            if 0 <= selected < len(rows):
+                ol.highlighted = selected
 
-        fill("#pick-model", [(m.key, m.label, "") for m in self.models], self.model.key)
-        drafts = [("", NO_DRAFT, "")] + [(d.key, d.label, "") for d in choices.drafts]
-        fill("#pick-draft", drafts, self.draft.key if self.draft else "")
+        self._rows_model = list(self.models)
+        fill(
+            "#pick-model",
+            [(f"model-{i}", m.label) for i, m in enumerate(self._rows_model)],
+            _index_of(self._rows_model, self.model),
+        )
+        self._rows_draft = [None, *choices.drafts]
+        fill(
+            "#pick-draft",
+            [("draft-none", NO_DRAFT)] + [(f"draft-{i}", d.label) for i, d in enumerate(choices.drafts, 1)],
+            _index_of(self._rows_draft, self.draft),
+        )
+        self._rows_strategy = list(choices.strategies)
         strategy_rows = [
-            (name, f"{name} — {self.strategies[name].description}", "") for name in choices.strategies
+            (f"strategy-{i}", f"{name} — {self.strategies[name].description}")
+            for i, name in enumerate(self._rows_strategy)
         ]
-        fill("#pick-strategy", strategy_rows, self.strategy)
+        fill("#pick-strategy", strategy_rows, _index_of(self._rows_strategy, self.strategy))
         hidden = [f"not offered: {line}" for line in choices.hidden]
         hidden += [f"unreadable: {m.name}: {m.error}" for m in self.unreadable]
         self.query_one("#picker-hidden", Static).update("\n".join(hidden))
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        key = "" if event.option.id in (None, "-") else str(event.option.id)
+        i = event.option_index
         if event.option_list.id == "pick-model":
-            self.model = next(m for m in self.models if m.key == key)
+            self.model = self._rows_model[i]
         elif event.option_list.id == "pick-draft":
-            self.draft = next((m for m in self.models if m.key == key), None) if key else None
+            self.draft = self._rows_draft[i]
         else:
-            self.strategy = key
+            self.strategy = self._rows_strategy[i]
         self._refresh_lists()
         self.focus_next()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """A GGUF by path: read its header (fast, no weights) and make it the target."""
+        event.stop()
+        text = event.value.strip()
+        if not text:
+            return
+        path = Path(text).expanduser()
+        if not path.is_file():
+            self.notify(f"no such file: {path}", severity="error")
+            return
+        info = read_model_info(path)
+        if info.error:
+            self.notify(f"{path.name}: {info.error}", severity="error")
+            return
+        known = next((m for m in self.models if m.key == info.key), None)
+        if known is None:
+            self.models.append(info)
+        self.model = known or info
+        event.input.value = ""
+        self._refresh_lists()
+        self.query_one("#pick-model", OptionList).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "apply":
@@ -129,6 +180,14 @@ class PickerScreen(ModalScreen[Pick | None]):
             self.notify("no strategy works with this model", severity="error")
             return
         self.dismiss(Pick(self.model, self.draft, self.strategy))
+
+
+def _index_of(rows: list, wanted: object) -> int:
+    """Where ``wanted`` is among a list's rows (models compare by key, None by itself), or -1."""
+    def key(row: object) -> object:
+        return ("none",) if row is None else getattr(row, "key", row)
+
+    return next((i for i, row in enumerate(rows) if key(row) == key(wanted)), -1)
 
 
 class TextPromptScreen(ModalScreen[str | None]):
@@ -155,6 +214,7 @@ class TextPromptScreen(ModalScreen[str | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        steady_cursors(self)
         self.query_one("#prompt-text").focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -326,3 +386,81 @@ CLUSTER_HEADER = "      " + f"{'node':<10}{'address':<22}{'cores':>5}{'free MB':
 
 def node_row(n: DiscoveredNode) -> str:
     return f"{n.node_id[:9]:<10}{n.address:<22}{n.cores:>5}{n.free_mb:>9,}{n.speed:>7.2f}"
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key of the app (F1, or ``?`` outside the input), grouped by where it works."""
+
+    BINDINGS = [Binding("escape,f1,q", "dismiss(None)", "Close")]
+
+    def __init__(self, sections: list[tuple[str, list[tuple[str, str]]]]) -> None:
+        super().__init__(classes="modal")
+        self.sections = sections
+
+    def compose(self) -> ComposeResult:
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for title, rows in self.sections:
+            table.add_row(Text(title, style="bold underline"), "")
+            for keys, what in rows:
+                table.add_row(keys, what)
+            table.add_row("", "")
+        with Vertical(id="help", classes="dialog"):
+            yield Label("Keys", classes="title")
+            with VerticalScroll(id="help-keys"):
+                yield Static(table)
+            yield Static("Esc closes · ctrl+p searches every command", classes="hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-keys").focus()
+
+
+class SearchScreen(ModalScreen["SearchHit | None"]):
+    """Search every conversation (FTS5); Enter on a hit opens it there."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Close"), Binding("down", "to_hits", "Hits", show=False)]
+
+    def __init__(self, search: Callable[[str], list[SearchHit]]) -> None:
+        super().__init__(classes="modal")
+        self.search = search
+        self.hits: list[SearchHit] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="search", classes="dialog"):
+            yield Label("Search every conversation", classes="title")
+            yield Input(placeholder="words to find", id="search-text")
+            yield OptionList(id="search-hits")
+            yield Static("type to search · ↓ to the hits · Enter opens · Esc closes", id="search-hint", classes="hint")
+
+    def on_mount(self) -> None:
+        steady_cursors(self)
+        self.query_one("#search-text", Input).focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.hits = self.search(event.value)
+        hits = self.query_one("#search-hits", OptionList)
+        hits.clear_options()
+        hits.add_options([  # the text is the model's and the user's: shown as it is, never as markup
+            Option(Text(printable(f"{h.title[:30]} · {'you' if h.role == 'user' else 'reply'}: {h.snippet}")))
+            for h in self.hits
+        ])
+        n = len(self.hits)
+        hint = f"{n} message{'s' if n != 1 else ''} · ↓ to the hits · Enter opens" if event.value.strip() else ""
+        self.query_one("#search-hint", Static).update(hint or "type to search · Esc closes")
+
+    def on_input_submitted(self) -> None:
+        if self.hits:
+            self.dismiss(self.hits[0])
+
+    def action_to_hits(self) -> None:
+        hits = self.query_one("#search-hits", OptionList)
+        if hits.option_count:
+            hits.focus()
+            hits.highlighted = 0
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self.hits[event.option_index])

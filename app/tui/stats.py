@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from ...engine import DrafterStanding, Event, Finished, ReplyStarted, RoundStats, TokenText
 
 DASH = "—"
+PAUSED_AFTER = 8  # rounds without a draft after drafting: the floor stopped it (adaptive.DraftGate)
+PLAIN_NAMES = ("plain", "autoregressive")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class ReplyProgress:
     overlap_ms: float = 0.0  # both at once
     drafters: tuple[DrafterStanding, ...] = ()  # latest standings of voting drafters
     finished: Finished | None = None
+    draft_rounds: int = 0  # rounds that drafted: what "accepted per round" counts over
+    last_draft_round: int = 0  # the round that drafted last (1-based; 0: none yet)
+    plain_ms: float = 0.0  # time of the timed rounds that drafted nothing: plain steps
+    plain_steps: int = 0
 
     def after(self, event: Event, now: float) -> ReplyProgress:
         """The figures once ``event`` has arrived at time ``now``."""
@@ -67,12 +73,21 @@ class ReplyProgress:
                 verify_ms=self.verify_ms + event.verify_ms,
                 overlap_ms=self.overlap_ms + event.overlap_ms,
                 drafters=event.drafters or self.drafters,
+                draft_rounds=self.draft_rounds + (event.drafted > 0),
+                last_draft_round=self.rounds + 1 if event.drafted else self.last_draft_round,
+                plain_ms=self.plain_ms + (event.verify_ms if not event.drafted else 0.0),
+                plain_steps=self.plain_steps + (not event.drafted and event.verify_ms > 0),
             )
         if isinstance(event, TokenText) and event.token_ids and not self.first_token_at:
             return replace(self, first_token_at=now)
         if isinstance(event, Finished):
             return replace(self, running=False, n_past=event.n_past, finished=event)
         return self
+
+    @property
+    def drafting_paused(self) -> bool:
+        """It drafted, then stopped for a while: drafting did not pay on this text."""
+        return self.draft_rounds > 0 and self.rounds - self.last_draft_round >= PAUSED_AFTER
 
     def stopped(self) -> ReplyProgress:
         """The reply ended without a :class:`Finished` (it failed)."""
@@ -98,6 +113,7 @@ class Figures:
     n_ctx: int = 0
     overlap_pct: float | None = None  # share of verification the draft ran alongside (pearl)
     drafters: tuple[DrafterStanding, ...] = ()
+    gain: str = ""  # one line: what speculation bought this reply
 
 
 def _overlap_pct(p: ReplyProgress) -> float | None:
@@ -106,10 +122,27 @@ def _overlap_pct(p: ReplyProgress) -> float | None:
     return 100.0 * min(1.0, p.overlap_ms / shorter) if p.overlap_ms > 0 and shorter > 0 else None
 
 
-def _acceptance(drafted: int, accepted: int, rounds: int) -> tuple[float | None, float | None]:
-    if not drafted:
+def _acceptance(p: ReplyProgress) -> tuple[float | None, float | None]:
+    """Acceptance, and accepted drafts per round that drafted (rounds the floor kept plain
+    do not count: "accepted/round 0.01" beside "acceptance 1.00" said nothing)."""
+    if not p.drafted:
         return None, None
-    return accepted / drafted, (accepted / rounds if rounds else None)
+    return p.accepted / p.drafted, (p.accepted / p.draft_rounds if p.draft_rounds else None)
+
+
+def gain_line(p: ReplyProgress, rate: float | None, plain_rate: float | None) -> str:
+    """What speculation bought: the reply's rate against plain decoding's on this machine."""
+    if p.strategy in PLAIN_NAMES or (p.strategy and p.strategy.endswith(": plain")):
+        return "plain decoding"
+    if not p.strategy:
+        return ""
+    if p.drafting_paused:
+        return "drafting paused: did not pay"
+    if not p.drafted:
+        return "nothing drafted yet" if p.running else "nothing drafted: plain"
+    if rate is None or not plain_rate:
+        return "vs plain: not measured yet"
+    return f"{rate / plain_rate:.2f}× plain ({plain_rate:.0f} tok/s here)"
 
 
 @dataclass
@@ -117,8 +150,15 @@ class SpeedMeter:
     """Samples of one reply's progress; reset when a new reply (run id) shows up."""
 
     samples: list[float] = field(default_factory=list)
+    plain_tok_s: float | None = None  # plain decoding's rate on this machine, latest measured
     _run_id: int | None = None
     _last: tuple[float, int] | None = None
+
+    def _plain_rate(self, p: ReplyProgress) -> float | None:
+        """This reply's own plain steps when it had enough of them, else the last measured."""
+        if p.plain_steps >= 4 and p.plain_ms > 0:
+            self.plain_tok_s = 1000.0 * p.plain_steps / p.plain_ms
+        return self.plain_tok_s
 
     def sample(self, p: ReplyProgress, now: float) -> Figures:
         if p.run_id != self._run_id:
@@ -131,16 +171,19 @@ class SpeedMeter:
                 self.samples.append(rate_now)
             self._last = (now, p.new_tokens)
         f = p.finished
+        acc, mean = _acceptance(p)
         if f is not None:
+            if not f.drafted and f.strategy in PLAIN_NAMES and f.tokens_per_s > 0:
+                self.plain_tok_s = f.tokens_per_s  # a plain reply measures the reference
             return Figures(
                 running=False,
                 strategy=f.strategy,
                 tokens_per_s_reply=f.tokens_per_s,
                 speed_series=tuple(self.samples),
                 ttft_s=f.ttft_s,
-                acceptance_rate=f.acceptance_rate,
-                mean_accepted_len=f.mean_accepted_len,
-                draft_len=p.draft_len if f.drafted else None,
+                acceptance_rate=acc,
+                mean_accepted_len=mean,
+                draft_len=p.draft_len if f.drafted and not p.drafting_paused else None,
                 drafted=f.drafted,
                 accepted=f.accepted,
                 prompt_tokens=f.prompt_tokens,
@@ -149,8 +192,8 @@ class SpeedMeter:
                 n_ctx=p.n_ctx,
                 overlap_pct=_overlap_pct(p),
                 drafters=p.drafters,
+                gain=gain_line(p, f.tokens_per_s, self._plain_rate(p)),
             )
-        acc, mean = _acceptance(p.drafted, p.accepted, p.rounds)
         reply_rate = None
         if p.running and p.first_token_at and now > p.first_token_at and p.new_tokens > 1:
             reply_rate = (p.new_tokens - 1) / (now - p.first_token_at)
@@ -163,7 +206,7 @@ class SpeedMeter:
             ttft_s=(p.first_token_at - p.started_at) if p.first_token_at else None,
             acceptance_rate=acc,
             mean_accepted_len=mean,
-            draft_len=p.draft_len if (p.drafted or p.draft_len) else None,
+            draft_len=p.draft_len if (p.drafted or p.draft_len) and not p.drafting_paused else None,
             drafted=p.drafted,
             accepted=p.accepted,
             prompt_tokens=p.prompt_tokens,
@@ -172,6 +215,7 @@ class SpeedMeter:
             n_ctx=p.n_ctx,
             overlap_pct=_overlap_pct(p),
             drafters=p.drafters,
+            gain=gain_line(p, reply_rate, self._plain_rate(p)),
         )
 
 

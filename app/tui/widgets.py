@@ -62,6 +62,9 @@ class MessageView(Vertical, can_focus=True):
     BINDINGS = [
         Binding("y", "copy_message", "Copy message"),
         Binding("b", "copy_code", "Copy code block"),
+        Binding("e", "edit", "Edit and resend"),
+        Binding("left", "app.previous_answer", "Earlier version", show=False),
+        Binding("right", "app.next_answer", "Later version", show=False),
     ]
 
     class CopyRequested(Message):
@@ -69,6 +72,11 @@ class MessageView(Vertical, can_focus=True):
             super().__init__()
             self.text = text
             self.what = what
+
+    class EditRequested(Message):
+        def __init__(self, message_id: int) -> None:
+            super().__init__()
+            self.message_id = message_id
 
     def __init__(
         self,
@@ -78,9 +86,11 @@ class MessageView(Vertical, can_focus=True):
         message_id: int | None = None,
         note: str = "",
         streaming: bool = False,
+        variant: tuple[int, int] = (1, 1),
     ) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
+        self.variant = variant  # (this version, versions): regenerated answers, edited prompts
         self.content = content
         self.message_id = message_id
         self._note = note
@@ -94,8 +104,18 @@ class MessageView(Vertical, can_focus=True):
         # from the same line and one block is lost), so they take turns.
         self._drawing = asyncio.Lock()
 
+    def _role_text(self) -> str:
+        label = _ROLE_LABEL.get(self.role, self.role)
+        i, n = self.variant
+        return f"{label}  ‹ {i}/{n} ›" if n > 1 else label
+
+    def set_variants(self, i: int, n: int) -> None:
+        self.variant = (i, n)
+        for role in self.query(".role").results(Static):
+            role.update(self._role_text())
+
     def compose(self) -> ComposeResult:
-        yield Static(_ROLE_LABEL.get(self.role, self.role), classes="role")
+        yield Static(self._role_text(), classes="role", markup=False)
         yield Markdown(self.content, classes="body")
         yield Static("", classes="tail", markup=False)
         yield Static(self._note, classes="note")
@@ -182,6 +202,12 @@ class MessageView(Vertical, can_focus=True):
         label.display = bool(note)
         self.set_class(note.startswith("stopped"), "stopped")
 
+    def action_edit(self) -> None:
+        if self.role == "user" and self.message_id is not None:
+            self.post_message(self.EditRequested(self.message_id))
+        else:
+            self.notify("only your own messages can be edited (ctrl+r writes another answer)", severity="warning")
+
     def action_copy_message(self) -> None:
         self.post_message(self.CopyRequested(self.content, "message"))
 
@@ -225,9 +251,38 @@ class ChatLog(VerticalScroll):
     def messages(self) -> list[MessageView]:
         return list(self.query(MessageView))
 
+    async def show_context(self, first_id: int | None, note: str) -> None:
+        """Mark where what the model was last sent begins: the messages before it are shown
+        dimmed, under a line that says why (the context was full)."""
+        for old in self.query(".context-note"):
+            await old.remove()
+        before = True
+        for view in self.messages():
+            if view.message_id == first_id:
+                before = False
+                await self.mount(Static(f"── {note} ──", classes="context-note", markup=False), before=view)
+            view.set_class(before and first_id is not None, "outside")
+
+
+class FirstSteps(Static):
+    """What an empty conversation says: how to start, where the keys are."""
+
+    def __init__(self, keys: Any) -> None:
+        super().__init__(
+            f"Type a message below and press Enter to chat with the model.\n"
+            f"{keys.help.split(',')[0].upper()} lists every key · {keys.picker.split(',')[0]} picks a model · "
+            f"{keys.settings.split(',')[0].upper()} this chat's settings",
+            classes="first-steps", markup=False,
+        )
+
 
 class ChatInput(TextArea):
-    """Multi-line message input: the send key submits, the newline keys insert a line break."""
+    """Multi-line message input: the send key submits, the newline keys insert a line break.
+    F6 (TextArea's select line) is left to the app: it opens the settings."""
+
+    BINDINGS = [
+        Binding("f6", "app.settings", "Settings", show=False),
+    ]
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
@@ -239,8 +294,32 @@ class ChatInput(TextArea):
         self._send = {k.strip() for k in send_keys.split(",") if k.strip()}
         self._newline = {k.strip() for k in newline_keys.split(",") if k.strip()}
         self.cursor_blink = cursor_blink
+        # Up in an empty input recalls the last prompts, newest first (as a shell does); the
+        # app sets where they come from. Down walks back; an edit ends the walk.
+        self.recall: Callable[[], list[str]] = list
+        self._recalled: list[str] = []
+        self._recall_at = -1
+
+    def _recall_step(self, delta: int) -> bool:
+        walking = self._recall_at >= 0 and self._recalled and self.text == self._recalled[self._recall_at]
+        if not walking:
+            if delta < 0 or self.text:
+                return False
+            self._recalled, self._recall_at = self.recall(), -1
+        at = self._recall_at + delta
+        if at >= len(self._recalled):
+            return True  # the oldest: stay
+        self._recall_at = at
+        self.text = self._recalled[at] if at >= 0 else ""
+        self.move_cursor(self.document.end)
+        return True
 
     async def _on_key(self, event: events.Key) -> None:
+        if event.key in ("up", "down") and self.cursor_location[0] in (0, self.document.line_count - 1):
+            if self._recall_step(1 if event.key == "up" else -1):
+                event.stop()
+                event.prevent_default()
+                return
         if event.key in self._send:
             event.stop()
             event.prevent_default()
@@ -282,6 +361,7 @@ class StatsPanel(Vertical):
         self.query_one("#stats-spark", Sparkline).data = list(f.speed_series[-60:])
         spec = ("Speculation", [
                 ("strategy", f.strategy or DASH),
+                *([(LINE, f.gain)] if f.gain else []),
                 ("acceptance", fmt(f.acceptance_rate, ".2f")),
                 ("accepted/round", fmt(f.mean_accepted_len, ".2f")),
                 ("draft length", fmt(f.draft_len, "d")),
@@ -297,7 +377,7 @@ class StatsPanel(Vertical):
             ("prompt", str(f.prompt_tokens)),
             ("generated", str(f.generated_tokens)),
             ("context", used + pct),
-            ("", context_meter(f.n_past, f.n_ctx)),
+            (LINE, context_meter(f.n_past, f.n_ctx)),
         ])
         self._sections = [speed, spec, tokens]
         for widget_id, (title, rows) in zip(("#stats-speed", "#stats-spec", "#stats-tokens"), self._sections):
@@ -349,13 +429,14 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
     parts: list[Table | Text] = [grid([(Text("Cluster", style="bold"), title)])]
     for i, r in enumerate(c.stages, 1):
         parts.append(grid([
-            (Text(f"{i} {r.node[:8]} L{r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
+            (Text(f"{i} {r.node[:8]} layers {r.layer_text}"), Text(r.state, style=_STATE_STYLE.get(r.state, ""))),
             (Text("  per token", style="dim"), human_bytes(r.bytes_per_token)),
         ]))
-        parts.append(Text(f"  {r.address}", style="dim", overflow="ellipsis", no_wrap=True))
+        here = " (this machine)" if r.address.startswith(("127.", "localhost", "[::1]")) else ""
+        parts.append(Text(f"  {r.address}{here}", style="dim", overflow="ellipsis", no_wrap=True))
     if c.head_layers is not None:  # the last layer(s) and the output layer run on the head
         lo, hi = c.head_layers
-        parts.append(grid([(Text(f"head L{lo}-{hi - 1} + output"), Text("this machine", style="dim"))]))
+        parts.append(grid([(Text(f"head layers {lo}-{hi} + output"), Text("this machine", style="dim"))]))
     if c.sent_bytes or c.cached_bytes:
         parts.append(grid([(Text("slices sent", style="dim"), human_bytes(c.sent_bytes))]))
     if c.cached_bytes:
@@ -378,14 +459,24 @@ def context_meter(n_past: int, n_ctx: int, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def _section(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table.grid(padding=(0, 1), expand=True)
-    table.add_column(ratio=1)
-    table.add_column(justify="right")
-    table.add_row(Text(title, style="bold"), "")
+LINE = "\n"  # a row's name that makes its value a line of its own (a one-line verdict)
+
+
+def _section(title: str, rows: list[tuple[str, str]]) -> Table | Group:
+    def grid() -> Table:
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(ratio=1)
+        table.add_column(justify="right")
+        return table
+
+    parts: list[Table | Text] = [grid()]
+    parts[0].add_row(Text(title, style="bold"), "")  # type: ignore[union-attr]
     for name, value in rows:
-        table.add_row(Text(name, style="dim"), value)
-    return table
+        if name == LINE:
+            parts += [Text(value, no_wrap=True, overflow="ellipsis"), grid()]
+        else:
+            parts[-1].add_row(Text(name, style="dim"), value)  # type: ignore[union-attr]
+    return parts[0] if len(parts) == 1 else Group(*parts)
 
 
 def _with_lines(table: Group) -> tuple[Group, int]:

@@ -81,6 +81,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._zctx = zctx
         self.links = list(links)
         self.tail = tail  # the model's last layer(s) and the output layer, here
+        self.recurrent = tail.model.recurrent  # every stage's slice is of the same architecture
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -111,6 +112,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._cancelled = CancelledGroups()
         self._recoveries_in_a_row = 0
         self._notices: list[Callable[[int], Event]] = []
+        self._health: tuple[tuple[str, str, str], ...] = ()
         self._owner = threading.get_ident()
         self._cancel_requests: collections.deque[tuple[int, ...]] = collections.deque()
         self._broken: str | None = None
@@ -237,6 +239,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self.log = kept.copy()
         self._deliver_kv(KvOp.load(slot))
         self._n_past = n_past
+        self._spans.clear()
         return True
 
     def drop_kv(self, slot: int) -> None:
@@ -261,15 +264,16 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self.log.reset()
         self._deliver(lambda: self._send_op(wire.Reset, Stage.clear))
         self._n_past = 0
+        self._spans.clear()
 
     def truncate(self, n_past: int) -> None:
         if n_past >= self._n_past:
             return
         if self._broken is None:
             try:
-                self.kv(KvOp.rm(0, n_past))
+                n_past = self._cut(n_past)
             except NodeFailedError:
-                pass  # recorded as the failure; the bookkeeping below still holds for the session
+                n_past = self._cut_point(n_past)  # recorded as the failure; the session's bookkeeping holds
         self._n_past = n_past
 
     def close(self) -> None:
@@ -304,7 +308,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
             for lk in self.links
         )
         experts = self.plan.experts if self.plan is not None else (0, 0, 0)
-        return ClusterView(stages, self.head_layers, self.stats.tokens, experts)
+        return ClusterView(stages, self.head_layers, self.stats.tokens, experts=experts, health=self._health)
 
     def busy_ms(self) -> list[float]:
         """Computing time so far of each worker's stage in chain order, then the head's own

@@ -31,6 +31,7 @@ from pathlib import Path
 from ..core import archs
 from ..core.errors import PotluckError
 from ..core.gguf_tools import STAGE_VOCAB
+from ..core.rollback import ROLLBACK_STATES
 from ..core.validate import N_BATCH
 
 # llama.cpp's CPU compute buffer for one ubatch of n rows, measured from its own log
@@ -80,6 +81,8 @@ class LayerCosts:
     # a mixture's routed experts per layer, how many a token is sent to, its shared experts
     experts: tuple[int, int, int] = (0, 0, 0)
     output_bytes: int = 0  # the output matrix (the token embeddings when tied): the head's every token
+    # per layer, one sequence's recurrent state (0: an attention layer); None: no recurrent layers
+    state_bytes: tuple[int, ...] | None = None
 
     @property
     def n_layer(self) -> int:
@@ -196,6 +199,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
         tuple(time) if time != memory else None, archs.experts(h),
         h.tensor_bytes.get("output.weight", h.tensor_bytes.get("token_embd.weight", 0)),
+        archs.recurrent_state_bytes(h),
     )
 
 
@@ -268,10 +272,14 @@ def stage_bytes(
     row_bytes = costs.embd_bytes // max(costs.n_vocab, 1)
     embd_read = min(n_vocab, n_ctx) * max(row_bytes, PAGE_BYTES)
     weights = _range_bytes(costs, lo, hi) + embd_read
-    kv_cell = costs.kv_bytes_per_token_layer * (hi - lo)
+    states = costs.state_bytes[lo:hi] if costs.state_bytes else ()
+    # a recurrent layer keeps no cell per token but its state, with llama.cpp's snapshots and
+    # the stage's checkpoints of it (core/rollback.py)
+    kv_cell = costs.kv_bytes_per_token_layer * (hi - lo - sum(1 for b in states if b))
+    recurrent = sum(states) * ROLLBACK_STATES
     runtime = stage_runtime_bytes(n_vocab, costs.n_embd, n_batch)
     prefill_twin = 2 * kv_cell * seq + runtime
-    return weights + kv_cell * n_ctx + runtime + prefill_twin
+    return weights + kv_cell * n_ctx + recurrent + runtime + prefill_twin
 
 
 def stage_mem_mb(

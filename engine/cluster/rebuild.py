@@ -73,6 +73,7 @@ class ChainRebuild:
     _cancelled: CancelledGroups
     _recoveries_in_a_row: int
     _notices: list[Callable[[int], Event]]
+    _health: tuple[tuple[str, str, str], ...]  # stages not "ok" during a recovery (cluster_view)
     _broken: str | None
     _kept_logs: dict[int, TransactionLog]
 
@@ -176,6 +177,7 @@ class ChainRebuild:
                 self._give_up(first, str(e))
         self.recoveries += 1
         self.recovery_s.append(time.monotonic() - t0)
+        self._health = ()
         new_stages = tuple((lk.node_id, *(lk.layers or (0, 0))) for lk in self.links)
         reason = (
             f"{first}; continued on {len(self.links)} worker(s) after "
@@ -203,6 +205,8 @@ class ChainRebuild:
     def _notice_node(self, link: NodeLink, state: str, detail: str) -> None:
         node, layers = link.node_id or link.address, link.layers or (0, 0)
         self._notices.append(lambda run_id: NodeStatus(run_id, node, layers, state, detail))
+        # readable now by cluster_view() from another thread: a new tuple, never mutated
+        self._health = (*(h for h in self._health if h[0] != node), (node, state, detail))
 
     def _rebuild(self) -> None:
         """Bring the surviving workers back to idle, plan over them and load the new chain."""

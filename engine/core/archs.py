@@ -191,6 +191,48 @@ def check_layer_map(h: Header, layer_map: Sequence[int]) -> None:
         raise PotluckError(f"layer map {list(layer_map)[:8]}... is outside 0..{n - 1}")
 
 
+# --------------------------------------------------------------------------- hybrids
+
+
+def recurrent_layers(h: Header) -> tuple[bool, ...]:
+    """Qwen3.5's trunk, by original index: a Gated DeltaNet layer (a recurrent state) or full
+    attention. llama.cpp reads an explicit ``attention.recurrent_layers`` array first, else
+    every ``full_attention_interval``-th layer (default 4) attends (``src/models/qwen35moe.cpp``)."""
+    n = h.n_layer
+    value = h.get("attention.recurrent_layers")
+    if isinstance(value, list):
+        return tuple(bool(v) for v in value[:n])
+    period = h.int_of("full_attention_interval", 4) or 4
+    return tuple((i + 1) % period != 0 for i in range(n))
+
+
+def recurrent_state_bytes(h: Header) -> tuple[int, ...] | None:
+    """Per trunk layer, one sequence's recurrent state (a Gated DeltaNet layer's conv window
+    of ``conv_kernel - 1`` inputs and its state matrix per value head, F32), 0 for an
+    attention layer; None for a model without recurrent layers."""
+    arch = ARCHS.get(h.arch)
+    if arch is None or "recurrent" not in arch.cache:
+        return None
+    head, k_heads, v_heads = h.int_of("ssm.state_size"), h.int_of("ssm.group_count"), h.int_of("ssm.time_step_rank")
+    conv_channels = 2 * head * k_heads + h.int_of("ssm.inner_size")
+    state = 4 * ((h.int_of("ssm.conv_kernel") - 1) * conv_channels + head * head * v_heads)
+    return tuple(state if recurrent else 0 for recurrent in recurrent_layers(h))
+
+
+def _recurrent_pattern(h: Header, layer_map: Sequence[int]) -> dict[str, object]:
+    """A slice's own pattern: layer j is its original layer ``layer_map[j]``."""
+    pattern = recurrent_layers(h)
+    return {"attention.recurrent_layers": [pattern[i] for i in layer_map]}
+
+
+def _both_layer_kinds(h: Header, lo: int, hi: int) -> str | None:
+    """llama.cpp's hybrid memory allocates no buffer for a kind of layer a model lacks, then
+    reads it at the first decode (GGML_ASSERT(buffer) aborts the process)."""
+    if len(set(recurrent_layers(h)[lo:hi])) < 2:
+        return "hold not both a full-attention layer and a recurrent (Gated DeltaNet) layer, which llama.cpp cannot run"
+    return None
+
+
 # --------------------------------------------------------------------------- the table
 
 # llama.cpp's expert gating functions (llama-hparams.h)
@@ -272,6 +314,11 @@ ARCHS: dict[str, Arch] = {
         # Phi-3 and Phi-4: fused q/k/v and gate/up; LongRoPE factors picked by the context size
         # (the same on every stage: each has the conversation's n_ctx)
         Arch("phi3"),
+        # Qwen3.5 MoE: three Gated DeltaNet layers to one gated full-attention layer, routed and
+        # shared experts in every layer, M-RoPE, a next-token block after the trunk; its cache
+        # is KV cells for the attention layers and one state per sequence for the others, whose
+        # tail a stage drops through core/rollback.py
+        Arch("qwen35moe", cache="kv+recurrent", slice_keys=_recurrent_pattern, slice_problem=_both_layer_kinds),
     )
 }
 
@@ -307,8 +354,10 @@ def unsplittable_reason(h: Header) -> str | None:
 
 def experts(h: Header) -> tuple[int, int, int]:
     """(routed experts per layer, how many a token is sent to, shared experts): zeros for a
-    dense model."""
-    return h.int_of("expert_count"), h.int_of("expert_used_count"), h.int_of("expert_shared_count")
+    dense model. DeepSeek's kin count their shared experts; Qwen's (Qwen2 MoE, Qwen3-Next,
+    Qwen3.5 MoE) have one, known only by its width (``n_ff_shexp`` in llama.cpp)."""
+    shared = h.int_of("expert_shared_count") or (1 if h.int_of("expert_shared_feed_forward_length") else 0)
+    return h.int_of("expert_count"), h.int_of("expert_used_count"), shared
 
 
 def require_splittable(h: Header, name: str) -> Arch:

@@ -14,13 +14,20 @@ from .native import NativeObject
 
 
 class Batch(NativeObject):
-    """A ``llama_batch`` of token ids (``n_embd == 0``) or of embeddings (hidden states)."""
+    """A ``llama_batch`` of token ids (``n_embd == 0``) or of embeddings (hidden states).
 
-    def __init__(self, capacity: int, *, n_embd: int = 0, n_seq_max: int = 1) -> None:
+    ``n_pos``: positions per embedding row. Models with multi-section RoPE (M-RoPE, Qwen3.5)
+    read 4 per row of an embedding batch, section-major (``pos[j * n + i]``), where a token
+    batch gives one that llama.cpp repeats; a stage's hidden states are text, so each row's
+    position is written to every section, exactly what llama.cpp does for token ids."""
+
+    def __init__(self, capacity: int, *, n_embd: int = 0, n_seq_max: int = 1, n_pos: int = 1) -> None:
         self.capacity = capacity
         self.n_embd = n_embd
         self.n_seq_max = n_seq_max
-        self._b = ll.llama_batch_init(capacity, n_embd, n_seq_max)
+        self.n_pos = n_pos if n_embd else 1
+        # llama_batch_init sizes ``pos`` by its token count: n_pos times the rows for M-RoPE
+        self._b = ll.llama_batch_init(capacity * self.n_pos, n_embd, n_seq_max)
         self.n_tokens = 0
 
     def close(self) -> None:
@@ -71,7 +78,8 @@ class Batch(NativeObject):
     ) -> None:
         b = self._b
         for i in range(n):
-            b.pos[i] = positions[i]
+            for j in range(self.n_pos):
+                b.pos[j * n + i] = positions[i]
             ids = (seq_ids,) if isinstance(seq_ids, int) else seq_ids[i]
             b.n_seq_id[i] = len(ids)
             for j, s in enumerate(ids):

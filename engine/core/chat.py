@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 import datetime as _dt
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
@@ -28,6 +28,7 @@ CHATML = (
 class Message:
     role: str  # "system" | "user" | "assistant"
     content: str
+    name: str | None = None  # the participant's name (OpenAI's ``name``), for templates that show it
 
 
 def _raise(message: str) -> None:
@@ -49,10 +50,14 @@ class ChatFormat:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+               variables: Mapping[str, object] | None = None) -> str:
+        """``variables``: more names the template may read (``reasoning_effort``)."""
         try:
             return self._tmpl.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                **(variables or {}),
+                messages=[{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                          for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -130,5 +130,8 @@ class ClusterView:
     stages: tuple[StageView, ...]
     head_layers: tuple[int, int]  # the layers the head computes itself, with the output layer
     tokens: int  # tokens sent down the chain so far
+    # (node, state, detail) of the stages that are not "ok" now: a loss being recovered shows
+    # here at once, while the reply thread waits for the new chain (10-18 s)
+    health: tuple[tuple[str, str, str], ...] = ()
     # the plan's mixture of experts: routed experts per layer, used a token, shared (0s: dense)
     experts: tuple[int, int, int] = (0, 0, 0)

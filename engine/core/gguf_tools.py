@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import archs
-from .errors import ModelError
+from .errors import ModelError, PotluckError
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -166,9 +166,10 @@ def _field_value(field) -> object:
 
 
 def describe(path: Path) -> dict[str, object]:
-    """Architecture, layer count (the trunk: next-token blocks left out), sizes, experts, and
-    whether a split over machines is exact (``split_problem``: None, or why not): read from the
-    header without loading weights."""
+    """Architecture, layer count (the trunk: next-token blocks left out), sizes, experts, whether
+    a split over machines is exact (``split_problem``: None, or why not) and what a stage of it
+    keeps (``cache``, its table entry's; None outside the table): read from the header without
+    loading weights."""
     path = Path(path)
     h = archs.read_header(open_reader(path))
     n_expert, n_used, n_shared = archs.experts(h)
@@ -183,6 +184,7 @@ def describe(path: Path) -> dict[str, object]:
         "n_expert_used": n_used,
         "n_expert_shared": n_shared,
         "split_problem": archs.unsplittable_reason(h),
+        "cache": archs.ARCHS[h.arch].cache if h.arch in archs.ARCHS else None,
     }
 
 
@@ -360,6 +362,11 @@ def _layout_of_version(
     rules = archs.require_splittable(h, src.name)
     arch, n_layer = h.arch, h.n_layer  # the trunk: next-token blocks are never in a slice
     archs.check_layer_map(h, layer_map)
+    lo, hi = min(layer_map), max(layer_map) + 1
+    if list(layer_map) == list(range(lo, hi)):  # a stage's range (merges repeat layers)
+        why = archs.slice_rules(h).why_not(lo, hi)
+        if why is not None:
+            raise PotluckError(f"cannot split {src.name} at layers {lo}-{hi - 1}: they {why}")
     by_layer: dict[int, list] = {}
     others: list = []
     for t in r.tensors:

@@ -67,6 +67,13 @@ class DecodeJob:
     def is_tokens(self) -> bool:
         return self.inputs.ndim == 1
 
+    def rows(self, lo: int, hi: int) -> DecodeJob:
+        """Rows ``lo:hi`` as a job of their own whose last row is its output (a rollback
+        computes kept rows again: core/rollback.py)."""
+        return DecodeJob(
+            self.group, self.inputs[lo:hi], self.positions[lo:hi], self.seq_ids[lo:hi], output_mask(hi - lo, "last")
+        )
+
     @classmethod
     def tokens(
         cls,

@@ -115,3 +115,8 @@ def fixtures_dir() -> Path:
 def exports_dir() -> Path:
     """Conversations exported as Markdown from the chat app."""
     return _ensure(data_dir() / "exports")
+
+
+def screenshots_dir() -> Path:
+    """The chat app's screenshots when there is no Downloads folder."""
+    return _ensure(data_dir() / "screenshots")

@@ -6,7 +6,9 @@ A :class:`Session` reuses the KV cache of the conversation it holds; with a :cla
 it also keeps the conversations it leaves and, for each request, continues whichever kept
 conversation shares the longest token prefix with it, as llama.cpp's server does with its slots.
 Only that common token prefix is reused: a resent assistant message may tokenize differently
-from the tokens that were generated.
+from the tokens that were generated. Each kept conversation has an owner (the server's API key):
+a request only ever continues its own owner's, so neither the reuse nor its timing tells one
+client what another's prompt held.
 
 The cells themselves stay where they were computed: each stage saves sequence 0's cells under a
 slot number (``KvOp.save``, llama.cpp's sequence state), so in cluster mode every worker keeps its
@@ -46,6 +48,7 @@ class KeptConversation:
     n_kv: int
     slot: int  # where the stages keep its cells (KvOp.save)
     kv_bytes: int  # those cells over every layer (validate.kv_bytes: an upper bound)
+    owner: str = ""  # whose it is (the server's API key name): only its owner's requests reuse it
 
     @property
     def nbytes(self) -> int:
@@ -92,10 +95,13 @@ class PromptCache:
             log.info("prompt cache capped at %.0f MB (a share of the free memory)", budget / 1e6)
         return cls(budget, max_conversations)
 
-    def closest(self, shared: Callable[[KeptConversation], int]) -> tuple[KeptConversation | None, int]:
-        """The kept conversation with the most ``shared`` tokens (the newest on a tie) and that count."""
+    def closest(self, shared: Callable[[KeptConversation], int], owner: str = ""
+                ) -> tuple[KeptConversation | None, int]:
+        """``owner``'s kept conversation with the most ``shared`` tokens (the newest on a tie) and
+        that count. Another owner's are never looked at: what a request reuses (and the time it
+        saves, and ``cached_tokens``) would tell its sender what someone else's prompt held."""
         with self._lock:
-            kept = list(self._kept.values())
+            kept = [c for c in self._kept.values() if c.owner == owner]
         best, best_n = None, 0
         for conv in reversed(kept):
             n = shared(conv)
@@ -128,7 +134,8 @@ class PromptCache:
         gone: list[KeptConversation] = []
         with self._lock:
             for key, old in list(self._kept.items()):
-                if old.tokens[: old.n_kv] == conv.tokens[: old.n_kv] and old.n_kv <= conv.n_kv:
+                same = old.owner == conv.owner and old.n_kv <= conv.n_kv
+                if same and old.tokens[: old.n_kv] == conv.tokens[: old.n_kv]:
                     gone.append(self._kept.pop(key))  # conv holds all of it
             self._kept[conv.slot] = conv
             self._saved += 1

@@ -55,6 +55,17 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- model
 
 
+@dataclass(frozen=True)
+class SpecialToken:
+    """A token the tokenizer matches as a whole string (llama.cpp's ``cache_special_tokens``)."""
+
+    id: int
+    text: str
+    control: bool  # control or unknown: matched only when special parsing is on
+    lstrip: bool  # whitespace before it is dropped
+    rstrip: bool  # whitespace after it is dropped
+
+
 class Model(NativeObject):
     """Weights and vocabulary of one GGUF file."""
 
@@ -100,6 +111,9 @@ class Model(NativeObject):
         self.chat_template: str | None = tmpl.decode("utf-8") if tmpl else None
         self._piece_cache: dict[int, bytes] = {}
         self._piece_cache_special: dict[int, bytes] = {}
+        self._vocab_lock = threading.Lock()  # the server tokenizes off the engine thread
+        self._specials: tuple[SpecialToken, ...] | None = None
+        self._longest: int | None = None
 
     # -- lifetime
     def close(self) -> None:
@@ -148,6 +162,19 @@ class Model(NativeObject):
         (DeepSeek's MLA: ``key_length_mla`` set), whose V is a view of the compressed K."""
         return not self.meta(f"{self.arch}.attention.key_length_mla")
 
+    @property
+    def recurrent(self) -> bool:
+        """Layers with a recurrent state (Mamba, Gated DeltaNet; alone or beside attention):
+        a sequence's tail can then be dropped only as far as the state was kept
+        (:mod:`.rollback`)."""
+        return bool(ll.llama_model_is_recurrent(self.ptr) or ll.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def positions_per_token(self) -> int:
+        """RoPE positions llama.cpp reads per embedding row: 4 with M-RoPE, else 1."""
+        multi = (ll.LLAMA_ROPE_TYPE_MROPE, ll.LLAMA_ROPE_TYPE_IMROPE)
+        return 4 if ll.llama_model_rope_type(self.ptr) in multi else 1
+
     # -- vocabulary
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self._vocab, token))
@@ -180,6 +207,42 @@ class Model(NativeObject):
         return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
             "utf-8", errors="replace"
         )
+
+    def special_tokens(self) -> tuple[SpecialToken, ...]:
+        """The tokens llama.cpp's tokenizer matches as whole strings before anything else
+        (control, unknown and user-defined ones), with their text and whitespace-strip flags;
+        read once (a call per vocabulary entry) and kept."""
+        with self._vocab_lock:
+            if self._specials is None:
+                self._specials = self._read_special_tokens()
+            return self._specials
+
+    def _read_special_tokens(self) -> tuple[SpecialToken, ...]:
+        wanted = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN | ll.LLAMA_TOKEN_ATTR_USER_DEFINED
+        out = []
+        for token in range(self.n_vocab):
+            attr = int(ll.llama_vocab_get_attr(self._vocab, token))
+            if not attr & wanted:
+                continue
+            text = (ll.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
+            if text:
+                out.append(SpecialToken(
+                    token, text, control=bool(attr & (ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN)),
+                    lstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP), rstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)))
+        return tuple(out)
+
+    def longest_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (a text of B bytes is at least B / this
+        tokens); read once and kept."""
+        with self._vocab_lock:
+            if self._longest is None:
+                buf = ctypes.create_string_buffer(256)
+                longest = 1
+                for t in range(self.n_vocab):
+                    n = ll.llama_token_to_piece(self._vocab, t, buf, len(buf), 0, True)
+                    longest = max(longest, abs(n))  # negative: the piece needs -n bytes
+                self._longest = longest
+            return self._longest
 
     def vocab_signature(self) -> tuple[int, int, int]:
         """Cheap fingerprint used to refuse a draft whose vocabulary differs from the target's."""
@@ -226,6 +289,10 @@ class ContextParams:
     # A stage computes prompt chunks of a BF16 cache in an F16 twin context and hands the cells
     # back (core/staged_prefill.py): F16's tiled prefill, BF16's exact decoding.
     f16_prefill: bool = True
+    # Recurrent-state snapshots kept per sequence (llama.cpp's n_rs_seq): a model with
+    # recurrent layers can then drop up to this many tokens from the tail of its last batch
+    # (core/rollback.py). 0 on every other model (llama.cpp ignores it there).
+    n_rs_seq: int = 0
 
 
 class Context(NativeObject):
@@ -257,6 +324,7 @@ class Context(NativeObject):
         cp.type_k = params.kv_type
         cp.type_v = params.kv_type
         cp.no_perf = True
+        cp.n_rs_seq = params.n_rs_seq
         # The abort callback is polled by llama.cpp's compute thread at every graph node. A
         # Python callback would take the GIL hundreds of times per batch and stall whenever
         # another Python thread runs (the UI, a drafter), so the callback is libc's strlen
@@ -305,6 +373,7 @@ class Context(NativeObject):
         self.n_batch: int = ll.llama_n_batch(self._ptr)
         self.n_vocab = model.n_vocab
         self._batch = Batch(self.n_batch, n_seq_max=max(1, params.n_seq_max))
+        self.n_rs_seq: int = ll.llama_n_rs_seq(self._ptr)  # 0 where llama.cpp keeps no snapshots
 
     # -- lifetime
     def close(self) -> None:
@@ -441,6 +510,27 @@ class Context(NativeObject):
         if got != size:
             raise DecodeError(f"llama.cpp wrote {got} of {size} bytes of sequence {seq_id}'s state")
         return state
+
+    def recurrent_state(self, seq_id: int) -> bytearray:
+        """Sequence ``seq_id``'s recurrent state only (llama.cpp's partial-only state: no
+        attention cells), a rollback checkpoint (:mod:`.rollback`)."""
+        flags = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = ll.llama_state_seq_get_size_ext(self._ptr, seq_id, flags)
+        state = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(state)
+        got = ll.llama_state_seq_get_data_ext(self._ptr, buf, size, seq_id, flags)
+        del buf
+        if got != size:
+            raise DecodeError(f"llama.cpp wrote {got} of {size} bytes of sequence {seq_id}'s recurrent state")
+        return state
+
+    def set_recurrent_state(self, seq_id: int, state: bytearray) -> None:
+        """Put back a :meth:`recurrent_state`; the sequence's attention cells are untouched."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        n = ll.llama_state_seq_set_data_ext(self._ptr, buf, len(state), seq_id, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        del buf
+        if n != len(state):
+            raise DecodeError(f"llama.cpp could not restore sequence {seq_id}'s recurrent state")
 
     def set_seq_state(self, seq_id: int, state: bytes | bytearray) -> None:
         """Replace sequence ``seq_id`` with a :meth:`seq_state`; in an otherwise empty cache its

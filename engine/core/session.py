@@ -12,14 +12,15 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import validate as limits
 from .chat import ChatFormat, Message, TextStream
-from .errors import PotluckError
+from .errors import ContextFullError
 from .events import ClusterView, Event, Finished, ReplyStarted, RoundStats, TokenText
+from .prompt import Prompt, PromptTokenizer
 from .prompt_cache import KeptConversation, PromptCache
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
@@ -58,7 +59,7 @@ class Session:
         bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
         eos = model.detokenize([model.eos], special=True) if model.eos >= 0 else ""
         self.format = ChatFormat(model.chat_template, bos_token=bos, eos_token=eos)
-        self._bos_text = bos
+        self.prompts = PromptTokenizer(model, self.format)
         self.messages: list[Message] = []
         if system:
             self.messages.append(Message("system", system))
@@ -69,6 +70,7 @@ class Session:
         self._tokens: list[int] = []  # conversation tokens: those in the KV cache + pending ones
         self._covered = ""  # rendered text that self._tokens stand for
         warm_up_sampler()  # the sampler's kernel loads with the model, not in a reply's first token
+        self._owner = ""  # whose conversation the context holds (Session.answer's owner)
 
     # -- conversation editing
     @property
@@ -81,9 +83,25 @@ class Session:
         if text:
             self.messages.insert(0, Message("system", text))
 
-    def load_messages(self, messages: Sequence[Message]) -> None:
-        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it matches."""
+    def load_messages(self, messages: Sequence[Message], *, fresh: bool = False) -> None:
+        """Replace the conversation (e.g. reopened from history); the KV cache is reused where it
+        matches. ``fresh``: the next prompt is computed whole, as a new session computes it (the
+        app sends a conversation cut to fit the context so: its reply is a fresh session's)."""
         self.messages = list(messages)
+        if fresh:
+            self._tokens, self._covered = [], ""
+
+    @property
+    def n_ctx(self) -> int:
+        return self.target.n_ctx
+
+    def count_tokens(self, messages: Sequence[Message]) -> int:
+        """The tokens ``messages`` take as a prompt, the chat template and the reply's opening
+        included: what a caller fits into :attr:`n_ctx` before it sends."""
+        try:
+            return len(self.prompt_for(messages).tokens())
+        except ContextFullError:  # its bytes alone prove it cannot fit: more than the context
+            return self.target.n_ctx + 1
 
     def use_prompt_cache(self, cache: PromptCache) -> None:
         """Keep recent conversations' KV in ``cache`` (an HTTP server's clients take turns),
@@ -107,9 +125,25 @@ class Session:
         if prefill is not None:
             self.target.cancel(prefill)
 
+    def prompt_progress(self) -> tuple[int, int]:
+        """(tokens of the prompt read, tokens to read) while a reply's prompt is processed;
+        safe from any thread (the app's status line polls it). (0, 0) otherwise."""
+        progress = getattr(self.target, "decode_progress", (0, 0))  # a target of its own may not count
+        return progress if self._prefill_group is not None else (0, 0)
+
     @property
     def conversation_tokens(self) -> int:
         return len(self._tokens)
+
+    # -- prompts: thread-safe (the server tokenizes a request off the engine thread)
+    def prompt_for(self, messages: Sequence[Message], *, variables: Mapping[str, object] | None = None) -> Prompt:
+        """``messages`` rendered and tokenized; special tokens come only from the chat template.
+        Refuses (ContextFullError) a conversation whose bytes alone cannot fit the context."""
+        return self.prompts.conversation(messages, self.target.n_ctx, variables=variables)
+
+    def raw_prompt(self, text: str) -> Prompt:
+        """Raw text without the chat template (OpenAI's completions API)."""
+        return self.prompts.raw(limits.text("the prompt", text), self.target.n_ctx)
 
     # -- generation
     def generate(
@@ -121,29 +155,30 @@ class Session:
         """Add ``user`` (None: answer the conversation as it stands) and stream the reply."""
         limits.max_tokens(max_tokens)
         sampling = limits.sampling(sampling)  # any integer seed, mapped onto numpy's range
+        messages = self.messages
         if user is not None:
-            self.messages.append(Message("user", limits.text("the prompt", user)))
-        try:
-            self._continue_closest_kept(self.format.render(self.messages, add_generation_prompt=True))
-            tokens, rendered = self._conversation_tokens()
-            limits.prompt_fits(len(tokens), self.target.n_ctx)
-        except PotluckError:
-            if user is not None:
-                self.messages.pop()
-            raise
-        yield from self._run(tokens, rendered, sampling, max_tokens)
+            messages = [*messages, Message("user", limits.text("the prompt", user))]
+        yield from self.answer(self.prompt_for(messages), sampling, max_tokens)
 
     def complete(self, prompt: str, sampling: SamplingParams = GREEDY, max_tokens: int = 512) -> Iterator[Event]:
         """Continue ``prompt`` as raw text, without the chat template (OpenAI's completions API):
         the session then holds no messages, only the text and its KV cache."""
         limits.max_tokens(max_tokens)
         sampling = limits.sampling(sampling)
-        prompt = limits.text("the prompt", prompt)
-        self.messages = []
-        self._continue_closest_kept(prompt)
-        tokens = self._tokens_for(prompt)
+        yield from self.answer(self.raw_prompt(prompt), sampling, max_tokens)
+
+    def answer(self, prompt: Prompt, sampling: SamplingParams = GREEDY, max_tokens: int = 512, *,
+               owner: str = "") -> Iterator[Event]:
+        """Stream the reply to ``prompt`` (from :meth:`prompt_for` or :meth:`raw_prompt`); the
+        session then holds its messages. KV kept for one ``owner`` (an API key) is never reused
+        for another's prompt."""
+        limits.max_tokens(max_tokens)
+        sampling = limits.sampling(sampling)
+        self._continue_closest_kept(prompt, owner)
+        tokens = self._tokens_for(prompt, owner)
         limits.prompt_fits(len(tokens), self.target.n_ctx)
-        yield from self._run(tokens, prompt, sampling, max_tokens)
+        self.messages = list(prompt.messages) if prompt.messages is not None else []
+        yield from self._run(tokens, prompt.text, sampling, max_tokens, owner)
 
     def regenerate(
         self, sampling: SamplingParams = GREEDY, max_tokens: int = 512
@@ -153,70 +188,66 @@ class Session:
             self.messages.pop()
         return self.generate(None, sampling, max_tokens)
 
-    def _tokenize(self, text: str, *, at_start: bool) -> list[int]:
-        add_bos = at_start and self.model.add_bos and not (self._bos_text and text.startswith(self._bos_text))
-        toks = self.model.tokenize(text, add_special=False, parse_special=True)
-        return ([self.model.bos] if add_bos else []) + toks
-
-    def _conversation_tokens(self) -> tuple[list[int], str]:
-        rendered = self.format.render(self.messages, add_generation_prompt=True)
-        return self._tokens_for(rendered), rendered
-
-    def _tokens_for(self, rendered: str) -> list[int]:
-        """The tokens of ``rendered``, those of the conversation in the context where it goes on from it."""
+    def _tokens_for(self, prompt: Prompt, owner: str) -> list[int]:
+        """The tokens of ``prompt``: those of the conversation in the context where it goes on from it."""
         # (no covered text: the tokens end mid-prompt, after a cancelled prompt, so retokenize)
-        if self._tokens and self._covered and rendered.startswith(self._covered):
-            return self._tokens + self._tokenize(rendered[len(self._covered) :], at_start=False)
-        return self._tokenize(rendered, at_start=True)
+        if self._owner == owner and self._tokens and self._covered and prompt.text.startswith(self._covered):
+            return self._tokens + prompt.tokens_after(len(self._covered))
+        return prompt.tokens()
 
-    def _continue_closest_kept(self, rendered: str) -> None:
-        """With a prompt cache: keep the conversation in the context if ``rendered`` leaves part of
-        it, and bring back a kept one that shares more tokens with it (see :mod:`.prompt_cache`)."""
+    def _continue_closest_kept(self, prompt: Prompt, owner: str) -> None:
+        """With a prompt cache: keep the conversation in the context if ``prompt`` leaves part of
+        it, and bring back one of ``owner``'s kept ones that shares more tokens with it (see
+        :mod:`.prompt_cache`)."""
         cache = self.prompt_cache
         if cache is None:
             return
         fresh: list[int] = []
 
         def shared(tokens: Sequence[int], covered: str, n_kv: int) -> int:
-            # the tokens _conversation_tokens would give, had this conversation been in the context
-            if tokens and covered and rendered.startswith(covered):
-                wanted = list(tokens) + self._tokenize(rendered[len(covered) :], at_start=False)
-            else:
-                fresh[:] = fresh or self._tokenize(rendered, at_start=True)
-                wanted = fresh
-            return common_prefix_len(tokens[:n_kv], wanted)
+            # the tokens _tokens_for would give, had this conversation been in the context
+            if tokens and covered and prompt.text.startswith(covered):
+                return min(n_kv, len(tokens))  # they go on from all of its tokens
+            fresh[:] = fresh or prompt.tokens()
+            return common_prefix_len(tokens[:n_kv], fresh)
 
         target = self.target
         n_kv = target.n_past
-        in_context = shared(self._tokens, self._covered, n_kv)
+        in_context = shared(self._tokens, self._covered, n_kv) if self._owner == owner else 0
         kv_bytes = limits.kv_bytes(self.model, n_kv) if in_context < n_kv else None
         if kv_bytes is not None and cache.fits(kv_bytes):  # it leaves part of the one in the context
             slot = cache.new_slot()
             if target.keep_kv(slot):
-                for gone in cache.keep(KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes)):
+                kept_now = KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes, self._owner)
+                for gone in cache.keep(kept_now):
                     target.drop_kv(gone.slot)
-        kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv))
-        if kept is not None and n > in_context:
+        kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv), owner)
+        # a recurrent state comes back at its end only: a shorter shared part would be read again
+        usable = kept is not None and (not target.recurrent or n == kept.n_kv)
+        if kept is not None and usable and n > in_context:
             if target.restore_kv(kept.slot, kept.n_kv):
                 cache.restored(kept)
-                self._tokens, self._covered = list(kept.tokens), kept.covered
+                self._tokens, self._covered, self._owner = list(kept.tokens), kept.covered, owner
             else:  # its cells went with a rebuilt chain: a miss
                 cache.discard(kept)
 
     def _run(
-        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int
+        self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int, owner: str
     ) -> Iterator[Event]:
         target = self.target
         self._cancel.clear()
         run_id = self.run_id = next(self._reply_ids)
         target.regroup()  # between replies: a cluster may take in workers that joined
         t_start = time.perf_counter()
-        reused = common_prefix_len(self._tokens[: target.n_past], tokens)
+        # another owner's conversation in the context: none of it is reused (nor shown as cached)
+        reused = common_prefix_len(self._tokens[: target.n_past], tokens) if self._owner == owner else 0
         reused = min(reused, len(tokens) - 1)  # always process at least one token for fresh logits
         target.truncate(reused)
+        reused = target.n_past  # a recurrent state may be cut back further (Target.truncate)
         # From here on the KV cache holds tokens[:n_past]; keep self._tokens in step with it.
         self._tokens = tokens[:reused]
         self._covered = ""
+        self._owner = owner
         shown = self.strategy.pick_for_reply(len(tokens))  # the strategy name the events carry
         yield ReplyStarted(run_id, shown, len(tokens), len(tokens) - reused, target.n_ctx)
         yield from target.node_status(run_id)

@@ -20,6 +20,7 @@ from .jobs import DecodeJob
 from .kv import KvOp
 from .memory import free_memory_bytes
 from .prompt_cache import FREE_MEMORY_SHARE, PromptCache
+from .rollback import SNAPSHOT_TOKENS, RecurrentRollback
 from .runtime import Context, ContextParams, Model
 from .staged_prefill import StagedPrefill
 
@@ -34,14 +35,20 @@ class Stage:
         self.first = first
         self.last = last
         capture = None if last else model.n_layer - 1
-        self.ctx = Context(model, replace(params, capture_layer=capture))
+        # a recurrent state drops a tail only as far as it was kept (core/rollback.py)
+        snapshots = SNAPSHOT_TOKENS if model.recurrent else 0
+        self.ctx = Context(model, replace(params, capture_layer=capture, n_rs_seq=snapshots))
         self.n_ctx = self.ctx.n_ctx
         self.n_batch = params.n_batch
         self.n_seq_max = max(1, params.n_seq_max)
         self.kept: dict[int, bytearray] = {}  # slot -> sequence 0's state (KvOp save/load/drop)
         self._batch = Batch(
-            params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max
+            params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max,
+            n_pos=model.positions_per_token,
         )
+        self.rollback: RecurrentRollback | None = None
+        if model.recurrent:
+            self.rollback = RecurrentRollback(self.ctx, self._replay)
         # tensors named in params.observe, rows of sequence 0 by position [n_ctx, width]
         # (positions >= the sequence's length hold stale rows): TriForce's keys and queries
         self.observed: dict[str, np.ndarray] = {}
@@ -74,16 +81,17 @@ class Stage:
     def compute(self, job: DecodeJob) -> np.ndarray:
         """Hidden states [n, n_embd] f32 (not last) or logits [n_outputs, vocab] f32 (last),
         owned by the caller. ``InterruptedError`` if aborted (llama.cpp dropped the cells)."""
-        positions = job.positions.tolist()
-        seq_ids = [[s] for s in job.seq_ids.tolist()]
-        # A capturing stage must mark every row as output, or its last layer keeps only those.
-        flags: list[bool] | str = job.outputs.tolist() if self.last else "all"
-        if self.first:
-            self._batch.set_tokens(job.inputs.tolist(), positions, seq_ids, flags)
-        else:
-            self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
+        self._fill(job)
         ctx = self._context_for(job)
-        ctx.run_batch(self._batch)  # aborted: llama.cpp drops the batch's cells, in either context
+        canonical = self.rollback is not None and bool((job.seq_ids == 0).all())
+        try:
+            ctx.run_batch(self._batch)  # aborted: llama.cpp drops the batch's cells, in either context
+        except InterruptedError:
+            if canonical:  # a half-written recurrent state: put back the one before it
+                self.rollback.aborted(job)  # type: ignore[union-attr]
+            raise
+        if canonical:
+            self.rollback.computed(job)  # type: ignore[union-attr]
         if ctx is not self.ctx:
             self.prefill.counters.staged_jobs += 1  # type: ignore[union-attr]
         if ctx.observed:
@@ -92,6 +100,21 @@ class Stage:
             assert ctx.captured is not None
             return ctx.captured  # a fresh array per run
         return ctx.logits(job.n_outputs).copy()
+
+    def _fill(self, job: DecodeJob) -> None:
+        positions = job.positions.tolist()
+        seq_ids = [[s] for s in job.seq_ids.tolist()]
+        # A capturing stage must mark every row as output, or its last layer keeps only those.
+        flags: list[bool] | str = job.outputs.tolist() if self.last else "all"
+        if self.first:
+            self._batch.set_tokens(job.inputs.tolist(), positions, seq_ids, flags)
+        else:
+            self._batch.set_embeddings(job.inputs, positions, seq_ids, flags)
+
+    def _replay(self, job: DecodeJob) -> None:
+        """Compute kept rows of sequence 0 again after a rollback put an older state back."""
+        self._fill(job)
+        self.ctx.run_batch(self._batch)
 
     def _context_for(self, job: DecodeJob) -> Context:
         """The F16 twin for a prompt chunk, else this stage's own context (after the twin, if
@@ -126,10 +149,33 @@ class Stage:
         if op.is_slot_op:
             self._slot_op(op)
             return
+        if self.rollback is not None:
+            self._recurrent_kv(op)
+            return
         try:
             self.ctx.apply_kv(op)
         except ValueError as e:
             raise PotluckError(str(e)) from None
+
+    def _recurrent_kv(self, op: KvOp) -> None:
+        """Sequence 0 of a recurrent model: its tail goes through the rollback; a whole
+        sequence may go. Copies, shifts and partial ranges of other sequences would need
+        states nobody kept, and are refused."""
+        assert self.rollback is not None
+        if op.op == "rm" and op.seq == 0 and op.p1 < 0:
+            if op.p0 <= 0:
+                self.ctx.seq_rm(0)
+                self.rollback.forget()
+            else:
+                self.rollback.trim(op.p0)
+            return
+        if op.op == "rm" and op.p0 <= 0 and op.p1 < 0:
+            self.ctx.seq_rm(op.seq)
+            return
+        raise PotluckError(
+            f"kv {op.op} on sequence {op.seq} is not possible on {self.model.arch}'s recurrent state: "
+            "only sequence 0's tail can be dropped"
+        )
 
     def _slot_op(self, op: KvOp) -> None:
         """Kept conversations: sequence 0's cells by slot (``save`` replaces a slot's). A
@@ -142,9 +188,13 @@ class Stage:
             if state is None:
                 raise PotluckError(f"no kept conversation in slot {slot}")
             self.ctx.set_seq_state(0, state)
+            if self.rollback is not None:
+                self.rollback.restart_at(self.ctx.seq_pos_max(0) + 1)
         else:
             if slot not in self.kept and len(self.kept) >= MAX_KEPT:
                 raise PotluckError(f"already {MAX_KEPT} kept conversations: drop one first")
+            if self.rollback is not None:
+                self.rollback.settle()  # llama.cpp would save the state before a pending rollback
             state = self.ctx.seq_state(0)
             if len(state) > FREE_MEMORY_SHARE * free_memory_bytes():
                 raise PotluckError(f"a kept conversation of {len(state) / 1e6:.0f} MB does not fit in free memory")
@@ -158,6 +208,8 @@ class Stage:
         if self.prefill is not None:
             self.prefill.discard()
         self.ctx.clear()
+        if self.rollback is not None:
+            self.rollback.forget()
 
     def forget_all(self) -> None:
         """Every sequence and every kept conversation (a cluster rebuilt its chain)."""

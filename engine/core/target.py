@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol, TypeVar
@@ -30,6 +31,7 @@ from .errors import ContextFullError, PotluckError
 from .events import ClusterView, Event, NodeStatus
 from .jobs import DecodeJob, GroupCancelled, Ticket
 from .kv import KvOp
+from .rollback import KEEP_BATCHES
 from .runner import StageRunner
 from .runtime import ContextParams, Model
 from .stage import Stage
@@ -53,6 +55,7 @@ class Target(Protocol):
     n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
     exact: BatchExactness  # the longest exact verify batch; single steps as 2 rows or not
     longest_verify_rows: int  # the most rows of any verify batch so far (tests, figures)
+    recurrent: bool  # layers with a recurrent state: see truncate
 
     # -- job groups
     def new_group(self) -> int:
@@ -120,7 +123,9 @@ class Target(Protocol):
         ...
 
     def truncate(self, n_past: int) -> None:
-        """Forget every token of sequence 0 at position >= ``n_past``."""
+        """Forget every token of sequence 0 at position >= ``n_past``. A target with a
+        recurrent state (``recurrent``) keeps it restorable only a few batches back: asked
+        for more, it forgets the whole sequence; read ``n_past`` after."""
         ...
 
     def settle(self) -> None:
@@ -167,6 +172,9 @@ class TargetBase(ABC):
     # what keeps verify batches exact on this model (core/batch_exact.py); strategies read
     # exact.max_rows, decode and append run single steps as 2 rows where it says so
     exact: BatchExactness = FREE
+    # layers with a recurrent state (core/rollback.py): a tail can be dropped only as far as
+    # the last KEEP_BATCHES batches of sequence 0 reach
+    recurrent: bool = False
 
     def __init__(self) -> None:
         self._n_past = 0
@@ -174,6 +182,10 @@ class TargetBase(ABC):
         self._spare_rows: dict[int, int] = {}  # ticket -> trailing rows that were only padding
         self.longest_verify_rows = 0  # the most rows of any verify batch (decode all_logits, append)
         self.padded_steps = 0  # single steps run as 2 rows
+        self._spans: deque[list[int]] = deque(maxlen=KEEP_BATCHES)  # [pos0, n] of sequence 0's last batches
+        # (tokens computed, tokens in all) of the decode running now, one n_batch job at a time:
+        # read from other threads (the chat's status line while a long prompt is read)
+        self.decode_progress: tuple[int, int] = (0, 0)
 
     def new_group(self) -> int:
         return next(self._groups)
@@ -227,14 +239,17 @@ class TargetBase(ABC):
         group = self.new_group() if group is None else group
         if all_logits:
             self.longest_verify_rows = max(self.longest_verify_rows, n)
-        tickets = [
-            self._submit_tokens(group, tokens[i : i + self.n_batch], self._n_past + i, all_logits)
-            for i in range(0, n, self.n_batch)
-        ]
+        tickets = []
+        for i in range(0, n, self.n_batch):
+            chunk = tokens[i : i + self.n_batch]
+            tickets.append(self._submit_tokens(group, chunk, self._n_past + i, all_logits))
+            self._spans.append([self._n_past + i, len(chunk)])
         rows: list[np.ndarray] = []
+        self.decode_progress = (0, n)
         try:
             for t in tickets:
                 rows.append(self.wait(t))
+                self.decode_progress = (min(n, len(rows) * self.n_batch), n)
         except BaseException:
             # Cancelled or failed mid-prompt: settle the group's other jobs, then drop whatever
             # part of it reached the cache, so sequence 0 holds exactly n_past tokens again.
@@ -246,7 +261,7 @@ class TargetBase(ABC):
                         self.wait(t)
                     except GroupCancelled:
                         pass
-                self.kv(KvOp.rm(0, self._n_past))
+                self._n_past = self._cut(self._n_past)
             except PotluckError:
                 pass
             raise
@@ -275,6 +290,7 @@ class TargetBase(ABC):
             )
         self.longest_verify_rows = max(self.longest_verify_rows, n)
         ticket = self._submit_tokens(group, tokens, self._n_past, all_logits=True)
+        self._spans.append([self._n_past, n])
         self._n_past += n
         return ticket
 
@@ -285,7 +301,9 @@ class TargetBase(ABC):
         after), and a job asks for 2 output rows at least, so the last layer (which computes only
         the output rows) multiplies 2 rows too. ``wait`` drops the spare row."""
         n = len(tokens)
-        if not self.exact.two_row_steps or (all_logits and n >= 2):
+        # a recurrent layer would take the spare token into its state, which no cell trim
+        # undoes (core/rollback.py): hybrids keep 1-row steps (docs/facts.md §33)
+        if not self.exact.two_row_steps or self.recurrent or (all_logits and n >= 2):
             return self.submit(DecodeJob.tokens(group, tokens, pos0, outputs="all" if all_logits else "last"))
         if n >= 2:  # the last row's logits, and the one before so that the last layer sees 2
             return self.submit(DecodeJob.tokens(group, tokens, pos0, outputs=[False] * (n - 2) + [True, True]))
@@ -307,6 +325,7 @@ class TargetBase(ABC):
     def restore_kv(self, slot: int, n_past: int) -> bool:
         self.kv(KvOp.load(slot))
         self._n_past = n_past
+        self._spans.clear()
         return True
 
     def drop_kv(self, slot: int) -> None:
@@ -317,8 +336,26 @@ class TargetBase(ABC):
 
     def truncate(self, n_past: int) -> None:
         if n_past < self._n_past:
-            self.kv(KvOp.rm(0, n_past))
-            self._n_past = n_past
+            self._n_past = self._cut(n_past)
+
+    def _cut_point(self, n_past: int) -> int:
+        """Where sequence 0 can end: ``n_past``, or 0 on a recurrent target whose stages
+        keep no state that far back. Every stage keeps at least the last KEEP_BATCHES
+        batches this head sent (a stage computes a subset of them: core/rollback.py)."""
+        if self.recurrent and not (self._spans and n_past >= self._spans[0][0]):
+            return 0
+        return n_past
+
+    def _cut(self, n_past: int) -> int:
+        """Drop sequence 0 from ``n_past`` (or from where it can be cut) on every stage; the
+        batches kept for a rollback end there too. Returns where it ends."""
+        n_past = self._cut_point(n_past)
+        self.kv(KvOp.rm(0, n_past))
+        while self._spans and self._spans[-1][0] >= n_past:
+            self._spans.pop()
+        if self._spans and sum(self._spans[-1]) > n_past:
+            self._spans[-1][1] = n_past - self._spans[-1][0]
+        return n_past
 
     def node_status(self, run_id: int) -> list[NodeStatus]:
         return []
@@ -347,6 +384,7 @@ class LocalTarget(TargetBase):
         self.n_batch = params.n_batch
         self.n_seq_max = self.stage.n_seq_max
         self.exact = model.batch_exact
+        self.recurrent = model.recurrent
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
 
@@ -375,6 +413,7 @@ class LocalTarget(TargetBase):
     def reset(self) -> None:
         self.runner.submit(Stage.clear)
         self._n_past = 0
+        self._spans.clear()
 
     def set_threads(self, n_threads: int) -> None:
         self.runner.set_threads(n_threads)

@@ -29,6 +29,7 @@ from ..core.chat import ChatFormat, Message
 from ..core.errors import PotluckError
 from ..core.events import Finished, RoundStats
 from ..core.measure import decode_ms_per_token
+from ..core.prompt import PromptTokenizer
 from ..core.runtime import Model
 from ..core.sampling import SamplingParams
 from ..core.session import Session
@@ -78,11 +79,8 @@ def chat_prompt_tokens(model: Model, user: str) -> list[int]:
     """The tokens a fresh :class:`Session` would prefill for ``user`` (for the prompt-lookup baseline)."""
     bos = model.detokenize([model.bos], special=True) if model.bos >= 0 else ""
     eos = model.detokenize([model.eos], special=True) if model.eos >= 0 else ""
-    text = ChatFormat(model.chat_template, bos_token=bos, eos_token=eos).render(
-        [Message("user", user)], add_generation_prompt=True
-    )
-    add_bos = model.add_bos and not (bos and text.startswith(bos))
-    return ([model.bos] if add_bos else []) + model.tokenize(text, parse_special=True)
+    chat = ChatFormat(model.chat_template, bos_token=bos, eos_token=eos)
+    return PromptTokenizer(model, chat).conversation([Message("user", user)], limits.MAX_CTX).tokens()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core.errors import PotluckError
@@ -48,7 +48,9 @@ def measure(
     decode_tokens: int = 128,
     prefill_tokens: int = 256,
     ks: Sequence[int] = (1, 2, 4, 8, 16),
+    progress: Callable[[str], None] = lambda line: None,
 ) -> PerfReport:
+    """``progress`` hears one line per step (a run takes tens of seconds on a small machine)."""
     if not ks or min(ks) < 1 or max(ks) > MAX_EXACT_BATCH:
         raise PotluckError(f"batch sizes run from 1 to {MAX_EXACT_BATCH} (a verify batch's most), not {list(ks)}")
     target = LocalTarget(model, ContextParams(n_ctx=2048, n_threads=n_threads))
@@ -58,7 +60,9 @@ def measure(
         long_prompt = (base + filler * prefill_tokens)[:prefill_tokens]
         decode_rates, prefill_rates = [], []
         batch_ms: dict[int, list[float]] = {k: [] for k in ks}
-        for _ in range(runs):
+        for run in range(runs):
+            progress(f"run {run + 1} of {runs}: a {len(long_prompt)}-token prompt, {decode_tokens} decode steps, "
+                     f"batches of {', '.join(map(str, ks))}")
             target.truncate(0)
             t0 = time.perf_counter()
             target.decode(long_prompt)
@@ -113,7 +117,9 @@ class HistoryCheck:
     prefill_tokens: list[int]  # history length the fresh session prefilled in one go
 
 
-def history_consistency(model: Model, *, max_tokens: int = 64, n_threads: int = 0) -> HistoryCheck:
+def history_consistency(
+    model: Model, *, max_tokens: int = 64, n_threads: int = 0, progress: Callable[[str], None] = lambda line: None
+) -> HistoryCheck:
     """Turn-by-turn conversation vs. the same history prefilled at once in a fresh session.
 
     llama.cpp computes large batches slightly differently from small ones (docs/facts.md §3),
@@ -124,7 +130,8 @@ def history_consistency(model: Model, *, max_tokens: int = 64, n_threads: int = 
 
     params = ContextParams(n_ctx=4096, n_threads=n_threads)
     differing, divergence, prefilled = 0, [], []
-    for turns in CONVERSATIONS:
+    for i, turns in enumerate(CONVERSATIONS):
+        progress(f"history check: conversation {i + 1} of {len(CONVERSATIONS)}")
         live = Session(model, LocalTarget(model, params), Plain())
         for text in turns:
             *_, last = live.generate(text, max_tokens=max_tokens)

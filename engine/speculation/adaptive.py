@@ -110,9 +110,9 @@ class DraftBreakEven:
     saves a whole plain step (``c(1)`` ms) only if accepted. It pays when P(accept) > (the
     row's share of that + d) / c(1). The curve is measured, never assumed: each batch size's
     fastest recent verify time, linear between measured sizes, a least-squares line through
-    them past the largest (docs/facts.md §6, §29). It is not a line: Q4_0 batches of 4 rows
+    them past the largest (docs/facts.md §6, §32). It is not a line: Q4_0 batches of 4 rows
     cost less than 2 (§20), and a mixture of experts reads up to k x top-k experts for k rows,
-    so its first extra rows cost more than later ones (§29). On a compute-bound box the
+    so its first extra rows cost more than later ones (§32). On a compute-bound box the
     threshold is high; on memory-bound machines the curve is flat and it falls towards 0.
     """
 

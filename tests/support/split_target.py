@@ -37,6 +37,7 @@ class SplitTarget(TargetBase):
         self.n_batch = params.n_batch
         self.n_seq_max = self.stages[0].n_seq_max
         self.n_stages = len(self.stages)
+        self.recurrent = models[0].recurrent
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
 
@@ -86,6 +87,7 @@ class SplitTarget(TargetBase):
     def reset(self) -> None:
         self._forward_kv(0, Stage.clear)
         self._n_past = 0
+        self._spans.clear()
 
     def pos_max(self) -> list[list[int]]:
         """Last position per sequence on every stage, once all work queued so far ran."""

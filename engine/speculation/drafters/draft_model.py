@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 
 from ...core.errors import PotluckError
+from ...core.jobs import DecodeJob
 from ...core.load_watch import ThreadFollower
+from ...core.rollback import SNAPSHOT_TOKENS, RecurrentRollback
 from ...core.runtime import Context, ContextParams, Model
 from ...core.sampling import Candidates, distribution
 from . import Draft, DraftRequest
@@ -66,7 +68,12 @@ class DraftModelDrafter:
         self.owns_model = owns_model
         self.p_min = p_min  # stop drafting once the draft's own top probability falls below
         self.step_ms = 0.0  # measured cost of one draft step (decayed average)
-        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads, follow_load=follow_load))
+        snapshots = SNAPSHOT_TOKENS if model.recurrent else 0
+        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=512, n_threads=n_threads, follow_load=follow_load,
+                                                n_rs_seq=snapshots))
+        # a draft with recurrent layers (a Qwen3.5 draft) drops its rejected tail from kept
+        # states (core/rollback.py), as the target's stages do
+        self.rollback = RecurrentRollback(self.ctx, self._replay) if model.recurrent else None
         # Threads the user left unchosen follow the load, as the target's do (core/load_watch.py):
         # one descheduled thread stalls every draft step at llama.cpp's barriers.
         self.follow = ThreadFollower(self.ctx, follow_load, name="potluck-draft")
@@ -115,15 +122,14 @@ class DraftModelDrafter:
         keep = self._synced_prefix(context)
         if keep == len(context) and keep == len(self.tokens) and self._logits is not None:
             return
-        keep = min(keep, len(context) - 1)  # at least one token to get fresh logits
-        self.ctx.seq_rm(0, keep, -1)
+        keep = self._cut(min(keep, len(context) - 1))  # at least one token to get fresh logits
         del self.tokens[keep:]
         todo = list(context[keep:])
         n_batch = self.ctx.n_batch  # what llama.cpp really allows (it clamps to the context)
         for start in range(0, len(todo), n_batch):
             chunk = todo[start : start + n_batch]
             t = time.perf_counter()
-            self.ctx.run_tokens(chunk, len(self.tokens))
+            self._decode(chunk)
             if len(chunk) == 1:
                 self._note_step((time.perf_counter() - t) * 1e3)
             self.tokens.extend(chunk)
@@ -164,13 +170,36 @@ class DraftModelDrafter:
             if i == k - 1:
                 break
             t = time.perf_counter()
-            self.ctx.run_tokens([x], len(self.tokens))
+            self._decode([x])
             self._note_step((time.perf_counter() - t) * 1e3)
             self.tokens.append(x)
             self._logits = self.ctx.logits_row(-1)
         # the last draft is not in the draft's cache yet: logits are stale until _sync()
         self._logits = None
         return Draft(drafts, qs if stochastic else None)
+
+    def _decode(self, tokens: list[int]) -> None:
+        """Decode ``tokens`` after the draft's cache (one batch)."""
+        pos0 = len(self.tokens)
+        self.ctx.run_tokens(tokens, pos0)
+        if self.rollback is not None:
+            self.rollback.computed(DecodeJob.tokens(0, tokens, pos0))
+
+    def _replay(self, job: DecodeJob) -> None:
+        self.ctx.run_tokens(job.inputs.tolist(), int(job.positions[0]))
+
+    def _cut(self, keep: int) -> int:
+        """Drop the draft's cache from ``keep``; a recurrent state not kept that far back is
+        dropped whole (the next sync reads the conversation again). Returns where it ends."""
+        if self.rollback is None:
+            self.ctx.seq_rm(0, keep, -1)
+            return keep
+        if keep < self.rollback.floor:
+            self.ctx.seq_rm(0)
+            self.rollback.forget()
+            return 0
+        self.rollback.trim(keep)
+        return keep
 
     def _note_step(self, ms: float) -> None:
         """Decayed average of one single-token draft decode (the marginal drafting cost)."""
@@ -183,6 +212,8 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         self.ctx.clear()
+        if self.rollback is not None:
+            self.rollback.forget()
         self.tokens = []
         self._logits = None
 

@@ -5,7 +5,7 @@ The pick, made before each reply's prompt is processed (:meth:`Auto.pick_for_rep
 - a draft model is loaded, the conversation is shorter than :data:`LONG_DOCUMENT_TOKENS`, and
   the measured batch-cost curve says a draft model can pay here at all (its drafting time and
   the rows it adds cost less than the plain steps a sure draft saves: a mixture of experts'
-  verify batches read up to k x top-k experts, docs/facts.md §29): ``sd`` (the draft model
+  verify batches read up to k x top-k experts, docs/facts.md §32): ``sd`` (the draft model
   drafts; each model gets every core in turn, which on a compute-bound CPU beats PEARL's split
   of the cores);
 - otherwise ``anpd``: N-gram drafts from the conversation itself. On a long document they

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import PotluckError
 from ...core.jobs import GroupCancelled
+from ...core.rollback import KEEP_BATCHES
 from ...core.strategy import Generation, Round, Strategy
 from ...core.target import Target
 from ..adaptive import UNTIL_REPLY_END, DraftGate, LengthConfig
@@ -225,8 +226,10 @@ class PipeInfer(Strategy):
 
     def in_flight_cap(self, target: Target) -> int:
         """Runs in flight at once: one per stage keeps every stage busy, one more covers
-        the trip back to the head."""
-        return self.max_runs or target.n_stages + 1
+        the trip back to the head. A recurrent model's stages can take back only their last
+        few batches (core/rollback.py): no more runs than that."""
+        cap = self.max_runs or target.n_stages + 1
+        return min(cap, KEEP_BATCHES - 1) if target.recurrent else cap
 
     def _pipelined(self, g: Generation) -> Iterator[Round]:
         target, sampler = g.target, g.sampler

@@ -86,6 +86,8 @@ class TriForce(Speculative):
     # -- construction
     @classmethod
     def observed_tensors(cls, model: Model) -> tuple[str, ...]:
+        if model.recurrent:
+            return ()  # refused by build
         return tuple(f"{kind}-{layer}" for layer in score_layers(model.n_layer) for kind in ("Qcur", "Kcur"))
 
     @classmethod
@@ -95,6 +97,11 @@ class TriForce(Speculative):
             raise PotluckError(
                 "strategy 'triforce' runs on one machine (it reads the target's attention keys); "
                 "use anpd or sd with --nodes"
+            )
+        if target_model.recurrent:
+            raise PotluckError(
+                f"strategy 'triforce' drafts over a retrieval cache of attention cells, and {target_model.arch}'s "
+                "recurrent layers keep one state per sequence that no subset of positions can rebuild; use anpd or sd"
             )
         d = RetrievalConfig()
         n_max = int_option(spec, "ngram_max", 5, 2, 16)

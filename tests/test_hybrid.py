@@ -1,0 +1,289 @@
+"""A hybrid recurrent model (qwen35moe: Qwen3.5's Gated DeltaNet and full-attention layers,
+each with routed experts) speculates exactly, on one machine and split (its splits are
+checked at the logits level with every architecture's in tests/test_archs_exact.py).
+
+A recurrent layer's state cannot drop its last k positions the way a KV cache frees cells:
+every strategy's rejected drafts go back through the stage's rollback (llama.cpp's snapshots
+for the tail of the last batch, checkpoints and replayed rows for anything older,
+engine/core/rollback.py). Each test asserts that the rollback ran (rejections, counters) and
+that the tokens are plain decoding's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from potluck.engine.core.errors import PotluckError
+from potluck.engine.core.events import Finished
+from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.jobs import DecodeJob
+from potluck.engine.core.kv import KvOp
+from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.sampling import SamplingParams
+from potluck.engine.core.session import Session
+from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.stage import Stage
+from potluck.engine.core.target import LocalTarget, TargetBase
+from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
+from potluck.engine.speculation.strategies.registry import get_strategy_class
+
+from .support.references import plain_reply
+from .support.split_target import SplitTarget
+
+SHAPE = "qwen35moe-small"
+N_CTX = 512
+MAX_TOKENS = 48
+THREADS = 1
+# a prompt that repeats itself, so that N-gram drafts are made (and mostly rejected)
+PROMPTS = [
+    "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+    "List three prime numbers and say why each is prime.",
+]
+THREE = ((0, 4), (4, 9), (9, 12))  # (tests/test_archs_exact.py checks the splits at the logits)
+
+
+@pytest.fixture(scope="module")
+def target_path() -> Path:
+    return build_hybrid_shape(SHAPE)
+
+
+@pytest.fixture(scope="module")
+def model(target_path: Path):
+    with Model(target_path) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def draft_path(target_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft of the same architecture: the target's first 8 layers and its output head,
+    agreeing with it now and then (its drafts are accepted and rejected)."""
+    return slice_layers(target_path, tmp_path_factory.mktemp("draft") / "draft.gguf", 0, 8)
+
+
+@pytest.fixture(scope="module")
+def slices(target_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("slices")
+    made = {cuts: [Model(slice_layers(target_path, out / f"{lo}-{hi}.gguf", lo, hi)) for lo, hi in cuts]
+            for cuts in (THREE,)}
+    yield made
+    for models in made.values():
+        for m in models:
+            m.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model: Model) -> dict[str, list[int]]:
+    return {p: plain_reply(model, p, MAX_TOKENS, n_ctx=N_CTX) for p in PROMPTS}
+
+
+def params() -> ContextParams:
+    return ContextParams(n_ctx=N_CTX, n_threads=THREADS)
+
+
+def stages_of(target: TargetBase) -> list[Stage]:
+    return target.stages if isinstance(target, SplitTarget) else [target.stage]  # type: ignore[attr-defined]
+
+
+def generate(session: Session, prompt: str) -> Finished:
+    for ev in session.generate(prompt, SamplingParams(temperature=0.0), MAX_TOKENS):
+        if isinstance(ev, Finished):
+            return ev
+    raise AssertionError("no Finished event")
+
+
+def test_fixture_is_a_hybrid_with_varied_routing(model: Model) -> None:
+    """Finite logits, varied greedy tokens, and more than one set of experts chosen."""
+    assert model.arch == "qwen35moe" and model.recurrent and model.positions_per_token == 4
+    ctx_params = ContextParams(n_ctx=N_CTX, n_threads=THREADS, observe=("ffn_moe_probs-11",))
+    target = LocalTarget(model, ctx_params)
+    try:
+        tokens = model.tokenize(PROMPTS[1])
+        logits = target.decode(tokens, all_logits=True)
+        assert np.isfinite(logits).all()
+        probs = target.observed("ffn_moe_probs-11")[: len(tokens)]  # [n_tokens, n_expert]
+        chosen = {tuple(sorted(np.argsort(row)[-2:])) for row in probs}
+        assert len(chosen) > 3, chosen
+    finally:
+        target.close()
+
+
+def test_slice_without_both_layer_kinds_is_refused(target_path: Path, tmp_path: Path) -> None:
+    """llama.cpp's hybrid memory aborts the process on a slice with no attention layer."""
+    with pytest.raises(PotluckError, match="not both a full-attention layer and a recurrent"):
+        slice_layers(target_path, tmp_path / "s.gguf", 4, 7)
+
+
+def test_rollback_reaches_back_through_batches_and_aborts(model: Model) -> None:
+    """Dropping a tail inside the last batch (snapshots), inside an older batch (checkpoint
+    and replay) and after an aborted batch leaves the logits plain decoding gives."""
+    rng = np.random.default_rng(3)
+    prompt, more = model.tokenize(PROMPTS[1]), [int(t) for t in rng.integers(100, 40000, 12)]
+    ref = LocalTarget(model, params())
+    ref.decode(prompt)
+    expect = ref.decode(more[:9], all_logits=True).copy()
+    ref.close()
+
+    target = LocalTarget(model, params())
+    counters = target.stage.rollback.counters  # type: ignore[union-attr]
+    try:
+        n = len(prompt)
+        target.decode(prompt)
+        target.decode(more[:4], all_logits=True)
+        target.decode(more[4:10], all_logits=True)
+        target.truncate(n + 7)  # 3 back, inside the last batch: a snapshot
+        assert target.pos_max()[0] == n + 6  # (waits for the queued work)
+        assert counters.snapshot_rollbacks == 1 and counters.restores == 0
+        target.truncate(n + 2)  # into the batch before: a checkpoint and 2 rows again
+        assert target.pos_max()[0] == n + 1
+        assert counters.restores == 1 and counters.replayed_rows == 2
+        got = target.decode(more[2:9], all_logits=True)
+        assert np.array_equal(got, expect[2:9])
+        # a batch aborted mid-compute leaves a half-written state: the stage puts it back
+        stage = target.stage
+        stage.ctx.request_abort()
+        with pytest.raises(InterruptedError):
+            stage.compute(DecodeJob.tokens(0, more[9:12], n + 9, outputs="all"))
+        stage.ctx.clear_abort()
+        assert counters.aborted_batches == 1
+        assert target.pos_max()[0] == n + 8
+        target.truncate(n + 4)
+        assert np.array_equal(target.decode(more[4:9], all_logits=True), expect[4:9])
+    finally:
+        target.close()
+
+
+def test_truncate_past_the_kept_batches_starts_over(model: Model) -> None:
+    """A conversation cut back further than the stages keep their states (many batches
+    back): the target forgets it whole and says so; a session then reads it again."""
+    target = LocalTarget(model, params())
+    try:
+        target.decode(model.tokenize(PROMPTS[1]))
+        for t in range(20):
+            target.decode([1000 + t])
+        target.truncate(3)
+        assert target.n_past == 0 and target.pos_max()[0] == -1
+    finally:
+        target.close()
+
+
+def test_stage_refuses_what_a_recurrent_state_cannot_do(model: Model) -> None:
+    stage = Stage(model, first=True, last=True, params=ContextParams(n_ctx=N_CTX, n_threads=THREADS, n_seq_max=2,
+                                                                     kv_unified=False))
+    try:
+        with pytest.raises(PotluckError, match="recurrent state"):
+            stage.apply_kv(KvOp.cp(0, 1, 0, 4))
+    finally:
+        stage.close()
+
+
+def build(name: str, model: Model, draft: Path | None, **options: object):
+    spec = EngineSpec(strategy=name, draft=draft, n_ctx=N_CTX, n_threads=THREADS,
+                      strategy_options={"adaptive": False, **options})
+    return get_strategy_class(name).build(model, spec)
+
+
+# on one machine pipeinfer runs as ordinary speculation and auto as sd: slow (-m slow) there
+STRATEGIES = [
+    ("sd", True, {"max_draft": 4}),
+    ("anpd", False, {}),
+    ("minions", True, {"ahead": False}),
+    ("pearl", False, {}),
+    ("pipeinfer", True, {}),
+    ("auto", True, {}),
+]
+
+
+RUNS = [
+    pytest.param(name, draft, options, where, id=f"{where}-{name}",
+                 marks=[pytest.mark.slow] if where == "3-stages" or name in ("pipeinfer", "auto") else [])
+    for where in ("one-machine", "3-stages") for name, draft, options in STRATEGIES
+]
+
+
+@pytest.mark.parametrize("name,with_draft,options,where", RUNS)
+def test_strategy_is_exact_with_rollbacks(
+    model: Model, draft_path: Path, slices, reference, name: str, with_draft: bool, options: dict, where: str
+) -> None:
+    strategy = build(name, model, draft_path if with_draft else None, **options)
+    target = LocalTarget(model, params()) if where == "one-machine" else SplitTarget(slices[THREE], params())
+    session = Session(model, target, strategy)
+    drafted = accepted = 0
+    try:
+        for prompt in PROMPTS:
+            session.load_messages([])  # a new conversation: the KV cache is cut back
+            done = generate(session, prompt)
+            assert list(done.tokens) == reference[prompt], (name, where, prompt[:30])
+            drafted += done.drafted
+            accepted += done.accepted
+        assert drafted > accepted, (name, drafted, accepted)  # drafts were rejected
+        for stage in stages_of(target):
+            c = stage.rollback.counters  # type: ignore[union-attr]
+            assert c.snapshot_rollbacks + c.restores > 0, (name, where, c)
+    finally:
+        session.close()
+
+
+def test_triforce_is_refused_in_one_line(model: Model) -> None:
+    with pytest.raises(PotluckError, match="triforce.*recurrent"):
+        build("triforce", model, None)
+
+
+def test_prompt_cache_brings_conversations_back_exactly(model: Model) -> None:
+    """serve's prompt cache: two conversations take turns; each comes back from its kept
+    state (recurrent state included) and answers as plain decoding does."""
+    from potluck.engine import Message, PromptCache
+    from potluck.engine.core.plain import Plain
+
+    def fresh() -> Session:
+        return Session(model, LocalTarget(model, params()), Plain())
+
+    def turns(s: Session, first: str) -> list[list[int]]:
+        return [list(generate(s, text).tokens) for text in (first, "And then?")]
+
+    a, b = PROMPTS
+    refs = {}
+    for p in (a, b):
+        ref = fresh()
+        try:
+            refs[p] = turns(ref, p)
+        finally:
+            ref.close()
+    s = fresh()
+    cache = PromptCache(max_bytes=1 << 30, max_conversations=4)
+    s.use_prompt_cache(cache)
+    try:
+        history: dict[str, list[Message]] = {}
+        got: dict[str, list[list[int]]] = {a: [], b: []}
+        for p in (a, b, a, b):  # each conversation's first turn, then its second
+            s.load_messages(history.get(p, []))
+            done = generate(s, p if p not in history else "And then?")
+            got[p].append(list(done.tokens))
+            history[p] = list(s.messages)
+        assert got == refs
+        assert cache.stats().restored >= 2
+    finally:
+        s.close()
+
+
+def test_planner_counts_the_recurrent_state_and_its_copies(target_path: Path, model: Model) -> None:
+    """A recurrent layer costs its state (llama.cpp's, its snapshots, the checkpoints) instead
+    of KV cells per token; the figure is the state llama.cpp really saves."""
+    from potluck.engine.cluster.plan import layer_costs, stage_bytes
+    from potluck.engine.core.rollback import ROLLBACK_STATES
+
+    costs = layer_costs(target_path)
+    assert costs.state_bytes is not None and costs.state_bytes[3] == 0 and costs.state_bytes[0] > 0
+    target = LocalTarget(model, params())
+    try:
+        target.decode(model.tokenize(PROMPTS[0]))
+        saved = target.on_compute_thread(lambda: len(target.stage.ctx.recurrent_state(0)))
+    finally:
+        target.close()
+    assert sum(costs.state_bytes) <= saved < sum(costs.state_bytes) * 1.01  # plus a small header
+    # layers 0-3: three recurrent, one attention; as a dense model they would be four of cells
+    dense = stage_bytes(dataclasses.replace(costs, state_bytes=None), 0, 4, N_CTX)
+    cells = 3 * costs.kv_bytes_per_token_layer * N_CTX * 3  # the cache and its F16 prefill twin
+    assert stage_bytes(costs, 0, 4, N_CTX) - dense == ROLLBACK_STATES * sum(costs.state_bytes[:4]) - cells
