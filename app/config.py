@@ -175,8 +175,11 @@ class ServerSettings:
     """File (mode 0600) holding the API keys clients send as ``Authorization: Bearer KEY``: one
     key, or one ``NAME KEY`` a line (each key's conversations are cached apart);
     ``$POTLUCK_API_KEY`` also works. Unset with neither: no key (loopback only)."""
+    parallel: int = 4
+    """Conversations decoded together, each in its own KV cache (llama-server's ``-np``); their
+    steps share one batch. 1: one request at a time."""
     max_queue: int = 8
-    """Requests waiting beside the running one; past it a request gets 429 with Retry-After."""
+    """Requests waiting beside the running ones; past it a request gets 429 with Retry-After."""
     max_tokens: int | None = None
     """Longest reply when a request sets no max_tokens; unset: to the end of the reply or of
     the context (as OpenAI and llama.cpp's server do)."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         StageView,
         TokenText,
     )
+    from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
-    from .loader import checked_spec, open_session, resolve_model, strategy_fits
+    from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
     from .loader import describe_model as describe_gguf
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
@@ -84,6 +85,7 @@ _WHERE = {
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
     "describe_gguf": ".loader:describe_model",
+    "Lanes": ".core.lanes:Lanes",
     "Prompt": ".core.prompt:Prompt",
     "PromptCache": ".core.prompt_cache:PromptCache",
     "PromptCacheStats": ".core.prompt_cache:PromptCacheStats",
@@ -97,6 +99,7 @@ _WHERE = {
     "EngineSpec": ".core.spec:EngineSpec",
     "checked_spec": ".loader:checked_spec",
     "open_session": ".loader:open_session",
+    "open_lanes": ".loader:open_lanes",
     "resolve_model": ".loader:resolve_model",
     "strategy_fits": ".loader:strategy_fits",
     "STRATEGIES": ".speculation.strategies.registry:STRATEGIES",
@@ -137,6 +140,7 @@ __all__ = [
     "EngineSpec",
     "Event",
     "Finished",
+    "Lanes",
     "Message",
     "Model",
     "ModelError",
@@ -160,6 +164,7 @@ __all__ = [
     "describe_gguf",
     "get_strategy_class",
     "measure_profile",
+    "open_lanes",
     "open_session",
     "paths",
     "preview_plan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,11 +11,14 @@ from ..assets import default_model_path
 from .core import validate as limits
 from .core.batch_exact import check_speculation, model_exactness
 from .core.errors import ModelError, PotluckError
+from .core.lanes import LaneHub, Lanes
 from .core.runtime import ContextParams, Model
 from .core.session import Session
 from .core.spec import KV_TYPES, EngineSpec
 from .core.target import MAX_EXACT_BATCH, LocalTarget, Target
 from .speculation.strategies.registry import STRATEGIES, get_strategy_class
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .core.strategy import Strategy
@@ -62,6 +66,35 @@ def resolve_model(path: Path | str | None) -> Path:
     return found
 
 
+def lanes_for(spec: EngineSpec, wanted: int, model: Model | None = None) -> tuple[int, str]:
+    """How many conversations ``spec`` (and ``model``, once loaded) can decode together
+    (core/lanes.py), and why not more."""
+    cls = get_strategy_class(spec.strategy)
+    if wanted <= 1:
+        return 1, ""
+    if not cls.shares_batches:
+        return 1, (f"strategy {spec.strategy!r} decodes one conversation at a time (its rounds keep several "
+                   "target batches in flight or read the target's own tensors); plain, sd, anpd and auto batch")
+    if spec.kv_cache != "bf16":
+        return 1, f"--kv {spec.kv_cache} decodes one conversation at a time (rows of a shared batch are exact in bf16)"
+    if model is not None and model.recurrent:
+        return 1, (f"{model.arch} keeps a recurrent state, which can be rolled back for one conversation only "
+                   "(core/rollback.py): it decodes one conversation at a time")
+    return wanted, ""
+
+
+def open_lanes(spec: EngineSpec, wanted: int) -> Lanes:
+    """Up to ``wanted`` sessions over one target, each conversation in its own KV streams,
+    decoded together (core/lanes.py): what a server opens. One lane where :func:`lanes_for`
+    says why not more (logged)."""
+    spec = checked_spec(spec)
+    strategy_cls = get_strategy_class(spec.strategy)
+    model, target, strategies = _open_parts(spec, strategy_cls, wanted)
+    hub = LaneHub(target, len(strategies), strategy_cls.n_sequences)
+    sessions = [Session(model, lane, strategy, system=spec.system) for lane, strategy in zip(hub.lanes, strategies)]
+    return Lanes(hub, sessions)
+
+
 def open_session(spec: EngineSpec) -> Session:
     """Load the target (and whatever the strategy needs) and return a fresh session.
 
@@ -72,29 +105,44 @@ def open_session(spec: EngineSpec) -> Session:
     context exists), so bad settings end as one-line errors, never inside llama.cpp.
     """
     spec = checked_spec(spec)
-    strategy_cls = get_strategy_class(spec.strategy)
+    model, target, (strategy,) = _open_parts(spec, get_strategy_class(spec.strategy), 1)
+    return Session(model, target, strategy, system=spec.system)
+
+
+def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
+                ) -> tuple[Model, Target, list[Strategy]]:
+    """The model, a target with ``n_lanes`` times the strategy's sequences (fewer lanes where
+    :func:`lanes_for` says why), and one strategy a lane."""
     model = Model(
         resolve_model(spec.model), use_extra_bufts=spec.use_extra_bufts, vocab_only=spec.cluster is not None
     )
+    strategies: list[Strategy] = []
     try:
+        n_lanes, why = lanes_for(spec, n_lanes, model)
+        if why:
+            log.warning("one conversation at a time: %s", why)
         limits.context_fits_model(model, spec.n_ctx)
         if spec.cluster is None:
-            limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences)
+            hint = "lower --ctx" if n_lanes == 1 else f"lower --ctx, or --parallel ({n_lanes} conversations at once)"
+            limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences * n_lanes, hint)
         if spec.system:
             limits.prompt_fits(len(model.tokenize(spec.system)), spec.n_ctx, "the system prompt")
         if strategy_cls.needs_exact_batches:
             check_speculation(model.batch_exact, strategy_cls.name)
-        target = _open_target(model, spec, strategy_cls)
+        target = _open_target(model, spec, strategy_cls, n_lanes)
         target.exact = model.batch_exact
         try:
-            strategy = strategy_cls.build(model, spec)
+            for _ in range(n_lanes):
+                strategies.append(strategy_cls.build(model, spec))
         except BaseException:
+            for strategy in strategies:
+                strategy.close()
             target.close()
             raise
     except BaseException:
         model.close()
         raise
-    return Session(model, target, strategy, system=spec.system)
+    return model, target, strategies
 
 
 def describe_model(path: Path) -> dict[str, object]:
@@ -114,12 +162,14 @@ def describe_model(path: Path) -> dict[str, object]:
     return row
 
 
-def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> ContextParams:
-    """The target context a strategy needs on this machine (the bench opens the same one)."""
-    n_sequences = strategy_cls.n_sequences
+def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int = 1) -> ContextParams:
+    """The target context a strategy needs on this machine for ``n_lanes`` conversations
+    decoded together (the bench opens the same one)."""
+    n_sequences = strategy_cls.n_sequences * n_lanes
     sizes = limits.context_sizes(spec.n_ctx, n_sequences)
     kv_type, single_step_threads = KV_TYPES[limits.kv_cache(spec.kv_cache)]
-    # Side sequences get KV streams of their own so they never change sequence 0's numbers.
+    # Side sequences and other conversations get KV streams of their own so they never change
+    # a conversation's numbers (docs/facts.md §4).
     return ContextParams(
         n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_threads=spec.n_threads, n_seq_max=n_sequences,
         kv_unified=n_sequences == 1, observe=strategy_cls.observed_tensors(model),
@@ -127,12 +177,12 @@ def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) 
     )
 
 
-def _open_target(model: Model, spec: EngineSpec, strategy_cls: type[Strategy]) -> Target:
-    n_sequences = strategy_cls.n_sequences
+def _open_target(model: Model, spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int) -> Target:
+    n_sequences = strategy_cls.n_sequences * n_lanes
     unified = n_sequences == 1
     sizes = limits.context_sizes(spec.n_ctx, n_sequences)
     if spec.cluster is None:
-        return LocalTarget(model, target_params(model, spec, strategy_cls))
+        return LocalTarget(model, target_params(model, spec, strategy_cls, n_lanes))
     from .cluster.head import open_pipeline
 
     c = spec.cluster

@@ -34,8 +34,8 @@ HEAVY_FIRST = [
     "test_pipeinfer.py", "test_worker_hardening.py", "test_cluster_pipeline.py", "test_input_validation.py",
     "test_archs_exact.py", "test_cluster_moe.py",
     "test_engine_exact.py", "test_pearl.py", "test_app_cluster.py", "test_trust_discovery.py",
-    "test_cluster_trust.py", "test_prefill.py", "test_serve.py", "test_app_pilot.py", "test_serve_cluster.py",
-    "test_spec_sampling.py",
+    "test_cluster_trust.py", "test_prefill.py", "test_lanes.py", "test_serve.py", "test_app_pilot.py",
+    "test_serve_cluster.py", "test_spec_sampling.py",
 ]
 
 

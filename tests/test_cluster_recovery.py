@@ -23,6 +23,7 @@ from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Event, Finished, NodeStatus, PlanChanged, TokenText
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.kv import KvOp
+from potluck.engine.core.lanes import LaneHub, Lanes
 from potluck.engine.core.plain import Plain
 from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
@@ -33,6 +34,8 @@ from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 from .app_fakes import FakeFactory, ScriptedSession, run_async, until, words
 from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .support.lanes import Ask, together
+from .support.references import plain_conversation
 
 N_CTX = 512
 TURNS = ["Count from one to twenty in words.", "Now say it backwards, briefly."]
@@ -402,3 +405,92 @@ def test_dropping_a_removed_tail_or_an_emptied_cache_replays_exactly(model: Mode
     assert np.array_equal(plain, with_tail)
     emptied = run([("decode", a), ("decode", b), ("truncate", [0]), ("decode", a), ("decode", c)])
     assert np.array_equal(plain, emptied)
+
+
+def _shared(run: int, parts: list[tuple[int, list[int], int]]) -> DecodeJob:
+    """One batch of several sequences' rows: (sequence, tokens, first position) each."""
+    jobs = [_batch(run, toks, pos0, seq) for seq, toks, pos0 in parts]
+    return DecodeJob(run, np.concatenate([j.inputs for j in jobs]), np.concatenate([j.positions for j in jobs]),
+                     np.concatenate([j.seq_ids for j in jobs]), np.concatenate([j.outputs for j in jobs]))
+
+
+def test_with_a_stream_per_sequence_the_log_keeps_each_conversation_apart() -> None:
+    """Batches shared by two conversations (lanes): emptying one drops its rows only, a batch
+    still awaited stays whole, and a kept conversation's log is its own rows, renumbered when
+    it comes back under another sequence."""
+    awaited = {3}
+    log = TransactionLog(streams=True, awaited=lambda t: t in awaited)
+    log.batch(1, _shared(1, [(0, [1, 2, 3], 0), (1, [7, 8], 0)]))
+    log.batch(2, _shared(2, [(0, [4], 3), (1, [9], 2)]))
+    kept = log.of_sequence(1)
+    assert [e.job.seq_ids.tolist() for e in kept] == [[1, 1], [1]] and kept.n_rows == 3
+    log.batch(3, _shared(3, [(0, [5], 4), (1, [10], 3)]))  # in flight
+    log.kv(KvOp.rm(1), 0)  # sequence 1 starts over: its rows go, but not from batch 3
+    assert [e.job.seq_ids.tolist() for e in log] == [[0, 0, 0], [0], [0, 1]]
+    log.restore(kept, 1, 2)  # the kept conversation comes back as sequence 2
+    assert [e.job.seq_ids.tolist() for e in log][-2:] == [[2, 2], [2]] and log.n_rows == 9
+    unified = TransactionLog(streams=False)
+    unified.batch(1, _shared(1, [(0, [1], 0), (1, [2], 0)]))
+    unified.kv(KvOp.rm(1), 0)  # one stream: the rows' cells are interleaved, nothing can go
+    assert len(unified) == 2
+
+
+def test_a_log_without_another_conversations_rows_replays_exactly(model: Model) -> None:
+    """What the per-sequence log relies on, on the real model: with a KV stream per sequence,
+    dropping another sequence's rows from shared batches leaves this one's logits unchanged."""
+    toks = model.tokenize("The quick brown fox jumps over the lazy dog and runs away.")
+    other = model.tokenize("Lorem ipsum dolor sit amet, consectetur adipiscing.")
+    params = ContextParams(n_ctx=N_CTX, n_seq_max=2, kv_unified=False, n_threads=1)
+    log = TransactionLog(streams=True)
+    log.batch(1, _shared(1, [(0, toks[:5], 0), (1, other[:6], 0)]))
+    log.batch(2, _shared(2, [(1, other[6:], 6), (0, toks[5:9], 5)]))
+    log.kv(KvOp.rm(1), 0)
+
+    def next_logits(jobs: list[DecodeJob]) -> np.ndarray:
+        t = LocalTarget(model, params)
+        try:
+            for job in jobs:
+                t.wait(t.submit(job))
+            return t.wait(t.submit(_batch(9, toks[9:], 9)))
+        finally:
+            t.close()
+
+    full = next_logits([_shared(1, [(0, toks[:5], 0), (1, other[:6], 0)]),
+                        _shared(2, [(1, other[6:], 6), (0, toks[5:9], 5)])])
+    replayed = next_logits([e.job for e in log if isinstance(e, LoggedBatch)])
+    assert [e.job.seq_ids.tolist() for e in log] == [[0] * 5, [0] * 4]
+    assert np.array_equal(full, replayed)
+
+
+def test_lanes_survive_a_lost_worker_each_identical_to_one_machine(
+    model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """Three conversations decoded together over the pipeline, two turns each, a worker killed
+    mid-reply: the head replays the log of every conversation's rows and each one goes on
+    token for token as on one machine; micro-batches of different conversations were in the
+    pipeline at once."""
+    convs = [TURNS, ["Name three rivers.", "Which is longest?"], ["What is a cat?", "And a dog?"]]
+    expected = [[tuple(r) for r in plain_conversation(model, turns, MAX_NEW, n_ctx=N_CTX)] for turns in convs]
+    target = open_three(model_path, workers, slice_cache, n_seq_max=3, kv_unified=False)
+    hub = LaneHub(target, 3)
+    spec = EngineSpec(strategy="plain", n_ctx=N_CTX, n_threads=1)
+    lanes = Lanes(hub, [Session(model, lane, Plain.build(model, spec)) for lane in hub.lanes])
+    lost = workers[1]
+    lost.extra["victim"] = "1"
+    streamed = [0, 0, 0]
+
+    def strike(i: int, event: Event) -> None:
+        if isinstance(event, TokenText):
+            streamed[i] += len(event.token_ids)
+        if min(streamed) >= KILL_AFTER and not lost.extra.get("struck"):
+            lost.extra["struck"] = "1"
+            os.kill(lost.proc.pid, signal.SIGKILL)
+
+    try:
+        replies = together(lanes, [Ask(i, turns, max_tokens=MAX_NEW) for i, turns in enumerate(convs)], strike)
+        assert lost.extra.get("struck") and target.recoveries == 1
+        assert [[f.tokens for f in r] for r in replies] == expected
+        assert target.stats.replayed_batches > 0 and hub.counters.most_in_flight >= 2
+        assert {int(s) for e in target.log if isinstance(e, LoggedBatch) for s in e.job.seq_ids} == {0, 1, 2}
+    finally:
+        hub.close()

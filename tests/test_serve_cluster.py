@@ -3,6 +3,7 @@ machine answers, and /health shows the chain's stages."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import openai
@@ -55,6 +56,37 @@ def test_a_split_model_answers_exactly_like_one_machine(cluster_server: RunningS
     health = cluster_server.health()
     stages = health["cluster"]["stages"]
     assert [s["layers"] for s in stages] == [[0, 15], [15, 29]] and all(s["state"] == "ok" for s in stages)
+
+
+def test_four_clients_at_once_keep_the_stages_busy_and_each_answer_is_exact(cluster_server: RunningServer) -> None:
+    """Four official clients at once: their steps travel as micro-batches, several in the
+    pipeline at once (each stage computes one conversation's while the others compute
+    theirs), and each client gets exactly what one machine answers it alone."""
+    client = openai.OpenAI(base_url=f"{cluster_server.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    prompts = ["What is a cat?", "Say hello.", "What is 2+2?", "Name a planet."]
+    local = open_session(EngineSpec())
+    try:
+        want = {}
+        for p in prompts:
+            local.load_messages([])
+            want[p] = [e for e in local.generate(p, SamplingParams(), 24) if isinstance(e, Finished)][-1].text
+    finally:
+        local.close()
+    got: dict[str, str] = {}
+
+    def ask(p: str) -> None:
+        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}], max_tokens=24)
+        got[p] = r.choices[0].message.content
+
+    before = cluster_server.health()["batching"]
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    after = cluster_server.health()["batching"]
+    assert got == want
+    assert after["overlapped"] > before["overlapped"] and after["most_in_flight"] >= 2
 
 
 def test_interleaved_conversations_each_reuse_their_prefix_on_the_workers(cluster_server: RunningServer) -> None:

@@ -270,10 +270,12 @@ def test_slowloris_neither_starves_others_nor_floods_the_log(server: RunningServ
 
 def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_tokenized() -> None:
     """A request waiting for its tokens never holds the engine: one that arrives after it and
-    is tokenized first runs first (the engine thread with a scripted session, no model)."""
+    is tokenized first runs first (the engine thread with one lane's scripted session, no model)."""
+    from types import SimpleNamespace
+
     from potluck.app.serve.engine_thread import EngineThread, Job
     from potluck.app.serve.protocol import GenerationRequest
-    from potluck.engine import Finished, ReplyStarted, SamplingParams
+    from potluck.engine import Finished, Lanes, ReplyStarted, SamplingParams
 
     ran: list[str] = []
 
@@ -281,10 +283,19 @@ def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_token
         class target:  # noqa: N801 - the attribute the engine thread reads
             n_ctx = 64
 
-        def answer(self, prompt: object, sampling: object, max_tokens: int, *, owner: str) -> Iterator[object]:
-            ran.append(str(prompt))
+        class model:  # noqa: N801 - Lanes.close closes it
+            @staticmethod
+            def close() -> None:
+                pass
+
+        def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *,
+                   owner: str) -> Iterator[object]:
+            ran.append(prompt.text)
             yield ReplyStarted(1, "plain", 1, 1, 64)
             yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+        def held_text(self, owner: str = "") -> str:
+            return ""
 
         def cancel(self, run_id: int | None = None) -> None:
             pass
@@ -292,18 +303,34 @@ def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_token
         def close(self) -> None:
             pass
 
+    class Hub:  # the lanes' hub with nothing to batch: the owner thread only looks again
+        def step(self, wait_s: float) -> None:
+            time.sleep(0.01)
+
+        def activate(self, lane: int, active: bool = True) -> None:
+            pass
+
+        def wake(self) -> None:
+            pass
+
+        def regroup(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
     async def main() -> None:
-        engine = EngineThread(Scripted, max_queue=4)  # type: ignore[arg-type]
+        engine = EngineThread(lambda: Lanes(Hub(), [Scripted()]), max_queue=4)  # type: ignore[arg-type, list-item]
         engine.start()
         engine.loaded.wait(10)
         loop = asyncio.get_running_loop()
         big, small = (Job(GenerationRequest("chat", SamplingParams(), 1), loop) for _ in range(2))
         engine.submit(big)  # first in line, still being tokenized
         engine.submit(small)
-        engine.ready(small, "small")  # type: ignore[arg-type]
+        engine.ready(small, SimpleNamespace(text="small"))  # type: ignore[arg-type]
         assert (await asyncio.wait_for(small.events.get(), 10))[0] == "done"
         assert ran == ["small"] and not big.finished.is_set()
-        engine.ready(big, "big")  # type: ignore[arg-type]
+        engine.ready(big, SimpleNamespace(text="big"))  # type: ignore[arg-type]
         assert (await asyncio.wait_for(big.events.get(), 10))[0] == "done"
         assert ran == ["small", "big"]
         engine.stop()

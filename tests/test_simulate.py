@@ -14,6 +14,7 @@ import pytest
 from potluck.app.cli import main
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.lab.sim_config import SimConfig, batch_cost_fn
+from potluck.engine.lab.sim_lanes import simulate_lanes
 from potluck.engine.lab.simulate import simulate, trends
 
 FOUR = SimConfig(stage_ms=(3.0,) * 4, tokens=150, seeds=2)
@@ -223,6 +224,11 @@ def test_cli_png_without_matplotlib_says_what_to_install(capsys: pytest.CaptureF
         ["--stages", "99999999999999999999"],
         ["--batch-cost", "1:1,2:1e300"],
         ["--fit-iterative", "40", "--latency-ms", "1"],
+        ["--conversations", "0,4"],
+        ["--conversations", "2,x"],
+        ["--conversations", "1.5"],
+        ["--conversations", "999"],
+        ["--conversations", "1,4", "--trends"],
     ],
 )
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
@@ -391,3 +397,41 @@ def test_the_head_loop_decides_with_the_strategys_own_speculation() -> None:
         model.declined(waiting)
         assert model.declines == strategy.declines
     assert strategy.declines > 0 and strategy.room(1, 0) == 0 and not strategy.may_send(3, 0)
+
+
+# --------------------------------------------------------------------------- several conversations
+
+
+def test_lanes_on_one_stage_share_every_step() -> None:
+    """One machine: every conversation's row in one batch a step; the gain is what a batch of
+    four rows saves over four single steps (the batch-cost curve), nothing more."""
+    cfg = SimConfig(stage_ms=(12.0,), tokens=50, sample_ms=0.0, latency_ms=0.0)
+    r = simulate_lanes(cfg, (1, 4))["results"]
+    assert r[1]["rows_per_batch"] == 1 and r[4]["rows_per_batch"] == 4
+    assert r[4]["max_in_flight"] == 1 and r[4]["batches"] == 50
+    assert r[4]["gain_vs_one"] == pytest.approx(4 / batch_cost_fn(cfg.batch_cost)(4), rel=0.02)
+
+
+def test_lanes_fill_a_pipeline_one_micro_batch_a_stage() -> None:
+    """Three stages, four conversations: four micro-batches of one conversation in flight
+    (one a stage, one waiting), every stage busy, about three times one conversation."""
+    cfg = SimConfig(stage_ms=(4.0,) * 3, tokens=100)
+    r = simulate_lanes(cfg, (1, 4, 8))["results"]
+    assert r[1]["max_in_flight"] == 1 and max(r[1]["stage_busy"]) < 0.4
+    assert r[4]["max_in_flight"] == 4 and r[4]["rows_per_batch"] == 1
+    assert min(r[4]["stage_busy"]) > 0.95 and r[4]["gain_vs_one"] > 2.7
+    assert r[8]["rows_per_batch"] == 2 and r[8]["tok_s"] > r[4]["tok_s"]  # bigger micro-batches once all are busy
+
+
+def test_lanes_on_shared_cores_are_held_back_by_the_cores() -> None:
+    """Loopback: three stages on two cores cannot all compute at once."""
+    cfg = SimConfig(stage_ms=(4.0,) * 3, tokens=100)
+    own = simulate_lanes(cfg, (1, 4))["results"][4]
+    shared = simulate_lanes(replace(cfg, cores=2), (1, 4))["results"][4]
+    assert shared["contended"] > 0.5 and shared["gain_vs_one"] < own["gain_vs_one"]
+
+
+def test_cli_conversations(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--stages", "3", "--tokens", "40", "--conversations", "1,4")
+    assert rc == 0 and "vs one" in out
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["1", "4"]

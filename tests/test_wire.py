@@ -121,13 +121,13 @@ def test_kv_values_beyond_int32_are_refused(fields: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "fields", [dict(seq=1), dict(dst=-1), dict(p0=0), dict(p1=5), dict(delta=2)]
+    "fields", [dict(seq=-1), dict(dst=-1), dict(p0=0), dict(p1=5), dict(delta=2)]
 )
 @pytest.mark.parametrize("op", ["save", "load", "drop"])
-def test_kept_conversation_ops_take_sequence_zero_and_a_slot_only(op: str, fields: dict[str, int]) -> None:
-    base = dict(txn=1, group=0, op=op, seq=0, dst=7, p0=-1, p1=-1, delta=0)
-    assert wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))]).kv_op() == KvOp(op, 0, 7)
-    with pytest.raises(wire.WireError, match=f"kv {op} takes sequence 0 and a slot"):
+def test_kept_conversation_ops_take_a_sequence_and_a_slot_only(op: str, fields: dict[str, int]) -> None:
+    base = dict(txn=1, group=0, op=op, seq=3, dst=7, p0=-1, p1=-1, delta=0)
+    assert wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**base))]).kv_op() == KvOp(op, 3, 7)
+    with pytest.raises(wire.WireError, match=f"kv {op} takes a sequence and a slot|negative sequence"):
         wire.parse_frames([bytes(f) for f in wire.to_frames(wire.KvApply(**(base | fields)))])
 
 

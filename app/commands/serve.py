@@ -1,4 +1,5 @@
-"""`potluck serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over one session.
+"""`potluck serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over lanes of sessions
+that decode their conversations together.
 
 Settings come from config.toml ([model], [sampling] for omitted request options, [server]);
 the options given here override them for this run. Everything that can be checked without the
@@ -16,7 +17,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from ...engine import PotluckError, PromptCache, Session, check_gguf_file, open_session, resolve_model, validate
+from ...engine import Lanes, PotluckError, PromptCache, check_gguf_file, open_lanes, resolve_model, validate
 from ..serve.connections import ConnectionGate, connection_budget, gated_protocol, listening_socket
 from ..serve.engine_thread import EngineThread
 from ..serve.guard import Guard, read_api_keys
@@ -24,6 +25,8 @@ from ..serve.http import ServeState, build_app
 from .common import CLUSTER_OVERRIDES, add_cluster_args, check_cluster_args, settings_with_overrides, with_cluster
 
 log = logging.getLogger("potluck.serve")
+
+MAX_PARALLEL = 64  # lanes: llama.cpp keeps at most 256 sequences in a context, and each lane's KV cache is whole
 
 # argument dest -> (settings section, field); None-valued arguments keep the setting.
 _OVERRIDES = {
@@ -35,6 +38,7 @@ _OVERRIDES = {
     "host": ("server", "host"),
     "port": ("server", "port"),
     "api_key_file": ("server", "api_key_file"),
+    "parallel": ("server", "parallel"),
     "max_queue": ("server", "max_queue"),
     **CLUSTER_OVERRIDES,
 }
@@ -58,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "a line (each key's conversations cached apart); or $POTLUCK_API_KEY")
     p.add_argument("--api-key", help="the API key (shown to every user of this machine by ps: prefer "
                    "$POTLUCK_API_KEY or --api-key-file)")
-    p.add_argument("--max-queue", type=int, help="requests waiting beside the running one before 429 (default 8)")
+    p.add_argument("--max-queue", type=int, help="requests waiting beside the running ones before 429 (default 8)")
+    p.add_argument("-np", "--parallel", type=int,
+                   help="conversations decoded together in one batch (default: [server] parallel, 4; 1: one at a time)")
     add_cluster_args(p)
     p.set_defaults(**dict.fromkeys(_OVERRIDES))
 
@@ -80,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                            "prompt_cache_mb at least 0")
     if server.max_tokens is not None:
         validate.max_tokens(server.max_tokens)
+    if not 1 <= server.parallel <= MAX_PARALLEL:
+        raise PotluckError(f"--parallel ([server] parallel) must be 1..{MAX_PARALLEL}, got {server.parallel}")
     if server.cached_conversations > PromptCache.MAX_CONVERSATIONS:
         raise PotluckError(f"config: [server] cached_conversations must be at most {PromptCache.MAX_CONVERSATIONS}, "
                            f"got {server.cached_conversations}")
@@ -95,10 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
     cache = PromptCache.within_free_memory(server.prompt_cache_mb * 1_000_000, server.cached_conversations)
 
-    def opener() -> Session:  # on the engine thread: in cluster mode the sockets belong to it
-        session = open_session(with_cluster(spec, args, settings.cluster))
-        session.use_prompt_cache(cache)  # in cluster mode within what the workers can keep
-        return session
+    def opener() -> Lanes:  # on the engine thread: in cluster mode the sockets belong to it
+        # fewer lanes where the strategy, the cache type or the model cannot share batches (logged)
+        lanes = open_lanes(with_cluster(spec, args, settings.cluster), server.parallel)
+        for session in lanes.sessions:
+            session.use_prompt_cache(cache)  # in cluster mode within what the workers can keep
+        return lanes
 
     engine = EngineThread(opener, server.max_queue)
     state = ServeState(engine, model_path.stem, spec.n_ctx, settings.sampling, server)

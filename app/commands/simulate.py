@@ -3,7 +3,9 @@
 Compares iterative, synchronous speculative, pipelined speculative and PipeInfer decoding
 for per-stage compute times measured by `potluck perf` (``--from-perf``) or given, and with
 ``--trends`` reproduces the PipeInfer paper's trend figures at 1-32 nodes as tables and
-text plots (a PNG too with ``--png`` where matplotlib is installed). Its figures are
+text plots (a PNG too with ``--png`` where matplotlib is installed), and with
+``--conversations 1,2,4`` models several conversations decoded together (a server's lanes,
+engine/lab/sim_lanes.py). Its figures are
 predictions, not measurements: check them against loopback runs (``--fit-iterative`` takes
 one measured speed to fix the per-hop cost of real sockets).
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 from ...engine import PotluckError
 from ...engine.lab.sim_config import CUTOFF_RULES, STRATEGIES, PerfTiming, SimConfig, check_batch_cost
+from ...engine.lab.sim_lanes import simulate_lanes
 from ...engine.lab.simulate import TrendSetting, fit_latency, simulate, trends
 
 DEFAULT_MODEL_MS = 12.0  # SmolLM2-135M, one token on 2 threads (docs/facts.md §6)
@@ -91,6 +94,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--n-batch", type=int, default=d.n_batch, help="prefill chunk size")
     r.add_argument("--prefill-ms", type=float, default=None, help="whole model, ms a prompt token (default: "
                    "--from-perf's prefill speed, else the batch-cost curve)")
+    r.add_argument("--conversations", metavar="N,N,...",
+                   help="conversations decoded together (a server's lanes, plain decoding): aggregate tokens/s "
+                   "for each count and the gain over one, e.g. 1,2,4")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--trends", action="store_true",
                    help="the paper's trend figures at 1-32 nodes (a big target split evenly, gigabit LAN); "
@@ -104,6 +110,15 @@ def run(args: argparse.Namespace) -> int:
         raise PotluckError("simulate: --png draws the --trends figures; add --trends")
     plt = pyplot() if args.png else None  # refused before any work when matplotlib is missing
     cfg = config_from_args(args)
+    if args.conversations:
+        if args.trends:
+            raise PotluckError("simulate: --conversations and --trends are separate tables; pick one")
+        lanes = simulate_lanes(cfg, parse_counts(args.conversations))
+        if args.json:
+            print(json.dumps(lanes))
+        else:
+            print_lanes(lanes)
+        return 0
     if args.trends:
         rule = args.cutoff_rule or "reference"
         setting = trend_setting(args)
@@ -189,6 +204,13 @@ def parse_floats(text: str, flag: str) -> list[float]:
     return values
 
 
+def parse_counts(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PotluckError(f"simulate: --conversations takes whole numbers separated by commas, got {text!r}") from None
+
+
 def parse_batch_cost(text: str) -> tuple[tuple[int, float], ...]:
     try:
         points = tuple((int(k), float(c)) for k, c in (item.split(":") for item in text.split(",")))
@@ -231,6 +253,23 @@ def print_table(result: dict) -> None:
         vs = f"{r['speed_vs_iterative']:.2f}x" if r["speed_vs_iterative"] is not None else "-"
         print(f"{name:<24}{r['tok_s']:8.1f}{vs:>9}{r['ttft_ms']:9.1f}{r['ttft_e2e_ms']:9.1f}  {busy:<20}"
               f"{r['cancelled']:7.1f}{r['wasted']:7.1f}{r['tokens_per_run']:8.2f}")
+
+
+def print_lanes(result: dict) -> None:
+    cfg, rows = result["config"], result["results"]
+    stages = cfg["stage_ms"]
+    print(f"{len(stages)} stages ({', '.join(f'{ms:.2f}' for ms in stages)} ms a token), link "
+          f"{cfg['latency_ms']:.3g} ms + {cfg['bandwidth_mbps']:g} Mbit/s, sampling {cfg['sample_ms']:g} ms a row, "
+          + (f"{cfg['cores']} shared core{'s' * (cfg['cores'] > 1)}" if cfg["cores"] else "a machine each")
+          + f"; {cfg['tokens']} tokens a conversation, plain decoding")
+    per_stage = len(stages) <= 4
+    busy_head = "busy per stage" if per_stage else "busy (mean)"
+    print(f"{'conversations':<14}{'tok/s':>8}{'each':>8}{'vs one':>8}{'rows/batch':>11}{'in flight':>10}  {busy_head}")
+    for n, r in rows.items():
+        busy = "/".join(f"{b:.2f}" for b in r["stage_busy"]) if per_stage else f"{r['busy_mean']:.2f}"
+        vs = f"{r['gain_vs_one']:.2f}x" if r["gain_vs_one"] is not None else "-"
+        print(f"{n:<14}{r['tok_s']:8.1f}{r['per_conversation_tok_s']:8.1f}{vs:>8}{r['rows_per_batch']:11.2f}"
+              f"{r['max_in_flight']:10d}  {busy}")
 
 
 def print_trends(result: dict, rule: str) -> None:

@@ -1,14 +1,17 @@
-"""The one thread that runs the engine for every HTTP request, in arrival order.
+"""The engine's threads: the one that owns the target, and one per lane that runs a conversation.
 
 A session is not thread-safe, and in cluster mode the pipeline's sockets belong to the thread
-that made them, so a single thread opens the session and serves a bounded FIFO of jobs: first
-come, first served, each request answered exactly as it would be alone. Past the bound a
-request is refused at once (the HTTP layer answers 429). A job takes its place in the queue
-when it arrives, but the engine takes it only once its prompt is tokenized, which the HTTP
-side does on another thread: a huge prompt never holds the engine while it is tokenized, and
-requests that arrive behind it run first. A job cancelled while it waits leaves the queue;
-one cancelled while it runs is stopped through the session's cancel, which also aborts a
-prompt being processed mid-batch.
+that made them, so one thread opens the lanes (engine/core/lanes.py: up to ``parallel``
+conversations decoded together, each on its own session) and owns their shared target: it
+hands each waiting request to a free lane in arrival order (first come, first served), and
+in between it runs the lanes' hub, which sends the lanes' steps to the target as one batch.
+Each lane's thread runs its request's reply, and every answer is what the request would get
+alone. Past the bound a request is refused at once (the HTTP layer answers 429). A job takes
+its place in the queue when it arrives, but a lane takes it only once its prompt is tokenized,
+which the HTTP side does on another thread: a huge prompt never holds the engine while it is
+tokenized, and requests that arrive behind it run first. A job cancelled while it waits
+leaves the queue; one cancelled while it runs is stopped through its session's cancel, which
+also aborts a prompt being processed mid-batch.
 """
 
 from __future__ import annotations
@@ -19,9 +22,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from ...engine import Finished, NodeStatus, PlanChanged, PotluckError, Prompt, ReplyStarted, Session, TokenText
+from ...engine import (
+    ClusterView,
+    Finished,
+    Lanes,
+    NodeStatus,
+    PlanChanged,
+    PotluckError,
+    Prompt,
+    PromptCache,
+    ReplyStarted,
+    Session,
+    TokenText,
+)
 from .protocol import ApiError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -96,12 +111,27 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-class EngineThread:
-    """Opens the session with ``opener`` on its own thread, then serves jobs one at a time."""
+def shared_chars(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share: a binary search of slice compares,
+    so a long conversation costs the owner thread a few C-speed passes, not a Python loop."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
-    def __init__(self, opener: Callable[[], Session], max_queue: int) -> None:
+
+class EngineThread:
+    """Opens the lanes with ``opener`` on its own thread, then serves jobs, one a lane at a time."""
+
+    IDLE_WAIT_S = 1.0  # the owner thread's longest sleep with nothing to do (a submit wakes it)
+
+    def __init__(self, opener: Callable[[], Lanes], max_queue: int) -> None:
         self.max_queue = max_queue
-        self.session: Session | None = None
+        self.lanes: Lanes | None = None
         self.state = "loading"  # loading | ready | failed | stopped
         self.error = ""  # why it failed, or the last engine failure (shown by /health)
         self.notice = ""  # the last cluster notice (a worker lost and replaced)
@@ -111,12 +141,35 @@ class EngineThread:
              "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens"), 0)
         self._opener = opener
         self._queue: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: dict[int, Job] = {}  # lane -> the job it runs
+        self._last_used: list[float] = []  # per lane: when its last job was handed to it
         self._cond = threading.Condition()
         self._stop = False
         self._mean_s = 2.0  # running mean of a request's engine time (Retry-After)
         self.loaded = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="potluck-engine", daemon=True)
+        self._lane_threads: list[threading.Thread] = []
+
+    @property
+    def n_lanes(self) -> int:
+        return len(self.lanes.sessions) if self.lanes is not None else 1
+
+    @property
+    def session(self) -> Session | None:
+        """A lane's session (None while loading), for what every lane shares: the model's
+        prompts (thread-safe: the HTTP side tokenizes with them), the prompt cache, the cluster."""
+        return self.lanes.sessions[0] if self.lanes is not None else None
+
+    @property
+    def prompt_cache(self) -> PromptCache | None:
+        return self.session.prompt_cache if self.session is not None else None
+
+    def cluster_view(self) -> ClusterView | None:
+        return self.session.cluster_view() if self.session is not None else None
+
+    def batching(self) -> dict[str, int] | None:
+        """What the lanes' hub sent (None while loading): proof that conversations shared batches."""
+        return asdict(self.lanes.hub.counters) if self.lanes is not None else None
 
     def start(self) -> None:
         self._thread.start()
@@ -124,19 +177,21 @@ class EngineThread:
     # -- called from the event loop
     def submit(self, job: Job) -> None:
         with self._cond:
-            in_line = len(self._queue) + (self._running is not None)  # an idle engine takes the first at once
-            if in_line > self.max_queue:
+            in_line = len(self._queue) + len(self._running)  # an idle lane takes the first at once
+            if in_line >= self.n_lanes + self.max_queue:
                 self.counters["refused_busy"] += 1
-                raise QueueFull(max(1, round(self._mean_s * in_line)))
+                raise QueueFull(max(1, round(self._mean_s * (in_line + 1 - self.n_lanes) / self.n_lanes)))
             self.counters["requests"] += 1
             self._queue.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
+        self._wake()
 
     def ready(self, job: Job, prompt: Prompt) -> None:
         """``job``'s prompt is tokenized: the engine may take it."""
         with self._cond:
             job.prompt = prompt
-            self._cond.notify()
+            self._cond.notify_all()
+        self._wake()  # the owner thread may sleep in the hub
 
     def withdraw(self, job: Job) -> None:
         """``job`` will never be ready (its prompt was refused): give its place back."""
@@ -146,7 +201,7 @@ class EngineThread:
                 self.counters["refused_prompt"] += 1
 
     def cancel(self, job: Job) -> None:
-        """Stop ``job`` at once: out of the queue if it waits, through the session if it runs."""
+        """Stop ``job`` at once: out of the queue if it waits, through its session if it runs."""
         with self._cond:
             if job.cancelled.is_set() or job.finished.is_set():
                 return
@@ -155,34 +210,42 @@ class EngineThread:
                 self._queue.remove(job)
                 self.counters["cancelled_waiting"] += 1
                 return
-            run_id = job.run_id if self._running is job else None
-        if run_id is not None and self.session is not None:
-            self.session.cancel(run_id)
+            lane = next((i for i, j in self._running.items() if j is job), None)
+            run_id = job.run_id if lane is not None else None
+        if run_id is not None and lane is not None and self.lanes is not None:
+            self.lanes.sessions[lane].cancel(run_id)
 
-    def waiting(self) -> tuple[bool, int]:
+    def waiting(self) -> tuple[int, int]:
+        """(requests running, requests waiting)."""
         with self._cond:
-            return self._running is not None, len(self._queue)
+            return len(self._running), len(self._queue)
 
     def drain(self) -> None:
-        """Shutting down: refuse the waiting jobs and cancel the running one; returns at once."""
+        """Shutting down: refuse the waiting jobs and cancel the running ones; returns at once."""
         with self._cond:
             self._stop = True
             for job in self._queue:
                 job.put("error", ApiError(503, "the server is shutting down"))
             self._queue.clear()
-            self._cond.notify()
-            running = self._running
-        if running is not None:
-            self.cancel(running)
+            self._cond.notify_all()
+            running = list(self._running.values())
+        for job in running:
+            self.cancel(job)
+        self._wake()
 
     def stop(self) -> None:
         self.drain()
         self._thread.join(timeout=30)
 
-    # -- the engine thread
+    def _wake(self) -> None:
+        if self.lanes is not None:
+            self.lanes.hub.wake()
+
+    # -- the owner thread
     def _serve(self) -> None:
         try:
-            self.session = self._opener()
+            self.lanes = self._opener()
+            self._last_used = [0.0] * self.n_lanes
             self.state = "ready"
         except PotluckError as e:
             self.state, self.error = "failed", str(e)
@@ -191,35 +254,84 @@ class EngineThread:
             self.state, self.error = "failed", f"loading the model failed: {e}"
         finally:
             self.loaded.set()
-        if self.session is None:
+        lanes = self.lanes
+        if lanes is None:
             return
+        self._lane_threads = [threading.Thread(target=self._lane, args=(i,), name=f"potluck-lane-{i}", daemon=True)
+                              for i in range(self.n_lanes)]
+        for t in self._lane_threads:
+            t.start()
         try:
             while True:
                 with self._cond:
-                    while not self._stop and (job := self._first_ready()) is None:
-                        self._cond.wait()
-                    if self._stop:
+                    if self._stop and not self._running:
                         return
-                    assert job is not None
-                    self._queue.remove(job)
-                    self._running = job
-                started = time.monotonic()
+                    idle = not self._running and self._first_ready() is not None
+                if idle:  # between replies: a cluster may take in workers that joined
+                    lanes.hub.regroup()
+                with self._cond:
+                    self._admit()
                 try:
-                    self._run(job)
-                finally:
-                    with self._cond:
-                        self._running = None
-                    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - started)
+                    lanes.hub.step(self.IDLE_WAIT_S)
+                except Exception as e:  # the lanes got their errors; the server lives on
+                    log.exception("the engine's hub failed")
+                    self.error = f"internal error: {type(e).__name__}"
+                    time.sleep(0.1)
         finally:
-            self.session.close()
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            for t in self._lane_threads:
+                t.join(timeout=30)
+            lanes.close()
             self.state = "stopped"
+
+    def _admit(self) -> None:
+        """Hand waiting jobs to free lanes, oldest first (the lock held)."""
+        assert self.lanes is not None
+        while not self._stop and len(self._running) < self.n_lanes and (job := self._first_ready()) is not None:
+            self._queue.remove(job)
+            lane = self._pick_lane(job)
+            self._running[lane] = job
+            self._last_used[lane] = time.monotonic()
+            self.lanes.hub.activate(lane)
+            self._cond.notify_all()
+
+    def _pick_lane(self, job: Job) -> int:
+        """The free lane whose conversation the request continues furthest (only its own API
+        key's conversation counts); else the one used least recently (its conversation goes to
+        the prompt cache)."""
+        assert self.lanes is not None and job.prompt is not None
+        free = [i for i in range(self.n_lanes) if i not in self._running]
+        text, sessions = job.prompt.text, self.lanes.sessions
+        return max(free, key=lambda i: (shared_chars(sessions[i].held_text(job.owner), text), -self._last_used[i]))
 
     def _first_ready(self) -> Job | None:
         return next((job for job in self._queue if job.prompt is not None), None)
 
-    def _run(self, job: Job) -> None:
-        session = self.session
-        assert session is not None and job.prompt is not None
+    # -- a lane's thread
+    def _lane(self, lane: int) -> None:
+        assert self.lanes is not None
+        hub = self.lanes.hub
+        while True:
+            with self._cond:
+                while lane not in self._running and not self._stop:
+                    self._cond.wait()
+                job = self._running.get(lane)
+                if job is None:
+                    return
+            started = time.monotonic()
+            try:
+                self._run(self.lanes.sessions[lane], job)
+            finally:
+                with self._cond:
+                    del self._running[lane]
+                    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - started)
+                    self._cond.notify_all()
+                hub.activate(lane, False)
+
+    def _run(self, session: Session, job: Job) -> None:
+        assert job.prompt is not None
         req = job.request
         started = False
         try:
@@ -258,13 +370,15 @@ class EngineThread:
         except PotluckError as e:
             # before the reply started: the request's fault (a prompt longer than the context);
             # after: the engine's (a cluster that lost its workers for good)
-            self.counters["failed"] += started
+            with self._cond:
+                self.counters["failed"] += started
             if started:
                 self.error = str(e)
             job.put("error", ApiError(503, str(e)) if started else ApiError(400, str(e), code="invalid_prompt"))
         except Exception as e:
             log.exception("request %s failed", req.id)
-            self.counters["failed"] += 1
+            with self._cond:
+                self.counters["failed"] += 1
             self.error = f"internal error: {type(e).__name__}"
             job.put("error", ApiError(500, f"internal error ({type(e).__name__}); see the server's log"))
 
@@ -273,16 +387,17 @@ class EngineThread:
             reason = "stop"
         elif f.reason == "cancelled":
             reason = "cancelled"
-            self.counters["cancelled_running"] += 1
-            self.counters["cancelled_before_decoding"] += not f.tokens  # e.g. mid-prompt: no token decoded
         else:
             reason = "stop" if f.reason == "stop" else "length"  # length or context_full
         reused = f.prompt_tokens - f.prefill_tokens if f.prefill_tokens or f.tokens else 0
-        c = self.counters
-        c["completed"] += reason != "cancelled"
-        c["prompt_tokens"] += f.prompt_tokens
-        c["reused_tokens"] += reused
-        c["completion_tokens"] += len(f.tokens)
+        with self._cond:  # lanes finish on threads of their own
+            c = self.counters
+            c["cancelled_running"] += reason == "cancelled"
+            c["cancelled_before_decoding"] += reason == "cancelled" and not f.tokens  # e.g. mid-prompt
+            c["completed"] += reason != "cancelled"
+            c["prompt_tokens"] += f.prompt_tokens
+            c["reused_tokens"] += reused
+            c["completion_tokens"] += len(f.tokens)
         return Outcome(
             finish_reason=reason, prompt_tokens=f.prompt_tokens, completion_tokens=len(f.tokens),
             reused_tokens=reused, strategy=f.strategy, drafted=f.drafted, accepted=f.accepted,

@@ -330,16 +330,17 @@ def build_app(state: ServeState, guard: Guard) -> Starlette:
             "queue": {"running": running, "waiting": waiting, "max": engine.max_queue},
             "counters": dict(engine.counters),
         }
-        cache = engine.session.prompt_cache if engine.session is not None else None
+        cache = engine.prompt_cache
         body["prompt_cache"] = asdict(cache.stats()) if cache is not None else None  # None: loading
+        body["lanes"] = engine.n_lanes  # conversations decoded together
+        body["batching"] = engine.batching()
         if engine.error:
             body["error"] = printable(engine.error)  # may quote a worker's words
         view = None
-        if engine.session is not None:
-            try:
-                view = engine.session.cluster_view()
-            except Exception:  # a chain being rebuilt: show the rest
-                log.debug("cluster view failed", exc_info=True)
+        try:
+            view = engine.cluster_view()
+        except Exception:  # a chain being rebuilt: show the rest
+            log.debug("cluster view failed", exc_info=True)
         if view is not None:
             nodes = engine.nodes
             # node ids, addresses and details come from other machines: shown printable

@@ -173,6 +173,7 @@ def open_pipeline(
             n_ctx=min(n_ctx, tail.n_ctx, *(ld.n_ctx for ld in loaded)),
             n_batch=n_batch,
             n_seq_max=n_seq_max,
+            kv_unified=kv_unified,
             plan=plan,
             transfer=stats,
             stall_timeout_s=stall_timeout_s,

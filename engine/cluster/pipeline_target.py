@@ -69,6 +69,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         n_ctx: int,
         n_batch: int,
         n_seq_max: int = 1,
+        kv_unified: bool = True,
         plan: SplitPlan | None = None,
         transfer: TransferStats | None = None,
         stall_timeout_s: float = STALL_TIMEOUT_S,
@@ -98,8 +99,9 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._retry_at: dict[str, float] = {}  # address -> when to ask it again
         self.recoveries = 0  # chains rebuilt after a lost worker (tests, figures)
         self.recovery_s: list[float] = []  # how long each rebuild and replay took
-        self.log = TransactionLog()
-        self._kept_logs: dict[int, TransactionLog] = {}  # slot -> the log its cells came from
+        self.log = TransactionLog(streams=not kv_unified and n_seq_max > 1, awaited=self._awaited)
+        # slot -> the log its cells came from, and the sequence they were saved from
+        self._kept_logs: dict[int, tuple[TransactionLog, int]] = {}
         self._tickets = itertools.count(1)
         self._txn = 0  # transactions sent to the current chain (each chain starts at 1)
         self._txn_ticket: dict[int, int] = {}  # txn of each batch sent to this chain -> its ticket
@@ -223,23 +225,25 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._deliver(lambda: self._send_op(lambda txn: wire.KvApply.from_op(txn, op, group), op))
 
     # -- kept conversations: each stage keeps its layers' cells; the head keeps their log
-    def keep_kv(self, slot: int) -> bool:
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
         if self._broken is not None:
             return False
-        self._kept_logs[slot] = self.log.copy()
-        self._deliver_kv(KvOp.save(slot))
+        self._kept_logs[slot] = (self.log.of_sequence(seq), seq)
+        self._deliver_kv(KvOp.save(slot, seq))
         return slot in self._kept_logs  # a chain rebuilt meanwhile kept nothing
 
-    def restore_kv(self, slot: int, n_past: int) -> bool:
-        """Put ``slot`` back on every stage; its log becomes ours, so a later loss replays the
-        conversation now in the context (a rebuild during this very load replays it too)."""
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        """Put ``slot`` back on every stage as sequence ``seq``; its log becomes that sequence's,
+        so a later loss replays the conversation now in the context (a rebuild during this very
+        load replays it too)."""
         kept = self._kept_logs.get(slot)
         if kept is None or self._broken is not None:
             return False
-        self.log = kept.copy()
-        self._deliver_kv(KvOp.load(slot))
-        self._n_past = n_past
-        self._spans.clear()
+        self.log.restore(*kept, seq)
+        self._deliver_kv(KvOp.load(slot, seq))
+        if seq == 0:
+            self._n_past = n_past
+            self._spans.clear()
         return True
 
     def drop_kv(self, slot: int) -> None:

@@ -75,7 +75,7 @@ class ChainRebuild:
     _notices: list[Callable[[int], Event]]
     _health: tuple[tuple[str, str, str], ...]  # stages not "ok" during a recovery (cluster_view)
     _broken: str | None
-    _kept_logs: dict[int, TransactionLog]
+    _kept_logs: dict[int, tuple[TransactionLog, int]]
 
     def regroup(self) -> None:
         """Between replies: take in workers that joined (or came back) since the plan was

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_OPS = ("rm", "cp", "keep", "add")
-# Kept conversations (core/prompt_cache): sequence 0's cells saved under a slot number on every
-# stage where they live (a cluster's workers keep their own layers' cells), put back, forgotten.
+# Kept conversations (core/prompt_cache): a sequence's cells saved under a slot number on every
+# stage where they live (a cluster's workers keep their own layers' cells), put back (into the
+# same sequence or another one: several conversations decoded together, core/lanes.py), forgotten.
 SLOT_OPS = ("save", "load", "drop")
 MAX_SLOT = (1 << 31) - 1
 
@@ -20,8 +21,8 @@ MAX_SLOT = (1 << 31) - 1
 class KvOp:
     """``rm``: drop ``seq`` [p0, p1); ``cp``: copy ``seq`` -> ``dst`` (whole sequences only
     across KV streams); ``keep``: drop every sequence but ``seq``; ``add``: shift ``seq``
-    [p0, p1) by ``delta``; ``save`` / ``load`` / ``drop``: sequence 0's cells as slot ``dst``
-    (:class:`~.stage.Stage` keeps them)."""
+    [p0, p1) by ``delta``; ``save`` / ``load``: sequence ``seq``'s cells as slot ``dst``
+    (:class:`~.stage.Stage` keeps them), ``drop``: forget slot ``dst``."""
 
     op: str
     seq: int
@@ -33,8 +34,8 @@ class KvOp:
     def __post_init__(self) -> None:
         if self.op not in KV_OPS + SLOT_OPS:
             raise ValueError(f"kv op must be one of {KV_OPS + SLOT_OPS}, got {self.op!r}")
-        if self.op in SLOT_OPS and (self.seq != 0 or not 0 <= self.dst <= MAX_SLOT):
-            raise ValueError(f"kv {self.op}: sequence 0 and a slot in 0..{MAX_SLOT}, got {self.seq} and {self.dst}")
+        if self.op in SLOT_OPS and (self.seq < 0 or not 0 <= self.dst <= MAX_SLOT):
+            raise ValueError(f"kv {self.op}: a sequence and a slot in 0..{MAX_SLOT}, got {self.seq} and {self.dst}")
 
     @property
     def is_slot_op(self) -> bool:
@@ -57,12 +58,12 @@ class KvOp:
         return cls("add", seq, p0=p0, p1=p1, delta=delta)
 
     @classmethod
-    def save(cls, slot: int) -> KvOp:
-        return cls("save", 0, dst=slot)
+    def save(cls, slot: int, seq: int = 0) -> KvOp:
+        return cls("save", seq, dst=slot)
 
     @classmethod
-    def load(cls, slot: int) -> KvOp:
-        return cls("load", 0, dst=slot)
+    def load(cls, slot: int, seq: int = 0) -> KvOp:
+        return cls("load", seq, dst=slot)
 
     @classmethod
     def drop(cls, slot: int) -> KvOp:

@@ -125,6 +125,12 @@ class Session:
         if prefill is not None:
             self.target.cancel(prefill)
 
+    def held_text(self, owner: str = "") -> str:
+        """The rendered conversation whose tokens the context holds, if ``owner``'s ("" after a
+        cancelled prompt, or another owner's): a server gives a request to the lane whose held
+        text it continues furthest, and never for another API key's conversation."""
+        return self._covered if self._owner == owner else ""
+
     def prompt_progress(self) -> tuple[int, int]:
         """(tokens of the prompt read, tokens to read) while a reply's prompt is processed;
         safe from any thread (the app's status line polls it). (0, 0) otherwise."""

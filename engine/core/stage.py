@@ -41,7 +41,7 @@ class Stage:
         self.n_ctx = self.ctx.n_ctx
         self.n_batch = params.n_batch
         self.n_seq_max = max(1, params.n_seq_max)
-        self.kept: dict[int, bytearray] = {}  # slot -> sequence 0's state (KvOp save/load/drop)
+        self.kept: dict[int, bytearray] = {}  # slot -> a sequence's state (KvOp save/load/drop)
         self._batch = Batch(
             params.n_batch, n_embd=0 if first else model.n_embd, n_seq_max=self.n_seq_max,
             n_pos=model.positions_per_token,
@@ -81,8 +81,8 @@ class Stage:
     def compute(self, job: DecodeJob) -> np.ndarray:
         """Hidden states [n, n_embd] f32 (not last) or logits [n_outputs, vocab] f32 (last),
         owned by the caller. ``InterruptedError`` if aborted (llama.cpp dropped the cells)."""
-        self._fill(job)
         ctx = self._context_for(job)
+        self._fill(job, twin=ctx is not self.ctx)
         canonical = self.rollback is not None and bool((job.seq_ids == 0).all())
         try:
             ctx.run_batch(self._batch)  # aborted: llama.cpp drops the batch's cells, in either context
@@ -101,9 +101,10 @@ class Stage:
             return ctx.captured  # a fresh array per run
         return ctx.logits(job.n_outputs).copy()
 
-    def _fill(self, job: DecodeJob) -> None:
+    def _fill(self, job: DecodeJob, twin: bool = False) -> None:
         positions = job.positions.tolist()
-        seq_ids = [[s] for s in job.seq_ids.tolist()]
+        # the F16 twin holds the job's one sequence as its sequence 0
+        seq_ids = 0 if twin else [[s] for s in job.seq_ids.tolist()]
         # A capturing stage must mark every row as output, or its last layer keeps only those.
         flags: list[bool] | str = job.outputs.tolist() if self.last else "all"
         if self.first:
@@ -118,20 +119,35 @@ class Stage:
 
     def _context_for(self, job: DecodeJob) -> Context:
         """The F16 twin for a prompt chunk, else this stage's own context (after the twin, if
-        one is open, has handed sequence 0 back)."""
+        it holds a sequence of the job, has handed it back)."""
         if self.prefill is None:
             return self.ctx
         if self.prefill.takes(job):
-            twin = self.prefill.open()
+            twin = self.prefill.open(int(job.seq_ids[0]))
             if twin is not None:
                 return twin
-        self.prefill.hand_over()
+        if self.prefill.active and (not self._streams or self.prefill.seq in job.seq_ids):
+            self.prefill.hand_over()
         return self.ctx
 
+    @property
+    def _streams(self) -> bool:
+        """One KV stream per sequence: work on one sequence never moves another's cells."""
+        return self.n_seq_max > 1 and not self.ctx.params.kv_unified
+
     def settle(self) -> None:
-        """Sequence 0 back in this stage's own context before anything else touches it."""
+        """The twin's sequence back in this stage's own context before anything else touches it."""
         if self.prefill is not None:
             self.prefill.hand_over()
+
+    def _settle_for(self, op: KvOp) -> None:
+        """Hand the twin's sequence back if ``op`` touches it (any operation does, with one
+        KV stream for every sequence)."""
+        p = self.prefill
+        if p is None or not p.active:
+            return
+        if not self._streams or op.op == "keep" or p.seq in (op.seq, op.dst if op.op == "cp" else -1):
+            p.hand_over()
 
     def _record_observed(self, job: DecodeJob, observed: dict[str, np.ndarray]) -> None:
         canonical = job.seq_ids == 0
@@ -145,7 +161,7 @@ class Stage:
             store[pos] = rows[canonical]
 
     def apply_kv(self, op: KvOp) -> None:
-        self.settle()
+        self._settle_for(op)
         if op.is_slot_op:
             self._slot_op(op)
             return
@@ -178,8 +194,9 @@ class Stage:
         )
 
     def _slot_op(self, op: KvOp) -> None:
-        """Kept conversations: sequence 0's cells by slot (``save`` replaces a slot's). A
-        ``load`` puts them back where they were computed, so decoding goes on exactly."""
+        """Kept conversations: a sequence's cells by slot (``save`` replaces a slot's). A
+        ``load`` puts them back where they were computed (cells 0..n-1 of the sequence's own
+        stream, whichever sequence it now is), so decoding goes on exactly."""
         slot = op.dst
         if op.op == "drop":
             self.kept.pop(slot, None)
@@ -187,15 +204,15 @@ class Stage:
             state = self.kept.get(slot)
             if state is None:
                 raise PotluckError(f"no kept conversation in slot {slot}")
-            self.ctx.set_seq_state(0, state)
-            if self.rollback is not None:
+            self.ctx.set_seq_state(op.seq, state)
+            if self.rollback is not None and op.seq == 0:
                 self.rollback.restart_at(self.ctx.seq_pos_max(0) + 1)
         else:
             if slot not in self.kept and len(self.kept) >= MAX_KEPT:
                 raise PotluckError(f"already {MAX_KEPT} kept conversations: drop one first")
             if self.rollback is not None:
                 self.rollback.settle()  # llama.cpp would save the state before a pending rollback
-            state = self.ctx.seq_state(0)
+            state = self.ctx.seq_state(op.seq)
             if len(state) > FREE_MEMORY_SHARE * free_memory_bytes():
                 raise PotluckError(f"a kept conversation of {len(state) / 1e6:.0f} MB does not fit in free memory")
             self.kept[slot] = state
@@ -217,11 +234,11 @@ class Stage:
         self.kept.clear()
 
     def pos_max(self) -> list[int]:
-        """Last position held per sequence (-1: empty); sequence 0's in the F16 twin while a
-        prompt is being prefilled there."""
+        """Last position held per sequence (-1: empty); the twin's sequence's in the F16 twin
+        while a prompt is being prefilled there."""
         held = [self.ctx.seq_pos_max(s) for s in range(self.n_seq_max)]
         if self.prefill is not None and self.prefill.active:
-            held[0] = self.prefill.end() - 1
+            held[self.prefill.seq] = self.prefill.end(self.prefill.seq) - 1
         return held
 
     def close(self) -> None:

@@ -4,9 +4,15 @@ speed and BF16's exact, faster decoding in one target (docs/facts.md §25).
 A BF16 cache computes every position on flash attention's one_chunk path, so single steps
 equal verify batches at any thread count, but long prompts prefill at half the speed of an
 F16 cache, whose batches of 64 rows or more take the tiled path (docs/facts.md §3). So a stage
-computes each large batch of sequence 0 that extends the sequence (a prompt chunk) in a twin
-context with an F16 cache, and copies sequence 0's cells back into its own BF16 cache
-(:mod:`.kv_state` converts them) before it does anything else.
+computes each large batch of one sequence that extends the sequence (a prompt chunk) in a twin
+context with an F16 cache, and copies that sequence's cells back into its own BF16 cache
+(:mod:`.kv_state` converts them) before anything else touches the sequence.
+
+The twin holds one sequence at a time (sequence 0 for one conversation; any conversation's
+when several are decoded together, core/lanes.py). Work on the other sequences of a context
+with one KV stream per sequence goes on in the BF16 cache meanwhile and leaves the twin open:
+handing the sequence over between two chunks of its prompt would round its F16 cells to BF16
+and back, and the next chunk would see other numbers than it sees alone.
 
 Exactness: which jobs go to the twin depends only on the jobs themselves (rows, sequence,
 positions), and every strategy chunks its prompt the same way (``TargetBase.decode``), so
@@ -48,6 +54,7 @@ class StagedPrefill:
     def __init__(self, main: Context) -> None:
         self.main = main
         self.twin: Context | None = None
+        self.seq = 0  # the sequence the open twin holds (as its own sequence 0)
         self.counters = PrefillCounters()
         p = main.params
         self._n_stream = 1 if p.kv_unified else max(1, p.n_seq_max)
@@ -56,7 +63,7 @@ class StagedPrefill:
 
     @staticmethod
     def applies_to(main: Context) -> bool:
-        """A BF16 cache with flash attention whose sequence 0 can be replaced alone (one
+        """A BF16 cache with flash attention whose sequences can be replaced one by one (one
         sequence, or one KV stream per sequence), in a model whose KV state kv_state reads."""
         p = main.params
         return (
@@ -68,25 +75,34 @@ class StagedPrefill:
     def active(self) -> bool:
         return self.twin is not None
 
-    def end(self) -> int:
-        """Where sequence 0 ends: in the twin while one is open, else in the main cache."""
-        ctx = self.twin if self.twin is not None else self.main
-        return ctx.seq_pos_max(0) + 1
+    def end(self, seq: int = 0) -> int:
+        """Where sequence ``seq`` ends: in the twin while it holds the sequence, else in the main cache."""
+        if self.twin is not None and seq == self.seq:
+            return self.twin.seq_pos_max(0) + 1
+        return self.main.seq_pos_max(seq) + 1
+
+    def holds(self, seq: int) -> bool:
+        """Whether the open twin holds sequence ``seq`` (-1: any sequence at all)."""
+        return self.twin is not None and seq in (self.seq, -1)
 
     def takes(self, job: DecodeJob) -> bool:
-        """Whether ``job`` is a prompt chunk: at least :data:`MIN_ROWS` rows of sequence 0 at
+        """Whether ``job`` is a prompt chunk: at least :data:`MIN_ROWS` rows of one sequence at
         consecutive positions right after the sequence's end."""
         n = job.n_tokens
-        if n < MIN_ROWS or job.seq_ids.any():
+        seq = int(job.seq_ids[0]) if n else 0
+        if n < MIN_ROWS or (job.seq_ids != seq).any():
             return False
-        start = self.end()
+        start = self.end(seq)
         return bool(np.array_equal(job.positions, np.arange(start, start + n, dtype=job.positions.dtype)))
 
-    def open(self) -> Context | None:
-        """The twin (opened with sequence 0's cells on first use), or None when kv_state
-        cannot read this model's state: the batch then stays in BF16."""
+    def open(self, seq: int = 0) -> Context | None:
+        """The twin holding sequence ``seq`` (opened with its cells on first use; a twin that
+        holds another sequence hands it over first), or None when kv_state cannot read this
+        model's state: the batch then stays in BF16."""
         if self.twin is not None:
-            return self.twin
+            if self.seq == seq:
+                return self.twin
+            self.hand_over()
         p = self.main.params
         _, batch_threads = self.main.threads()
         params = replace(
@@ -95,9 +111,9 @@ class StagedPrefill:
         )
         twin = Context(self.main.model, params, abort_flag_of=self.main)
         try:
-            if self.main.seq_pos_max(0) >= 0:
+            if self.main.seq_pos_max(seq) >= 0:
                 twin.set_seq_state(0, convert_seq_state(
-                    self.main.seq_state(0), GGML_TYPE_F16, n_stream=1, values=self._values))
+                    self.main.seq_state(seq), GGML_TYPE_F16, n_stream=1, values=self._values))
         except KvStateError as e:
             twin.close()
             log.info("prompt prefilled in BF16: %s", e)
@@ -106,11 +122,11 @@ class StagedPrefill:
         except BaseException:
             twin.close()
             raise
-        self.twin = twin
+        self.twin, self.seq = twin, seq
         return twin
 
     def hand_over(self) -> None:
-        """Put sequence 0 back into the BF16 cache and close the twin (frees its memory)."""
+        """Put the twin's sequence back into the BF16 cache and close the twin (frees its memory)."""
         twin = self.twin
         if twin is None:
             return
@@ -120,9 +136,9 @@ class StagedPrefill:
             if twin.seq_pos_max(0) >= 0:
                 state = convert_seq_state(
                     twin.seq_state(0), GGML_TYPE_BF16, n_stream=self._n_stream, values=self._values)
-                self.main.set_seq_state(0, state)
+                self.main.set_seq_state(self.seq, state)
             else:
-                self.main.seq_rm(0)
+                self.main.seq_rm(self.seq)
         finally:
             twin.close()
         self.counters.handovers += 1

@@ -84,6 +84,9 @@ class Strategy(ABC):
     accepts_draft: ClassVar[bool] = False  # takes an optional --draft (needs_draft implies it)
     description: ClassVar[str] = ""
     n_sequences: ClassVar[int] = 1  # KV sequences the target must offer (side runs, partitions)
+    # Its rounds wait for one target result at a time and its sequences are its own, so its
+    # batches may share the target with other conversations' (a server's lanes, core/lanes.py).
+    shares_batches: ClassVar[bool] = False
     # strategy options (EngineSpec.strategy_options, `bench --option`): name -> what it sets
     options: ClassVar[dict[str, str]] = {}
 

@@ -89,14 +89,15 @@ class Target(Protocol):
         """Forget every sequence (a new conversation)."""
         ...
 
-    def keep_kv(self, slot: int) -> bool:
-        """Save sequence 0's cells as ``slot`` on every stage, after the work queued so far
-        (a kept conversation, :mod:`.prompt_cache`); False if they could not be kept."""
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
+        """Save sequence ``seq``'s cells as ``slot`` on every stage, after the work queued so
+        far (a kept conversation, :mod:`.prompt_cache`); False if they could not be kept."""
         ...
 
-    def restore_kv(self, slot: int, n_past: int) -> bool:
-        """Replace sequence 0 with ``slot``'s cells, which hold ``n_past`` tokens; False (and
-        nothing changed) if the slot is gone: a cluster that rebuilt its chain lost them."""
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        """Replace sequence ``seq`` with ``slot``'s cells, which hold ``n_past`` tokens (the
+        canonical sequence's length becomes ``n_past`` when ``seq`` is 0); False (and nothing
+        changed) if the slot is gone: a cluster that rebuilt its chain lost them."""
         ...
 
     def drop_kv(self, slot: int) -> None:
@@ -318,14 +319,15 @@ class TargetBase(ABC):
     def set_threads(self, n_threads: int) -> None:
         """Workers and in-process stages keep the threads they were opened with."""
 
-    def keep_kv(self, slot: int) -> bool:
-        self.kv(KvOp.save(slot))
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
+        self.kv(KvOp.save(slot, seq))
         return True
 
-    def restore_kv(self, slot: int, n_past: int) -> bool:
-        self.kv(KvOp.load(slot))
-        self._n_past = n_past
-        self._spans.clear()
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        self.kv(KvOp.load(slot, seq))
+        if seq == 0:
+            self._n_past = n_past
+            self._spans.clear()
         return True
 
     def drop_kv(self, slot: int) -> None:
@@ -421,9 +423,9 @@ class LocalTarget(TargetBase):
     def settle(self) -> None:
         self.runner.submit(Stage.settle).result()
 
-    def keep_kv(self, slot: int) -> bool:
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
         try:
-            self.runner.submit(KvOp.save(slot)).result()
+            self.runner.submit(KvOp.save(slot, seq)).result()
         except PotluckError as e:  # no room: the conversation is not kept
             log.info("conversation not kept: %s", e)
             return False

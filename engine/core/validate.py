@@ -241,7 +241,7 @@ def kv_bytes(model: Model, n_cells: int) -> int | None:
     return n_cells * n_layer * n_head_kv * (k_len + v_len) * 2
 
 
-def memory_fits(model: Model, n_ctx: int, n_streams: int = 1) -> None:
+def memory_fits(model: Model, n_ctx: int, n_streams: int = 1, hint: str = "lower --ctx") -> None:
     """Refuse a context whose KV cache and weights cannot fit in free memory: llama.cpp clears
     the whole cache when it creates it, so an oversized one gets the process killed (or the
     machine swapping), not an error."""
@@ -256,7 +256,7 @@ def memory_fits(model: Model, n_ctx: int, n_streams: int = 1) -> None:
     raise PotluckError(
         f"a context of {n_ctx} tokens (--ctx) needs about {kv / gib:.1f} GiB of KV cache (prefill included) plus "
         f"{model.size_bytes() / gib:.1f} GiB of weights for {model.path.name} but "
-        f"{free / gib:.1f} GiB of memory is free; lower --ctx"
+        f"{free / gib:.1f} GiB of memory is free; {hint}"
     )
 
 

@@ -120,8 +120,8 @@ class KvApply(WireMessage):
         # llama.cpp takes these as int32: refuse what would wrap around before anything else
         if max(self.seq, self.dst, self.p0, self.p1, abs(self.delta)) > INT32_MAX:
             raise WireError("kv sequence id, position or shift beyond int32")
-        if self.op in SLOT_OPS and (self.seq != 0 or self.dst < 0 or (self.p0, self.p1, self.delta) != (-1, -1, 0)):
-            raise WireError(f"kv {self.op} takes sequence 0 and a slot >= 0, nothing else")
+        if self.op in SLOT_OPS and (self.dst < 0 or (self.p0, self.p1, self.delta) != (-1, -1, 0)):
+            raise WireError(f"kv {self.op} takes a sequence and a slot >= 0, nothing else")
 
 
 @dataclass(frozen=True)

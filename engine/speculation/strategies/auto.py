@@ -46,6 +46,7 @@ class Auto(Strategy):
     name = "auto"
     accepts_draft = True  # with --draft: sd on short conversations
     needs_exact_batches = False  # decodes plainly, and says why, where no batch is exact
+    shares_batches = True  # both picks do
     description = "picks per reply: sd with a draft model on a chat, anpd otherwise (N-grams)"
     options = LENGTH_OPTIONS
 

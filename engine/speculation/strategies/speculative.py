@@ -218,6 +218,7 @@ def _rows_after_drafts(
 class DraftModelSpeculative(Speculative):
     name = "sd"
     needs_draft = True
+    shares_batches = True
     description = "speculative decoding with a small draft model (--draft)"
     options = {**LENGTH_OPTIONS, "min_draft_p": "stop drafting once the draft's confidence falls below"}
 
@@ -249,6 +250,7 @@ class DraftModelSpeculative(Speculative):
 
 class NgramSpeculative(Speculative):
     name = "anpd"
+    shares_batches = True
     description = "adaptive multi-level N-gram drafts from the conversation (no draft model)"
     options = {**LENGTH_OPTIONS, "ngram_max": "the longest N-gram the tables hold (ANPD's N)"}
 
