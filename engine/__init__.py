@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
         StageView,
         TokenText,
     )
-    from .core.gguf_tools import describe as describe_gguf
     from .core.grammar import GrammarSpec, check_schema, json_object_spec, json_schema_spec
     from .core.grammar import check as check_grammar
     from .core.lanes import Lanes
@@ -55,6 +54,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
     from .core.tools import CallScanner, Tool, call_grammar, tool_format
     from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
+    from .loader import describe_model as describe_gguf
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
 
     PLAIN: str
@@ -102,7 +102,7 @@ _WHERE = {
     "RoundStats": ".core.events:RoundStats",
     "StageView": ".core.events:StageView",
     "TokenText": ".core.events:TokenText",
-    "describe_gguf": ".core.gguf_tools:describe",
+    "describe_gguf": ".loader:describe_model",
     "Lanes": ".core.lanes:Lanes",
     "Prompt": ".core.prompt:Prompt",
     "PromptCache": ".core.prompt_cache:PromptCache",

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 
 from ..assets import default_model_path
 from .core import validate as limits
+from .core.batch_exact import check_speculation, model_exactness
 from .core.errors import ModelError, PotluckError
 from .core.lanes import LaneHub, Lanes
 from .core.runtime import ContextParams, Model
 from .core.session import Session
 from .core.spec import KV_TYPES, EngineSpec
-from .core.target import LocalTarget, Target
+from .core.target import MAX_EXACT_BATCH, LocalTarget, Target
 from .speculation.strategies.registry import STRATEGIES, get_strategy_class
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,10 @@ def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
             limits.memory_fits(model, spec.n_ctx, strategy_cls.n_sequences * n_lanes, hint)
         if spec.system:
             limits.prompt_fits(len(model.tokenize(spec.system)), spec.n_ctx, "the system prompt")
+        if strategy_cls.needs_exact_batches:
+            check_speculation(model.batch_exact, strategy_cls.name)
         target = _open_target(model, spec, strategy_cls, n_lanes)
+        target.exact = model.batch_exact
         try:
             for _ in range(n_lanes):
                 strategies.append(strategy_cls.build(model, spec))
@@ -139,6 +143,23 @@ def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
         model.close()
         raise
     return model, target, strategies
+
+
+def describe_model(path: Path) -> dict[str, object]:
+    """:func:`.core.gguf_tools.describe`, and how speculation stays lossless on the file's
+    weights here (``speculation``: the longest exact verify batch, or why none is)."""
+    from .core.backend import default_extra_bufts
+    from .core.gguf_tools import describe
+
+    row = describe(path)
+    exact = model_exactness(Path(path), use_extra_bufts=default_extra_bufts())
+    if not exact.speculates:
+        row["speculation"] = f"refused: {exact.reason}"
+    elif exact.max_rows == MAX_EXACT_BATCH and not exact.two_row_steps:
+        row["speculation"] = f"verify batches up to {exact.max_rows} rows"
+    else:
+        row["speculation"] = f"verify batches up to {exact.max_rows} rows ({exact.reason})"
+    return row
 
 
 def target_params(model: Model, spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int = 1) -> ContextParams:

@@ -16,10 +16,11 @@ from ..model_files import models_on_disk
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "models",
-        help="list the models on this machine and describe GGUF files (layers, experts, whether --nodes splits them)",
+        help="list the models on this machine and describe GGUF files (layers, experts, whether --nodes splits them, "
+        "how long a verify batch stays exact)",
         description="List the bundled model, the GGUFs in the Hugging Face cache (potluck pull), "
         "LM Studio's and ollama's models, or describe the GGUF files given: their layers, experts, and whether "
-        "--nodes can split them (and why not).",
+        "--nodes can split them (and why not), and how long a verify batch stays exact.",
     )
     p.add_argument("files", nargs="*", type=Path, help="GGUF files to describe")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
             f"{mark} {row['name']}{source}\n    {row['path']}\n"
             f"    arch {row['arch']}, {row['n_layer']} layers, n_embd {row['n_embd']}, "
             f"vocab {row['n_vocab']}, {row['size_mb']:.0f} MB{experts}\n"
-            f"    split over machines (--nodes): {split}"
+            f"    split over machines (--nodes): {split}\n"
+            f"    speculation: {row['speculation']}"
         )
     if not args.files and len(rows) <= 1:
         print("  (no other GGUF found: `potluck pull ORG/REPO-GGUF` downloads one)")

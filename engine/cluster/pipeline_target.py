@@ -140,7 +140,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self._deliver(lambda: self._send_batch(ticket, job))
         return Ticket(job.group, ticket)
 
-    def wait(self, ticket: Ticket) -> np.ndarray:
+    def _wait(self, ticket: Ticket) -> np.ndarray:
         """Poll until the ticket's result arrives, filing any other result that comes first;
         a lost worker is replaced on the way (the ticket survives)."""
         t = ticket.seq_no

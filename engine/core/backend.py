@@ -63,15 +63,20 @@ def last_llama_error() -> str:
     return line.split(": ", 1)[1] if ": " in line and " " not in line.split(": ", 1)[0] else line
 
 
-def cpu_has_amx() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return any(flag.startswith("amx") for flag in line.split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_amx() -> bool:
+    return any(flag.startswith("amx") for flag in cpu_flags())
 
 
 def default_extra_bufts() -> bool:

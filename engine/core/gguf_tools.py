@@ -94,6 +94,73 @@ def open_reader(path: Path):  # -> gguf.GGUFReader
         raise ModelError(f"could not read GGUF {path}: the file is truncated or corrupt ({e})") from None
 
 
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    n_dims: int
+    type_name: str  # ggml's name: "Q4_K", "F32", ...
+
+
+def tensor_index(path: Path) -> list[TensorEntry]:
+    """Name, rank and type of every tensor, from the header alone. gguf-py's reader builds an
+    object per array element (a 262k-token vocabulary takes seconds); this skips the values."""
+    import mmap
+    import struct
+
+    import gguf
+
+    def skip_value(buf: mmap.mmap, at: int, vtype: int) -> int:
+        if vtype in _GGUF_SCALAR:
+            return at + _GGUF_SCALAR[vtype]
+        if vtype == _GGUF_STRING:
+            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+        if vtype != _GGUF_ARRAY:
+            raise ModelError(f"could not read GGUF {path}: unknown value type {vtype}")
+        etype, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if etype in _GGUF_SCALAR:
+            return at + count * _GGUF_SCALAR[etype]
+        if etype == _GGUF_STRING:  # a vocabulary: the hot loop
+            length = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                at += 8 + length(buf, at)[0]
+            return at
+        for _ in range(count):
+            at = skip_value(buf, at, etype)
+        return at
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            magic, _version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+            if magic != b"GGUF":
+                raise ModelError(f"not a GGUF model file: {path}")
+            at = 24
+            for _ in range(n_kv):
+                at += 8 + struct.unpack_from("<Q", buf, at)[0]  # the key
+                at = skip_value(buf, at + 4, struct.unpack_from("<I", buf, at)[0])
+            out = []
+            for _ in range(n_tensors):
+                n = struct.unpack_from("<Q", buf, at)[0]
+                name = bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", errors="replace")
+                at += 8 + n
+                n_dims = struct.unpack_from("<I", buf, at)[0]
+                at += 4 + 8 * n_dims
+                ttype = struct.unpack_from("<I", buf, at)[0]
+                at += 12  # type, offset
+                try:
+                    type_name = gguf.GGMLQuantizationType(ttype).name
+                except ValueError:
+                    type_name = f"type {ttype}"
+                out.append(TensorEntry(name, n_dims, type_name))
+            return out
+    except (OSError, ValueError, struct.error) as e:
+        raise ModelError(f"could not read GGUF {path}: the file is truncated or corrupt ({e})") from None
+
+
 def _field_value(field) -> object:
     return field.contents()
 

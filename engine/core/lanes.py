@@ -428,6 +428,7 @@ class LaneTarget(TargetBase):
         # a recurrent model has one lane (loader.lanes_for), which sends its jobs unmerged:
         # its truncate keeps to what the stages' rollback can restore, as the target's would
         self.recurrent = shared.recurrent
+        self.exact = shared.exact  # the model's longest exact batch, and 2-row steps (batch_exact.py)
         self._futures: dict[int, Future] = {}
         self._tickets = itertools.count(1)
         self._notices_seen = 0
@@ -442,7 +443,7 @@ class LaneTarget(TargetBase):
         self._futures[no] = self.hub.post(self.lane, shared)
         return Ticket(job.group, no)
 
-    def wait(self, ticket: Ticket) -> np.ndarray:
+    def _wait(self, ticket: Ticket) -> np.ndarray:
         return self.hub.wait_for(self.lane, self._futures.pop(ticket.seq_no))  # type: ignore[return-value]
 
     def poll(self, ticket: Ticket) -> bool:

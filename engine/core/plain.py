@@ -10,6 +10,7 @@ from .strategy import Generation, Round, Strategy
 
 class Plain(Strategy):
     name = "plain"
+    needs_exact_batches = False
     shares_batches = True
     description = "plain decoding, one token per target step"
 

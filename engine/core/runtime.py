@@ -18,6 +18,7 @@ Facts this module relies on (docs/facts.md):
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from .backend import (
     last_llama_error,
 )
 from .batch import Batch
+from .batch_exact import BatchExactness, model_exactness
 from .errors import DecodeError, GrammarError, ModelError
 from .kv import KvOp
 from .kv_state import GGML_TYPE_BF16
@@ -88,6 +90,7 @@ class Model(NativeObject):
         params.vocab_only = vocab_only
         self.vocab_only = vocab_only
         params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
+        self.use_extra_bufts = bool(params.use_extra_bufts)
         clear_llama_errors()
         self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
@@ -128,6 +131,12 @@ class Model(NativeObject):
         return self._ptr
 
     # -- metadata
+    @functools.cached_property
+    def batch_exact(self) -> BatchExactness:
+        """How long a verify batch may be, and whether single steps run as 2 rows, for every
+        row to equal a single step (:mod:`.batch_exact`; the GGUF's tensor index, read once)."""
+        return model_exactness(self.path, use_extra_bufts=self.use_extra_bufts)
+
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
         n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
@@ -611,3 +620,27 @@ class Context(NativeObject):
     def set_threads(self, n_threads: int) -> None:
         """Threads from the next batch on; 1-token batches stay within ``single_step_threads``."""
         ll.llama_set_n_threads(self._ptr, self._single_step(n_threads), n_threads)
+
+
+# --------------------------------------------------------------------------- quantizing
+
+
+def quantize_model(src: Path, dst: Path, file_type: str, *, pure: bool = False, n_threads: int = 1) -> Path:
+    """Write ``src`` requantized to llama.cpp's file type ``file_type`` ("Q4_K_M", "F16",
+    "F32", ...) as ``llama-quantize --allow-requantize`` does (``pure``: every matrix in that
+    type, none kept wider). Test models of each weight type (core/batch_exact.py)."""
+    ftype = getattr(ll, "LLAMA_FTYPE_ALL_F32" if file_type == "F32" else f"LLAMA_FTYPE_MOSTLY_{file_type}", None)
+    if ftype is None:
+        raise ModelError(f"llama.cpp has no file type {file_type!r} (Q4_K_M, Q8_0, F16, ...)")
+    init_backend()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.pure = pure
+    params.allow_requantize = True
+    params.nthread = n_threads
+    tmp = dst.with_name(dst.name + ".part")
+    if ll.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params)) != 0:
+        tmp.unlink(missing_ok=True)
+        raise ModelError(f"could not quantize {src} to {file_type} (llama.cpp: {last_llama_error() or 'unknown'})")
+    tmp.replace(dst)
+    return dst

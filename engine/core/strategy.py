@@ -81,6 +81,9 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     needs_draft: ClassVar[bool] = False
+    # runs verify batches: refused, in one line, where no batch length is exact on the model's
+    # weights (core/batch_exact.py)
+    needs_exact_batches: ClassVar[bool] = True
     accepts_draft: ClassVar[bool] = False  # takes an optional --draft (needs_draft implies it)
     description: ClassVar[str] = ""
     n_sequences: ClassVar[int] = 1  # KV sequences the target must offer (side runs, partitions)

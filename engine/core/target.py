@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from .batch_exact import FREE, UNLIMITED, BatchExactness
 from .errors import ContextFullError, PotluckError
 from .events import ClusterView, Event, NodeStatus
 from .jobs import DecodeJob, GroupCancelled, Ticket
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A k-token batch computes each row exactly like k single-token steps only up to 48 tokens
-# (flash attention, docs/facts.md §3): verification batches must stay at or below this size.
-MAX_EXACT_BATCH = 48
+# (flash attention, docs/facts.md §3): verification batches must stay at or below this size,
+# and below what the model's weight types allow (``Target.exact.max_rows``, core/batch_exact.py).
+MAX_EXACT_BATCH = UNLIMITED
 
 
 class Target(Protocol):
@@ -51,6 +53,8 @@ class Target(Protocol):
     n_batch: int
     n_seq_max: int
     n_stages: int  # stages a batch passes through in turn (1: one context; more: a pipeline)
+    exact: BatchExactness  # the longest exact verify batch; single steps as 2 rows or not
+    longest_verify_rows: int  # the most rows of any verify batch so far (tests, figures)
     recurrent: bool  # layers with a recurrent state: see truncate
 
     # -- job groups
@@ -166,6 +170,9 @@ class TargetBase(ABC):
     n_batch: int
     n_seq_max: int
     n_stages: int = 1
+    # what keeps verify batches exact on this model (core/batch_exact.py); strategies read
+    # exact.max_rows, decode and append run single steps as 2 rows where it says so
+    exact: BatchExactness = FREE
     # layers with a recurrent state (core/rollback.py): a tail can be dropped only as far as
     # the last KEEP_BATCHES batches of sequence 0 reach
     recurrent: bool = False
@@ -173,6 +180,9 @@ class TargetBase(ABC):
     def __init__(self) -> None:
         self._n_past = 0
         self._groups = itertools.count(1)
+        self._spare_rows: dict[int, int] = {}  # ticket -> trailing rows that were only padding
+        self.longest_verify_rows = 0  # the most rows of any verify batch (decode all_logits, append)
+        self.padded_steps = 0  # single steps run as 2 rows
         self._spans: deque[list[int]] = deque(maxlen=KEEP_BATCHES)  # [pos0, n] of sequence 0's last batches
         # (tokens computed, tokens in all) of the decode running now, one n_batch job at a time:
         # read from other threads (the chat's status line while a long prompt is read)
@@ -186,7 +196,13 @@ class TargetBase(ABC):
     def submit(self, job: DecodeJob) -> Ticket: ...
 
     @abstractmethod
-    def wait(self, ticket: Ticket) -> np.ndarray: ...
+    def _wait(self, ticket: Ticket) -> np.ndarray:
+        """The job's logits, every output row it computed."""
+
+    def wait(self, ticket: Ticket) -> np.ndarray:
+        spare = self._spare_rows.pop(ticket.seq_no, 0)
+        rows = self._wait(ticket)
+        return rows[: len(rows) - spare] if spare else rows
 
     @abstractmethod
     def poll(self, ticket: Ticket) -> bool: ...
@@ -222,11 +238,12 @@ class TargetBase(ABC):
                 f"{self.n_ctx}; start a new conversation or raise --ctx"
             )
         group = self.new_group() if group is None else group
-        outputs = "all" if all_logits else "last"
+        if all_logits:
+            self.longest_verify_rows = max(self.longest_verify_rows, n)
         tickets = []
         for i in range(0, n, self.n_batch):
             chunk = tokens[i : i + self.n_batch]
-            tickets.append(self.submit(DecodeJob.tokens(group, chunk, self._n_past + i, outputs=outputs)))
+            tickets.append(self._submit_tokens(group, chunk, self._n_past + i, all_logits))
             self._spans.append([self._n_past + i, len(chunk)])
         rows: list[np.ndarray] = []
         self.decode_progress = (0, n)
@@ -272,9 +289,31 @@ class TargetBase(ABC):
                 f"the conversation needs {self._n_past + n} tokens but the context holds "
                 f"{self.n_ctx}; start a new conversation or raise --ctx"
             )
-        ticket = self.submit(DecodeJob.tokens(group, tokens, self._n_past, outputs="all"))
+        self.longest_verify_rows = max(self.longest_verify_rows, n)
+        ticket = self._submit_tokens(group, tokens, self._n_past, all_logits=True)
         self._spans.append([self._n_past, n])
         self._n_past += n
+        return ticket
+
+    def _submit_tokens(self, group: int, tokens: Sequence[int], pos0: int, all_logits: bool) -> Ticket:
+        """One job of sequence 0. Where ``exact.two_row_steps``, every matrix product must see
+        2 rows or more (llamafile's tinyBLAS; 1 row takes vec_dot and sums differently): a
+        1-token job runs as 2 rows (the token again at the next position, its cell trimmed right
+        after), and a job asks for 2 output rows at least, so the last layer (which computes only
+        the output rows) multiplies 2 rows too. ``wait`` drops the spare row."""
+        n = len(tokens)
+        # a recurrent layer would take the spare token into its state, which no cell trim
+        # undoes (core/rollback.py): hybrids keep 1-row steps (docs/facts.md §37)
+        if not self.exact.two_row_steps or self.recurrent or (all_logits and n >= 2):
+            return self.submit(DecodeJob.tokens(group, tokens, pos0, outputs="all" if all_logits else "last"))
+        if n >= 2:  # the last row's logits, and the one before so that the last layer sees 2
+            return self.submit(DecodeJob.tokens(group, tokens, pos0, outputs=[False] * (n - 2) + [True, True]))
+        if pos0 + 2 > self.n_ctx:  # the context's last cell: no room for a spare row
+            return self.submit(DecodeJob.tokens(group, tokens, pos0, outputs="all"))
+        ticket = self.submit(DecodeJob.tokens(group, [tokens[0], tokens[0]], pos0, outputs="all"))
+        self.kv(KvOp.rm(0, pos0 + 1))
+        self._spare_rows[ticket.seq_no] = 1
+        self.padded_steps += 1
         return ticket
 
     def set_threads(self, n_threads: int) -> None:
@@ -346,6 +385,7 @@ class LocalTarget(TargetBase):
         self.n_ctx = self.stage.n_ctx
         self.n_batch = params.n_batch
         self.n_seq_max = self.stage.n_seq_max
+        self.exact = model.batch_exact
         self.recurrent = model.recurrent
         self._pending: dict[int, Future] = {}
         self._seq = itertools.count(1)
@@ -356,7 +396,7 @@ class LocalTarget(TargetBase):
         self._pending[seq_no] = self.runner.submit(job)
         return Ticket(job.group, seq_no)
 
-    def wait(self, ticket: Ticket) -> np.ndarray:
+    def _wait(self, ticket: Ticket) -> np.ndarray:
         return self._pending.pop(ticket.seq_no).result()
 
     def poll(self, ticket: Ticket) -> bool:

@@ -65,7 +65,7 @@ class SplitTarget(TargetBase):
 
         self.runners[i].submit(job).add_done_callback(next_stage)
 
-    def wait(self, ticket: Ticket) -> np.ndarray:
+    def _wait(self, ticket: Ticket) -> np.ndarray:
         return self._pending.pop(ticket.seq_no).result()
 
     def poll(self, ticket: Ticket) -> bool:

@@ -29,6 +29,7 @@ With ``adaptive=false`` every reply speculates, as the option promises.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from ...core.sampling import SamplingParams
     from ...core.spec import EngineSpec
 
+log = logging.getLogger(__name__)
+
 # A conversation this long (tokens) is a long document: N-gram drafts, whatever is loaded.
 LONG_DOCUMENT_TOKENS = 2048
 
@@ -50,29 +53,39 @@ LONG_DOCUMENT_TOKENS = 2048
 class Auto(Strategy):
     name = "auto"
     accepts_draft = True  # with --draft: sd on short conversations
+    needs_exact_batches = False  # decodes plainly, and says why, where no batch is exact
     shares_batches = True  # both picks do
     description = "picks per reply: sd with a draft on a chat, anpd otherwise; plain where sampled drafts don't pay"
     options = LENGTH_OPTIONS
 
-    def __init__(self, ngram: Speculative, draft: Speculative | None, *, adaptive: bool = True) -> None:
+    def __init__(
+        self, ngram: Speculative | None, draft: Speculative | None, plain_reason: str = "", *, adaptive: bool = True
+    ) -> None:
         self.ngram = ngram
         self.draft = draft
+        self.plain_reason = plain_reason  # why every reply is plain decoding ("" : it is not)
         self.plain = Plain()
         self.adaptive = adaptive
         self.sampled = SampledReplies()
-        self.current: Strategy = draft or ngram
+        self.current: Strategy = draft or ngram or self.plain
         self._sampled_reply = False  # the reply being run is sampled and speculates
 
     @classmethod
     def build(cls, target_model: Model, spec: EngineSpec) -> Strategy:
         cls.check_options(spec.strategy_options)  # the length options, passed to both picks
+        exact = target_model.batch_exact
+        if not exact.speculates:  # no verify batch is exact on these weights: plain decoding
+            log.warning("auto decodes plainly: %s", exact.reason)
+            return cls(None, None, f"no exact verify batch ({exact.reason})")
         ngram = NgramSpeculative.build(target_model, spec)
         draft = DraftModelSpeculative.build(target_model, spec) if spec.draft is not None else None
         assert isinstance(ngram, Speculative) and (draft is None or isinstance(draft, Speculative))
         return cls(ngram, draft, adaptive=bool_option(spec, "adaptive", True))
 
-    def choose(self, n_tokens: int) -> Speculative:
-        """The speculative strategy for a reply to a conversation of ``n_tokens`` tokens."""
+    def choose(self, n_tokens: int) -> Strategy:
+        """The strategy for a reply to a conversation of ``n_tokens`` tokens."""
+        if self.ngram is None:
+            return self.plain
         if self.draft is not None and n_tokens < LONG_DOCUMENT_TOKENS and self.draft.sure_draft_pays():
             return self.draft
         return self.ngram
@@ -80,6 +93,9 @@ class Auto(Strategy):
     def pick_for_reply(self, n_tokens: int, sampling: SamplingParams) -> str:
         sampled = not sampling.greedy and self.adaptive
         self.current = self.choose(n_tokens)
+        if self.plain_reason:
+            self._sampled_reply = False
+            return f"{self.name}: plain, {self.plain_reason}"
         if sampled and not self.sampled.speculate():
             self.current = self.plain
         self._sampled_reply = sampled and self.current is not self.plain
@@ -103,11 +119,11 @@ class Auto(Strategy):
             self.sampled.record(current.gate.reply_saved_ms, accepted)
 
     def reset(self) -> None:
-        self.ngram.reset()
-        if self.draft is not None:
-            self.draft.reset()
+        for s in (self.ngram, self.draft):
+            if s is not None:
+                s.reset()
 
     def close(self) -> None:
-        self.ngram.close()
-        if self.draft is not None:
-            self.draft.close()
+        for s in (self.ngram, self.draft):
+            if s is not None:
+                s.close()

@@ -1,7 +1,7 @@
 """Minions (Wang et al. 2024): several drafters vote, drafting runs ahead of verification.
 
 The round loop is :class:`~.speculative.Speculative`'s (one chain, one target batch of at
-most ``MAX_EXACT_BATCH`` tokens, trim the rejected tail; the adaptive length, the break-even
+most ``target.exact.max_rows`` tokens, trim the rejected tail; the adaptive length, the break-even
 threshold and the whole-reply floor come with it). What Minions changes is where the chain
 comes from, :class:`MajorityVote`, a drafter made of drafters:
 

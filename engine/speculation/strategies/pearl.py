@@ -19,7 +19,7 @@ Each round of the loop below reads top to bottom:
 4. emit the accepted drafts plus the target's own token at the first rejection; cancel the
    batches computed on the rejected guess and trim their KV cells from the tail.
 
-Exactness: every batch holds at most ``MAX_EXACT_BATCH`` tokens and rejected tokens leave
+Exactness: every batch holds at most ``target.exact.max_rows`` tokens and rejected tokens leave
 the KV cache from the tail, so each kept token sits where plain decoding would put it; the
 target's thread count changes between modes, which does not change its numbers with the
 BF16 KV cache (docs/facts.md §3, checked by the tests).
@@ -377,7 +377,7 @@ class Pearl(Strategy):
                     start = target.n_past
                     toks = history[start:p]  # accepted but not in the cache (the target's own token)
                     first_guess = max(start, p)
-                    room = min(p + window - first_guess, MAX_EXACT_BATCH - len(toks), g.remaining - 1)
+                    room = min(p + window - first_guess, target.exact.max_rows - len(toks), g.remaining - 1)
                     toks += self.ahead.drafted(first_guess, max(0, room))
                     if not toks:
                         break

@@ -24,7 +24,8 @@ sits in the cell plain decoding uses (exact, docs/facts.md §3). Partitions woul
 whole-sequence data copy per run both ways (``seq_cp`` across KV streams takes whole
 sequences only) and would divide the context among the partitions.
 
-Each micro-batch holds at most 4 tokens, well inside ``MAX_EXACT_BATCH``: greedy output is
+Each micro-batch holds at most 4 tokens, and never more than ``target.exact.max_rows`` (the
+longest exact batch on the model's weights, core/batch_exact.py): greedy output is
 token for token plain decoding's; sampled output keeps the target's distribution (each
 position is judged with :func:`~..verify.judge`, as in pearl).
 
@@ -315,7 +316,7 @@ class PipeInfer(Strategy):
                 while spec.may_send(len(book.runs), n_speculative := sum(r.speculative for r in book.runs)):
                     if book.ready():
                         break  # logits are waiting: sampling them comes first (the paper's probe)
-                    room = spec.room(g.remaining, len(guesses))
+                    room = min(spec.room(g.remaining, len(guesses)), target.exact.max_rows)
                     if self.adaptive:  # the gate's risk budget caps the guesses in flight
                         # a wasted guess costs about one stage's share of a plain step
                         row_ms = gate.plain_ms / target.n_stages if gate.plain_ms else None

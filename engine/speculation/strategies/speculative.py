@@ -11,7 +11,8 @@ Each round (compare llama.cpp's examples/speculative-simple):
 1. choose the speculation length ``s`` (Minions' adaptive selector, :mod:`..adaptive`);
 2. draft up to ``s`` tokens after the conversation;
 3. decode the pending token and the drafts in ONE target batch of at most
-   ``MAX_EXACT_BATCH`` tokens, which computes every row exactly like single steps;
+   ``target.exact.max_rows`` tokens (the model's weight types set it, core/batch_exact.py),
+   which computes every row exactly like single steps;
 4. accept a prefix of the drafts plus one token of the target's own (:mod:`..verify`);
 5. trim the rejected drafts from the KV tail, so every kept token sits in the cell plain
    decoding would have put it in: greedy output is token-for-token plain decoding's;
@@ -173,7 +174,7 @@ class Speculative(Strategy):
             s = min(wanted, self.gate.draft_cap(self.length_config.s_max, row_ms))
         else:
             s = self.length_config.s_max
-        k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
+        k = max(0, min(s, g.remaining - 1, g.target.exact.max_rows - len(pending)))
         min_accept_p = self.break_even.threshold(self.drafter.step_ms, max(1, k)) if self.adaptive else 0.0
         if min_accept_p >= 1.0:
             # not even a sure draft pays here now: plain step, no draft sync; but now and

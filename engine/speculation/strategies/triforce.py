@@ -11,7 +11,7 @@ that retrieval-cache target in turn:
 The first level is a drafter (:class:`~..drafters.retrieval.RetrievalDrafter`: the
 retrieval cache, its rebuilds, the N-gram guesses it checks on the way); the second is
 :class:`~.speculative.Speculative`'s round loop unchanged: sequence 0 verifies the pending
-token and the gamma2 drafts in one batch of at most ``MAX_EXACT_BATCH`` rows (same
+token and the gamma2 drafts in one batch of at most ``target.exact.max_rows`` rows (same
 verifier, rejected tail trimmed), so greedy output is token for token plain decoding's and
 sampled output keeps the target's distribution (retrieval drafts are deterministic: q =
 delta). What TriForce adds to the loop is its choice of drafter each round (:meth:`plan`).
@@ -163,7 +163,7 @@ class TriForce(Speculative):
             s = min(wanted, self.gate.draft_cap(self.length_config.s_max, row_ms))
         else:
             s, min_accept_p = self.length_config.s_max, 0.0
-        k = max(0, min(s, g.remaining - 1, MAX_EXACT_BATCH - len(pending)))
+        k = max(0, min(s, g.remaining - 1, g.target.exact.max_rows - len(pending)))
         return (0 if min_accept_p >= 1.0 else k), min_accept_p, drafter
 
     def learn(self, drafter: Drafter, drafted: int, accepted: int) -> None:
