@@ -582,11 +582,22 @@ def _gemma() -> Path:
 
 
 def test_gemma_slice_without_sliding_window_layer_crashes_only_the_stage(
-    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache, tmp_path: Path
+    worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The slice llama.cpp aborts on (layers 17-18 of Gemma 3 270M: GGML_ASSERT is_swa_any)."""
+    """The slice llama.cpp aborts on (layers 17-18 of Gemma 3 270M: GGML_ASSERT is_swa_any).
+    The head's planner never writes it (archs' slice rules refuse it); a hostile or older head
+    could, so the test writes it past that rule to prove the abort stays in the stage."""
+    from potluck.engine.core import archs
+
+    class AnySlice:
+        def why_not(self, lo: int, hi: int) -> None:
+            return None
+
     path = _gemma()
-    bad = slice_layers(path, tmp_path / "g17.gguf", 17, 18)
+    with monkeypatch.context() as m:
+        m.setattr(archs, "slice_rules", lambda header: AnySlice())
+        bad = slice_layers(path, tmp_path / "g17.gguf", 17, 18)
     size = bad.stat().st_size
     sl = SliceFile(SliceLayout(bad, b"", ((0, 0, size),), size), cache.sha256_of(bad), size, 17, 18, tmp_path)
     ctx = zmq.Context()
