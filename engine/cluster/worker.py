@@ -176,6 +176,7 @@ class Worker:
         self.unreachable_replies = 0  # replies to peers already gone
         self.crashes = 0
         self.forward_refused = 0  # forwards failed at once after the next stage was lost
+        self.forward_dropped = 0  # forwards that waited in the outbox until it was found lost
         self.overloaded = 0  # pipeline messages refused: the stage held all the work it may queue
         self.from_next_stage = 0  # messages the next stage sent back, dropped unread
         self.bytes_received = 0  # from peers other than the owner and the upstream
@@ -727,7 +728,7 @@ class Worker:
                     f"(it took nothing for {FORWARD_TIMEOUT_MS / 1000:g} s)"
                 )
                 log.warning("%s", self.next_lost)
-                self.forward_refused += len(self.forward_outbox)
+                self.forward_dropped += len(self.forward_outbox)
                 self.forward_outbox.clear()
                 self.forward_outbox_bytes = 0
                 self._to_owner(wire.Error(self.node, "failed", self.next_lost, self.txn))
