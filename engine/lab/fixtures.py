@@ -483,7 +483,7 @@ def _add_hparams(w, s: Shape, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUF
 _BLOCK_BYTES = {"q4": (Q4_0_BYTES, "Q4_0"), "mxfp4": (MXFP4_BYTES, "MXFP4")}  # per 32 weights
 
 
-def _tensor_info(w, name: str, dims: tuple[int, ...], fill: tuple[str, float]) -> None:  # noqa: ANN001
+def tensor_info(w, name: str, dims: tuple[int, ...], fill: tuple[str, float]) -> None:  # noqa: ANN001
     import gguf
 
     if fill[0] in _BLOCK_BYTES:
@@ -496,7 +496,7 @@ def _tensor_info(w, name: str, dims: tuple[int, ...], fill: tuple[str, float]) -
         w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
 
 
-def _tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, float]) -> np.ndarray:
+def tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, float]) -> np.ndarray:
     kind, arg = fill
     if kind in _BLOCK_BYTES:
         *lead, cols = dims
@@ -568,7 +568,7 @@ def build_shape(
     _add_tokenizer(reader, w, n_vocab)
     plan = _tensor_plan(s, n_vocab)
     for tname, dims, fill in plan:
-        _tensor_info(w, tname, dims, fill)
+        tensor_info(w, tname, dims, fill)
     layout = LAYOUTS[s.arch]
     extra = layout.extra_tensors(s) if layout.extra_tensors is not None else []
     for tname, values in extra:
@@ -578,7 +578,7 @@ def build_shape(
     w.write_ti_data_to_file()
     for i, (_, dims, fill) in enumerate(plan):
         # per tensor: the same bytes whatever is built before
-        w.write_tensor_data(_tensor_values(np.random.default_rng([seed, i]), dims, fill))
+        w.write_tensor_data(tensor_values(np.random.default_rng([seed, i]), dims, fill))
     for _, values in extra:
         w.write_tensor_data(values)
     w.close()

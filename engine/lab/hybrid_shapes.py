@@ -27,7 +27,7 @@ from ...assets import default_model_path
 from ..core.errors import ModelError
 from ..core.gguf_tools import copy_fields, open_reader
 from ..core.paths import fixtures_dir
-from .fixtures import LOGIT_STD, QK_GAIN, _tensor_info, _tensor_values
+from .fixtures import LOGIT_STD, QK_GAIN, tensor_info, tensor_values
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def _values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[str, ob
     if kind == "neg_uniform":
         lo, hi = arg  # type: ignore[misc]
         return (-rng.uniform(lo, hi, size=dims)).astype(np.float32)
-    return _tensor_values(rng, dims, fill)  # type: ignore[arg-type]
+    return tensor_values(rng, dims, fill)  # type: ignore[arg-type]
 
 
 def build_hybrid_shape(
@@ -243,7 +243,7 @@ def build_hybrid_shape(
     copy_fields(reader, w, "tokenizer.")
     plan = tensor_plan(s, n_vocab)
     for tname, dims, fill in plan:
-        _tensor_info(w, tname, dims, fill)  # type: ignore[arg-type]
+        tensor_info(w, tname, dims, fill)  # type: ignore[arg-type]
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
