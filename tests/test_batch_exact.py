@@ -174,7 +174,7 @@ def test_a_strategy_is_refused_where_no_batch_is_exact(
         open_session(EngineSpec(model=model_path, strategy="anpd", n_ctx=512, n_threads=1))
     session = open_session(EngineSpec(model=model_path, strategy="auto", n_ctx=512, n_threads=1))
     try:
-        shown = session.strategy.pick_for_reply(10)
+        shown = session.strategy.pick_for_reply(10, SamplingParams())
         assert shown.startswith("auto: plain, no exact verify batch (weights of type TQ1_0")
         tokens = [ev for ev in session.generate(PROMPTS[0], SamplingParams(), 8) if isinstance(ev, Finished)]
         assert len(tokens[0].tokens) == 8

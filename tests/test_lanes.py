@@ -284,7 +284,7 @@ def test_a_request_never_takes_the_lane_of_another_keys_conversation() -> None:
         def __init__(self, lane: int) -> None:
             self.lane, self.owner, self.covered = lane, "", ""
 
-        def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *, owner: str):
+        def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *, owner: str, **more: object):
             ran.append((self.lane, owner))
             self.owner, self.covered = owner, prompt.text
             yield ReplyStarted(1, "plain", 1, 1, 64)
