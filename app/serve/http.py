@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -496,7 +497,7 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-class GuardStep:
+class GuardStep(ABC):
     """A middleware that answers a request itself with :meth:`check`'s error, or passes it on."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], guard: Guard) -> None:
@@ -510,8 +511,9 @@ class GuardStep:
             return
         await self.app(scope, receive, send)
 
+    @abstractmethod
     def check(self, scope: Scope) -> ApiError | None:
-        raise NotImplementedError
+        """The error that answers this request, or None to pass it on."""
 
 
 class OriginMiddleware(GuardStep):

@@ -75,7 +75,7 @@ MAX_RANGE_ENUM = 256  # integer ranges written out as enums (see _integer_ranges
 def _integer_ranges(node: object) -> object:
     """A copy of ``node`` with each integer range of at most ``MAX_RANGE_ENUM`` values written
     as the enum of its values: llama-cpp-python's converter ignores ``minimum`` and ``maximum``
-    (a TODO in its source), and an enum it does constrain. Wider ranges stay unconstrained
+    (its source leaves them unhandled), and an enum it does constrain. Wider ranges stay unconstrained
     (README: structured output). Called after :func:`check_schema`: the depth is bounded."""
     if isinstance(node, list):
         return [_integer_ranges(v) for v in node]
