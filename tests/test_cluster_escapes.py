@@ -88,7 +88,7 @@ class Refuser:
         self.thread.join()
         self.sock.close(linger=0)
         self.auth.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 def test_a_workers_refusal_reaches_the_head_escaped(tmp_home: Path) -> None:

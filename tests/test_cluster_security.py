@@ -66,7 +66,7 @@ def test_head_without_the_token_cannot_join(worker: WorkerProc, model_path: Path
         sock.close()
         plain.close()
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
     deadline = time.monotonic() + 5
     while "refused" not in worker.log() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -169,7 +169,7 @@ def test_fuzzed_worker_stays_up_unchanged_and_serves_a_valid_head(
             tok = int(np.argmax(ref))
     finally:
         fuzzer.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
         local.close()
         target.close()
 

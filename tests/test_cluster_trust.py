@@ -101,7 +101,7 @@ def test_a_head_between_welcome_and_load_keeps_its_worker_until_it_goes(pair: li
     finally:
         first.close(linger=0)
         second.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 def test_a_squatted_forwarder_identity_cannot_replace_a_heads_traffic(
     pair: list[WorkerProc], model: Model, model_path: Path, tmp_path: Path
@@ -139,7 +139,7 @@ def test_a_squatted_forwarder_identity_cannot_replace_a_heads_traffic(
             assert np.array_equal(local.decode([tok]), target.wait(more))
     finally:
         squatter.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
         local.close()
         target.close()
 
@@ -170,7 +170,7 @@ def test_a_busy_worker_does_not_name_its_owner_and_the_heads_links_choose_no_rou
         assert target.decode([1, 2, 3]).shape == (1, target.n_vocab)  # the owner is still served
     finally:
         other.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
         target.close()
 
 
@@ -384,7 +384,7 @@ def test_a_load_naming_a_forbidden_next_stage_is_refused_by_a_real_worker(pair: 
         head.send_multipart(wire.to_frames(wire.Release(), bytes.fromhex(key)))
     finally:
         head.close(linger=100)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_the_heads_own_worker_is_reached_at_the_heads_address_on_a_stages_network(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def test_skim_drops_peers_past_their_budget_and_never_the_trusted() -> None:
     finally:
         for s in (router, *dealers):
             s.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_a_new_window_lifts_the_budget_and_the_metering() -> None:
@@ -88,4 +88,4 @@ def test_a_new_window_lifts_the_budget_and_the_metering() -> None:
     finally:
         for s in (router, *dealers):
             s.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)

@@ -66,9 +66,9 @@ def test_greedy_pearl_equals_plain_decoding(
         plain_rounds += sum(r.drafted == 0 for r in rounds)
         overlap += sum(r.overlap_ms for r in rounds)
     if adaptive:
-        # the gate measured plain rounds and probed parallel ones (with this weak draft it
-        # soon falls back to plain decoding on all cores: the floor at work)
-        assert drafted > 0 and plain_rounds > 0 and strategy.gate.closures > 0
+        # the gate measured plain rounds and let parallel ones through; whether it closes
+        # depends on this machine's timing (test_spec_adaptive proves closing on fixed costs)
+        assert drafted > 0 and plain_rounds > 0 and strategy.gate.plain_ms is not None
     else:
         assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
         assert overlap > 0  # the draft computed while the target verified
