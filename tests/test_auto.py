@@ -49,6 +49,7 @@ def test_short_chat_without_a_draft_uses_ngrams(model: Model, model_path: Path) 
     assert list(fin.tokens) == plain_conversation(model, [prompt], N_NEW, n_ctx=N_CTX)[0]
 
 
+@pytest.mark.slow
 def test_a_draft_model_drafts_a_chat_then_ngrams_take_a_long_document(
     model: Model, model_path: Path, weak_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

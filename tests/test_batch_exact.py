@@ -85,6 +85,7 @@ def _rows(model: Model, tokens: list[int], n0: int, prompt: list[int], *, two_ro
         return np.abs(b.logits(len(tokens)) - np.stack(steps)).max(axis=1)
 
 
+@pytest.mark.slow  # the figure behind the cap; every strategy under it runs by default (below)
 @needs_x86
 def test_the_cap_is_where_batches_stop_being_exact(kquant_path: Path, model_path: Path) -> None:
     """The measured edge: a batch of max_rows rows equals single steps, 8 rows do not."""

@@ -119,6 +119,7 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
         second.close()
 
 
+@pytest.mark.slow  # three stages by default: test_cluster_recovery
 def test_three_stages_of_a_60_layer_target_exact(
     model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache, tmp_path_factory
 ) -> None:
@@ -278,6 +279,7 @@ def deep40(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return merge_layer_ranges(model_path, tmp_path_factory.mktemp("deep40") / "deep40.gguf", [(0, 19), (10, 29)])
 
 
+@pytest.mark.slow  # rejected drafts over loopback workers by default: test_pipeinfer
 def test_speculation_over_the_cluster_with_rejected_drafts(
     model_path: Path, deep40: Path, workers: list[WorkerProc], slice_cache: SliceCache
 ) -> None:

@@ -185,7 +185,7 @@ def test_open_session_defaults_decode(tmp_home: Path) -> None:
         s.close()
 
 
-@pytest.mark.parametrize("n_kv", [100, 700])
+@pytest.mark.parametrize("n_kv", [100, pytest.param(700, marks=pytest.mark.slow)])
 def test_verify_batches_equal_single_steps_with_all_threads_at_long_context(model: Model, n_kv: int) -> None:
     """Regression: with an F16 KV cache and 2 threads, single steps past 512 KV cells took a
     split-KV attention path and differed from batches (speculation was not lossless). One
@@ -210,6 +210,7 @@ def test_verify_batches_equal_single_steps_with_all_threads_at_long_context(mode
         one.close()
 
 
+@pytest.mark.slow  # past 512 cells with two threads by default: test_prefill
 def test_anpd_equals_plain_past_512_cells_with_two_threads(model: Model) -> None:
     """The symptom of the regression above, end to end: a long reply with all threads."""
     from potluck.engine.core.spec import EngineSpec

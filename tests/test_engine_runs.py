@@ -213,6 +213,7 @@ def sampled_reply(model: Model, draft_path: Path, pool: ThreadPoolExecutor | Non
         session.close()
 
 
+@pytest.mark.slow  # seeded replies repeat with a draft thread by default: test_pearl, test_minions
 def test_seeded_sampling_repeats_with_drafting_on_another_thread(
     model: Model, model_path: Path, tmp_path: Path
 ) -> None:

@@ -125,7 +125,7 @@ def test_a_long_prompt_beside_decoding_lanes_is_exact(model: Model, plain_lanes:
     assert plain_lanes.hub.counters.prompt_chunks > chunks
 
 
-@pytest.mark.parametrize("strategy", ["anpd", "sd"])
+@pytest.mark.parametrize("strategy", ["anpd", pytest.param("sd", marks=pytest.mark.slow)])
 def test_verify_batches_of_several_conversations_share_a_batch(model: Model, weak_draft: Path, strategy: str) -> None:
     """Speculation on every lane, drafting every round (adaptive off): verify batches of
     several conversations go to the target together and every answer is plain decoding's."""

@@ -473,6 +473,7 @@ def test_bad_options_are_one_line_errors(model: Model) -> None:
         build(model, ahead="yes")
 
 
+@pytest.mark.slow
 def test_drafting_ahead_stops_at_a_full_context(model: Model, draft_path: Path) -> None:
     """The worker never drafts past the context: a reply that fills it ends as plain decoding's.
     One thread: the context's end, not the thread count, is what this checks."""

@@ -33,6 +33,7 @@ from potluck.engine.speculation import inflight, verify
 from potluck.engine.speculation.strategies.pipeinfer import PipeInfer
 
 from .cluster_support import TOKEN, WorkerProc
+from .support.breadth import beyond
 from .support.distributions import dense_probs
 from .support.prompts import LONG_PROMPTS, TURNS
 from .support.sampled import ALPHA, DEFAULTS, SETTINGS, broken_residual, chi2_pvalue, generation, next_round
@@ -105,7 +106,7 @@ def split(models: list[Model]) -> SplitTarget:
     return SplitTarget(models, PARAMS)
 
 
-@pytest.mark.parametrize("n_stages", [2, 3])
+@pytest.mark.parametrize("n_stages", beyond([2, 3], keep=[2]))
 def test_greedy_pipeinfer_equals_plain_decoding(
     model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], n_stages: int
 ) -> None:
@@ -154,7 +155,8 @@ def test_pipeinfer_with_a_draft_model_that_gets_rejected(
     assert c["drafted"] > c["accepted"] > 0 and c["cancelled"] > 0
 
 
-@pytest.mark.parametrize("options", [{"cancel": False}, {"continuous": False}, {"max_micro": 1, "max_runs": 6}])
+@pytest.mark.parametrize("options", beyond([{"cancel": False}, {"continuous": False}, {"max_micro": 1, "max_runs": 6}],
+                                            keep=[{"continuous": False}, {"max_micro": 1, "max_runs": 6}]))
 def test_ablations_stay_exact(
     model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], options: dict[str, object]
 ) -> None:
@@ -180,6 +182,7 @@ def test_the_floor_keeps_pipeinfer_exact(
     assert strategy.gate.plain_ms is not None  # synchronous rounds were measured
 
 
+@pytest.mark.slow
 def test_one_stage_runs_ordinary_speculation(model: Model, plain: list[list[int]]) -> None:
     got, c = replies(model, LocalTarget(model, PARAMS), build(model))
     assert got == plain
@@ -234,7 +237,7 @@ def second_tokens(model: Model, stages: list[Model], strategy: PipeInfer, text: 
 FRUITS = "My favourite fruits: apples, pears, plums. Her favourite fruits"  # then ":", then " apples"?
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("setting", beyond(list(SETTINGS), keep=["llama.cpp defaults", "penalties"]))
 def test_sampled_pipeinfer_token_follows_target_distribution(
     setting: str, model: Model, stage_models: dict[int, list[Model]]
 ) -> None:
@@ -260,7 +263,7 @@ def test_a_broken_residual_is_caught_in_pipeinfer(
 # --------------------------------------------------------------------------- worker processes
 
 
-@pytest.mark.parametrize("n_workers", [2, 3])
+@pytest.mark.parametrize("n_workers", beyond([2, 3], keep=[2]))
 def test_pipeinfer_over_loopback_workers_equals_one_machine(
     model: Model, model_path: Path, loopback_pool: list[WorkerProc], plain: list[list[int]], n_workers: int,
     tmp_path_factory: pytest.TempPathFactory,
@@ -275,6 +278,7 @@ def test_pipeinfer_over_loopback_workers_equals_one_machine(
     assert sum(st.skipped + st.aborted for st in status) > 0  # stages dropped cancelled work
 
 
+@pytest.mark.slow
 def test_cluster_bench_reports_overlap_and_bytes(
     model_path: Path, loopback_pool: list[WorkerProc], tmp_path: Path
 ) -> None:

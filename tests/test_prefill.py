@@ -23,6 +23,8 @@ from potluck.engine.core.spec import EngineSpec
 from potluck.engine.lab.benchmark import load_prompts
 from potluck.engine.loader import open_session, target_params
 
+from .support.breadth import beyond
+
 THREADS = 2
 
 
@@ -84,6 +86,7 @@ def plain_f16() -> Finished:
     return done
 
 
+@pytest.mark.slow  # past 512 cells by default: the staged prefill tests below
 def test_f16_speculation_equals_plain_past_512_cells(plain_f16: Finished) -> None:
     """anpd's verify batches (2 threads) against plain single steps (1 thread): token for token."""
     spec = _reply(EngineSpec(strategy="anpd", n_ctx=2048, n_threads=THREADS, kv_cache="f16",
@@ -92,6 +95,7 @@ def test_f16_speculation_equals_plain_past_512_cells(plain_f16: Finished) -> Non
     assert spec.accepted > 0 and spec.drafted > spec.accepted
 
 
+@pytest.mark.slow  # TriForce beside a staged prefill runs by default (below)
 def test_f16_triforce_equals_plain(plain_f16: Finished) -> None:
     """TriForce's retrieval sequence beside sequence 0 in an F16 cache (a small budget so
     that this prompt counts as long)."""
@@ -140,7 +144,8 @@ def plain_staged() -> Finished:
 TRIFORCE_SMALL = {"min_context": 0, "budget": 64, "sinks": 8, "recent": 32, "stride": 16}
 
 
-@pytest.mark.parametrize("strategy", ["anpd", "sd", "pearl", "minions", "pipeinfer", "triforce"])
+@pytest.mark.parametrize("strategy", beyond(["anpd", "sd", "pearl", "minions", "pipeinfer", "triforce"],
+                                             keep=["sd", "pipeinfer", "triforce"]))
 def test_every_strategy_equals_plain_after_a_staged_prefill(
     strategy: str, plain_staged: Finished, weak_draft: Path
 ) -> None:

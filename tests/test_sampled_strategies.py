@@ -23,6 +23,7 @@ from potluck.engine.speculation import inflight, verify
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 from potluck.engine.speculation.strategies.triforce import TriForce
 
+from .support.breadth import beyond, diagonal
 from .support.prompts import RAW_PROMPTS
 from .support.sampled import ALPHA, DEFAULTS, SETTINGS, broken_residual, chi2_pvalue, verified_tokens
 
@@ -70,8 +71,7 @@ def context(model: Model, name: str) -> ContextParams:
     return ContextParams(n_ctx=256, n_threads=1)
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(("name", "setting"), diagonal(list(CASES), list(SETTINGS)))
 def test_sampled_tokens_follow_the_target_distribution(
     name: str, setting: str, model: Model, strategies: dict[str, Strategy]
 ) -> None:
@@ -80,7 +80,7 @@ def test_sampled_tokens_follow_the_target_distribution(
     assert chi2_pvalue(tokens, p) > ALPHA
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "plain"])
+@pytest.mark.parametrize("name", beyond([n for n in CASES if n != "plain"], keep=["sd", "triforce"]))
 def test_a_broken_residual_is_caught(
     name: str, model: Model, strategies: dict[str, Strategy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -102,7 +102,7 @@ LETTERS = 'root ::= <[{last}]> " " [b-z] [a-z]*'
 DIGITS = 'root ::= <[{last}]> [0-9]+'
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", beyond(list(CASES), keep=["plain", "anpd", "sd"]))
 def test_sampled_tokens_follow_the_constrained_distribution(
     name: str, model: Model, strategies: dict[str, Strategy]
 ) -> None:

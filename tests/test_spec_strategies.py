@@ -18,6 +18,7 @@ from potluck.engine.core.target import MAX_EXACT_BATCH, LocalTarget
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 
 from .conftest import flat_cost_line
+from .support.breadth import beyond
 from .support.prompts import LONG_PROMPTS, RAW_PROMPTS, TURNS
 from .support.references import plain_conversation, plain_reply
 from .support.sampled import generation, next_round
@@ -60,11 +61,13 @@ def reference(model: Model) -> dict[str, list[int]]:
     return out
 
 
-def spec_sessions(model: Model, weak_draft: Path) -> Iterator[tuple[str, Strategy]]:
+def spec_sessions(model: Model, weak_draft: Path, only: str | None = None) -> Iterator[tuple[str, Strategy]]:
     # Fixed lengths: the adaptive path stops drafting whenever drafting loses on this box
     # (the floor), and this test must exercise rejected drafts whatever the machine's load.
-    yield "anpd", build("anpd", model, adaptive=False)
-    yield "sd", build("sd", model, weak_draft, adaptive=False, max_draft=2)
+    if only in (None, "anpd"):
+        yield "anpd", build("anpd", model, adaptive=False)
+    if only in (None, "sd"):
+        yield "sd", build("sd", model, weak_draft, adaptive=False, max_draft=2)
 
 
 def test_adaptive_anpd_equals_plain_decoding(model: Model, reference: dict[str, list[int]]) -> None:
@@ -109,12 +112,13 @@ def test_a_cost_line_that_forbids_drafting_is_probed_again(
     strategy.close()
 
 
-def test_greedy_equals_plain_decoding(
-    model: Model, weak_draft: Path, reference: dict[str, list[int]]
+@pytest.mark.parametrize("only", beyond(["anpd", "sd"], keep=["anpd"]))  # sd's exactness runs by default
+def test_greedy_equals_plain_decoding(  # in test_prefill, test_structured, test_lanes and test_batch_exact
+    only: str, model: Model, weak_draft: Path, reference: dict[str, list[int]]
 ) -> None:
-    """Every prompt, both strategies. `sd` stops at 128 tokens: its 20-layer draft makes a
-    token cost about 5 plain steps, and 4 x 128 tokens already hold about 60 rejections."""
-    for name, strategy in spec_sessions(model, weak_draft):
+    """Every prompt. `sd` stops at 128 tokens: its 20-layer draft makes a token cost about
+    5 plain steps, and 4 x 128 tokens already hold about 60 rejections."""
+    for name, strategy in spec_sessions(model, weak_draft, only):
         drafted = accepted = 0
         limit = MAX_TOKENS if name == "anpd" else 128
         for prompt in LONG_PROMPTS:
@@ -145,6 +149,7 @@ def test_multi_turn_greedy_equals_plain_decoding(
         session.close()
 
 
+@pytest.mark.slow  # the largest exact batch by default: test_batch_exact
 def test_long_fixed_drafts_stay_exact(model: Model, reference: dict[str, list[int]]) -> None:
     """Speculation length fixed at the largest exact batch: 47 drafts + the pending token."""
     strategy = build("anpd", model, max_draft=MAX_EXACT_BATCH - 1, adaptive=False)

@@ -170,6 +170,7 @@ def test_a_cancel_reaches_a_prompt_in_the_twin(model: Model) -> None:
         fresh.close()
 
 
+@pytest.mark.slow
 def test_the_twin_computes_alike_on_one_thread_and_two(model: Model) -> None:
     one, two = _target(model, n_threads=1), _target(model, n_threads=2)
     try:

@@ -76,6 +76,7 @@ def test_long_multi_turn_equals_plain(plain_long: list[tuple[int, ...]]) -> None
     assert 0 < c.budget < c.context / 4  # the retrieval cache really is sparse
 
 
+@pytest.mark.slow
 def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) -> None:
     """The defaults (adaptive lengths, the gate). Before the second turn the verify-cost line
     says an extra row is nearly free but a retrieval step (measured in the first turn) costs

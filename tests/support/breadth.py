@@ -1,0 +1,27 @@
+"""What the default run leaves to ``-m slow``.
+
+The default run proves each path once (every strategy exact, every sampling setting kept, every
+fault handled); the breadth around it (the same path with more settings, stages or prompts) runs
+with ``-m slow``, so the suite stays within its budget on two cores (README).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pytest
+
+
+def beyond(values: Iterable[Any], keep: Sequence[Any]) -> list[Any]:
+    """``values`` as parameters, those not in ``keep`` marked slow."""
+    return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
+
+
+def diagonal(rows: Sequence[str], columns: Sequence[str]) -> list[Any]:
+    """Every (row, column) pair as parameters; the default run keeps each row with the first
+    column and each other column with one row (in turn), so every row and every column runs."""
+    keep = {(r, columns[0]) for r in rows}
+    keep |= {(rows[i % len(rows)], c) for i, c in enumerate(columns[1:], start=1)}
+    return beyond([(r, c) for r in rows for c in columns], sorted(keep))
