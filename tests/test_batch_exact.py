@@ -26,10 +26,12 @@ from potluck.engine.core.runtime import Context, ContextParams, Model, quantize_
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.lab.fixtures import build_shape
-from potluck.engine.loader import open_session
+from potluck.engine.loader import open_lanes, open_session
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
+from .support.lanes import Ask, together
 from .support.prompts import LONG_PROMPTS
+from .support.prompts import PROMPTS as SHORT_PROMPTS
 
 AVX2 = frozenset({"avx2"})
 X86 = "x86_64"
@@ -159,6 +161,28 @@ def test_every_strategy_equals_plain_decoding_under_the_cap(
             assert padded == 0 or exact.two_row_steps
             drafted_by[name] += drafted
     assert all(drafted_by[n] > 0 for n in ("anpd", "sd", "pearl", "pipeinfer", "minions")), drafted_by
+
+
+@needs_x86
+def test_lanes_merge_a_kquant_models_batches_only_within_the_cap(kquant_path: Path) -> None:
+    """Four conversations speculating on lanes of the K-quant model: the hub merges their jobs
+    up to the cap and no further (past it every row of the batch would be summed by the tiled
+    kernels), so each reply is plain decoding's, as alone."""
+    prompts = [*PROMPTS, *SHORT_PROMPTS[:2]]
+    plain = EngineSpec(model=kquant_path, strategy="plain", n_ctx=512, n_threads=1)
+    want = [_reply(plain, p)[0] for p in prompts]
+    spec = EngineSpec(model=kquant_path, strategy="anpd", n_ctx=512, n_threads=1,
+                      strategy_options={"adaptive": False, "max_draft": 6})
+    lanes = open_lanes(spec, 4)
+    try:
+        cap = lanes.hub.target.exact.max_rows
+        got = [r[0] for r in together(lanes, [Ask(i, [p], max_tokens=TOKENS) for i, p in enumerate(prompts)])]
+        c = lanes.hub.counters
+    finally:
+        lanes.close()
+    assert [list(f.tokens) for f in got] == want
+    assert sum(f.drafted for f in got) > 0
+    assert c.shared > 0 and c.split_for_exactness > 0 and c.most_shared_rows <= cap < 8, (c, cap)
 
 
 def test_a_strategy_is_refused_where_no_batch_is_exact(

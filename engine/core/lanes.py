@@ -71,6 +71,7 @@ class _Item:
     lane: int
     work: Work
     future: Future = field(default_factory=Future)
+    posted: int = 0  # the hub's post count when it was queued: older jobs go first
 
     @property
     def prompt_chunk(self) -> bool:
@@ -96,10 +97,12 @@ class BatchingCounters:
     lane_jobs: int = 0  # lanes' jobs those batches carried
     rows: int = 0  # rows of those batches
     shared_rows: int = 0  # rows of the shared ones
+    most_shared_rows: int = 0  # the most rows a shared batch held
     shared_verify: int = 0  # shared batches in which two conversations or more sent several rows (verify batches)
     most_in_flight: int = 0  # the most such batches in flight at once (a pipeline's micro-batches)
     overlapped: int = 0  # batches sent while another was in flight (the stages computed both at once)
     prompt_chunks: int = 0  # prompt chunks sent on their own
+    split_for_exactness: int = 0  # batches closed at the model's longest exact batch (exact.max_rows)
     kv_ops: int = 0
     calls: int = 0  # kept conversations saved, restored or dropped
 
@@ -122,6 +125,7 @@ class LaneHub:
         self._sent: deque[_Sent] = deque()  # in flight, oldest first
         self._prefilling: int | None = None  # the lane whose prompt chunks are being sent
         self._groups = itertools.count(1)  # job groups, unique across the lanes
+        self._posted = itertools.count()  # jobs queued, in order (a batch takes the oldest first)
         self._cancelled = CancelledGroups()
         self._notices: list[Event] = []  # what the target reported (a lost worker), for every lane
         self._closed = False
@@ -164,8 +168,8 @@ class LaneHub:
     # -- lane threads
     def post(self, lane: int, work: Work) -> Future:
         """Queue ``work`` behind the lane's earlier work; its future gives the result."""
-        item = _Item(lane, work)
         with self._cond:
+            item = _Item(lane, work, posted=next(self._posted))
             if self._closed:
                 raise PotluckError("the server is shutting down")
             if isinstance(work, DecodeJob) and work.group in self._cancelled:
@@ -293,17 +297,25 @@ class LaneHub:
         return seen, due
 
     def _fill(self, ready: list[_Item], per_batch: int) -> list[_Item]:
-        """The next batch from the ready jobs (lane order): at most ``per_batch`` lanes and
-        the target's ``n_batch`` rows (always at least one job)."""
+        """The next batch from the ready jobs, oldest first (a lane left out of a full batch
+        goes in the next), in lane order within the batch: at most ``per_batch`` lanes, the
+        target's ``n_batch`` rows, and the model's longest exact batch (``exact.max_rows``,
+        core/batch_exact.py: past it a K-quant's tiled kernels sum each row differently, so a
+        row would not get the logits it gets alone); always at least one job, which then
+        goes as it would alone."""
         batch: list[_Item] = []
         rows = 0
+        limit = min(self.target.n_batch, self.target.exact.max_rows)
+        ready.sort(key=lambda item: item.posted)
         while ready and len(batch) < per_batch:
             n = ready[0].work.n_tokens  # type: ignore[union-attr]
-            if batch and rows + n > self.target.n_batch:
+            if batch and rows + n > limit:
+                if rows + n <= self.target.n_batch:
+                    self.counters.split_for_exactness += 1
                 break
             batch.append(ready.pop(0))
             rows += n
-        return batch
+        return sorted(batch, key=lambda item: item.lane)
 
     def _send(self, kind: str, items: list[_Item]) -> None:
         try:
@@ -353,6 +365,7 @@ class LaneHub:
         if lanes > 1:
             c.shared += 1
             c.shared_rows += rows
+            c.most_shared_rows = max(c.most_shared_rows, rows)
             c.shared_verify += sum(j.n_tokens > 1 for j in jobs) > 1  # type: ignore[union-attr]
         if len(jobs) == 1:
             return jobs[0]  # type: ignore[return-value]
