@@ -452,3 +452,37 @@ def test_connections_past_the_bound_are_refused_at_the_handshake(
         ctx.destroy(linger=0)  # every socket of the test's, whatever failed
         w.stop()
         serving.join(10)
+
+
+def test_a_hello_dropped_unread_is_said_again() -> None:
+    """A worker under a flood drops a stranger's message unread once the second's budget is
+    spent (inbox.py), a joining head's hello too: the head says it again, and the first answer
+    is taken."""
+    from potluck.engine.cluster.link import NodeLink
+    from potluck.engine.cluster.transport import server_socket
+
+    keys = keys_from_token(TOKEN)
+    ctx = zmq.Context()
+    server = server_socket(ctx, keys, max_msg_bytes=wire.DEFAULT_MAX_BYTES)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    hellos: list[wire.WireMessage] = []
+
+    def worker_that_drops_the_first_hello() -> None:
+        while len(hellos) < 2 and server.poll(20_000):
+            ident, *frames = server.recv_multipart()
+            hellos.append(wire.parse_frames(frames))
+            if len(hellos) == 2:
+                welcome = wire.Welcome("flooded", "0", 2, 1000, 1.0, "idle", wire.DEFAULT_MAX_BYTES)
+                server.send_multipart([ident, *wire.to_frames(welcome)])
+
+    thread = threading.Thread(target=worker_that_drops_the_first_hello)
+    thread.start()
+    link = NodeLink(ctx, keys, f"127.0.0.1:{port}")
+    try:
+        welcome = link.join("head-patient", "0", timeout_s=20)
+    finally:
+        thread.join()
+        link.close(release=False)
+        ctx.destroy(linger=0)
+    assert welcome.node_id == "flooded" and link.hellos_repeated == 1
+    assert [type(h) for h in hellos] == [wire.Hello, wire.Hello]

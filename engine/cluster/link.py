@@ -31,6 +31,8 @@ SEND_TIMEOUT_MS = 3000
 # A survivor may be blocked up to the worker's forward timeout (5 s) per batch it still tries
 # to pass to the lost node before it reads our hello.
 REJOIN_TIMEOUT_S = 15.0
+# a hello unanswered this long is sent again: longer than a worker's budget window (inbox.WINDOW_S)
+HELLO_AGAIN_S = 1.5
 # The link's figures at join (NodeLink.measure): the fastest of a few bare pings spread over
 # a fifth of a second (a worker that has just started is busy for a moment: loopback pings
 # then took 13 ms, and a plan gave its last stage 6 layers of 29), and the best of a few
@@ -119,6 +121,7 @@ class NodeLink:
         self.reachable: bool | None = None
         self.handshaken = False
         self.auth_failed = False
+        self.hellos_repeated = 0  # hellos sent again, unanswered (a worker under a flood)
         self.sock = client_socket(zctx, keys)
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # a bigger one drops the connection
@@ -223,6 +226,13 @@ class NodeLink:
         """Wait for this worker's reply of type ``want`` to a request already sent (several
         workers then work at once: the chain's loads); what else comes is dropped, as in
         :meth:`request`."""
+        reply = self._await_reply(want, timeout_s)
+        if reply is None:
+            raise NodeLostError(self._silence_reason(timeout_s), self.address)
+        return reply
+
+    def _await_reply(self, want: type[wire.WireMessage], timeout_s: float) -> wire.WireMessage | None:
+        """:meth:`reply`, but None when nothing came in time (a lost connection still raises)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(100):
@@ -234,7 +244,7 @@ class NodeLink:
             lost = self.drain_events()
             if lost:
                 raise self.lost(lost)
-        raise NodeLostError(self._silence_reason(timeout_s), self.address)
+        return None
 
     def _silence_reason(self, timeout_s: float) -> str:
         self.drain_events()
@@ -271,14 +281,23 @@ class NodeLink:
         """Say hello until welcomed. A busy worker is asked again until the deadline (one whose
         last head just vanished is busy until it notices, < 3 s), unless ``ours(node_id)``:
         another of our links holds it (one worker at two addresses). Asking again would take it
-        from that link once the worker's setup lease lapses."""
+        from that link once the worker's setup lease lapses. A hello not answered within
+        :data:`HELLO_AGAIN_S` is sent again: a worker under a flood drops a stranger's message
+        unread once the second's budget is spent (inbox.py), and a repeated hello is welcomed
+        again (worker.py: nothing is loaded yet)."""
         deadline = time.monotonic() + timeout_s
         if not self.await_handshake(deadline):
             raise NodeLostError(self._silence_reason(timeout_s), self.address)
         while True:
             try:
-                reply = self.request(self._hello(head_id, version), max(0.5, deadline - time.monotonic()))
-                break
+                self.send(self._hello(head_id, version))
+                left = deadline - time.monotonic()
+                reply = self._await_reply(wire.Welcome, max(0.5, min(HELLO_AGAIN_S, left)))
+                if reply is not None:
+                    break
+                if time.monotonic() >= deadline:
+                    raise NodeLostError(self._silence_reason(timeout_s), self.address)
+                self.hellos_repeated += 1
             except NodeBusyError as e:
                 if e.node_id and ours(e.node_id):
                     raise SameNodeError(f"another address of node {e.node_id}", e.node_id) from None
