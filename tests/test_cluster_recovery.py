@@ -243,6 +243,7 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
         target.close()
 
 
+@pytest.mark.slow
 def test_a_stage_whose_next_stage_died_fails_the_batches_after_the_first_at_once(
     model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache, tmp_path: Path
 ) -> None:

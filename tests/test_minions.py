@@ -447,6 +447,7 @@ def sampled_reply(model: Model, draft_path: Path, seed: int) -> tuple[list[int],
         session.close()
 
 
+@pytest.mark.slow  # seeded replies repeat with a draft thread by default: test_pearl
 def test_seeded_sampling_repeats_with_a_worker_drafting(model: Model, draft_path: Path) -> None:
     first, rounds = sampled_reply(model, draft_path, 11)
     check_counters(rounds)

@@ -156,7 +156,7 @@ def test_pipeinfer_with_a_draft_model_that_gets_rejected(
 
 
 @pytest.mark.parametrize("options", beyond([{"cancel": False}, {"continuous": False}, {"max_micro": 1, "max_runs": 6}],
-                                            keep=[{"continuous": False}, {"max_micro": 1, "max_runs": 6}]))
+                                            keep=[{"max_micro": 1, "max_runs": 6}]))
 def test_ablations_stay_exact(
     model: Model, stage_models: dict[int, list[Model]], plain: list[list[int]], options: dict[str, object]
 ) -> None:

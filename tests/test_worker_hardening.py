@@ -590,6 +590,7 @@ def _gemma() -> Path:
     return Path(pkg.assemble())
 
 
+@pytest.mark.slow  # a crashing stage is reported by default: test_a_crashing_stage_is_reported_and_...
 def test_gemma_slice_without_sliding_window_layer_crashes_only_the_stage(
     worker: WorkerProc, keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -696,7 +697,7 @@ def test_token_files_are_private(tmp_home: Path) -> None:
 # --------------------------------------------------------------------------- fuzzing (a few hundred cases with -m slow)
 
 
-@pytest.mark.parametrize("cases", beyond([100, 300], keep=[100]))
+@pytest.mark.parametrize("cases", beyond([60, 300], keep=[60]))
 def test_fuzz_both_ways(cases: int, model: Model, model_path: Path, tmp_path: Path) -> None:
     """The fuzz campaigns of scripts/fuzz_cluster.py in small: as the upstream head (every case
     reaches the worker's own checks or is refused by the wire) and as a malicious worker
