@@ -15,7 +15,7 @@ from potluck.engine import EngineSpec, Finished, Lanes, Message, PromptCache, Sa
 from potluck.engine.core.batch import Batch
 from potluck.engine.core.runtime import Context, ContextParams, Model
 
-from .support.lanes import Ask, together
+from .support.lanes import Ask, scripted_lanes, together
 from .support.prompts import LONG_PROMPTS, PROMPTS
 from .support.references import plain_conversation, plain_reply
 
@@ -263,57 +263,10 @@ def test_a_request_never_takes_the_lane_of_another_keys_conversation() -> None:
     there (the reuse itself is refused per key in Session; this is the lane choice). The
     engine thread with scripted lanes, no model."""
     import asyncio
-    import time
     from types import SimpleNamespace
 
     from potluck.app.serve.engine_thread import EngineThread, Job
     from potluck.app.serve.protocol import GenerationRequest
-    from potluck.engine import ReplyStarted
-
-    ran: list[tuple[int, str]] = []
-
-    class Scripted:
-        class target:  # noqa: N801 - the attribute the engine thread reads
-            n_ctx = 64
-
-        class model:  # noqa: N801 - Lanes.close closes it
-            @staticmethod
-            def close() -> None:
-                pass
-
-        def __init__(self, lane: int) -> None:
-            self.lane, self.owner, self.covered = lane, "", ""
-
-        def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *, owner: str, **more: object):
-            ran.append((self.lane, owner))
-            self.owner, self.covered = owner, prompt.text
-            yield ReplyStarted(1, "plain", 1, 1, 64)
-            yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)
-
-        def held_text(self, owner: str = "") -> str:
-            return self.covered if owner == self.owner else ""
-
-        def cancel(self, run_id: int | None = None) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    class Hub:  # nothing to batch: the owner thread only looks again
-        def step(self, wait_s: float) -> None:
-            time.sleep(0.01)
-
-        def activate(self, lane: int, active: bool = True) -> None:
-            pass
-
-        def wake(self) -> None:
-            pass
-
-        def regroup(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
 
     async def ask(engine: EngineThread, owner: str, text: str) -> None:
         job = Job(GenerationRequest("chat", SamplingParams(), 1), asyncio.get_running_loop(), owner=owner)
@@ -322,7 +275,7 @@ def test_a_request_never_takes_the_lane_of_another_keys_conversation() -> None:
         assert (await asyncio.wait_for(job.events.get(), 10))[0] == "done"
 
     async def main() -> None:
-        engine = EngineThread(lambda: Lanes(Hub(), [Scripted(0), Scripted(1)]), max_queue=4)  # type: ignore[arg-type, list-item]
+        engine = EngineThread(lambda: lanes, max_queue=4)
         engine.start()
         engine.loaded.wait(10)
         await ask(engine, "carol", "Carol's question")  # lane 0
@@ -331,5 +284,6 @@ def test_a_request_never_takes_the_lane_of_another_keys_conversation() -> None:
         await ask(engine, "alice", "The door PIN is 493817. Hello! And more")  # her own lane 1
         engine.stop()
 
+    lanes, ran = scripted_lanes(2)
     asyncio.run(main())
-    assert ran == [(0, "carol"), (1, "alice"), (0, "bob"), (1, "alice")]
+    assert [(lane, owner) for lane, owner, _ in ran] == [(0, "carol"), (1, "alice"), (0, "bob"), (1, "alice")]

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from potluck.app.serve.connections import listening_socket
 from potluck.app.serve.launch import RunningServer
 
+from .support.lanes import scripted_lanes
 from .support.serving import serving
 
 ALICE = "alice-Zr8sKq2vLm5xT9wBp3"
@@ -275,52 +276,10 @@ def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_token
 
     from potluck.app.serve.engine_thread import EngineThread, Job
     from potluck.app.serve.protocol import GenerationRequest
-    from potluck.engine import Finished, Lanes, ReplyStarted, SamplingParams
-
-    ran: list[str] = []
-
-    class Scripted:
-        class target:  # noqa: N801 - the attribute the engine thread reads
-            n_ctx = 64
-
-        class model:  # noqa: N801 - Lanes.close closes it
-            @staticmethod
-            def close() -> None:
-                pass
-
-        def answer(self, prompt: SimpleNamespace, sampling: object, max_tokens: int, *,
-                   owner: str, **shape: object) -> Iterator[object]:  # grammar, logprobs, n
-            ran.append(prompt.text)
-            yield ReplyStarted(1, "plain", 1, 1, 64)
-            yield Finished(1, "stop", "", (), 1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)
-
-        def held_text(self, owner: str = "") -> str:
-            return ""
-
-        def cancel(self, run_id: int | None = None) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    class Hub:  # the lanes' hub with nothing to batch: the owner thread only looks again
-        def step(self, wait_s: float) -> None:
-            time.sleep(0.01)
-
-        def activate(self, lane: int, active: bool = True) -> None:
-            pass
-
-        def wake(self) -> None:
-            pass
-
-        def regroup(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
+    from potluck.engine import SamplingParams
 
     async def main() -> None:
-        engine = EngineThread(lambda: Lanes(Hub(), [Scripted()]), max_queue=4)  # type: ignore[arg-type, list-item]
+        engine = EngineThread(lambda: lanes, max_queue=4)
         engine.start()
         engine.loaded.wait(10)
         loop = asyncio.get_running_loop()
@@ -329,10 +288,11 @@ def test_the_engine_runs_tokenized_requests_while_a_big_one_is_still_being_token
         engine.submit(small)
         engine.ready(small, SimpleNamespace(text="small"))  # type: ignore[arg-type]
         assert (await asyncio.wait_for(small.events.get(), 10))[0] == "done"
-        assert ran == ["small"] and not big.finished.is_set()
+        assert [text for *_, text in ran] == ["small"] and not big.finished.is_set()
         engine.ready(big, SimpleNamespace(text="big"))  # type: ignore[arg-type]
         assert (await asyncio.wait_for(big.events.get(), 10))[0] == "done"
-        assert ran == ["small", "big"]
+        assert [text for *_, text in ran] == ["small", "big"]
         engine.stop()
 
+    lanes, ran = scripted_lanes(1)
     asyncio.run(main())
