@@ -574,22 +574,28 @@ class _Found:
         pass
 
 
-@run_async
-async def test_a_worker_found_after_the_user_changed_the_selection_is_offered_unselected(tmp_path: Path) -> None:
-    # All workers are offered selected at first; once the user picks, one that appears later
-    # (another PC starting `potluck worker`) must not join the split unasked.
-    lan = _Found()
+def _picker_over(lan: _Found) -> ClusterScreen:
+    """The cluster picker, browsing ``lan`` instead of zeroconf."""
 
     class Picker(ClusterScreen):
         def _browse(self) -> None:
             self._membership = lan  # type: ignore[assignment]
             self.app.call_from_thread(self._refresh)
 
+    return Picker(None, set())
+
+
+@run_async
+async def test_a_worker_found_after_the_user_changed_the_selection_is_offered_unselected(tmp_path: Path) -> None:
+    # All workers are offered selected at first; once the user picks, one that appears later
+    # (another PC starting `potluck worker`) must not join the split unasked.
+    lan = _Found()
+
     app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
     async with app.run_test(size=SIZE) as pilot:
         await ready(app)
         a, b = lan.add(7001), lan.add(7002)
-        picker = Picker(None, set())
+        picker = _picker_over(lan)
         await app.push_screen(picker)
         from textual.widgets import SelectionList
 
@@ -616,16 +622,11 @@ async def test_what_records_and_workers_say_is_shown_not_interpreted(tmp_path: P
     lan = _Found()
     lan.list.append(DiscoveredNode(evil, "127.0.0.1:7001", evil, PROTOCOL_VERSION, 2, 1000, 3.0))
 
-    class Picker(ClusterScreen):
-        def _browse(self) -> None:
-            self._membership = lan  # type: ignore[assignment]
-            self.app.call_from_thread(self._refresh)
-
     app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
     async with app.run_test(size=SIZE) as pilot:
         await ready(app)
         app.report_error(f"node {evil} at 127.0.0.1:7001 refused: {evil}")
-        picker = Picker(None, set())
+        picker = _picker_over(lan)
         await app.push_screen(picker)
         from textual.widgets import SelectionList
 
