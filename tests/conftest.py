@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from potluck.assets import default_model_path
+from potluck.discovery.lab import Attacker
 from potluck.engine.core import paths
 from potluck.engine.core.runtime import Model
 
@@ -127,3 +128,13 @@ def tmp_home(tmp_path: Path) -> Iterator[Path]:
         yield tmp_path
     finally:
         paths.override_home(None)
+
+
+@pytest.fixture()
+def attacker() -> Iterator[Attacker]:
+    """A hostile LAN neighbour's zeroconf, bound to loopback (potluck.discovery.lab)."""
+    a = Attacker()
+    try:
+        yield a
+    finally:
+        a.close()

@@ -13,17 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-import zmq
 
 from potluck.discovery.auth import keys_from_token
 from potluck.discovery.lab import LOOPBACK, Attacker, dead_port, worker_record
 from potluck.engine.cluster import wire
-from potluck.engine.cluster.transport import server_socket, start_authenticator
+from potluck.engine.lab.wire_fuzz import FakeWorker
 
 from .cluster_support import TOKEN
 
@@ -42,15 +37,6 @@ def assert_escaped(text: str) -> None:
     assert "\\x1b]52;c;aGk=\\x07" in text, text  # shown, escaped (long text is cut: a line each)
 
 
-@pytest.fixture()
-def attacker() -> Iterator[Attacker]:
-    a = Attacker()
-    try:
-        yield a
-    finally:
-        a.close()
-
-
 def test_potluck_nodes_escapes_what_a_record_says(attacker: Attacker, tmp_home: Path) -> None:
     instance, port = "potluck-evil" + os.urandom(4).hex(), dead_port()
     attacker.zc.register_service(worker_record(EVIL, port, instance=instance, version=EVIL),
@@ -62,37 +48,9 @@ def test_potluck_nodes_escapes_what_a_record_says(attacker: Attacker, tmp_home: 
     assert "\x1b" not in out.stdout + out.stderr
 
 
-class Refuser:
-    """A token holder posing as a worker that refuses every request with text for the terminal."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.auth = start_authenticator(self.ctx, keys_from_token(TOKEN))
-        self.sock = server_socket(self.ctx, keys_from_token(TOKEN), max_msg_bytes=1 << 20)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.stop = False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop:
-            if self.sock.poll(20):
-                ident, *_ = self.sock.recv_multipart()
-                try:
-                    self.sock.send_multipart([ident, *wire.to_frames(wire.Error(EVIL, "refused\x1b[2J", EVIL, 0))])
-                except zmq.ZMQError:
-                    pass
-
-    def close(self) -> None:
-        self.stop = True
-        self.thread.join()
-        self.sock.close(linger=0)
-        self.auth.stop()
-        self.ctx.destroy(linger=0)
-
-
 def test_a_workers_refusal_reaches_the_head_escaped(tmp_home: Path) -> None:
-    evil = Refuser()
+    # a token holder posing as a worker, refusing every request with text for the terminal
+    evil = FakeWorker(keys_from_token(TOKEN), 49152, lambda m: [], refusal=wire.Error(EVIL, "refused\x1b[2J", EVIL, 0))
     try:
         out = run_cli(["generate", "--nodes", f"127.0.0.1:{evil.port}", "--join-timeout", "30",
                        "--max-tokens", "1", "hi"], tmp_home)

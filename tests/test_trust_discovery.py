@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,15 +27,6 @@ from potluck.engine.cluster.transfer import SliceCache
 
 BROWSE_S = 4.0
 JOIN_S = 10.0  # the real worker must join within it, on a busy machine too
-
-
-@pytest.fixture()
-def attacker() -> Iterator[Attacker]:
-    a = Attacker()
-    try:
-        yield a
-    finally:
-        a.close()
 
 
 def test_clones_and_junk_are_candidates_beside_the_real_worker(attacker: Attacker) -> None:

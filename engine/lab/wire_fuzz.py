@@ -100,11 +100,13 @@ class FakeWorker:
     """A token holder posing as a worker: an honest setup (hello, offer, load, ping, status),
     then ``result(forward)`` gives the frames it sends back for each batch (lies, or nothing).
     ``stale``: a result of an old chain and the welcome of a timed-out hello go out just
-    before an offer's reply (what a rebuilding head must not take as that reply)."""
+    before an offer's reply (what a rebuilding head must not take as that reply).
+    ``refusal``: the answer to every message instead (a worker that refuses whatever it is asked)."""
 
     def __init__(
         self, keys: CurveKeys, n_vocab: int, result: Callable[[wire.Forward], list], n_embd: int = 576,
         stale: bool = False, port: int = 0, node_id: str = "fake", free_mb: int = 4000,
+        refusal: wire.Error | None = None,
     ) -> None:
         self.node_id = node_id
         self.free_mb = free_mb
@@ -121,6 +123,7 @@ class FakeWorker:
         self.n_embd = n_embd
         self.result = result
         self.stale = stale  # late messages go out just before the offer's reply
+        self.refusal = refusal
         self.stop = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -139,7 +142,9 @@ class FakeWorker:
             except wire.WireError:
                 continue
             replies: list = []
-            if isinstance(msg, wire.Hello):
+            if self.refusal is not None:
+                replies = [wire.to_frames(self.refusal)]
+            elif isinstance(msg, wire.Hello):
                 replies = [wire.to_frames(wire.Welcome(self.node_id, "0", 2, self.free_mb, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Offer):
                 replies = [wire.to_frames(wire.OfferReply(msg.sha256, True, 0))]
@@ -167,4 +172,4 @@ class FakeWorker:
         self.thread.join()
         self.sock.close(linger=0)
         self.auth.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
