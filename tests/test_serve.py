@@ -25,7 +25,7 @@ from potluck.app.serve.launch import RunningServer
 from potluck.engine import EngineSpec, Finished, Message, SamplingParams, Session, open_session
 
 from .support.conversations import interleave_turns
-from .support.serving import serving
+from .support.serving import ask_at_once, serving
 
 KEY = "potluck-test-Zr8sKq2vLm5xT9wB"
 MAX_QUEUE = 3
@@ -208,18 +208,8 @@ def test_four_clients_at_once_each_exact(server: RunningServer, client: openai.O
     """Four official clients at once: their steps share batches (the counters say so) and
     each gets exactly the text it gets alone."""
     prompts = ["What is a cat?", "Say hello.", "What is 2+2?", "Name a planet."]
-    got: dict[str, str] = {}
     before = server.health()["batching"]
-
-    def ask(p: str) -> None:
-        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}], max_tokens=32)
-        got[p] = r.choices[0].message.content
-
-    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
+    got = ask_at_once(client, prompts, 32)
     after = server.health()["batching"]
     for p in prompts:
         assert got[p] == finished(reference().generate(p, SamplingParams(), 32)).text

@@ -3,7 +3,6 @@ machine answers, and /health and /metrics show the chain's stages."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from urllib.request import urlopen
 
@@ -16,6 +15,7 @@ from potluck.engine import EngineSpec, Finished, SamplingParams, open_session
 
 from .cluster_support import JOIN_S, TOKEN, WorkerProc, start_workers
 from .support.conversations import interleave_turns
+from .support.serving import ask_at_once
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +82,8 @@ def test_four_clients_at_once_keep_the_stages_busy_and_each_answer_is_exact(clus
             want[p] = [e for e in local.generate(p, SamplingParams(), 24) if isinstance(e, Finished)][-1].text
     finally:
         local.close()
-    got: dict[str, str] = {}
-
-    def ask(p: str) -> None:
-        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}], max_tokens=24)
-        got[p] = r.choices[0].message.content
-
     before = cluster_server.health()["batching"]
-    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
+    got = ask_at_once(client, prompts, 24)
     after = cluster_server.health()["batching"]
     assert got == want
     assert after["overlapped"] > before["overlapped"] and after["most_in_flight"] >= 2

@@ -3,9 +3,11 @@ loopback port the OS picks, stopped at the end, its log free of tracebacks."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from potluck.app.serve.launch import RunningServer, start_server, stop_server
 
@@ -20,3 +22,21 @@ def serving(home: Path, config: str, args: Sequence[str] = (), **options: object
     finally:
         stop_server(running.proc)
     assert "Traceback" not in running.log()
+
+
+def ask_at_once(client: Any, prompts: Sequence[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt sent by its own thread through the official ``client``, all at once; the
+    text each got."""
+    got: dict[str, str] = {}
+
+    def ask(p: str) -> None:
+        r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}],
+                                           max_tokens=max_tokens)
+        got[p] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return got
