@@ -72,6 +72,11 @@ async def converse(app: PotluckApp, pilot) -> None:  # noqa: ANN001
     await pilot.press("enter")
     await until(lambda: app.reply is None and len(app.store.messages(app.active)) == 2)  # type: ignore[union-attr, arg-type]
     app.input.text = ""
+    # The log settles after a refresh: at its end, and with no gap above the first message
+    # once the final Markdown fits again (a streamed reply is taller; seen on CI at 60x20).
+    chat = app.chat_log()
+    await pilot.pause()
+    await until(lambda: chat is not None and chat.scroll_y == chat.max_scroll_y, what="the log at its end")
     await pilot.pause()
 
 

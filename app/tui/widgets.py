@@ -253,10 +253,15 @@ class ChatLog(VerticalScroll):
         """Keep the end in view while a reply streams, until the user scrolls up.
 
         Anchoring only once the messages overflow: an anchored log bottom-aligns short
-        content, leaving an empty gap above the first message.
+        content, leaving an empty gap above the first message. So the anchor is let go again
+        when the messages fit once more (a streamed reply is taller than its final Markdown).
         """
-        if not self.is_anchored and self.max_scroll_y > 0:
-            self.anchor()
+        if self.max_scroll_y > 0:
+            if not self.is_anchored:
+                self.anchor()
+        elif self.is_anchored:
+            self.anchor(False)
+            self.scroll_home(animate=False, immediate=True)
 
     def on_resize(self) -> None:
         self.call_after_refresh(self.follow)
