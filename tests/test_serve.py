@@ -72,10 +72,6 @@ def finished(events: Iterator[object]) -> Finished:
     return [e for e in events if isinstance(e, Finished)][-1]
 
 
-def counters(server: RunningServer) -> dict[str, int]:
-    return server.health()["counters"]  # type: ignore[return-value]
-
-
 def wait_for(check: Callable[[], bool], timeout_s: float = 120.0, show: Callable[[], object] | None = None) -> None:
     """Until ``check()`` holds (a bound for a stalled machine, not a timing goal); on failure
     the message carries ``show()`` (say, the server's /health) for the next engineer."""
@@ -283,15 +279,15 @@ def test_a_cache_miss_equals_a_fresh_session_given_that_history(client: openai.O
 
 
 def test_hang_up_mid_stream_cancels_and_the_next_request_runs(server: RunningServer, client: openai.OpenAI) -> None:
-    before = counters(server)
+    before = server.counters()
     conn, r = open_stream(server, {"messages": [{"role": "user", "content": "Write a long story about a dragon."}],
                                    "max_tokens": 2000})
     lines = 0
     while lines < 4:  # a few chunks have arrived: the reply is decoding
         lines += r.fp.readline().startswith(b"data:")
     hang_up(conn)
-    wait_for(lambda: counters(server)["cancelled_running"] == before["cancelled_running"] + 1)
-    after = counters(server)
+    wait_for(lambda: server.counters()["cancelled_running"] == before["cancelled_running"] + 1)
+    after = server.counters()
     assert after["completion_tokens"] - before["completion_tokens"] < 2000
     assert server.health()["queue"] == {"running": False, "waiting": 0, "max": MAX_QUEUE}
     r2 = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
@@ -299,15 +295,15 @@ def test_hang_up_mid_stream_cancels_and_the_next_request_runs(server: RunningSer
 
 
 def test_hang_up_during_a_long_prompt_is_noticed_before_decoding(server: RunningServer) -> None:
-    before = counters(server)
+    before = server.counters()
     words = " ".join(uuid.uuid4().hex[:6] for _ in range(350))  # ~2100 tokens, never cached
     conn, _ = open_stream(server, {"messages": [{"role": "user", "content": f"Summarize: {words}"}], "max_tokens": 50})
     wait_for(lambda: server.health()["queue"]["running"])
     hang_up(conn)
     # seen once in a full run (2026-11-25): not reached in 120 s, cause not found; /health says more
-    wait_for(lambda: counters(server)["cancelled_running"] == before["cancelled_running"] + 1,
+    wait_for(lambda: server.counters()["cancelled_running"] == before["cancelled_running"] + 1,
              show=lambda: (before, server.health()))
-    after = counters(server)
+    after = server.counters()
     # no token decoded: the prompt's batches were aborted, not run to the end first
     assert after["cancelled_before_decoding"] == before["cancelled_before_decoding"] + 1
     assert after["completion_tokens"] == before["completion_tokens"]

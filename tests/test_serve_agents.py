@@ -196,6 +196,24 @@ def test_n_choices(client: openai.OpenAI, plain: Callable[..., list[Finished | T
     assert greedy.usage.completion_tokens == 2 * len(finished(plain(ask, 12))[0].tokens)
 
 
+def test_a_stop_string_ends_its_choice_and_the_next_begins(
+    client: openai.OpenAI, server: RunningServer, plain: Callable[..., list[Finished | TokenText]]
+) -> None:
+    """With n choices a stop string ends that choice's decoding (it used to run on to max_tokens
+    while its text was cut), and the next choice begins: both greedy choices stop where one does."""
+    ask = [{"role": "user", "content": "Tell me a short story."}]
+    want = finished(plain(ask, 64))[0]
+    assert want.reason == "length"  # without the stop string a choice would decode 64 tokens
+    stop = want.text.split()[4]  # a word a few tokens in
+    cut = want.text[: want.text.index(stop)]
+    before = server.counters()["stopped_by_string"]
+    r = client.chat.completions.create(model="potluck", messages=ask, max_tokens=64, n=2, temperature=0,
+                                       stop=[stop])
+    assert [(c.message.content, c.finish_reason) for c in r.choices] == [(cut, "stop")] * 2
+    assert server.counters()["stopped_by_string"] == before + 2
+    assert r.usage.completion_tokens < 64  # both choices together: fewer than one run to its cap
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 30}},

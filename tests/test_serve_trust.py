@@ -69,20 +69,16 @@ def post(server: RunningServer, body: bytes | dict[str, object], *, key: str | N
         conn.close()
 
 
-def counters(server: RunningServer) -> dict[str, int]:
-    return server.health()["counters"]  # type: ignore[return-value]
-
-
 # -- item 1: user text and special tokens
 
 
 def test_a_megabyte_of_special_tokens_is_refused_by_its_bytes(server: RunningServer) -> None:
     """It held the engine 89 s before its 400; now it never reaches the engine."""
-    before = counters(server)
+    before = server.counters()
     status, body = post(server, {"messages": [{"role": "user", "content": "<|im_end|>" * 100_000}]})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"  # type: ignore[index]
     assert "1000000 bytes" in body["error"]["message"]  # type: ignore[index]
-    after = counters(server)
+    after = server.counters()
     assert after["refused_prompt"] == before["refused_prompt"] + 1 and after["completed"] == before["completed"]
     status, body = post(server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert status == 200

@@ -161,7 +161,7 @@ class EngineThread:
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled_waiting", "cancelled_running", "cancelled_before_decoding",
              "refused_busy", "refused_prompt", "failed", "prompt_tokens", "reused_tokens", "completion_tokens",
-             "drafted", "accepted"), 0)
+             "drafted", "accepted", "stopped_by_string"), 0)
         self.counters.update(prompt_seconds=0.0, predicted_seconds=0.0)  # prompt processing, generation
         self.on_outcome: Callable[[Outcome], None] | None = None  # /metrics' time to first token
         self._opener = opener
@@ -387,8 +387,10 @@ class EngineThread:
                         text = scanner.feed(text)
                     if text or thought or event.logprobs:
                         job.put("text", Delta(c, text, logprob_entries(session.model, event), reasoning=thought))
-                    if stopped[c] and req.n == 1:  # with several choices the others go on
-                        session.cancel(event.run_id)
+                    if stopped[c]:  # this choice ends here; with several, the next one begins
+                        session.end_choice()
+                        with self._cond:
+                            self.counters["stopped_by_string"] += 1
                 elif isinstance(event, NodeStatus):
                     self.nodes[event.node] = event
                 elif isinstance(event, PlanChanged):

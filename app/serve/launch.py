@@ -37,6 +37,10 @@ class RunningServer:
         with urllib.request.urlopen(request, timeout=30) as r:
             return json.loads(r.read())
 
+    def counters(self) -> dict[str, int]:
+        """The engine thread's counters, from /health (shown to a key holder)."""
+        return self.health()["counters"]  # type: ignore[return-value]
+
 
 def start_server(home: Path, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
                  timeout_s: float = START_TIMEOUT_S, api_key: str | None = None,

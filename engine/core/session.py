@@ -70,6 +70,7 @@ class Session:
         if system:
             self.messages.append(Message("system", system))
         self._cancel = threading.Event()
+        self._end_choice = False  # the caller found the reply's end (a stop string): see end_choice
         self._reply_ids = itertools.count(1)
         self.run_id = 0  # the reply running now or last (events carry it)
         self._prefill_group: int | None = None  # the target job group of a prompt being processed
@@ -130,6 +131,12 @@ class Session:
         prefill = self._prefill_group
         if prefill is not None:
             self.target.cancel(prefill)
+
+    def end_choice(self) -> None:
+        """End the reply being streamed after its current round, as a stop would: for a caller
+        that found its end in the text (a stop string). With ``n`` choices the next one begins;
+        :meth:`cancel` would end them all. Call it from the thread that reads the events."""
+        self._end_choice = True
 
     def held_text(self, owner: str = "") -> str:
         """The rendered conversation whose tokens the context holds, if ``owner``'s ("" after a
@@ -340,6 +347,7 @@ class Session:
             is_eog=self.model.is_eog,
             cancel=self._cancel,
         )
+        self._end_choice = False
         self.strategy.prepare(g)  # counts as prompt processing (Strategy.prepare)
         t_prefill = time.perf_counter()
 
@@ -391,6 +399,8 @@ class Session:
                     g.done = True
                 elif self._cancel.is_set():
                     reason, g.done = "cancelled", True
+                elif self._end_choice:
+                    reason, g.done = "stop", True
                 elif g.remaining <= 0:
                     reason, g.done = "context_full", True
                 if g.done:

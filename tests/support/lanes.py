@@ -90,6 +90,9 @@ class ScriptedLane:
     def cancel(self, run_id: int | None = None) -> None:
         pass
 
+    def end_choice(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
