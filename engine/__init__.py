@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.sampling import SamplingParams
     from .core.session import Session
     from .core.spec import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, ClusterSpec, CurveKeys, EngineSpec
-    from .core.tools import CallScanner, Tool, call_grammar, tool_format
+    from .core.tools import CallPart, CallScanner, Tool, call_grammar, tool_format
     from .loader import checked_spec, open_lanes, open_session, resolve_model, strategy_fits
     from .loader import describe_model as describe_gguf
     from .speculation.strategies.registry import STRATEGIES, get_strategy_class, strategy_names
@@ -79,6 +79,7 @@ _WHERE = {
     "ThinkSplitter": ".core.reasoning:ThinkSplitter",
     "thinks": ".core.reasoning:thinks",
     "split_thinking": ".core.reasoning:split_thinking",
+    "CallPart": ".core.tools:CallPart",
     "CallScanner": ".core.tools:CallScanner",
     "call_grammar": ".core.tools:call_grammar",
     "tool_format": ".core.tools:tool_format",
@@ -149,6 +150,7 @@ __all__ = [
     "JOIN_TIMEOUT_S",
     "PLAIN",
     "STRATEGIES",
+    "CallPart",
     "CallScanner",
     "ClusterSpec",
     "ClusterView",

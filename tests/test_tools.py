@@ -97,6 +97,38 @@ def test_streamed_calls_are_held_back(fmt: str, pieces: list[str], shown: str, n
     assert [c.name for c in calls] == names
 
 
+@pytest.mark.parametrize(("fmt", "text"), [
+    (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "U}T\\"C{"}}\n</tool_call>\n'
+             '<tool_call>\n{ "name" : "get_weather", "arguments": {"city": "Nice", "days": [1, {"a": 2}]}}'
+             '\n</tool_call>'),
+    (GENERIC, '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "X"}}, '
+              '{"name": "get_weather", "arguments": {}}]}'),
+    (LLAMA3, '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+])
+def test_forced_calls_stream_as_they_are_written(fmt: str, text: str) -> None:
+    """A forced reply is calls only: each call's id and name as soon as its head is written, then
+    its arguments piece by piece (braces and quotes inside strings do not end them), whatever
+    the pieces the text comes in; the calls at the end keep the streamed ids."""
+    for size in (1, 3, 7, len(text)):
+        scanner = CallScanner(fmt, TOOLS, stream_calls=True)
+        parts = []
+        for at in range(0, len(text), size):
+            assert scanner.feed(text[at: at + size]) == ""
+            parts += scanner.parts()
+        rest, calls = scanner.finish()
+        assert rest == "" and calls
+        heads = [p for p in parts if p.id]
+        assert [(p.index, p.id, p.name) for p in heads] == [(i, c.id, c.name) for i, c in enumerate(calls)]
+        for i, call in enumerate(calls):
+            streamed = "".join(p.arguments for p in parts if p.index == i)
+            assert json.loads(streamed) == json.loads(call.arguments), (size, streamed)
+        if size == 1:
+            assert len(parts) > 2 * len(calls)  # streamed, not whole
+    cut = CallScanner(fmt, TOOLS, stream_calls=True)  # a reply cut at max_tokens: no text, no calls
+    cut.feed(text[: text.index("{", text.index("arguments" if fmt != LLAMA3 else "parameters")) + 4])
+    assert cut.parts() and cut.finish() == ("", ())
+
+
 def test_a_template_that_knows_tools_renders_them_and_results(model: Model) -> None:
     """Tools, an earlier call and its result rendered by the template (tojson as Hugging Face's:
     no HTML escapes); special-token text in any of them stays text."""

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...engine import (
+    CallPart,
     CallScanner,
     ClusterView,
     Finished,
@@ -56,7 +57,8 @@ class Delta:
     choice: int
     text: str
     logprobs: tuple[dict[str, Any], ...] = ()
-    tool_calls: tuple[ToolCall, ...] = ()  # the choice's calls, once it ended
+    tool_calls: tuple[ToolCall, ...] = ()  # the choice's calls, once it ended (not streamed as parts)
+    call_parts: tuple[CallPart, ...] = ()  # pieces of forced calls, streamed as they are written
     reasoning: str = ""  # thinking, told apart from the answer (``reasoning_content``)
 
 
@@ -365,7 +367,10 @@ class EngineThread:
             events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner, grammar=job.grammar,
                                     logprobs=req.logprobs, n=req.n)
             scanners = [StopScanner(req.stop) for _ in range(req.n)]
-            calls = [CallScanner(job.tool_format, req.tools) if req.tools else None for _ in range(req.n)]
+            # forced calls (a grammar makes them well-formed) stream as they are written
+            stream_calls = req.stream and req.tool_choice == "required"
+            calls = [CallScanner(job.tool_format, req.tools, stream_calls) if req.tools else None
+                     for _ in range(req.n)]
             called = [False] * req.n
             opened = job.split_thinking and job.prompt.text.rstrip().endswith("<think>")  # the template opened it
             thoughts = [ThinkSplitter(opened) if job.split_thinking else None for _ in range(req.n)]
@@ -383,10 +388,13 @@ class EngineThread:
                     text, stopped[c] = scanners[c].feed(event.text)
                     thought, text = _split(thoughts[c], text)
                     scanner = calls[c]
+                    parts: tuple[CallPart, ...] = ()
                     if scanner is not None:
                         text = scanner.feed(text)
-                    if text or thought or event.logprobs:
-                        job.put("text", Delta(c, text, logprob_entries(session.model, event), reasoning=thought))
+                        parts = tuple(scanner.parts())
+                    if text or thought or event.logprobs or parts:
+                        job.put("text", Delta(c, text, logprob_entries(session.model, event), reasoning=thought,
+                                              call_parts=parts))
                     if stopped[c]:  # this choice ends here; with several, the next one begins
                         session.end_choice()
                         with self._cond:
@@ -408,6 +416,8 @@ class EngineThread:
                         rest, found = scanner.finish()
                         tail += rest
                         called[c] = bool(found)
+                    if scanner is not None and scanner.stream_calls:
+                        found = ()  # they went out as parts
                     if tail or found or thought:
                         job.put("text", Delta(c, tail, tool_calls=found, reasoning=thought))
             assert finished

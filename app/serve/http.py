@@ -199,6 +199,8 @@ class JobResponse:
                     await event(chunk_object(self.state, req, item.choice, item.text, logprobs=item.logprobs))
                 if item.tool_calls:
                     await event(chunk_object(self.state, req, item.choice, {"tool_calls": tool_calls_object(item)}))
+                if item.call_parts:
+                    await event(chunk_object(self.state, req, item.choice, {"tool_calls": call_parts_object(item)}))
                 continue
             if kind == "error":
                 assert isinstance(item, ApiError)
@@ -254,6 +256,20 @@ class Reply:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def call_parts_object(delta: Delta) -> list[dict[str, Any]]:
+    """Streamed pieces of calls as OpenAI streams them: id, type and name on a call's first
+    piece only, then its arguments' text piece by piece."""
+    out: list[dict[str, Any]] = []
+    for p in delta.call_parts:
+        if out and out[-1]["index"] == p.index and not p.id:  # pieces of one call in one chunk
+            out[-1]["function"]["arguments"] += p.arguments
+            continue
+        head = {"id": p.id, "type": "function"} if p.id else {}
+        function = {"name": p.name, "arguments": p.arguments} if p.id else {"arguments": p.arguments}
+        out.append({"index": p.index, **head, "function": function})
+    return out
 
 
 def tool_calls_object(delta: Delta) -> list[dict[str, Any]]:

@@ -190,19 +190,93 @@ def _call(item: object, names: set[str], keys: tuple[str, ...]) -> ToolCall | No
     return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
+@dataclass(frozen=True)
+class CallPart:
+    """A piece of a streamed call (OpenAI's streamed ``tool_calls`` delta): the first piece of
+    call ``index`` carries its id and name, each piece the next text of its arguments' JSON."""
+
+    index: int
+    arguments: str
+    id: str = ""
+    name: str = ""
+
+
+# Where a call's arguments begin, in every format's call object: its name comes first (the
+# call grammar's order). Tool names are [A-Za-z0-9_-] (serve's protocol checks them).
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
 class CallScanner:
     """Streams a reply's text while it may hold tool calls: text that may start a call is held
-    back until the reply ends, then parsed (:meth:`finish`)."""
+    back until the reply ends, then parsed (:meth:`finish`).
 
-    def __init__(self, fmt: str, tools: Sequence[Tool]) -> None:
+    ``stream_calls``: the reply follows :func:`call_grammar`, so it is calls and nothing else,
+    well-formed but for a cut at max_tokens; then each call streams as it is written
+    (:meth:`parts`), as OpenAI streams them. A call the model may make unforced comes whole at
+    the end: had it streamed and then not parsed, it could no longer come back as text.
+    """
+
+    def __init__(self, fmt: str, tools: Sequence[Tool], stream_calls: bool = False) -> None:
         self.fmt = fmt
         self.tools = tools
         self.sent = ""  # text already given out
         self.held = ""  # text that may be (the start of) calls
+        self.stream_calls = stream_calls
+        self._parts: list[CallPart] = []
+        self._streamed: list[str] = []  # the ids of the calls begun
+        self._looked = 0  # where the next call's head is looked for in ``held``
+        self._args_at: int | None = None  # where the arguments of the call being streamed are up to
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def parts(self) -> list[CallPart]:
+        """The pieces of calls written since the last look (``stream_calls``)."""
+        out, self._parts = self._parts, []
+        return out
+
+    def _scan(self) -> None:
+        """Stream the arguments written so far, each call's JSON value up to its closing brace."""
+        held = self.held
+        while True:
+            if self._args_at is None:
+                head = _CALL_HEAD.search(held, self._looked)
+                if head is None:
+                    return
+                self._streamed.append(new_call_id())
+                self._parts.append(CallPart(len(self._streamed) - 1, "", self._streamed[-1], head.group(1)))
+                self._args_at, self._depth = head.end(), 0
+            start, at = self._args_at, self._args_at
+            while at < len(held):
+                ch = held[at]
+                at += 1
+                if self._in_string:
+                    if self._escaped:
+                        self._escaped = False
+                    elif ch == "\\":
+                        self._escaped = True
+                    elif ch == '"':
+                        self._in_string = False
+                elif ch == '"':
+                    self._in_string = True
+                elif ch in "{[":
+                    self._depth += 1
+                elif ch in "}]":
+                    self._depth -= 1
+                    if self._depth == 0:
+                        break
+            if at > start:
+                self._parts.append(CallPart(len(self._streamed) - 1, held[start:at]))
+            if self._depth > 0 or at == start:
+                self._args_at = at  # the arguments go on in the next text
+                return
+            self._args_at, self._looked = None, at
 
     def feed(self, text: str) -> str:
         """Text safe to send now."""
         self.held += text
+        if self.stream_calls:
+            self._scan()
+            return ""
         if self.fmt == HERMES:
             at = self.held.find("<tool_call>")
             if at >= 0:
@@ -219,8 +293,15 @@ class CallScanner:
         return out
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """(the rest of the text, the calls) once the reply ended."""
+        """(the rest of the text, the calls) once the reply ended. Streamed calls keep the ids
+        they were streamed with; a streamed reply cut short leaves no text (it was shown as
+        calls, and ends as "length")."""
         held, self.held = self.held, ""
+        if self.stream_calls:
+            _, calls = parse_calls(self.fmt, held, self.tools)
+            if len(calls) != len(self._streamed):
+                return "", ()
+            return "", tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(self._streamed, calls))
         if not held:
             return "", ()
         if self.fmt == HERMES:
