@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
     from .core import paths, validate
     from .core.backend import check_gguf_file
-    from .core.chat import Message, ToolCall
+    from .core.chat import Message, TextStream, ToolCall
     from .core.errors import ContextFullError, DecodeError, GrammarError, ModelError, PotluckError
     from .core.events import (
         ClusterView,
@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     )
     from .core.grammar import GrammarSpec, check_schema, json_object_spec, json_schema_spec
     from .core.grammar import check as check_grammar
+    from .core.harmony import HarmonyScanner, harmony_bytes, is_harmony
     from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
@@ -77,6 +78,10 @@ _WHERE = {
     "ToolCall": ".core.chat:ToolCall",
     "Tool": ".core.tools:Tool",
     "ThinkSplitter": ".core.reasoning:ThinkSplitter",
+    "TextStream": ".core.chat:TextStream",
+    "HarmonyScanner": ".core.harmony:HarmonyScanner",
+    "is_harmony": ".core.harmony:is_harmony",
+    "harmony_bytes": ".core.harmony:harmony_bytes",
     "thinks": ".core.reasoning:thinks",
     "split_thinking": ".core.reasoning:split_thinking",
     "CallPart": ".core.tools:CallPart",
@@ -180,6 +185,10 @@ __all__ = [
     "Session",
     "StageView",
     "ThinkSplitter",
+    "TextStream",
+    "HarmonyScanner",
+    "is_harmony",
+    "harmony_bytes",
     "TokenText",
     "Tool",
     "ToolCall",

@@ -31,6 +31,7 @@ from ...engine import (
     ClusterView,
     Finished,
     GrammarSpec,
+    HarmonyScanner,
     Lanes,
     Model,
     NodeStatus,
@@ -40,9 +41,11 @@ from ...engine import (
     PromptCache,
     ReplyStarted,
     Session,
+    TextStream,
     ThinkSplitter,
     TokenText,
     ToolCall,
+    harmony_bytes,
 )
 from .protocol import ApiError, GenerationRequest
 
@@ -112,6 +115,7 @@ class Job:
         self.grammar: GrammarSpec | None = request.grammar  # or a tool call's, set when tokenized
         self.tool_format = ""  # the template's call format, when the request has tools
         self.split_thinking = False  # the template thinks and [server] reasoning is on
+        self.harmony = False  # a chat reply in gpt-oss's channels (read by HarmonyScanner)
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -366,15 +370,7 @@ class EngineThread:
             max_tokens = req.max_tokens if req.max_tokens is not None else session.target.n_ctx
             events = session.answer(job.prompt, req.sampling, max_tokens, owner=job.owner, grammar=job.grammar,
                                     logprobs=req.logprobs, n=req.n)
-            scanners = [StopScanner(req.stop) for _ in range(req.n)]
-            # forced calls (a grammar makes them well-formed) stream as they are written
-            stream_calls = req.stream and req.tool_choice == "required"
-            calls = [CallScanner(job.tool_format, req.tools, stream_calls) if req.tools else None
-                     for _ in range(req.n)]
-            called = [False] * req.n
-            opened = job.split_thinking and job.prompt.text.rstrip().endswith("<think>")  # the template opened it
-            thoughts = [ThinkSplitter(opened) if job.split_thinking else None for _ in range(req.n)]
-            stopped = [False] * req.n
+            readers = [ChoiceReader(job, session.model, c) for c in range(req.n)]
             finished: list[Finished] = []
             for event in events:
                 if isinstance(event, ReplyStarted):
@@ -383,19 +379,12 @@ class EngineThread:
                         job.run_id = event.run_id
                     if job.cancelled.is_set():  # hung up before its run had an id
                         session.cancel(event.run_id)
-                elif isinstance(event, TokenText) and not stopped[event.choice]:
-                    c = event.choice
-                    text, stopped[c] = scanners[c].feed(event.text)
-                    thought, text = _split(thoughts[c], text)
-                    scanner = calls[c]
-                    parts: tuple[CallPart, ...] = ()
-                    if scanner is not None:
-                        text = scanner.feed(text)
-                        parts = tuple(scanner.parts())
-                    if text or thought or event.logprobs or parts:
-                        job.put("text", Delta(c, text, logprob_entries(session.model, event), reasoning=thought,
-                                              call_parts=parts))
-                    if stopped[c]:  # this choice ends here; with several, the next one begins
+                elif isinstance(event, TokenText) and not readers[event.choice].stopped:
+                    reader = readers[event.choice]
+                    delta = reader.feed(event)
+                    if delta is not None:
+                        job.put("text", delta)
+                    if reader.stopped:  # this choice ends here; with several, the next one begins
                         session.end_choice()
                         with self._cond:
                             self.counters["stopped_by_string"] += 1
@@ -406,22 +395,11 @@ class EngineThread:
                     log.warning("%s", event.reason)
                 elif isinstance(event, Finished):
                     finished.append(event)
-                    c = event.choice
-                    tail = "" if stopped[c] else scanners[c].flush()
-                    thought, tail = _split(thoughts[c], tail, end=True)
-                    scanner = calls[c]
-                    found: tuple[ToolCall, ...] = ()
-                    if scanner is not None:
-                        tail = scanner.feed(tail)
-                        rest, found = scanner.finish()
-                        tail += rest
-                        called[c] = bool(found)
-                    if scanner is not None and scanner.stream_calls:
-                        found = ()  # they went out as parts
-                    if tail or found or thought:
-                        job.put("text", Delta(c, tail, tool_calls=found, reasoning=thought))
+                    delta = readers[event.choice].end()
+                    if delta is not None:
+                        job.put("text", delta)
             assert finished
-            job.put("done", self._outcome(job, finished, stopped, called))
+            job.put("done", self._outcome(job, finished, readers))
         except PotluckError as e:
             # before the reply started: the request's fault (a prompt longer than the context);
             # after: the engine's (a cluster that lost its workers for good)
@@ -437,12 +415,12 @@ class EngineThread:
             self.error = f"internal error: {type(e).__name__}"
             job.put("error", ApiError(500, f"internal error ({type(e).__name__}); see the server's log"))
 
-    def _outcome(self, job: Job, ends: list[Finished], stopped: list[bool], called: list[bool]) -> Outcome:
+    def _outcome(self, job: Job, ends: list[Finished], readers: list[ChoiceReader]) -> Outcome:
         reasons = []
         for f in ends:
-            if called[f.choice]:
+            if readers[f.choice].called:
                 reasons.append("tool_calls")
-            elif stopped[f.choice]:
+            elif readers[f.choice].stopped:
                 reasons.append("stop")
             elif f.reason == "cancelled":
                 reasons.append("cancelled")
@@ -473,6 +451,77 @@ class EngineThread:
         if self.on_outcome is not None:
             self.on_outcome(outcome)
         return outcome
+
+
+class ChoiceReader:
+    """One choice's reply read for the client as it streams: cut at a stop string, its thinking
+    told apart, its tool calls found (a harmony reply's channels read from its tokens)."""
+
+    def __init__(self, job: Job, model: Model, choice: int) -> None:
+        req = job.request
+        self.model = model
+        self.choice = choice
+        self.stop = StopScanner(req.stop)
+        self.stopped = False  # a stop string ended it
+        self.called = False  # it ended in tool calls
+        # forced calls (a grammar makes them well-formed) stream as they are written
+        stream_calls = req.stream and req.tool_choice == "required"
+        self.harmony = HarmonyScanner(req.tools, stream_calls, job.split_thinking) if job.harmony else None
+        self.raw = TextStream()  # a harmony reply's text, its control tokens marked
+        self.calls = CallScanner(job.tool_format, req.tools, stream_calls) if req.tools and not job.harmony else None
+        opened = job.split_thinking and job.prompt is not None and job.prompt.text.rstrip().endswith("<think>")
+        self.thoughts = ThinkSplitter(opened) if job.split_thinking and not job.harmony else None
+
+    def feed(self, event: TokenText) -> Delta | None:
+        """The delta the client gets for ``event`` (None: nothing to send yet)."""
+        logprobs = logprob_entries(self.model, event)
+        if self.harmony is not None:
+            read = self.harmony.feed(self.raw.feed(
+                harmony_bytes(self.model, (t for t in event.token_ids if not self.model.is_eog(t)))))
+            text, self.stopped = self.stop.feed(read.content)
+            return self._delta(text, read.reasoning, tuple(read.parts), logprobs)
+        text, self.stopped = self.stop.feed(event.text)
+        thought, text = _split(self.thoughts, text)
+        parts: tuple[CallPart, ...] = ()
+        if self.calls is not None:
+            text = self.calls.feed(text)
+            parts = tuple(self.calls.parts())
+        return self._delta(text, thought, parts, logprobs)
+
+    def end(self) -> Delta | None:
+        """The last delta, once the choice's reply ended: what was held back, and its calls."""
+        found: tuple[ToolCall, ...] = ()
+        if self.harmony is not None:
+            read = self.harmony.feed(self.raw.flush())
+            rest = self.harmony.finish()
+            text, thought, parts = read.content + rest.content, read.reasoning + rest.reasoning, read.parts + rest.parts
+            found = tuple(self.harmony.calls)
+            streamed = self.harmony.stream_calls
+            if not self.stopped:
+                text, self.stopped = self.stop.feed(text)
+                text += "" if self.stopped else self.stop.flush()
+            else:
+                text = ""
+        else:
+            parts = []
+            text = "" if self.stopped else self.stop.flush()
+            thought, text = _split(self.thoughts, text, end=True)
+            streamed = False
+            if self.calls is not None:
+                text = self.calls.feed(text)
+                rest_text, found = self.calls.finish()
+                text += rest_text
+                streamed = self.calls.stream_calls
+        self.called = bool(found)
+        if streamed:
+            found = ()  # they went out as parts
+        return self._delta(text, thought, tuple(parts), (), found)
+
+    def _delta(self, text: str, thought: str, parts: tuple[CallPart, ...], logprobs: tuple[dict[str, Any], ...],
+               calls: tuple[ToolCall, ...] = ()) -> Delta | None:
+        if not (text or thought or logprobs or parts or calls):
+            return None
+        return Delta(self.choice, text, logprobs, tool_calls=calls, reasoning=thought, call_parts=parts)
 
 
 def _split(splitter: ThinkSplitter | None, text: str, end: bool = False) -> tuple[str, str]:

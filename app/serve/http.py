@@ -34,6 +34,7 @@ from ...engine import (
     Prompt,
     call_grammar,
     check_grammar,
+    is_harmony,
     printable,
     thinks,
     tool_format,
@@ -79,9 +80,11 @@ class ServeState:
         req = job.request
 
         def tokenize() -> Prompt:
-            job.split_thinking = self.server.reasoning and req.kind == "chat" and thinks(session.format.source)
+            template = session.format.source
+            job.harmony = req.kind == "chat" and is_harmony(template)
+            job.split_thinking = self.server.reasoning and req.kind == "chat" and (thinks(template) or job.harmony)
             if req.tools:
-                job.tool_format = tool_format(session.format.source)
+                job.tool_format = tool_format(template)
                 if req.tool_choice == "required":
                     try:
                         job.grammar = call_grammar(job.tool_format, req.tools, req.parallel_tool_calls)

@@ -118,8 +118,19 @@ class PromptTokenizer:
         return self._prompt(text, _Masker(self._specials()), None)
 
     def text_tokens(self, text: str) -> list[int]:
-        """``text`` as text: special-token text in it is not a special token."""
-        return self.model.tokenize(text, add_special=False, parse_special=False)
+        """``text`` as text: special-token text in it is not a special token. A marker that
+        llama.cpp matches in any text (gpt-oss's) is tokenized in two halves, neither of which
+        it matches."""
+        markers = self._specials().markers
+        if markers is None or not markers.search(text):
+            return self.model.tokenize(text, add_special=False, parse_special=False)
+        tokens: list[int] = []
+        for i, piece in enumerate(markers.split(text)):
+            halves = (piece[:1], piece[1:]) if i % 2 else (piece,)  # odd pieces: the markers
+            for half in halves:
+                if half:
+                    tokens += self.model.tokenize(half, add_special=False, parse_special=False)
+        return tokens
 
     # -- the parts
     def _specials(self) -> _Specials:
@@ -198,6 +209,8 @@ class _Specials:
     def __init__(self, specials: Sequence[SpecialToken]) -> None:
         self.all = tuple(specials)
         self.control = sorted((s.text for s in specials if s.control), key=len, reverse=True)
+        marked = sorted((s.text for s in specials if s.marker), key=len, reverse=True)
+        self.markers = re.compile("(" + "|".join(map(re.escape, marked)) + ")") if marked else None
         self.longest = len(self.control[0]) if self.control else 0
         # proper heads and tails of control tokens' text, without whitespace at their ends (a
         # template's trim would otherwise meet a placeholder where it used to strip)

@@ -66,6 +66,14 @@ class SpecialToken:
     control: bool  # control or unknown: matched only when special parsing is on
     lstrip: bool  # whitespace before it is dropped
     rstrip: bool  # whitespace after it is dropped
+    # a turn marker that llama.cpp matches in any text (so text must be kept from becoming it)
+    marker: bool = False
+
+
+# gpt-oss's harmony markers: control tokens in its GGUF that llama.cpp re-flags user-defined so
+# they always render (llama-vocab.cpp, "quick hack for gpt-oss"; <|end|> with its EOG fix), which
+# also makes its tokenizer match them in text that is not parsed for special tokens
+RENDERED_MARKERS = frozenset({"<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|end|>"})
 
 
 class Model(NativeObject):
@@ -115,6 +123,7 @@ class Model(NativeObject):
         self._piece_cache_special: dict[int, bytes] = {}
         self._vocab_lock = threading.Lock()  # the server tokenizes off the engine thread
         self._specials: tuple[SpecialToken, ...] | None = None
+        self._control_ids: frozenset[int] | None = None
         self._longest: int | None = None
 
     # -- lifetime
@@ -219,6 +228,12 @@ class Model(NativeObject):
                 self._specials = self._read_special_tokens()
             return self._specials
 
+    def control_ids(self) -> frozenset[int]:
+        """The tokens that are never text: control tokens, and the markers llama.cpp renders."""
+        if self._control_ids is None:  # two threads may both build it: the same value
+            self._control_ids = frozenset(s.id for s in self.special_tokens() if s.control)
+        return self._control_ids
+
     def _read_special_tokens(self) -> tuple[SpecialToken, ...]:
         wanted = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN | ll.LLAMA_TOKEN_ATTR_USER_DEFINED
         out = []
@@ -228,9 +243,11 @@ class Model(NativeObject):
                 continue
             text = (ll.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
             if text:
+                control = bool(attr & (ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN))
+                marker = not control and text in RENDERED_MARKERS
                 out.append(SpecialToken(
-                    token, text, control=bool(attr & (ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN)),
-                    lstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP), rstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)))
+                    token, text, control=control or marker, lstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP),
+                    rstrip=bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP), marker=marker))
         return tuple(out)
 
     def longest_token_bytes(self) -> int:

@@ -10,8 +10,8 @@ The model's own template renders the tools where it can (as llama.cpp's server d
   as llama.cpp's generic format; a template that renders tools in a format not listed here
   is parsed the same way (a JSON object, the generic fallback).
 
-gpt-oss's harmony format puts calls in channels opened by control tokens, which replies never
-show as text: it is not parsed (README: tools).
+- ``harmony``: gpt-oss writes a call as a message on its commentary channel, to
+  ``functions.NAME``, between control tokens; :mod:`.harmony` reads such replies.
 
 ``tool_choice`` required, or naming a function, becomes a grammar (:func:`call_grammar`) so a
 call always comes back, even from a model that would answer in prose. A reply that does not
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .chat import Message, ToolCall
-from .grammar import GrammarSpec, json_schema_spec
+from .grammar import GrammarError, GrammarSpec, json_schema_spec
 
-HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
+HERMES, LLAMA3, GENERIC, HARMONY = "hermes", "llama3", "generic", "harmony"
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 4  # calls one forced reply may hold (a small model repeats calls forever)
 
@@ -54,6 +54,8 @@ class Tool:
 
 def tool_format(template: str) -> str:
     """The call format a chat template implies (the module docstring)."""
+    if "<|channel|>" in template:
+        return HARMONY
     if "<tool_call>" in template:
         return HERMES
     if "<|python_tag|>" in template or ("ipython" in template and '"parameters"' in template):
@@ -108,6 +110,8 @@ def _object(text: str) -> object:
 def call_grammar(fmt: str, tools: Sequence[Tool], parallel: bool = True) -> GrammarSpec:
     """A grammar whose every reply is one call (up to MAX_PARALLEL_CALLS with ``parallel``) to one of ``tools``,
     in ``fmt``; refusals (GrammarError) name the tool's parameters as the client wrote them."""
+    if fmt == HARMONY:
+        return harmony_call_grammar(tools, parallel)
     key = "parameters" if fmt == LLAMA3 else "arguments"
     calls = []
     for t in tools:
@@ -128,6 +132,29 @@ def call_grammar(fmt: str, tools: Sequence[Tool], parallel: bool = True) -> Gram
     repeat = ' ("\\n" call-block' * (MAX_PARALLEL_CALLS - 1) + ")?" * (MAX_PARALLEL_CALLS - 1) if parallel else ""
     text = spec.text + '\ncall-block ::= "<tool_call>\\n" root "\\n</tool_call>"\ntool-root ::= call-block' + repeat
     return GrammarSpec(text, root="tool-root")
+
+
+def harmony_call_grammar(tools: Sequence[Tool], parallel: bool = True) -> GrammarSpec:
+    """A grammar whose reply is one call to one of ``tools`` on the commentary channel, as gpt-oss
+    writes it (its control tokens as tokens), its arguments matching that tool's schema; with
+    ``parallel``, more calls may follow, each its own message."""
+    schemas = [t.parameters if t.parameters is not None else {"type": "object"} for t in tools]
+    spec = json_schema_spec({"anyOf": schemas}, "tools[].function.parameters")
+    for i in range(len(tools)):
+        if not re.search(rf"^alternative-{i} ::=", spec.text, re.M):
+            raise GrammarError("tools[].function.parameters: llama.cpp's JSON-schema converter named its "
+                               "rules unexpectedly")
+    calls = " | ".join(f'"{t.name}" " " <|constrain|> "json" <|message|> alternative-{i}'
+                       for i, t in enumerate(tools))
+    # parallel: up to MAX_PARALLEL_CALLS messages (a small model forced to call repeats calls)
+    more = ' (<|end|> <|start|> "assistant" call-message' * (MAX_PARALLEL_CALLS - 1) + ")?" * (
+        MAX_PARALLEL_CALLS - 1) if parallel else ""
+    return GrammarSpec(
+        spec.text
+        + f'\ncall-message ::= <|channel|> "commentary to=functions." ({calls})'
+        + f"\nharmony-root ::= call-message{more}",
+        root="harmony-root",
+    )
 
 
 def new_call_id() -> str:

@@ -134,7 +134,7 @@ SHAPES: dict[str, Shape] = {
     "qwen3moe-small": Shape(4, 256, 4, 2, 512, 1.0, True, "qwen3moe", key_length=64,
                             n_expert=8, n_expert_used=2, n_ff_exp=128),
     "gpt-oss-small": Shape(6, 256, 4, 2, 256, 1.0, False, "gpt-oss", key_length=64,
-                           n_expert=8, n_expert_used=2, n_ff_exp=256, swa_window=8),
+                           n_expert=8, n_expert_used=2, n_ff_exp=256, swa_window=8, n_vocab=49152 + 64),
     "deepseek2-small": Shape(4, 256, 4, 1, 512, 1.0, False, "deepseek2", key_length=64 + 32,
                              n_expert=8, n_expert_used=2, n_ff_exp=128, n_expert_shared=1, n_dense_lead=1,
                              n_nextn=1, q_lora_rank=64, kv_lora_rank=64, rope_dim=32, qk_nope_dim=32, v_head_dim=32),
@@ -157,7 +157,8 @@ ROUTER_LOGIT_STD = 1.5  # spread of a router's logits: the experts chosen change
 def shape_path(name: str, seed: int, n_layer: int | None = None) -> Path:
     prefix = "" if SHAPES[name].arch != "llama" else "llama-"
     depth = "" if n_layer is None else f"-{n_layer}l"
-    return fixtures_dir() / f"{prefix}{name}{depth}-q4_0-seed{seed}.gguf"
+    chat = LAYOUTS[SHAPES[name].arch].chat
+    return fixtures_dir() / f"{prefix}{name}{depth}{'-' + chat.name if chat else ''}-q4_0-seed{seed}.gguf"
 
 
 def llama3_rope_factors(head_dim: int, factor: float) -> np.ndarray:
@@ -427,6 +428,44 @@ def _llama3_tensors(s: Shape) -> list[tuple[str, np.ndarray]]:
 
 
 @dataclass(frozen=True)
+class ChatTokens:
+    """A model family's own chat format where it differs from the bundled ChatML: control tokens
+    (named in the vocabulary's padding, as control tokens) and a chat template using them."""
+
+    name: str  # in the fixture's file name
+    specials: tuple[str, ...]
+    template: str
+
+
+# gpt-oss's harmony format (potluck's own rendering of it): a system message, the developer's
+# instructions and tools, then each message on its channel (engine/core/harmony.py reads replies)
+HARMONY = ChatTokens("harmony", ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                                 "<|return|>", "<|call|>"), (
+    "<|start|>system<|message|>You are a helpful assistant.\n\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{%- set ns = namespace(dev='', call='') -%}"
+    "{%- if messages and messages[0].role in ('system', 'developer') -%}{%- set ns.dev = messages[0].content -%}"
+    "{%- endif -%}"
+    "{%- if ns.dev or tools -%}<|start|>developer<|message|>"
+    "{%- if ns.dev -%}# Instructions\n\n{{ ns.dev }}\n\n{%- endif -%}"
+    "{%- if tools -%}# Tools\n\n## functions\n\nnamespace functions {\n"
+    "{% for t in tools %}\n// {{ t.function.description }}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;\n{% endfor %}\n} // namespace functions{%- endif -%}"
+    "<|end|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{%- set ns.call = c.function.name -%}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
+    "{{ c.function.arguments }}<|call|>{%- endfor -%}"
+    "{%- elif m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' -%}<|start|>functions.{{ ns.call }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"))
+
+
+@dataclass(frozen=True)
 class Layout:
     """How a random-weight model of one architecture is written: one layer's tensors, the keys
     beyond the shared ones, and tensors outside the layers (as its converted GGUFs carry them)."""
@@ -440,6 +479,7 @@ class Layout:
     # general.name: llama.cpp gives a model whose name says "phi3" the Phi-3 tokenizer's token
     # attributes, which look up tokens the bundled vocabulary lacks (the load fails)
     title: str = "potluck random {arch} {shape} (seed {seed})"
+    chat: ChatTokens | None = None  # None: the bundled model's ChatML
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -447,7 +487,7 @@ LAYOUTS: dict[str, Layout] = {
     "qwen2": Layout(_qwen2_layer, 1000000.0, 32768),
     "qwen3": Layout(_qwen3_layer, 1000000.0, 32768, rms_eps=1e-6, keys=_head_width_keys),
     "qwen3moe": Layout(_qwen3moe_layer, 1000000.0, 40960, rms_eps=1e-6, keys=_qwen3moe_keys),
-    "gpt-oss": Layout(_gpt_oss_layer, 150000.0, 131072, keys=_gpt_oss_keys),
+    "gpt-oss": Layout(_gpt_oss_layer, 150000.0, 131072, keys=_gpt_oss_keys, chat=HARMONY),
     "deepseek2": Layout(_deepseek2_layer, 10000.0, 163840, rms_eps=1e-6, keys=_deepseek2_keys),
     "phi3": Layout(_phi3_layer, 10000.0, 131072, keys=_phi3_keys, extra_tensors=_phi3_tensors,
                    title="potluck random Phi-shaped model (seed {seed})"),
@@ -518,27 +558,37 @@ def tensor_values(rng: np.random.Generator, dims: tuple[int, ...], fill: tuple[s
 PAD_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: never produced from text
 
 
-def _add_tokenizer(reader, w, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUFReader, GGUFWriter
+CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+
+
+def _add_tokenizer(reader, w, n_vocab: int, chat: ChatTokens | None = None) -> None:  # noqa: ANN001
     """The bundled model's tokenizer and chat template, its vocabulary padded to ``n_vocab`` with
-    unused tokens (a model may still predict them: their text is their name)."""
+    unused tokens (a model may still predict them: their text is their name); ``chat``: its
+    control tokens first among the padding, and its template."""
     import gguf
 
     tokens = reader.fields["tokenizer.ggml.tokens"]
+    specials = chat.specials if chat else ()
     pad = n_vocab - len(tokens.data)
+    if pad < len(specials):
+        raise ModelError(f"a vocabulary of {n_vocab} tokens has no room for {len(specials)} control tokens")
     if pad <= 0:
         copy_fields(reader, w, "tokenizer.")
         return
+    names = [*specials, *(f"<|potluck_pad_{i}|>" for i in range(len(specials), pad))]
     for field in reader.fields.values():
         name = field.name
         if not name.startswith("tokenizer."):
             continue
         value = field.contents()
         if name == "tokenizer.ggml.tokens":
-            value = [*value, *(f"<|potluck_pad_{i}|>" for i in range(pad))]
+            value = [*value, *names]
         elif name == "tokenizer.ggml.token_type":
-            value = [*value, *([PAD_TOKEN_TYPE] * pad)]
+            value = [*value, *([CONTROL_TOKEN_TYPE] * len(specials)), *([PAD_TOKEN_TYPE] * (pad - len(specials)))]
         elif name == "tokenizer.ggml.scores":
             value = [*value, *([0.0] * pad)]
+        elif name == "tokenizer.chat_template" and chat is not None:
+            value = chat.template
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(name, value, field.types[0], sub_type=sub_type)
 
@@ -570,7 +620,7 @@ def build_shape(
     w.add_name(LAYOUTS[s.arch].title.format(arch=s.arch, shape=name, seed=seed))
     _add_hparams(w, s, n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    _add_tokenizer(reader, w, n_vocab)
+    _add_tokenizer(reader, w, n_vocab, LAYOUTS[s.arch].chat)
     plan = _tensor_plan(s, n_vocab)
     for tname, dims, fill in plan:
         tensor_info(w, tname, dims, fill)
