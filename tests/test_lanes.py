@@ -203,7 +203,8 @@ def test_a_prompt_in_the_twin_stays_there_across_other_conversations_batches(mod
 def test_a_batch_waits_for_busy_lanes_and_a_cancel_reaches_a_waiting_job(model: Model) -> None:
     """The hub's rules on a real target: a lane's step waits while another decoding lane is
     still busy (its row may join); cancelling the waiting step settles it at once, never
-    computed; a lane decoding alone is sent at once."""
+    computed; a lane decoding alone sends its step to the target itself (solo), and goes
+    through the hub again once another lane decodes, after its solo step is done."""
     from potluck.engine.core.jobs import DecodeJob, GroupCancelled
     from potluck.engine.core.lanes import LaneHub
     from potluck.engine.core.target import LocalTarget
@@ -222,12 +223,19 @@ def test_a_batch_waits_for_busy_lanes_and_a_cancel_reaches_a_waiting_job(model: 
         lane0.cancel(ticket.group)
         with pytest.raises(GroupCancelled):
             lane0.wait(ticket)
-        hub.activate(1, False)  # lane 0 decodes alone now: its step goes at once
+        hub.activate(1, False)  # lane 0 decodes alone now: its step goes at once, from its thread
         again = lane0.submit(DecodeJob.tokens(lane0.new_group(), toks, 0))
-        while not lane0.poll(again):
-            hub.step(0.01)
-        assert lane0.wait(again).shape == (1, model.n_vocab) and hub.counters.batches == 1
+        assert lane0.wait(again).shape == (1, model.n_vocab) and hub.counters.solo == 1
         assert target.runner.counters.finished == 1  # the cancelled step never reached llama.cpp
+        solo = lane0.submit(DecodeJob.tokens(lane0.new_group(), toks, 1))
+        hub.activate(1)  # a second conversation: the next steps share a batch, after the solo one
+        steps = [lane.submit(DecodeJob.tokens(lane.new_group(), toks, 2 if lane is lane0 else 0))
+                 for lane in (lane0, lane1)]
+        while not all(lane.poll(t) for lane, t in zip((lane0, lane1), steps)):
+            hub.step(0.01)
+        assert lane0.wait(solo).shape == (1, model.n_vocab) and hub.counters.solo == 2
+        assert [lane.wait(t).shape for lane, t in zip((lane0, lane1), steps)] == [(1, model.n_vocab)] * 2
+        assert hub.counters.batches == 1 and hub.counters.shared == 1
     finally:
         hub.close()
 
