@@ -15,7 +15,20 @@ import openai
 import pytest
 
 from potluck.app.serve.launch import RunningServer
-from potluck.engine import HarmonyScanner, Message, Model, Prompt, Tool, harmony_bytes
+from potluck.engine import (
+    EngineSpec,
+    Finished,
+    GrammarSpec,
+    HarmonyScanner,
+    Message,
+    Model,
+    Prompt,
+    SamplingParams,
+    Tool,
+    harmony_bytes,
+    open_session,
+    split_thinking,
+)
 from potluck.engine.core.chat import ChatFormat
 from potluck.engine.core.harmony import MARK, Read
 from potluck.engine.core.prompt import PromptTokenizer
@@ -159,3 +172,22 @@ def test_serve_forces_and_reads_harmony_tool_calls(client: openai.OpenAI) -> Non
                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
     again = client.chat.completions.create(model="potluck", messages=history, max_tokens=4, tools=tools)
     assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_the_app_shows_and_sends_back_a_harmony_reply_as_thinking_and_answer() -> None:
+    """The chat app's text is llama.cpp's, gpt-oss's markers written out: the reply folds into
+    thinking and answer, and the next turn sends back the answer alone (the template drops
+    earlier thinking), not the channels as text."""
+    session = open_session(EngineSpec(model=build_shape("gpt-oss-small"), n_ctx=512, strategy="plain"))
+    try:
+        prompt = session.prompt_for([Message("user", "Hi")])
+        grammar = GrammarSpec('root ::= <|channel|> "analysis" <|message|> "Let me think." <|end|> <|start|> '
+                              '"assistant" <|channel|> "final" <|message|> "Hello."')
+        reply = [e for e in session.answer(prompt, SamplingParams(), 40, grammar=grammar)
+                 if isinstance(e, Finished)][0].text
+        assert "<|channel|>" in reply  # what llama.cpp renders, as the app receives it
+        assert split_thinking(reply) == ("Let me think.", "Hello.")
+        again = session.prompt_for([Message("user", "Hi"), Message("assistant", reply), Message("user", "And?")])
+        assert "<|channel|>final<|message|>Hello.<|end|>" in again.text and "Let me think" not in again.text
+    finally:
+        session.close()

@@ -45,6 +45,23 @@ def harmony_bytes(model: _Vocab, tokens: Iterable[int]) -> Iterator[bytes]:
             yield model.token_bytes(t).replace(mark, b"")
 
 
+# the markers llama.cpp renders as text (it flags them user-defined; the end-of-generation ones
+# never reach a reply's text)
+_RENDERED = re.compile(r"<\|(?:start|end|message|channel|constrain)\|>")
+
+
+def split_rendered(text: str) -> tuple[str, str] | None:
+    """(thinking, answer) of a harmony reply as llama.cpp's text shows it, markers written out
+    (the chat app's and ``generate``'s text); None if ``text`` is not in channels. Unlike
+    :func:`harmony_bytes`, text cannot tell a marker from its name spelled out: for display and
+    for the history sent back, never for calls."""
+    if "<|channel|>" not in text:
+        return None
+    scanner = HarmonyScanner()
+    read, rest = scanner.feed(_RENDERED.sub(lambda m: MARK + m.group(0), text)), scanner.finish()
+    return read.reasoning + rest.reasoning, read.content + rest.content
+
+
 def is_harmony(template: str) -> bool:
     """Whether a chat template writes harmony messages (gpt-oss's)."""
     return tool_format(template) == HARMONY

@@ -30,12 +30,14 @@ Thread-safe: the server prepares a request's prompt on another thread than the e
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .chat import ChatFormat, Message, ToolCall
 from .errors import ContextFullError
+from .harmony import is_harmony, split_rendered
 from .runtime import Model, SpecialToken
 
 MASK = "\ue000"
@@ -106,6 +108,8 @@ class PromptTokenizer:
         """``messages`` rendered by the chat template; their text never becomes special tokens,
         nor does any text of ``tools`` (OpenAI's definitions) or of calls and their results."""
         self._refuse_too_long(sum(_utf8_len(m.content) + _utf8_len(m.name or "") for m in messages), n_ctx)
+        if is_harmony(self.chat.source):  # earlier replies' channels as the app stored them: the answer
+            messages = [_answer_only(m) for m in messages]
         masker = _Masker(self._specials())
         masked = [_masked_message(masker, m) for m in messages]
         text = self.chat.render(masked, add_generation_prompt=add_generation_prompt, variables=variables,
@@ -266,6 +270,12 @@ class _Masker:
     def _original(self, a: str, b: str) -> str:
         n = (ord(a) - _FIRST) * _SPAN + ord(b) - _FIRST
         return self.originals[n] if n < len(self.originals) else MASK + a + b
+
+
+def _answer_only(m: Message) -> Message:
+    """A harmony reply sent back as its final answer (gpt-oss's template drops earlier thinking)."""
+    split = split_rendered(m.content) if m.role == "assistant" else None
+    return m if split is None else dataclasses.replace(m, content=split[1])
 
 
 def _masked_message(masker: _Masker, m: Message) -> Message:

@@ -4,11 +4,13 @@ Templates that think (Qwen3, DeepSeek R1, SmolLM3 and others) have the model wri
 ``<think>...</think>`` before its answer, or open the block themselves at the end of the
 prompt. :class:`ThinkSplitter` sends text inside the block to the reasoning side and the rest
 to the answer, holding back only what may be the start of a tag (as llama.cpp's server
-separates ``reasoning_content``). gpt-oss's harmony channels are marked by control tokens,
-which replies never show as text, so they are not split.
+separates ``reasoning_content``). A gpt-oss reply's channels, as llama.cpp's text shows them,
+are split by :mod:`.harmony`.
 """
 
 from __future__ import annotations
+
+from .harmony import split_rendered
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -74,7 +76,10 @@ class ThinkSplitter:
 
 def split_thinking(text: str) -> tuple[str, str]:
     """(thinking, answer) of a whole reply; a ``</think>`` with no ``<think>`` before it closes
-    a block the template opened."""
+    a block the template opened. A harmony reply: its analysis and its final channel."""
+    harmony = split_rendered(text)
+    if harmony is not None:
+        return harmony
     close = text.find(CLOSE)
     splitter = ThinkSplitter(opened=close >= 0 and OPEN not in text[:close])
     thought, answer = splitter.feed(text)
