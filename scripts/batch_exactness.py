@@ -34,6 +34,7 @@ import numpy as np
 from potluck.engine.core.batch_exact import BatchExactness, model_exactness, weight_types
 from potluck.engine.core.paths import fixtures_dir
 from potluck.engine.core.runtime import Context, ContextParams, Model, quantize_model
+from potluck.engine.lab.batch_rows import steps_and_batches
 from potluck.engine.lab.fixtures import build_shape
 from potluck.engine.lab.perf import PROMPT
 
@@ -53,29 +54,10 @@ def build(cache: Path, kind: str, file_type: str) -> Path:
 
 def differing(model: Model, n_threads: int, two_rows: bool) -> list[int]:
     """The k whose k-row batch differs from k single steps somewhere in its logits."""
-    params = ContextParams(n_ctx=512, n_threads=n_threads, f16_prefill=False)
-    prompt = model.tokenize(PROMPT)
-    n0 = len(prompt)
     tokens = [int(t) for t in np.random.default_rng(0).integers(100, 40000, size=max(KS))]
-    with Context(model, params) as steps, Context(model, params) as batch:
-        steps.run_tokens(prompt, 0)
-        batch.run_tokens(prompt, 0)
-        rows = []
-        for i, t in enumerate(tokens):
-            if two_rows:
-                steps.run_tokens([t, t], n0 + i, outputs="all")
-                rows.append(steps.logits_row(0).copy())
-                steps.seq_rm(0, n0 + i + 1, -1)
-            else:
-                steps.run_tokens([t], n0 + i)
-                rows.append(steps.logits_row(-1).copy())
-        out = []
-        for k in KS:
-            batch.seq_rm(0, n0, -1)
-            batch.run_tokens(tokens[:k], n0, outputs="all")
-            if not np.array_equal(batch.logits(k), np.stack(rows[:k])):
-                out.append(k)
-        return out
+    steps, batches = steps_and_batches(model, model.tokenize(PROMPT), tokens, KS, n_threads=n_threads,
+                                       two_rows=two_rows)
+    return [k for k in KS if not np.array_equal(batches[k], steps[:k])]
 
 
 def exact_up_to(bad: list[int]) -> int:

@@ -22,9 +22,10 @@ from potluck.engine.core.batch_exact import (
 )
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished, RoundStats
-from potluck.engine.core.runtime import Context, ContextParams, Model, quantize_model
+from potluck.engine.core.runtime import Model, quantize_model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.spec import EngineSpec
+from potluck.engine.lab.batch_rows import steps_and_batches
 from potluck.engine.lab.fixtures import build_shape
 from potluck.engine.loader import open_lanes, open_session
 from potluck.engine.speculation.strategies.registry import STRATEGIES
@@ -68,23 +69,11 @@ def moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return quantize_model(build_shape("qwen3moe-small"), tmp_path_factory.mktemp("moe") / "f16.gguf", "F16")
 
 
-def _rows(model: Model, tokens: list[int], n0: int, prompt: list[int], *, two_rows: bool) -> np.ndarray:
-    """[k, vocab]: single steps (as 2 rows where ``two_rows``) after ``prompt``, then a k-row batch."""
-    params = ContextParams(n_ctx=256, n_threads=2, f16_prefill=False)
-    with Context(model, params) as a, Context(model, params) as b:
-        a.run_tokens(prompt, 0)
-        b.run_tokens(prompt, 0)
-        steps = []
-        for i, t in enumerate(tokens):
-            if two_rows:
-                a.run_tokens([t, t], n0 + i, outputs="all")
-                steps.append(a.logits_row(0).copy())
-                a.seq_rm(0, n0 + i + 1, -1)
-            else:
-                a.run_tokens([t], n0 + i)
-                steps.append(a.logits_row(-1).copy())
-        b.run_tokens(tokens, n0, outputs="all")
-        return np.abs(b.logits(len(tokens)) - np.stack(steps)).max(axis=1)
+def _rows(model: Model, tokens: list[int], prompt: list[int], *, two_rows: bool) -> np.ndarray:
+    """Per row: how far a batch of ``tokens`` after ``prompt`` is from single steps."""
+    steps, batches = steps_and_batches(model, prompt, tokens, [len(tokens)], n_threads=2, two_rows=two_rows,
+                                       n_ctx=256)
+    return np.abs(batches[len(tokens)] - steps).max(axis=1)
 
 
 @pytest.mark.slow  # the figure behind the cap; every strategy under it runs by default (below)
@@ -97,8 +86,8 @@ def test_the_cap_is_where_batches_stop_being_exact(kquant_path: Path, model_path
         assert exact.max_rows in (REPACK_GEMM_MAX_ROWS, TILED_MAX_ROWS) and not exact.two_row_steps
         prompt = m.tokenize(PROMPTS[0])
         tokens = [int(t) for t in np.random.default_rng(0).integers(100, 40000, size=8)]
-        assert _rows(m, tokens[: exact.max_rows], len(prompt), prompt, two_rows=False).max() == 0.0
-        assert _rows(m, tokens, len(prompt), prompt, two_rows=False).max() > 0.0
+        assert _rows(m, tokens[: exact.max_rows], prompt, two_rows=False).max() == 0.0
+        assert _rows(m, tokens, prompt, two_rows=False).max() > 0.0
     assert weight_types(model_path).keys() == {"Q4_1", "Q8_0"}  # the bundled model: no cap
 
 
@@ -109,8 +98,8 @@ def test_two_row_steps_make_f16_and_f32_matrices_exact(moe_path: Path) -> None:
         assert m.batch_exact.two_row_steps and m.batch_exact.max_rows == UNLIMITED
         prompt = m.tokenize(PROMPTS[0])
         tokens = [int(t) for t in np.random.default_rng(1).integers(100, 40000, size=8)]
-        assert _rows(m, tokens, len(prompt), prompt, two_rows=True).max() == 0.0
-        assert _rows(m, tokens, len(prompt), prompt, two_rows=False).max() > 0.0  # what 1 row did
+        assert _rows(m, tokens, prompt, two_rows=True).max() == 0.0
+        assert _rows(m, tokens, prompt, two_rows=False).max() > 0.0  # what 1 row did
 
 
 def _reply(spec: EngineSpec, prompt: str) -> tuple[list[int], int, int, int]:
