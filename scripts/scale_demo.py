@@ -280,7 +280,8 @@ def main() -> None:
                 print(f"  {name:<15} identical {same}, TTFT {r['ttft_s']:.2f} s, {r['tokens_per_s']:.2f} tok/s, "
                       f"{r['last_hop_bytes_per_token']:,.0f} B/token from the last worker")
                 if first is not None:  # for whoever looks into it: where the two replies part
-                    print(f"    split {r['tokens'][first:first + 4]} ... one process {ref['tokens'][first:first + 4]} ...")
+                    print(f"    split {r['tokens'][first:first + 4]} ... "
+                          f"one process {ref['tokens'][first:first + 4]} ...")
         peaks = watch.stop()
         for i, w in enumerate(workers):
             own = peaks[w.proc.pid].pop(w.proc.pid, 0.0)
