@@ -247,9 +247,10 @@ class EngineThread:
             self.lanes.sessions[lane].cancel(run_id)
 
     def waiting(self) -> tuple[int, int]:
-        """(requests running, requests waiting)."""
+        """(requests running, requests waiting). A request whose answer is out no longer runs,
+        though its lane may still be tidying up (a client reads /metrics right after it)."""
         with self._cond:
-            return len(self._running), len(self._queue)
+            return sum(not j.finished.is_set() for j in self._running.values()), len(self._queue)
 
     def drain(self) -> None:
         """Shutting down: refuse the waiting jobs and cancel the running ones; returns at once."""
