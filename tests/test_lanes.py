@@ -244,7 +244,7 @@ def test_a_recurrent_model_gets_one_lane_that_rolls_back_as_alone() -> None:
     """A hybrid recurrent model (qwen35moe) rolls back sequence 0's state only
     (core/rollback.py): asked for four lanes it gets one, which knows it is recurrent, so
     anpd's rejected drafts go back through the stage's rollback and the reply is plain
-    decoding's."""
+    decoding's. The lone lane sends its jobs to the target itself (solo), rejections included."""
     from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
 
     path = build_hybrid_shape("qwen35moe-small")
@@ -258,6 +258,7 @@ def test_a_recurrent_model_gets_one_lane_that_rolls_back_as_alone() -> None:
         ((reply,),) = together(lanes, [Ask(0, [prompt], SamplingParams(temperature=0.0), 48)])
         assert list(reply.tokens) == expected
         assert reply.drafted > reply.accepted  # drafts were rejected, and rolled back
+        assert lanes.hub.counters.solo > 0 and lanes.hub.counters.batches == 0  # alone: from its own thread
         c = lanes.hub.target.stage.rollback.counters  # type: ignore[attr-defined]
         assert c.snapshot_rollbacks + c.restores > 0, c
     finally:

@@ -86,8 +86,11 @@ def finished(events: list[Finished | TokenText]) -> list[Finished]:
 
 
 def test_json_schema_reply_validates_and_equals_plain_decoding(
-    client: openai.OpenAI, plain: Callable[..., list[Finished | TokenText]]
+    client: openai.OpenAI, server: RunningServer, plain: Callable[..., list[Finished | TokenText]]
 ) -> None:
+    """A lone request's speculation (sd's drafts, verify batches, rejected tails trimmed) runs on
+    its lane's own thread (solo, lanes.py), and the reply is still plain decoding's."""
+    solo = server.health()["batching"]["solo"]
     r = client.chat.completions.create(model="potluck", messages=ASK, max_tokens=120, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
     text = r.choices[0].message.content
@@ -95,7 +98,9 @@ def test_json_schema_reply_validates_and_equals_plain_decoding(
     assert r.choices[0].finish_reason == "stop"
     want = finished(plain(ASK, 120, json_schema_spec(PERSON, "schema")))[0]
     assert text == want.text
-    assert r.model_extra["potluck"]["strategy"] == "sd"
+    figures = r.model_extra["potluck"]
+    assert figures["strategy"] == "sd" and figures["drafted"] > 0
+    assert server.health()["batching"]["solo"] > solo
 
 
 def test_json_object_streamed_and_sampled(client: openai.OpenAI,
