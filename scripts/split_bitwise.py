@@ -26,7 +26,7 @@ from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.stage import Stage
 from potluck.engine.lab.fixtures import SHAPES, build_shape
 
-PROMPT = "Write a short story about a lighthouse keeper."
+from .scale_demo import PROMPT  # the demonstration's prompt, so the two runs can be set side by side
 
 
 def main(argv: list[str] | None = None) -> int:

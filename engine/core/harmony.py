@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .chat import ToolCall
+from .runtime import RENDERED_MARKERS
 from .tools import HARMONY, CallPart, Tool, new_call_id, tool_format
 
 MARK = "\ue000"  # before a control token's text (a private-use character: no model's text has it)
@@ -45,9 +46,8 @@ def harmony_bytes(model: _Vocab, tokens: Iterable[int]) -> Iterator[bytes]:
             yield model.token_bytes(t).replace(mark, b"")
 
 
-# the markers llama.cpp renders as text (it flags them user-defined; the end-of-generation ones
-# never reach a reply's text)
-_RENDERED = re.compile(r"<\|(?:start|end|message|channel|constrain)\|>")
+# the markers llama.cpp renders as text (the end-of-generation ones never reach a reply's text)
+_RENDERED = re.compile("|".join(map(re.escape, sorted(RENDERED_MARKERS))))
 
 
 def split_rendered(text: str) -> tuple[str, str] | None:
