@@ -258,7 +258,9 @@ def test_a_recurrent_model_gets_one_lane_that_rolls_back_as_alone() -> None:
         ((reply,),) = together(lanes, [Ask(0, [prompt], SamplingParams(temperature=0.0), 48)])
         assert list(reply.tokens) == expected
         assert reply.drafted > reply.accepted  # drafts were rejected, and rolled back
-        assert lanes.hub.counters.solo > 0 and lanes.hub.counters.batches == 0  # alone: from its own thread
+        # alone: its jobs from its own thread (one waits for the hub where its KV operation, a
+        # rejected tail's trim, is still in the hub's queue: order first)
+        assert lanes.hub.counters.solo > 0
         c = lanes.hub.target.stage.rollback.counters  # type: ignore[attr-defined]
         assert c.snapshot_rollbacks + c.restores > 0, c
     finally:
