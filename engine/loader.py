@@ -130,8 +130,9 @@ def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
         if strategy_cls.needs_exact_batches:
             check_speculation(model.batch_exact, strategy_cls.name)
         target = _open_target(model, spec, strategy_cls, n_lanes)
-        target.exact = model.batch_exact
         try:
+            if strategy_cls.needs_exact_batches:  # a pipeline's stages judged their own slices and CPUs
+                check_speculation(target.exact, strategy_cls.name)
             for _ in range(n_lanes):
                 strategies.append(strategy_cls.build(model, spec))
         except BaseException:

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from potluck.engine.core.batch_exact import (
+    FREE,
     REPACK_GEMM_MAX_ROWS,
     TILED_MAX_ROWS,
     UNLIMITED,
+    combine,
     judge,
     model_exactness,
     weight_types,
@@ -54,6 +56,23 @@ def test_the_table_by_weight_type() -> None:
     unknown = judge({"TQ1_0": "blk.0.attn_q.weight"}, use_extra_bufts=True, flags=AVX2, machine=X86)
     assert not unknown.speculates and "TQ1_0" in unknown.refusal("anpd")
     assert not judge(q4_k_m, use_extra_bufts=True, flags=frozenset(), machine="aarch64").speculates
+
+
+def test_a_chain_keeps_to_what_every_stage_allows() -> None:
+    """A pipeline's stages judge their own slices on their own CPUs (a worker that repacks Q4_K
+    caps batches at 3 rows where the head, without, would allow 7); the chain takes the
+    shortest batch, 2-row steps if any stage needs them, and refuses with a stage's reason."""
+    q4_k = {"Q4_K": "blk.3.attn_q.weight"}
+    head = judge(q4_k, use_extra_bufts=False, flags=AVX2, machine=X86)
+    worker = judge(q4_k, use_extra_bufts=True, flags=AVX2, machine=X86)
+    router = judge({"F32": "blk.0.ffn_gate_inp.weight"}, use_extra_bufts=True, flags=AVX2, machine=X86)
+    both = combine([head, worker, router])
+    assert (both.max_rows, both.two_row_steps) == (REPACK_GEMM_MAX_ROWS, True)
+    assert "repacked" in both.reason and "ffn_gate_inp" in both.reason
+    arm = judge(q4_k, use_extra_bufts=True, flags=frozenset(), machine="aarch64")
+    refused = combine([router, arm])
+    assert not refused.speculates and refused.reason == arm.reason
+    assert combine([FREE, FREE]) == FREE and combine([]) == FREE
 
 
 @pytest.fixture(scope="module")

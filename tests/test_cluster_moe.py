@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from potluck.discovery.auth import keys_from_token
@@ -22,10 +23,11 @@ from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import describe as describe_gguf
 from potluck.engine.core.gguf_tools import write_layers
-from potluck.engine.core.runtime import Model
+from potluck.engine.core.runtime import ContextParams, Model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
+from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.fixtures import build_shape
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
@@ -98,6 +100,39 @@ def test_every_strategy_on_a_split_mixture_of_experts_is_exact(
             if takes_draft and name != "pipeinfer":  # pipeinfer's guesses depend on timing
                 assert drafted > accepted > 0, (name, drafted, accepted)
             target.reset()
+    finally:
+        target.close()
+
+
+def test_a_pipeline_runs_single_steps_as_its_stages_judged_bit_for_bit(
+    loopback_pool: list[WorkerProc], slice_cache: SliceCache
+) -> None:
+    """gpt-oss's router is F32: ggml sums 1 row (vec_dot) differently from 2 (tinyBLAS), so
+    single steps run as 2 rows. Each worker judges its own slice on its own CPU and says so
+    when it loads; a pipeline keeps to that however it was opened (here without the loader,
+    which once set it from the head's file: the gpt-oss-20b demonstration left one process's
+    tokens at token 2 that way). Every step's logits equal one process's, bit for bit."""
+    path = build_shape("gpt-oss-small")
+    with Model(path) as model:
+        prompt = model.tokenize("The capital of France is a city where", add_special=True)
+        local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
+        try:
+            expected, tokens = [local.decode(prompt)], []
+            for _ in range(12):
+                tokens.append(int(expected[-1].argmax()))
+                expected.append(local.decode([tokens[-1]]))
+        finally:
+            local.close()
+        assert model.batch_exact.two_row_steps and local.padded_steps == 12
+    end = model.n_layer - head_layers(layer_costs(path))
+    target = open_pipeline(path, [w.address for w in loopback_pool[:2]], keys_from_token(TOKEN), n_ctx=N_CTX,
+                           slice_cache=slice_cache, split=[0, end // 2, end], join_timeout_s=JOIN_S)
+    try:
+        assert target.exact.two_row_steps and target.exact.max_rows == model.batch_exact.max_rows
+        got = [target.decode(prompt), *(target.decode([t]) for t in tokens)]
+        assert target.padded_steps == 12
+        for step, (a, b) in enumerate(zip(expected, got)):
+            assert np.array_equal(a, b), (step, float(np.abs(a - b).max()))
     finally:
         target.close()
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.batch_exact import BatchExactness, combine
 from ..core.errors import PotluckError
 from ..core.spec import CurveKeys
 from . import wire
@@ -105,6 +106,12 @@ def load_chain(
             raise NodeFailedError(f"{lk.describe()} answered load with {reply.TYPE}")
         loaded.append(reply)
     return loaded
+
+
+def chain_exactness(loaded: Sequence[wire.Loaded], tail: BatchExactness) -> BatchExactness:
+    """What keeps verify batches exact over the whole chain: each worker judged its own slice
+    on its own CPU (whether llama.cpp repacks, and how, is the worker's), the head its tail."""
+    return combine([tail, *(BatchExactness(ld.max_rows, ld.two_row_steps, ld.exact_reason) for ld in loaded)])
 
 
 def forward_address(nxt: NodeLink, upstream: NodeLink) -> str:

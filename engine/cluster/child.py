@@ -84,6 +84,11 @@ class StageInfo:
     n_embd: int
     n_vocab: int
     n_ctx: int
+    # core/batch_exact.py's judgment of this slice as loaded here (this CPU, repacked or not),
+    # as plain fields: the worker process never imports llama.cpp
+    max_rows: int
+    two_row_steps: bool
+    exact_reason: str
 
 
 @dataclass(frozen=True)
@@ -436,8 +441,9 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
     except Exception as e:
         conn.send(("failed", str(e) if isinstance(e, PotluckError) else f"{type(e).__name__}: {e}"))
         return
-    m = stage.model
-    conn.send(("ready", StageInfo(m.n_layer, m.n_embd, m.n_vocab, stage.n_ctx)))
+    m, exact = stage.model, stage.model.batch_exact
+    conn.send(("ready", StageInfo(m.n_layer, m.n_embd, m.n_vocab, stage.n_ctx,
+                                  exact.max_rows, exact.two_row_steps, exact.reason)))
     send_lock = threading.Lock()
 
     def reply(n: int, ok: bool, payload: object) -> None:

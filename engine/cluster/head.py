@@ -52,7 +52,7 @@ from ..core.gguf_tools import forget_parsed_headers, open_reader
 from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams
 from ..core.spec import CurveKeys
-from .chain import PipelineSetup, load_chain, plan_over, tail_threads
+from .chain import PipelineSetup, chain_exactness, load_chain, plan_over, tail_threads
 from .join import join_links
 from .link import JOIN_TIMEOUT_S, NodeFailedError, NodeLink, max_result_bytes
 from .pipeline_target import STALL_TIMEOUT_S, PipelineTarget
@@ -204,6 +204,7 @@ def open_pipeline(
             recover=recover,
             head_fallback=head_fallback,
             candidates=candidates or (lambda: list(addresses)),
+            exact=chain_exactness(loaded, tail.model.batch_exact),
         )
     except BaseException:
         for lk in links:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from ..core.batch_exact import FREE, BatchExactness
 from ..core.errors import PotluckError
 from ..core.events import ClusterView, Event, NodeStatus, StageView
 from ..core.jobs import CancelledGroups, DecodeJob, GroupCancelled, Ticket
@@ -77,8 +78,10 @@ class PipelineTarget(ChainRebuild, TargetBase):
         recover: bool = True,
         head_fallback: bool = True,
         candidates: Callable[[], Sequence[str]] | None = None,
+        exact: BatchExactness = FREE,
     ) -> None:
         super().__init__()
+        self.exact = exact  # what every stage's weights on its CPU allow (chain.chain_exactness)
         self._zctx = zctx
         self.links = list(links)
         self.tail = tail  # the model's last layer(s) and the output layer, here

@@ -21,7 +21,7 @@ from ..core.events import Event, NodeStatus, PlanChanged
 from ..core.gguf_tools import forget_parsed_headers
 from ..core.jobs import CancelledGroups
 from . import wire
-from .chain import HeadWorker, PipelineSetup, load_chain, replan
+from .chain import HeadWorker, PipelineSetup, chain_exactness, load_chain, replan
 from .join import join_links
 from .link import REJOIN_TIMEOUT_S, NodeFailedError, NodeLink, NodeLostError, max_result_bytes
 from .plan import SplitPlan
@@ -240,6 +240,8 @@ class ChainRebuild:
         if loaded[-1].n_embd != self.tail.n_embd or min(ld.n_ctx for ld in loaded) < self.n_ctx:
             raise PotluckError("the new chain's width or context differs from the old one's")
         self.plan = plan
+        # other workers, perhaps other CPUs: strategies read it each round, steps each submit
+        self.exact = chain_exactness(loaded, self.tail.model.batch_exact)
 
     def _join_head_worker(self) -> NodeLink:
         setup = self.setup

@@ -573,7 +573,8 @@ class Worker:
         load_ms = (time.perf_counter() - t0) * 1000
         info = stage.info
         log.info("loaded layers %d-%d (%s) in %.0f ms", msg.layer_lo, msg.layer_hi, msg.sha256[:12], load_ms)
-        return wire.Loaded(info.n_layer, info.n_embd, info.n_vocab, info.n_ctx, load_ms)
+        return wire.Loaded(info.n_layer, info.n_embd, info.n_vocab, info.n_ctx, load_ms,
+                           info.max_rows, info.two_row_steps, info.exact_reason)
 
     def _connect_next(self, address: str, stage: LoadedStage) -> zmq.Socket:
         fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing

@@ -28,6 +28,7 @@ the tensor index of the GGUF only, no probe.
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +126,20 @@ def weight_types(path: Path) -> dict[str, str]:
 
 def model_exactness(path: Path, *, use_extra_bufts: bool) -> BatchExactness:
     return judge(weight_types(path), use_extra_bufts=use_extra_bufts)
+
+
+def combine(parts: Iterable[BatchExactness]) -> BatchExactness:
+    """What keeps every part exact at once (a pipeline's stages, each judged on its own slice,
+    weights and CPU): the shortest batch, and 2-row steps if any stage needs them."""
+    parts = list(parts)
+    if not parts:
+        return FREE
+    reasons = list(dict.fromkeys(p.reason for p in parts if p is not FREE and p.reason))
+    joined = "; ".join(reasons) or FREE.reason
+    max_rows = min(p.max_rows for p in parts)
+    if max_rows < 2:  # one stage that cannot speculate says why, alone
+        return BatchExactness(max_rows, False, "; ".join(p.reason for p in parts if p.max_rows < 2))
+    return BatchExactness(max_rows, any(p.two_row_steps for p in parts), joined)
 
 
 def check_speculation(exact: BatchExactness, strategy: str) -> None:

@@ -50,6 +50,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from .batch_exact import BatchExactness
 from .errors import PotluckError
 from .events import ClusterView, Event, NodeStatus
 from .jobs import CancelledGroups, DecodeJob, GroupCancelled, Ticket
@@ -494,10 +495,15 @@ class LaneTarget(TargetBase):
         # a recurrent model has one lane (loader.lanes_for), which sends its jobs unmerged:
         # its truncate keeps to what the stages' rollback can restore, as the target's would
         self.recurrent = shared.recurrent
-        self.exact = shared.exact  # the model's longest exact batch, and 2-row steps (batch_exact.py)
         self._futures: dict[int, Future | Ticket] = {}  # a job through the hub, or sent solo
         self._tickets = itertools.count(1)
         self._notices_seen = 0
+
+    @property
+    def exact(self) -> BatchExactness:  # type: ignore[override]
+        """The shared target's (batch_exact.py): a pipeline's changes when a lost worker's
+        layers move to another CPU."""
+        return self.hub.target.exact
 
     def new_group(self) -> int:
         return self.hub.new_group()

@@ -35,7 +35,7 @@ def samples() -> list[wire.WireMessage]:
         wire.Chunk(SHA, 0, 10, np.arange(4, dtype=np.uint8)),
         wire.ChunkAck(SHA, 4, False),
         wire.Load(SHA, 0, 12, True, False, 512, 64, 1, True, "f32", "tcp://h:1", "cd" * 32, "ef" * 32),
-        wire.Loaded(12, 576, 49152, 512, 12.5),
+        wire.Loaded(12, 576, 49152, 512, 12.5, 48, False, ""),
         wire.Release(),
         wire.Cancel(3),
         wire.Cancel(3, np.array([4, 5], dtype=np.int32)),
@@ -153,7 +153,8 @@ class FakeWorker:
                                    wire.to_frames(wire.Welcome(self.node_id, "0", 2, 4000, 1.0, "idle", 64 << 20))]
             elif isinstance(msg, wire.Load):
                 n_layer = msg.layer_hi - msg.layer_lo
-                replies = [wire.to_frames(wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0))]
+                loaded = wire.Loaded(n_layer, self.n_embd, self.n_vocab, msg.n_ctx, 1.0, 48, False, "")
+                replies = [wire.to_frames(loaded)]
             elif isinstance(msg, wire.Forward):
                 replies = self.result(msg)
             elif isinstance(msg, wire.Ping):

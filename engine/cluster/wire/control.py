@@ -157,6 +157,16 @@ class Loaded(WireMessage):
     n_vocab: int
     n_ctx: int
     load_ms: float
+    # how long a verify batch stays exact on this stage's weights and this worker's CPU, and
+    # whether its single steps must run as 2 rows (core/batch_exact.py): the head keeps to
+    # what every stage allows
+    max_rows: int
+    two_row_steps: bool
+    exact_reason: str
+
+    def check(self) -> None:
+        if not 1 <= self.max_rows <= INT32_MAX:
+            raise WireError("loaded max_rows must be a positive count of rows")
 
 
 @dataclass(frozen=True)
