@@ -4,6 +4,8 @@ it, loopback workers shared by the cluster test modules, and an isolated home.""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +40,15 @@ HEAVY_FIRST = [
     "test_cluster_trust.py", "test_prefill.py", "test_lanes.py", "test_serve.py", "test_app_pilot.py",
     "test_serve_cluster.py", "test_spec_sampling.py",
 ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One folder a run for plain decoding's references (support/references.py), made before
+    xdist starts its processes, which inherit the environment."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tempfile.mkdtemp(prefix="potluck-test-refs-")
+        os.environ["POTLUCK_TEST_REFS"] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

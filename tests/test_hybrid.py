@@ -16,18 +16,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from potluck.engine.core.batch_exact import weight_types
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.kv import KvOp
-from potluck.engine.core.runtime import ContextParams, Model
+from potluck.engine.core.runtime import ContextParams, Model, quantize_model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.stage import Stage
 from potluck.engine.core.target import LocalTarget, TargetBase
 from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
+from potluck.engine.loader import open_session
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 
 from .support.references import plain_reply
@@ -229,6 +231,28 @@ def test_strategy_is_exact_with_rollbacks(
 def test_triforce_is_refused_in_one_line(model: Model) -> None:
     with pytest.raises(PotluckError, match="triforce.*recurrent"):
         build("triforce", model, None)
+
+
+def test_an_f32_router_refuses_speculation_on_a_hybrid(
+    target_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """llama-quantize keeps every router in F32, whose 1-row product sums differently from a
+    batch's; a dense or MoE model then runs single steps as 2 rows, but a recurrent state would
+    keep the spare row's token. So a published Qwen3.5 MoE GGUF cannot speculate losslessly
+    here: strategies that verify are refused in one line, and auto decodes plainly. (The
+    fixture's router is Q4_0; the file in F32 has F32 routers.)"""
+    path = quantize_model(target_path, tmp_path_factory.mktemp("f32") / "f32.gguf", "F32")
+    with Model(path) as m:
+        assert m.recurrent and "F32" in weight_types(path)
+        exact = m.batch_exact
+        assert not exact.speculates and not exact.two_row_steps and "recurrent" in exact.reason
+        with pytest.raises(PotluckError, match="'anpd' cannot be lossless.*F32.*recurrent"):
+            open_session(EngineSpec(model=path, strategy="anpd", n_ctx=N_CTX, n_threads=THREADS)).close()
+        auto = build("auto", m, None)
+        try:
+            assert "no exact verify batch" in auto.plain_reason
+        finally:
+            auto.close()
 
 
 def test_prompt_cache_brings_conversations_back_exactly(model: Model) -> None:

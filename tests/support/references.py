@@ -9,12 +9,23 @@ busy machine, and serve modules that test strategies on two. Greedy
 decoding is step by step, so the first N tokens of a longer reply are the reply to the same
 prompt with a limit of N: a module asking for fewer tokens than another gets a prefix, and
 one asking for more extends nothing (it decodes anew and keeps the longer reply).
+
+Test processes side by side (pytest -n) share them through files in ``POTLUCK_TEST_REFS``
+(a folder the conftest makes for the run): a reply one process decoded, the other reads, and
+while one decodes a conversation the other waits for it (a lock per conversation) instead of
+decoding it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from potluck.engine.core.events import Finished
 from potluck.engine.core.plain import Plain
@@ -42,8 +53,56 @@ class _Reply:
 _REPLIES: dict[_Key, _Reply] = {}
 
 
-def _known(key: _Key, max_tokens: int) -> list[int] | None:
+def _shared(key: _Key, suffix: str = ".json") -> Path | None:
+    """The file of ``key`` in the run's shared folder (None: no folder, one process). The model
+    is named by its path, size and time, so a rebuilt fixture is never read as the old."""
+    folder = os.environ.get("POTLUCK_TEST_REFS")
+    if not folder:
+        return None
+    st = os.stat(key.model)
+    text = json.dumps([asdict(key), st.st_size, st.st_mtime_ns])
+    return Path(folder) / (hashlib.sha256(text.encode()).hexdigest()[:32] + suffix)
+
+
+def _lookup(key: _Key) -> _Reply | None:
     got = _REPLIES.get(key)
+    path = _shared(key)
+    if path is not None and path.exists():
+        tokens, ended = json.loads(path.read_text())
+        if got is None or len(tokens) > len(got.tokens):
+            got = _REPLIES[key] = _Reply(tuple(tokens), ended)
+    return got
+
+
+def _keep(key: _Key, reply: _Reply) -> None:
+    old = _lookup(key)
+    if old is not None and len(old.tokens) >= len(reply.tokens):
+        return
+    _REPLIES[key] = reply
+    path = _shared(key)
+    if path is not None:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([list(reply.tokens), reply.ended]))
+        tmp.replace(path)  # whole or not at all, for a reader in the other process
+
+
+@contextmanager
+def _decoding(key: _Key) -> Iterator[None]:
+    """Held while this process decodes the conversation ending at ``key``: the other waits."""
+    path = _shared(key, ".lock")
+    if path is None:
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _known(key: _Key, max_tokens: int) -> list[int] | None:
+    got = _lookup(key)
     if got is None or (len(got.tokens) < max_tokens and not got.ended):
         return None
     return list(got.tokens[:max_tokens])
@@ -67,20 +126,22 @@ def plain_conversation(
     known = [_known(k, n) for k, n in zip(keys, limits)]
     if all(r is not None for r in known):
         return known  # type: ignore[return-value]
-    target = LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=1))
-    session = Session(model, target, Plain(), system=system)
-    try:
-        out = []
-        for key, turn, limit in zip(keys, turns, limits):
-            *_, fin = session.generate(turn, SamplingParams(), limit)
-            assert isinstance(fin, Finished)
-            out.append(list(fin.tokens))
-            old = _REPLIES.get(key)
-            if old is None or len(fin.tokens) > len(old.tokens):
-                _REPLIES[key] = _Reply(tuple(fin.tokens), fin.reason == "stop")
-        return out
-    finally:
-        session.close()
+    with _decoding(keys[-1]):
+        known = [_known(k, n) for k, n in zip(keys, limits)]  # the other process's, while we waited
+        if all(r is not None for r in known):
+            return known  # type: ignore[return-value]
+        target = LocalTarget(model, ContextParams(n_ctx=n_ctx, n_threads=1))
+        session = Session(model, target, Plain(), system=system)
+        try:
+            out = []
+            for key, turn, limit in zip(keys, turns, limits):
+                *_, fin = session.generate(turn, SamplingParams(), limit)
+                assert isinstance(fin, Finished)
+                out.append(list(fin.tokens))
+                _keep(key, _Reply(tuple(fin.tokens), fin.reason == "stop"))
+            return out
+        finally:
+            session.close()
 
 
 def plain_reply(
