@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on first use below
     from .cluster.plan import preview_plan
     from .cluster.profile import measure_profile
-    from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, Worker
+    from .cluster.worker import DEFAULT_CACHE_QUOTA_MB, KEEP_STAGE_S, Worker
     from .core import paths, validate
     from .core.backend import check_gguf_file
     from .core.chat import Message, TextStream, ToolCall
@@ -67,6 +67,7 @@ _WHERE = {
     "measure_profile": ".cluster.profile:measure_profile",
     "preview_plan": ".cluster.plan:preview_plan",
     "DEFAULT_CACHE_QUOTA_MB": ".cluster.worker:DEFAULT_CACHE_QUOTA_MB",
+    "KEEP_STAGE_S": ".cluster.worker:KEEP_STAGE_S",
     "Worker": ".cluster.worker:Worker",
     "paths": ".core.paths",
     "validate": ".core.validate",
@@ -153,6 +154,7 @@ __all__ = [
     "DEFAULT_CACHE_QUOTA_MB",
     "DISCOVER_TIMEOUT_S",
     "JOIN_TIMEOUT_S",
+    "KEEP_STAGE_S",
     "PLAIN",
     "STRATEGIES",
     "CallPart",

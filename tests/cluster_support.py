@@ -32,6 +32,12 @@ class WorkerProc(LoopbackWorker):
     extra: dict[str, str] = field(default_factory=dict)
 
 
+def stage_pids(worker: LoopbackWorker) -> set[int]:
+    """The worker's child processes: its stage processes (the loaded or kept one, a spare)."""
+    return {int(pid) for task in Path(f"/proc/{worker.proc.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()}
+
+
 def start_worker(
     tmp: Path,
     name: str,

@@ -26,7 +26,7 @@ from potluck.engine.core.spec import ClusterSpec, EngineSpec
 from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
-from .cluster_support import JOIN_S, TOKEN, WorkerProc, loopback_workers
+from .cluster_support import JOIN_S, TOKEN, WorkerProc, loopback_workers, stage_pids
 from .support.references import plain_conversation
 
 N_CTX = 1024
@@ -110,13 +110,27 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
             first.reset()
     finally:
         first.close()
-    # A new head (the workers went back to waiting) with the same model sends no bytes.
+    # A new head (the workers went back to waiting) with the same model sends no bytes, and
+    # takes over the stages the first one left loaded: the same processes, reset (the first
+    # head's cells and cancelled job groups are gone: the reply is one machine's again).
+    kept = [stage_pids(w) for w in workers[:2]]
     second = pipeline(model_path, workers[:2], slice_cache, split=plans[0].bounds)
     try:
         assert second.transfer.bytes_sent == 0 and second.transfer.files_cached == 2
+        assert [stage_pids(w) for w in workers[:2]] == kept and all(len(p) == 1 for p in kept)
         assert converse(model, second, "plain", None) == reference(model)
     finally:
         second.close()
+    assert all("still loaded: taken over" in w.log_path.read_text() for w in workers[:2])
+    # other settings: the kept stage goes, a new process loads
+    third = open_pipeline(model_path, [w.address for w in workers[:2]], keys_from_token(TOKEN),
+                          n_ctx=N_CTX // 2, slice_cache=slice_cache, split=plans[0].bounds)
+    try:
+        assert all(not (stage_pids(w) & k) for w, k in zip(workers[:2], kept))
+        expected = plain_conversation(model, TURNS, MAX_NEW, n_ctx=N_CTX // 2, system="Be brief.")
+        assert converse(model, third, "plain", None) == [tuple(t) for t in expected]
+    finally:
+        third.close()
 
 
 @pytest.mark.slow  # three stages by default: test_cluster_recovery

@@ -44,7 +44,7 @@ from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.cluster_fuzz import fuzz_as_head, fuzz_as_worker
 from potluck.engine.lab.wire_fuzz import FakeWorker
 
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, stage_pids, start_worker, stop_worker
 from .support.breadth import beyond
 
 N_CTX = 256
@@ -497,14 +497,9 @@ def test_a_malicious_worker_cannot_crash_the_head(
 # --------------------------------------------------------------------------- native crashes
 
 
-def _children(worker_pid: int) -> list[int]:
-    return [int(pid) for task in Path(f"/proc/{worker_pid}/task").iterdir()
-            for pid in (task / "children").read_text().split()]
-
-
-def _stage_child(worker_pid: int) -> int:
+def _stage_child(worker: WorkerProc) -> int:
     """The worker's child process that has a slice mapped (the stage, not the warm spare)."""
-    for pid in _children(worker_pid):
+    for pid in stage_pids(worker):
         try:
             if ".gguf" in Path(f"/proc/{pid}/maps").read_text():
                 return pid
@@ -521,8 +516,8 @@ def test_a_crashing_stage_is_reported_and_the_worker_serves_the_next_head(
         prompt = model.tokenize(PROMPT)
         target.decode(prompt[:4])
         # no warm spare beside a loaded stage: its memory is what a capped worker lacks
-        assert _children(worker.proc.pid) == [_stage_child(worker.proc.pid)]
-        os.kill(_stage_child(worker.proc.pid), signal.SIGSEGV)  # as a memory fault in llama.cpp would
+        assert stage_pids(worker) == {_stage_child(worker)}
+        os.kill(_stage_child(worker), signal.SIGSEGV)  # as a memory fault in llama.cpp would
         deadline = time.monotonic() + 10
         while "killed by SIGSEGV" not in worker.log() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -533,9 +528,9 @@ def test_a_crashing_stage_is_reported_and_the_worker_serves_the_next_head(
         target.close()
     assert worker.alive()
     deadline = time.monotonic() + 10  # the stage released: a spare warms up for the next head
-    while len(_children(worker.proc.pid)) != 1 and time.monotonic() < deadline:
+    while len(stage_pids(worker)) != 1 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(_children(worker.proc.pid)) == 1
+    assert len(stage_pids(worker)) == 1
     target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
     try:
         with local_target(model) as local:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ...engine import (
     DEFAULT_CACHE_QUOTA_MB,
+    KEEP_STAGE_S,
     PotluckError,
     PrintableFormatter,
     Worker,
@@ -52,6 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"most disk the received slices may use; least recently used go first (default {DEFAULT_CACHE_QUOTA_MB})",
     )
     p.add_argument(
+        "--keep-stage-s", type=float, default=KEEP_STAGE_S, metavar="S",
+        help="after its head releases it, an idle stage stays loaded this long, so the next head "
+        f"loading the same layers starts at once (0: free it at once; default {KEEP_STAGE_S:g})",
+    )
+    p.add_argument(
         "--no-zeroconf", action="store_true", help="do not advertise (heads must use --nodes)"
     )
     p.add_argument(
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     keys = cluster_keys(args)
     if args.cache_quota_mb < 1:
         raise PotluckError("--cache-quota-mb must be at least 1")
+    if not 0 <= args.keep_stage_s <= 7 * 86400:
+        raise PotluckError("--keep-stage-s must be 0..604800 seconds")
     if not 1 <= args.max_message_mb <= 4096:
         raise PotluckError("--max-message-mb must be 1..4096")
     threads = validate.threads(args.threads, "--threads") or default_threads()
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         cache_quota_bytes=args.cache_quota_mb << 20,
         potluck_version=potluck_version(),
         models_dir=args.models,
+        keep_stage_s=args.keep_stage_s,
     )
     advertiser = None
     if not args.no_zeroconf:

@@ -240,9 +240,9 @@ class StageProcess:
 
     # -- work
     def submit(self, kind: str, payload: object = None) -> Future:
-        """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset" or "skip" (job group of a
-        placeholder). Never waits: what the pipe cannot take yet is written by :meth:`flush`.
-        The future is resolved by :meth:`take_replies`."""
+        """``kind``: "job" (DecodeJob), "kv" (KvOp), "reset", "renew" (a new head takes the
+        loaded stage over) or "skip" (job group of a placeholder). Never waits: what the pipe
+        cannot take yet is written by :meth:`flush`. The future is resolved by :meth:`take_replies`."""
         return self._request(self._conn, kind, payload)
 
     def take_replies(self) -> None:
@@ -264,6 +264,18 @@ class StageProcess:
                     fut.set_exception(_error(payload))
         except (EOFError, OSError):
             self._child_ended()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Take replies until nothing is pending, waiting at most ``timeout_s``: whether it
+        became idle (a stage kept for the next head must hold no work of the last)."""
+        deadline = time.monotonic() + timeout_s
+        self.take_replies()
+        while self._pending and not (self._ended or self._closing):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(left):
+                break
+            self.take_replies()
+        return not self._pending
 
     def cancel(self, group: int, *more: int) -> None:
         """Best effort, never waiting: the child's control thread reads its pipe at once (a
@@ -465,7 +477,11 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
             if kind == "close":
                 break
             n, payload = msg[1], msg[2]
-            fut = runner.run(_work_item(stage, kind, payload))
+            if kind == "renew":  # a new head takes the loaded stage over: nothing of the last one stays
+                runner.renew()
+                fut = runner.run(type(stage).forget_all)
+            else:
+                fut = runner.run(_work_item(stage, kind, payload))
             err = fut.exception()
             reply(n, err is None, fut.result() if err is None else _encode_error(err))
     finally:

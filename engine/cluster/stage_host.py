@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import archs
@@ -18,6 +19,7 @@ from . import wire
 from .child import StageInfo, StageProcess, StageSpec
 from .plan import kv_cells, layer_costs, stage_mem_mb
 from .profile import free_memory_mb
+from .slice_seal import Seal
 
 LOAD_TIMEOUT_S = 300.0
 
@@ -25,13 +27,24 @@ LOAD_TIMEOUT_S = 300.0
 class LoadedStage:
     """A cached slice loaded as one stage in a child process (see child.py)."""
 
-    def __init__(self, proc: StageProcess, load: wire.Load, info: StageInfo) -> None:
+    def __init__(self, proc: StageProcess, load: wire.Load, info: StageInfo, seal: Seal | None = None) -> None:
         self.proc = proc
         self.load = load
         self.info = info
+        self.seal = seal  # the slice file as loaded: a kept stage is taken over only while it is unchanged
 
     def close(self) -> None:
         self.proc.close()
+
+
+@dataclass
+class KeptStage:
+    """A stage its head released, still loaded until ``until`` (monotonic s) for a head that
+    loads the same slice with the same settings; ``mb``: what it holds, by the planner's figure."""
+
+    stage: LoadedStage
+    until: float
+    mb: float
 
 
 def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str | None]:
@@ -71,7 +84,7 @@ def load_stage(proc: StageProcess, path: Path, msg: wire.Load, n_threads: int) -
         if "does not match its sha256" in str(e):
             path.unlink(missing_ok=True)  # corrupted on disk: the head sends it again
         raise
-    stage = LoadedStage(proc, msg, info)
+    stage = LoadedStage(proc, msg, info, Seal.of(path, msg.sha256))
     if info.n_layer != msg.layer_hi - msg.layer_lo:
         stage.close()
         raise PotluckError("slice layer count does not match the requested range")

@@ -5,7 +5,10 @@ Life of a worker: wait for a head (``hello``), receive or find its slice by sha2
 data-path transactions in ``txn`` order: ``forward`` (a batch: compute, pass hidden states to
 the next stage, or back to the head from the last worker: the head computes the model's last
 layer and the output layer itself), ``kv`` and ``reset`` (apply, pass on). ``release``
-by its head, or that head going away, frees the stage and the worker waits again.
+by its head, or that head going away, ends its session and the worker waits again. The stage
+stays loaded a while (``--keep-stage-s``) if it was idle: a head that loads the same slice with
+the same settings next (the same model again, a rebuilt chain) takes it over at once, reset, where
+a cold load reads and repacks gigabytes; any other load, or the time running out, frees it.
 
 This process never runs llama.cpp: the stage lives in a supervised child (child.py), so a
 slice that makes llama.cpp abort or segfault costs that child only; the head is told the
@@ -40,8 +43,9 @@ from ..core.spec import CurveKeys
 from . import inbox, wire
 from .child import CLOSE_WAIT_S, PENDING_FLOOR_BYTES, StageCrashed, StageProcess
 from .profile import NodeProfile, free_memory_mb
+from .slice_seal import Seal
 from .slice_store import SliceStore, SliceUploads
-from .stage_host import Handback, LoadedStage, check_load, load_stage
+from .stage_host import Handback, KeptStage, LoadedStage, check_load, load_stage, stage_memory_mb
 from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
@@ -72,6 +76,8 @@ REFUSAL_CHARS = 400  # a refusal sent to a peer is one line, not the 4 kB a mess
 REFUSALS_LOGGED = 10  # refusals logged a second; the rest are counted in one line
 TRIM_EVERY_S = 2.0  # freed heap goes back to the system at most this often during a flood
 TRIM_AFTER_BYTES = 16 << 20  # ... once this much arrived (or was dropped) since the last time
+KEEP_STAGE_S = 600.0  # how long a released, idle stage stays loaded for the next head (0: never)
+KEEP_SETTLE_S = 2.0  # how long a released stage's last work may take to finish for it to be kept
 MAX_CONNECTIONS = 1500  # handshakes beyond this many open TCP connections are refused (ZAP)
 PEER_CONNECTIONS = 64  # ... or beyond this many from one address other than loopback
 
@@ -106,8 +112,10 @@ class Worker:
         cache_quota_bytes: int = DEFAULT_CACHE_QUOTA_MB << 20,
         potluck_version: str = "0",
         models_dir: Path | None = None,
+        keep_stage_s: float = KEEP_STAGE_S,
     ) -> None:
         self.keys = keys
+        self.keep_stage_s = keep_stage_s
         self.profile = profile
         self.store = SliceStore(Path(cache_dir), cache_quota_bytes)
         self.cache_dir = self.store.folder
@@ -167,6 +175,8 @@ class Worker:
         # wait for it. Never beside a loaded stage: it holds ~170 MB, which the free memory a
         # worker reports at join already counts once (docs/facts.md §17).
         self._spare: StageProcess | None = StageProcess()
+        self._kept: KeptStage | None = None  # a released stage still loaded (never beside a spare)
+        self.stages_reused = 0  # loads answered by the kept stage (tests, logs)
         # The drain (numba) loads before the worker serves anyone: in a thread beside the
         # loop it held the GIL for most of a second, and a head joining then timed this
         # link's pings at 3-13 ms instead of 0.3 (and planned around a slow link).
@@ -194,8 +204,9 @@ class Worker:
         self._stop = True
 
     def child_pids(self) -> list[int]:
-        """The stage processes' ids (the loaded stage's and the warm spare's)."""
-        procs = (self.stage.proc if self.stage is not None else None, self._spare)
+        """The stage processes' ids (the loaded stage's, a kept one's and the warm spare's)."""
+        procs = (self.stage.proc if self.stage is not None else None, self._spare,
+                 self._kept.stage.proc if self._kept is not None else None)
         return [p.proc.pid for p in procs if p is not None and p.proc.poll() is None]
 
     def serve_forever(self) -> None:
@@ -220,6 +231,8 @@ class Worker:
                     self._serve_pending()
                 self._flush_outboxes()
                 self._give_back_memory(quiet=not events)
+                if self._kept is not None and time.monotonic() > self._kept.until:
+                    self._drop_kept("its time ran out")
         finally:
             self.close()
 
@@ -346,7 +359,8 @@ class Worker:
     def close(self) -> None:
         """Stop serving, without waiting on anyone: both stage processes are told to end at
         once and given CLOSE_WAIT_S together (then killed), every socket closes unsent."""
-        procs = [p for p in (self.stage.proc if self.stage is not None else None, self._spare) if p is not None]
+        procs = [p for p in (self.stage.proc if self.stage is not None else None, self._spare,
+                             self._kept.stage.proc if self._kept is not None else None) if p is not None]
         if self.stage is not None:
             proc = self.stage.proc
             log.info("stopping with %d work item(s) queued for the stage process, %d byte(s) of them waiting "
@@ -357,7 +371,7 @@ class Worker:
         deadline = time.monotonic() + CLOSE_WAIT_S
         for proc in procs:
             proc.end_close(deadline)
-        self._spare = None
+        self._spare = self._kept = None
         self._release()
         self.uploads.drop()
         self.auth.stop()
@@ -483,14 +497,15 @@ class Worker:
         self.owner_seen = time.monotonic()
         self.owner_local = on_this_machine(peer_address(frames))
         if isinstance(msg, wire.Offer):
-            keep = {self.stage.load.sha256} if self.stage is not None else set()
+            loaded = (self.stage, self._kept.stage if self._kept is not None else None)
+            keep = {ld.load.sha256 for ld in loaded if ld is not None}
             self._send(ident, self.uploads.offer(msg, keep))
         elif isinstance(msg, wire.Chunk):
             self._send(ident, self.uploads.chunk(msg))
         elif isinstance(msg, wire.Load):
             self._send(ident, self._load(msg))
         elif isinstance(msg, wire.Release):
-            self._release()
+            self._release(keep=True)
             self.uploads.drop()
             self.owner, self.owner_key, self.owner_name = b"", b"", ""
         elif isinstance(msg, wire.Cancel):
@@ -514,7 +529,7 @@ class Worker:
                 )
             log.info("head %s went away without releasing; a new head takes over", self.owner_name)
         rejoined = key == self.owner_key and self.stage is None  # its hello again (a flood of them, or a retry)
-        self._release()
+        self._release(keep=True)
         if key != self.owner_key:
             self.uploads.drop()
         self.owner, self.owner_key, self.owner_name = ident, key, msg.head_id
@@ -530,9 +545,9 @@ class Worker:
             inbox.give_back_freed_memory()
         if not rejoined or time.monotonic() - self._free_mb[0] > 1.0:  # /proc and cgroup reads: not per hello
             self._free_mb = (time.monotonic(), free_memory_mb())
-        welcome = wire.Welcome(
-            p.node_id, self.version, p.cores, self._free_mb[1], p.speed, "idle", self.max_msg_bytes
-        )
+        # a kept stage is freed for any other load: its memory is on offer too
+        free_mb = self._free_mb[1] + (int(self._kept.mb) if self._kept is not None else 0)
+        welcome = wire.Welcome(p.node_id, self.version, p.cores, free_mb, p.speed, "idle", self.max_msg_bytes)
         self._send(ident, welcome)
 
     # -- slice cache
@@ -546,19 +561,31 @@ class Worker:
         path = self.cached_path(msg.sha256)
         if not self.store.has(msg.sha256):  # here and intact: its seal (one stat), else a re-hash
             raise PotluckError(f"slice {msg.sha256[:12]} is not in this worker's cache")
-        self._release()
-        check_load(path, msg)
-        self.store.touch(msg.sha256)
+        self._release(keep=True)
         t0 = time.perf_counter()
-        proc, self._spare = self._spare or StageProcess(), None
+        stage = self._take_kept(msg, path)
+        if stage is None:
+            check_load(path, msg)
+        self.store.touch(msg.sha256)
+        if stage is not None:
+            stage.load = msg
+            stage.proc.submit("renew")  # ahead of this head's work in the same pipe: nothing of the last head stays
+            self.stages_reused += 1
+        else:
+            proc, self._spare = self._spare or StageProcess(), None
+            try:
+                stage = load_stage(proc, path, msg, self.n_threads)
+            except Exception as e:
+                self._spare = StageProcess()  # nothing loaded: the next load finds one warm
+                if isinstance(e, StageCrashed):
+                    self.crashes += 1
+                    raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
+                raise
+        proc = stage.proc
         try:
-            stage = load_stage(proc, path, msg, self.n_threads)
             self.forward = None if msg.last else self._connect_next(next_endpoint, stage)
-        except Exception as e:
-            self._spare = StageProcess()  # nothing loaded: the next load finds one warm
-            if isinstance(e, StageCrashed):
-                self.crashes += 1
-                raise PotluckError(f"loading layers {msg.layer_lo}-{msg.layer_hi} crashed: {e}") from None
+        except Exception:
+            self._spare = StageProcess()  # _connect_next closed the stage
             raise
         proc.on_crash = lambda why, p=proc: self.handback.crashed(p, why)  # from take_replies, this thread
         # work a stage may hold queued: a conversation's worth of its inputs, twice over (a
@@ -576,6 +603,36 @@ class Worker:
         return wire.Loaded(info.n_layer, info.n_embd, info.n_vocab, info.n_ctx, load_ms,
                            info.max_rows, info.two_row_steps, info.exact_reason)
 
+    def _take_kept(self, msg: wire.Load, path: Path) -> LoadedStage | None:
+        """The kept stage if ``msg`` loads the same slice file, unchanged since it was loaded,
+        with the same settings, and its process still runs; anything else kept is freed
+        first, so a new load has its memory."""
+        kept = self._kept
+        if kept is None:
+            return None
+        old = kept.stage.load
+        same = (old.sha256, old.first, old.n_ctx, old.n_batch, old.n_seq_max, old.kv_unified) == (
+            msg.sha256, msg.first, msg.n_ctx, msg.n_batch, msg.n_seq_max, msg.kv_unified)
+        try:
+            unchanged = kept.stage.seal == Seal.of(path, msg.sha256)
+        except OSError:
+            unchanged = False
+        if same and unchanged and kept.stage.proc.proc.poll() is None:
+            self._kept = None
+            log.info("layers %d-%d still loaded: taken over", msg.layer_lo, msg.layer_hi)
+            return kept.stage
+        self._drop_kept("another slice or other settings are loaded" if not same else
+                        "its slice file changed" if not unchanged else "its process ended")
+        return None
+
+    def _drop_kept(self, why: str) -> None:
+        if self._kept is None:
+            return
+        ld, self._kept = self._kept.stage, None
+        ld.close()
+        log.info("kept layers %d-%d freed: %s", ld.load.layer_lo, ld.load.layer_hi, why)
+        self._spare = self._spare or StageProcess()
+
     def _connect_next(self, address: str, stage: LoadedStage) -> zmq.Socket:
         fwd = client_socket(self.zctx, self.keys)  # no chosen routing id: it proves nothing
         fwd.setsockopt(zmq.SNDHWM, FORWARD_SNDHWM)  # the rest waits in forward_outbox, bounded
@@ -588,14 +645,28 @@ class Worker:
             raise PotluckError(f"bad next-stage address {address!r}: {e}") from None
         return fwd
 
-    def _release(self) -> None:
+    def _release(self, keep: bool = False) -> None:
+        """End the session's stage. ``keep``: its head is done with it (released it, went
+        away, or loads again), so an idle stage stays loaded for the next load of the same
+        slice (:data:`KEEP_STAGE_S`); a stage with work queued, or after a crash, ends."""
         if self.stage is not None:
-            self.stage.proc.on_crash = None
-            self._poller.unregister(self.stage.proc.fileno())
-            self.stage.close()  # ends its process: nothing more reaches the queue
-            self.stage = None
-            log.info("stage released; waiting for a head")
-            self._spare = self._spare or StageProcess()
+            ld, self.stage = self.stage, None
+            ld.proc.on_crash = None
+            self._poller.unregister(ld.proc.fileno())
+            # its last replies (a reset, a trim) may still be on their way: a moment for them
+            if keep and self.keep_stage_s > 0 and ld.proc.settle(KEEP_SETTLE_S) and ld.proc.proc.poll() is None:
+                path = self.cached_path(ld.load.sha256)
+                try:
+                    mb = stage_memory_mb(path, ld.load)[0]
+                except Exception:  # noqa: BLE001 - the slice went from the cache: count what the load did
+                    mb = 0.0
+                self._kept = KeptStage(ld, time.monotonic() + self.keep_stage_s, mb)
+                log.info("stage released; layers %d-%d stay loaded for %.0f s for the next head",
+                         ld.load.layer_lo, ld.load.layer_hi, self.keep_stage_s)
+            else:
+                ld.close()  # ends its process: nothing more reaches the queue
+                log.info("stage released; waiting for a head")
+                self._spare = self._spare or StageProcess()
         self.handback.forget_finished()
         if self.forward is not None:
             self._poller.unregister(self.forward)

@@ -100,6 +100,13 @@ class StageRunner:
         self._execute(item, fut)
         return fut
 
+    def renew(self) -> None:
+        """A new owner: it numbers its job groups afresh (the last one's cancels say nothing of
+        them) and counts from zero."""
+        with self._cond:
+            self._cancelled.clear()
+            self.counters = RunnerCounters()
+
     def set_threads(self, n_threads: int) -> Future:
         """Threads from the next queued item on (still within the cores left free when the
         context follows the load)."""
