@@ -4,6 +4,7 @@ exactness is tests/test_archs_exact.py's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,7 @@ def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: py
         out = capsys.readouterr().out
         assert "moenode0" in out and "moenode1" in out, out
         assert "split plan: 6 layers over" in out and "2 of 8 experts a token (all resident)" in out, out
+        assert "single steps as 2 rows (x1.93)" in out  # its router is F32 (docs/facts.md §37)
         assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(path), "--ctx", "4000000"]) == 1
         assert "no plan for gpt-oss-small" in capsys.readouterr().out
     finally:
@@ -162,7 +164,13 @@ def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
     """Memory counts every expert, time only the routed ones a token reads: the plan's stage
     sizes hold all of a layer, its prediction (synchronous: the stages in turn, then the
     head's layer and output matrix) the quarter a token reads."""
-    from potluck.engine.cluster.plan import WEIGHT_BYTES_PER_S_PER_SPEED, LayerCosts, NodeInfo, plan_split
+    from potluck.engine.cluster.plan import (
+        TWO_ROW_STEP_COST,
+        WEIGHT_BYTES_PER_S_PER_SPEED,
+        LayerCosts,
+        NodeInfo,
+        plan_split,
+    )
 
     mb = 1 << 20
     costs = LayerCosts("qwen3moe", (100 * mb,) * 10, 10 * mb, 1024, 1000, 64, time_bytes=(25 * mb,) * 10,
@@ -174,5 +182,8 @@ def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
     assert [s.hi - s.lo for s in plan.stages] in ([4, 5], [5, 4])
     assert all(s.mem_mb > (s.hi - s.lo) * 100 for s in plan.stages)  # every expert resident
     assert "2 of 8 experts a token (all resident)" in plan.describe()[0]
-    assert "predicted: about" in plan.describe()[-1]
+    assert "predicted: about" in plan.describe()[-1] and "2 rows" not in plan.describe()[-1]
     assert plan_split(costs, nodes, 512).predicted_tokens_per_s is None  # the head's speed unknown
+    # single steps as 2 rows (an F32 router) compute the spare row too
+    doubled = replace(plan, step_cost=TWO_ROW_STEP_COST)
+    assert doubled.predicted_tokens_per_s == pytest.approx(plan.predicted_tokens_per_s / TWO_ROW_STEP_COST)

@@ -18,7 +18,7 @@ from ..core.errors import PotluckError
 from ..core.spec import CurveKeys
 from . import wire
 from .link import REQUEST_TIMEOUT_S, NodeFailedError, NodeLink
-from .plan import SplitPlan, kv_cells, layer_costs, manual_plan, plan_split
+from .plan import SplitPlan, kv_cells, layer_costs, manual_plan, plan_split, with_step_cost
 from .transfer import CHUNK_BYTES, Progress, SliceCache, TransferStats, send_slice
 from .transport import endpoint, host_of, on_this_machine
 
@@ -48,9 +48,11 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
     nodes = [lk.info() for lk in links]
     cells = kv_cells(setup.n_ctx, setup.n_seq_max, setup.kv_unified)  # as the worker checks its load
     if split:
-        return manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx,
+        plan = manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx,
                            setup.head_speed)
-    return plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx, setup.head_speed)
+    else:
+        plan = plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx, setup.head_speed)
+    return with_step_cost(plan, setup.model_path, costs)
 
 
 def replan(setup: PipelineSetup, links: Sequence[NodeLink]) -> SplitPlan:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core import archs
@@ -46,6 +46,10 @@ COMPUTE_MARGIN_BYTES = 16 << 20  # graph inputs (KQ mask, positions) and allocat
 # refused by 20 MB. Plans keep this much of each worker's figure free.
 HEADROOM_MB = 64
 PAGE_BYTES = 4096  # what reading one embedding row maps
+# A single step run as 2 rows against 1 row, 1 thread (docs/facts.md §37: SmolLM2 1.86x,
+# gpt-oss-small 1.98x, qwen3moe-small 1.96x, the gpt-oss-20b shape at 4 layers 1.93x): the
+# spare row's products are computed, and in a mixture routed to experts of its own.
+TWO_ROW_STEP_COST = 1.93
 # A speed score (profile.measure_speed: GFLOP/s of one core's multiply-adds, times threads) in
 # weight bytes a decode step streams per second: llama-bench tg32 of the 1b shape (604 MB) ran
 # 10.8 tok/s at 1 thread (score 3.5) and 20.6 at 2 (7.1), the 8b shape 3.6 at 2 (docs/facts.md
@@ -134,15 +138,18 @@ class SplitPlan:
     head: tuple[int, int]  # layers the head computes itself, with the output norm and matrix
     experts: tuple[int, int, int] = (0, 0, 0)  # LayerCosts.experts of the model planned
     head_cost: float = 0.0  # seconds a token on the head: its layers and the output layer (0: unknown)
+    # what a single step costs in 1-row steps: single steps run as 2 rows on some weight types
+    # (core/batch_exact.py), which computes the spare row too (TWO_ROW_STEP_COST)
+    step_cost: float = 1.0
 
     @property
     def predicted_tokens_per_s(self) -> float | None:
         """The planner's model of synchronous decoding: a token goes through every stage in turn
-        (its layers and hop, :func:`_cost`), then the head's layers and output layer; None when
-        the head's speed was not measured."""
+        (its layers and hop, :func:`_cost`), then the head's layers and output layer, each step
+        as many rows as exactness needs; None when the head's speed was not measured."""
         if self.head_cost <= 0:
             return None
-        return 1.0 / (sum(s.cost for s in self.stages) + self.head_cost)
+        return 1.0 / ((sum(s.cost for s in self.stages) + self.head_cost) * self.step_cost)
 
     def experts_text(self) -> str:
         """"4 of 32 experts a token (all resident)", or "" for a dense model."""
@@ -173,8 +180,9 @@ class SplitPlan:
         lo, hi = self.head
         lines.append(f"  head:    layers {lo:>3}-{hi:<3} and the output layer on this machine")
         if self.predicted_tokens_per_s is not None:
+            rows = f", single steps as 2 rows (x{self.step_cost:g})" if self.step_cost != 1.0 else ""
             lines.append(f"  predicted: about {self.predicted_tokens_per_s:.1f} tokens/s decoding (synchronous, "
-                         "plain; weights read at each machine's measured speed, hops at their measured links)")
+                         f"plain; weights read at each machine's measured speed, hops at their measured links{rows})")
         return lines
 
 
@@ -412,6 +420,18 @@ def manual_plan(
     return SplitPlan(stages, costs.n_layer, head, costs.experts, head_cost(costs, head, head_speed))
 
 
+def with_step_cost(plan: SplitPlan, model_path: Path, costs: LayerCosts) -> SplitPlan:
+    """``plan`` predicting single steps as 2 rows where the model's weights need them. The
+    stages judge their own slices when they load; for the prediction this CPU judges the whole
+    file (a recurrent model keeps 1-row steps: runtime.Model.batch_exact)."""
+    from ..core.backend import default_extra_bufts
+    from ..core.batch_exact import model_exactness
+
+    if costs.state_bytes is None and model_exactness(model_path, use_extra_bufts=default_extra_bufts()).two_row_steps:
+        return replace(plan, step_cost=TWO_ROW_STEP_COST)
+    return plan
+
+
 def preview_plan(
     model_path: Path, nodes: Sequence[tuple[str, str, int, float]], n_ctx: int, n_batch: int = N_BATCH,
     head_speed: float = 0.0,
@@ -423,4 +443,5 @@ def preview_plan(
 
     archs.require_splittable(archs.read_header(open_reader(Path(model_path))), Path(model_path).name)
     infos = [NodeInfo(name, address, free_mb, speed) for name, address, free_mb, speed in nodes]
-    return plan_split(layer_costs(model_path), infos, n_ctx, n_batch, head_speed=head_speed)
+    costs = layer_costs(model_path)
+    return with_step_cost(plan_split(costs, infos, n_ctx, n_batch, head_speed=head_speed), Path(model_path), costs)
