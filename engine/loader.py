@@ -153,7 +153,8 @@ def describe_model(path: Path) -> dict[str, object]:
     from .core.gguf_tools import describe
 
     row = describe(path)
-    exact = model_exactness(Path(path), use_extra_bufts=default_extra_bufts())
+    recurrent = "recurrent" in str(row.get("cache") or "")  # the table's kind (at load, llama.cpp's own answer)
+    exact = model_exactness(Path(path), use_extra_bufts=default_extra_bufts(), recurrent=recurrent)
     if not exact.speculates:
         row["speculation"] = f"refused: {exact.reason}"
     elif exact.max_rows == MAX_EXACT_BATCH and not exact.two_row_steps:

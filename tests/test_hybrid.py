@@ -29,7 +29,7 @@ from potluck.engine.core.spec import EngineSpec
 from potluck.engine.core.stage import Stage
 from potluck.engine.core.target import LocalTarget, TargetBase
 from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
-from potluck.engine.loader import open_session
+from potluck.engine.loader import describe_model, open_session
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 
 from .support.references import plain_reply
@@ -246,6 +246,7 @@ def test_an_f32_router_refuses_speculation_on_a_hybrid(
         assert m.recurrent and "F32" in weight_types(path)
         exact = m.batch_exact
         assert not exact.speculates and not exact.two_row_steps and "recurrent" in exact.reason
+        assert describe_model(path)["speculation"] == f"refused: {exact.reason}"  # potluck models FILE
         with pytest.raises(PotluckError, match="'anpd' cannot be lossless.*F32.*recurrent"):
             open_session(EngineSpec(model=path, strategy="anpd", n_ctx=N_CTX, n_threads=THREADS)).close()
         auto = build("auto", m, None)

@@ -423,11 +423,12 @@ def manual_plan(
 def with_step_cost(plan: SplitPlan, model_path: Path, costs: LayerCosts) -> SplitPlan:
     """``plan`` predicting single steps as 2 rows where the model's weights need them. The
     stages judge their own slices when they load; for the prediction this CPU judges the whole
-    file (a recurrent model keeps 1-row steps: runtime.Model.batch_exact)."""
+    file."""
     from ..core.backend import default_extra_bufts
     from ..core.batch_exact import model_exactness
 
-    if costs.state_bytes is None and model_exactness(model_path, use_extra_bufts=default_extra_bufts()).two_row_steps:
+    recurrent = costs.state_bytes is not None
+    if model_exactness(model_path, use_extra_bufts=default_extra_bufts(), recurrent=recurrent).two_row_steps:
         return replace(plan, step_cost=TWO_ROW_STEP_COST)
     return plan
 

@@ -124,8 +124,15 @@ def weight_types(path: Path) -> dict[str, str]:
     return out
 
 
-def model_exactness(path: Path, *, use_extra_bufts: bool) -> BatchExactness:
-    return judge(weight_types(path), use_extra_bufts=use_extra_bufts)
+def model_exactness(path: Path, *, use_extra_bufts: bool, recurrent: bool = False) -> BatchExactness:
+    """``recurrent``: the model keeps a recurrent state (Mamba, Gated DeltaNet), which would
+    take a spare row's token in for good: a model that needs 2-row steps then gets no exact
+    verify batch (an F32 router, as every published Qwen3.5 MoE GGUF)."""
+    exact = judge(weight_types(path), use_extra_bufts=use_extra_bufts)
+    if exact.two_row_steps and recurrent:
+        return BatchExactness(1, False, f"{exact.reason}, which a recurrent state cannot take "
+                                        "(its single steps stay 1 row, docs/facts.md §37)")
+    return exact
 
 
 def combine(parts: Iterable[BatchExactness]) -> BatchExactness:

@@ -143,14 +143,8 @@ class Model(NativeObject):
     @functools.cached_property
     def batch_exact(self) -> BatchExactness:
         """How long a verify batch may be, and whether single steps run as 2 rows, for every
-        row to equal a single step (:mod:`.batch_exact`; the GGUF's tensor index, read once).
-        A recurrent state would take a spare row's token in for good, so a model that needs
-        2-row steps and has one (an F32 router, as every published Qwen3.5 MoE) gets none."""
-        exact = model_exactness(self.path, use_extra_bufts=self.use_extra_bufts)
-        if exact.two_row_steps and self.recurrent:
-            return BatchExactness(1, False, f"{exact.reason}, which a recurrent state cannot take "
-                                            "(its single steps stay 1 row, docs/facts.md §37)")
-        return exact
+        row to equal a single step (:mod:`.batch_exact`; the GGUF's tensor index, read once)."""
+        return model_exactness(self.path, use_extra_bufts=self.use_extra_bufts, recurrent=self.recurrent)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
