@@ -74,3 +74,9 @@ def test_what_a_worker_writes_is_made_printable_where_the_head_reads_it() -> Non
     assert_escaped(welcome.node_id) and assert_escaped(welcome.potluck_version)  # type: ignore[func-returns-value]
     plain = wire.Welcome("node-1", "0.9", 2, 1000, 1.0, "idle", 1 << 20)
     assert shown(plain) == plain  # what a real worker says is unchanged
+    # why a stage's batches stay exact: it ends up in a one-line refusal of speculation
+    loaded = shown(wire.Loaded(12, 576, 49152, 512, 1.0, 1, False, EVIL * 100))
+    assert isinstance(loaded, wire.Loaded) and loaded.max_rows == 1
+    assert_escaped(loaded.exact_reason[:200]) and len(loaded.exact_reason) <= 400  # type: ignore[func-returns-value]
+    honest = wire.Loaded(12, 576, 49152, 512, 1.0, 48, True, "F32 (blk.0.ffn_gate_inp.weight): single steps as 2 rows")
+    assert shown(honest) == honest

@@ -85,7 +85,8 @@ REFUSAL_CHARS = 400  # a worker's refusal as the head shows it (a line, not the 
 
 
 def shown(msg: wire.WireMessage) -> wire.WireMessage:
-    """``msg`` with the text a worker wrote for people (node id, version, state, refusals) made
+    """``msg`` with the text a worker wrote for people (node id, version, state, refusals, why
+    its batches stay exact) made
     printable: a worker is another party, and its text reaches the head's terminal, log and
     chat app (an ``ESC ]52;`` in a refusal would write the user's clipboard)."""
     if isinstance(msg, wire.Error):
@@ -95,6 +96,8 @@ def shown(msg: wire.WireMessage) -> wire.WireMessage:
         return dataclasses.replace(msg, node_id=printable(msg.node_id, limit=NODE_ID_CHARS),
                                    potluck_version=printable(msg.potluck_version, limit=40),
                                    state=printable(msg.state, limit=32))
+    if isinstance(msg, wire.Loaded):  # its reason reaches a refusal of speculation, a line on the terminal
+        return dataclasses.replace(msg, exact_reason=printable(msg.exact_reason, limit=REFUSAL_CHARS))
     return msg
 
 
