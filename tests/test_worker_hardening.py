@@ -545,6 +545,7 @@ def test_a_cached_slice_changed_on_disk_is_rehashed_and_sent_again(
     target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
     sha = target.status()[0].sha256
     target.close()
+    kept = stage_pids(worker)  # the released stage stays loaded for the next head
     cached = next(worker.log_path.parent.glob(f"w-cache/{sha}.gguf"))
     with open(cached, "r+b") as f:  # one flipped byte deep in the weights
         f.seek(cached.stat().st_size // 2)
@@ -554,11 +555,47 @@ def test_a_cached_slice_changed_on_disk_is_rehashed_and_sent_again(
     target = open_pipeline(model_path, [worker.address], keys, n_ctx=N_CTX, slice_cache=cache)
     try:
         assert target.transfer.bytes_sent > 0  # its seal broke: re-hashed at the offer, removed, sent again
+        # and the stage kept from the changed file is not taken over: a new process loads the new one
+        assert "freed: its slice file changed" in worker.log() and not stage_pids(worker) & kept
         with local_target(model) as local:
             prompt = model.tokenize(PROMPT)
             assert np.array_equal(local.decode(prompt), target.decode(prompt))
     finally:
         target.close()
+
+
+def test_a_kept_stage_is_freed_when_its_time_runs_out(
+    keys: CurveKeys, model: Model, model_path: Path, cache: SliceCache, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A released stage stays loaded only ``--keep-stage-s``; then a spare process waits in its
+    place and the next head loads afresh, exactly. A bad value is refused in one line."""
+    from potluck.app.cli import main
+
+    monkeypatch.setenv("POTLUCK_TOKEN", TOKEN)
+    for bad in ("-1", "nan", "1e9"):
+        assert main(["worker", "--no-zeroconf", "--port", "0", "--keep-stage-s", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--keep-stage-s must be 0..604800 seconds" in err[0], err
+    with running_worker(tmp_path, "k", TOKEN, extra_args=["--keep-stage-s", "1"]) as w:
+        prompt = model.tokenize(PROMPT)
+        target = open_pipeline(model_path, [w.address], keys, n_ctx=N_CTX, slice_cache=cache)
+        try:
+            first = target.decode(prompt)
+        finally:
+            target.close()
+        kept = stage_pids(w)
+        deadline = time.monotonic() + 60  # the caller's deadline: the expiry itself is 1 s
+        while "freed: its time ran out" not in w.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "freed: its time ran out" in w.log_path.read_text()
+        target = open_pipeline(model_path, [w.address], keys, n_ctx=N_CTX, slice_cache=cache)
+        try:
+            assert not stage_pids(w) & kept  # loaded afresh, not taken over
+            assert np.array_equal(first, target.decode(prompt))
+        finally:
+            target.close()
+    assert "taken over" not in w.log_path.read_text()
 
 
 def test_load_limits_and_architecture_checked_on_the_worker(
