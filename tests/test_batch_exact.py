@@ -20,6 +20,7 @@ from potluck.engine.core.batch_exact import (
     combine,
     judge,
     model_exactness,
+    repacked_types,
     weight_types,
 )
 from potluck.engine.core.errors import PotluckError
@@ -79,6 +80,37 @@ def test_a_chain_keeps_to_what_every_stage_allows() -> None:
 def kquant_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled model as Q4_K_M (Q4_K, Q6_K and Q8_0 matrices): the most published kind."""
     return quantize_model(model_path, tmp_path_factory.mktemp("kquant") / "q4_k_m.gguf", "Q4_K_M", n_threads=2)
+
+
+@needs_x86
+def test_a_pipeline_keeps_to_its_workers_judgment(
+    kquant_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether llama.cpp repacks Q4_K is each machine's (off on AMX CPUs, or by
+    POTLUCK_EXTRA_BUFTS), so a head and its worker can judge the same weights differently. Here
+    the head does not repack and alone would allow 7 rows; its worker repacks and says 3 when
+    it loads: the chain keeps to 3."""
+    from potluck.app.loopback import running_worker
+    from potluck.discovery.auth import keys_from_token
+    from potluck.engine.cluster.head import open_pipeline
+    from potluck.engine.cluster.transfer import SliceCache
+    from potluck.engine.core.backend import cpu_flags, cpu_has_amx
+
+    from .cluster_support import JOIN_S, TOKEN
+
+    if cpu_has_amx() or "Q4_K" not in repacked_types(True, cpu_flags()):
+        pytest.skip("this CPU does not repack Q4_K by default")
+    monkeypatch.delenv("POTLUCK_EXTRA_BUFTS", raising=False)
+    with running_worker(tmp_path, "w", TOKEN) as worker:  # this CPU's default: it repacks
+        monkeypatch.setenv("POTLUCK_EXTRA_BUFTS", "0")  # the head's own stage does not
+        assert model_exactness(kquant_path, use_extra_bufts=False).max_rows == TILED_MAX_ROWS
+        target = open_pipeline(kquant_path, [worker.address], keys_from_token(TOKEN), n_ctx=256,
+                               slice_cache=SliceCache(tmp_path / "slices"), join_timeout_s=JOIN_S)
+        try:
+            assert not target.tail.model.use_extra_bufts
+            assert target.exact.max_rows == REPACK_GEMM_MAX_ROWS and "repacked" in target.exact.reason
+        finally:
+            target.close()
 
 
 @pytest.fixture(scope="module")
