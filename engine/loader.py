@@ -131,7 +131,7 @@ def _open_parts(spec: EngineSpec, strategy_cls: type[Strategy], n_lanes: int
             check_speculation(model.batch_exact, strategy_cls.name)
         target = _open_target(model, spec, strategy_cls, n_lanes)
         try:
-            if strategy_cls.needs_exact_batches:  # a pipeline's stages judged their own slices and CPUs
+            if strategy_cls.needs_exact_batches and spec.cluster is not None:  # each stage judged its slice on its CPU
                 check_speculation(target.exact, strategy_cls.name)
             for _ in range(n_lanes):
                 strategies.append(strategy_cls.build(model, spec))

@@ -101,11 +101,15 @@ def _decoding(key: _Key) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _enough(got: _Reply | None, max_tokens: int) -> bool:
+    return got is not None and (len(got.tokens) >= max_tokens or got.ended)
+
+
 def _known(key: _Key, max_tokens: int) -> list[int] | None:
-    got = _lookup(key)
-    if got is None or (len(got.tokens) < max_tokens and not got.ended):
-        return None
-    return list(got.tokens[:max_tokens])
+    got = _REPLIES.get(key)
+    if not _enough(got, max_tokens):  # this process has not decoded enough of it: the other may have
+        got = _lookup(key)
+    return list(got.tokens[:max_tokens]) if got is not None and _enough(got, max_tokens) else None
 
 
 def plain_conversation(
