@@ -139,9 +139,13 @@ def head_run(path: Path, addresses: list[str], token: str, n: int, n_ctx: int, n
         out["predicted_tokens_per_s"] = target.plan.predicted_tokens_per_s
         try:
             for name in strategies:
+                cls = get_strategy_class(name)
+                if cls.needs_exact_batches and not target.exact.speculates:  # as the CLI refuses it
+                    out[name] = {"refused": target.exact.refusal(name)}
+                    continue
                 spec = EngineSpec(model=path, strategy=name, n_ctx=n_ctx, n_threads=1,
                                   cluster=ClusterSpec(tuple(addresses), keys))
-                strategy = get_strategy_class(name).build(model, spec)
+                strategy = cls.build(model, spec)
                 target.reset()
                 bytes0, fed0 = target.links[-1].bytes_in, target.stats.tokens
                 try:
@@ -275,6 +279,9 @@ def main() -> None:
                       f"({measured / predicted - 1:+.0%})")
             for name in ("plain", "pipeinfer"):
                 r = run[name]
+                if "refused" in r:
+                    print(f"  {name:<15} refused: {r['refused']}")
+                    continue
                 first = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref["tokens"])) if a != b), None)
                 same = "True" if first is None else f"False (from token {first})"
                 print(f"  {name:<15} identical {same}, TTFT {r['ttft_s']:.2f} s, {r['tokens_per_s']:.2f} tok/s, "
