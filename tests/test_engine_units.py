@@ -167,3 +167,35 @@ def test_abort_stops_prefill_and_cleans_cells(model: Model) -> None:
     events = list(session.generate("Say hi.", max_tokens=4))
     assert events[-1].tokens
     session.target.close()
+
+
+def test_plain_steps_sent_ahead_are_dropped_where_the_reply_ends_early(model: Model) -> None:
+    """Plain sends each token's step before handing its round on; a reply its caller ends (a
+    stop string) leaves that step unread: it is dropped, so the cache holds the conversation's
+    prefix and the next reply is a fresh session's, token for token."""
+    from potluck.engine.core.events import TokenText
+
+    params = ContextParams(n_ctx=1024, n_batch=512)
+    plain = Plain()
+    session = Session(model, LocalTarget(model, params), plain)
+    seen = 0
+    for event in session.generate("Name three rivers.", max_tokens=24):
+        if isinstance(event, TokenText):
+            seen += 1
+            if seen == 3:
+                session.end_choice()  # as serve does when a stop string turns up
+    assert event.reason == "stop" and len(event.tokens) == 3
+    assert plain.sent_ahead >= 3 and plain.dropped == 1  # the path ran
+    target = session.target
+    assert target.n_past == target.pos_max()[0] + 1 == len(session._tokens) - 1  # the last token pending
+    *_, after = session.generate("And two lakes?", max_tokens=16)
+    fresh = Session(model, LocalTarget(model, params), Plain())
+    fresh.load_messages(session.messages[:-2], fresh=True)
+    *_, want = fresh.generate("And two lakes?", max_tokens=16)
+    assert after.tokens == want.tokens
+    # a reply that runs to its length drops nothing: its last token sends no step
+    dropped = plain.dropped
+    *_, whole = session.generate("One more?", max_tokens=5)
+    assert whole.reason == "length" and plain.dropped == dropped
+    for s in (session, fresh):
+        s.target.close()

@@ -358,8 +358,9 @@ class Session:
         drafted = accepted = rounds = 0
         first_token_at = 0.0
         drafter_prompt_s = 0.0  # a drafter's prompt processing after the first token (Round.prompt_ms)
+        rounds_of = self.strategy.run(g)
         try:
-            for rnd in self.strategy.run(g):
+            for rnd in rounds_of:
                 kept: list[int] = []
                 for tok in rnd.tokens:
                     if g.n_new >= g.max_new:
@@ -407,6 +408,7 @@ class Session:
                     break
         finally:
             g.done = True
+            rounds_of.close()  # the strategy drops what it sent ahead (Plain) before the trim below
             if grammar is not None:
                 grammar.close()
             # Whatever happened, the KV cache must hold a prefix of the conversation's tokens.
