@@ -441,3 +441,36 @@ def test_more_kept_conversations_than_a_stage_keeps_are_refused(tmp_path: Path) 
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "cached_conversations must be at most 64" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_request_past_its_time_is_cancelled_with_504_whole_and_streamed(tmp_path: Path) -> None:
+    """``request_timeout_s`` bounds a request however many tokens it streams: one timer a request
+    cancels the run and ends the answer with 504, whole or as the stream's error event."""
+    config = "[sampling]\ntemperature = 0.0\n[server]\nrequest_timeout_s = 1.0\n"
+    # a schema that takes thousands of tokens to fill: longer than a second on any machine
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 1000}
+    long = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 4000,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    with serving(tmp_path, config) as running:
+        url = urlsplit(running.base_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(long),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        conn.close()
+        assert r.status == 504 and "request_timeout_s (1 s)" in body["error"]["message"]
+        c = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        streamed = ""
+        with pytest.raises(openai.APIError, match="request_timeout_s"):
+            for chunk in c.chat.completions.create(model="m", stream=True, **long):  # type: ignore[call-overload]
+                streamed += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        assert streamed  # it streamed before its time ran out
+        deadline = time.monotonic() + 60  # the second run's cancel reaches the engine thread in its time
+        while time.monotonic() < deadline:
+            counters = running.counters()
+            if counters["cancelled_running"] + counters["cancelled_before_decoding"] >= 2:
+                break
+            time.sleep(0.1)
+        assert counters["cancelled_running"] + counters["cancelled_before_decoding"] >= 2  # the runs were stopped
+        assert running.log().count("(timed out)") == 2

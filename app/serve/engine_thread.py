@@ -119,6 +119,7 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.timed_out = False  # cancelled by request_timeout_s, not by its client (the log line)
         self.finished = threading.Event()
         self.run_id: int | None = None
         self.queued_at = time.monotonic()

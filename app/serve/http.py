@@ -119,15 +119,17 @@ class JobResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job, engine = self.job, self.state.engine
         watcher = asyncio.create_task(self._watch(receive))
+        # one timer a request, not one a token (asyncio.wait_for wraps each wait in a task)
+        timer = asyncio.get_running_loop().call_later(self.state.server.request_timeout_s, self._time_out)
         try:
-            deadline = time.monotonic() + self.state.server.request_timeout_s
             if job.request.stream:
-                await self._stream(send, deadline)
+                await self._stream(send)
             else:
-                await self._whole(send, deadline)
+                await self._whole(send)
         except OSError:  # the connection broke while writing
             self.gone = True
         finally:
+            timer.cancel()
             watcher.cancel()
             if not job.finished.is_set():
                 engine.cancel(job)
@@ -141,18 +143,24 @@ class JobResponse:
                 self.job.events.put_nowait(("gone", None))
                 return
 
-    async def _next(self, deadline: float) -> tuple[str, object]:
-        try:
-            return await asyncio.wait_for(self.job.events.get(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            self.state.engine.cancel(self.job)
-            return "error", ApiError(504, f"the request ran past request_timeout_s "
-                                          f"({self.state.server.request_timeout_s:g} s) and was cancelled")
+    def _time_out(self) -> None:
+        """The request ran past ``request_timeout_s``: cancelled, and told so ahead of whatever
+        the engine still sends."""
+        self.job.timed_out = True
+        self.state.engine.cancel(self.job)
+        events = self.job.events
+        while not events.empty():  # what it sent is dropped: the error is the answer's end
+            events.get_nowait()
+        events.put_nowait(("error", ApiError(504, f"the request ran past request_timeout_s "
+                                                  f"({self.state.server.request_timeout_s:g} s) and was cancelled")))
 
-    async def _whole(self, send: Send, deadline: float) -> None:
+    async def _next(self) -> tuple[str, object]:
+        return await self.job.events.get()
+
+    async def _whole(self, send: Send) -> None:
         replies = [Reply() for _ in range(self.job.request.n)]
         while True:
-            kind, item = await self._next(deadline)
+            kind, item = await self._next()
             if kind == "text":
                 assert isinstance(item, Delta)
                 replies[item.choice].add(item)
@@ -177,7 +185,7 @@ class JobResponse:
             (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()), *extra]})
         await send({"type": "http.response.body", "body": raw})
 
-    async def _stream(self, send: Send, deadline: float) -> None:
+    async def _stream(self, send: Send) -> None:
         req = self.job.request
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -191,7 +199,7 @@ class JobResponse:
             for c in range(req.n):
                 await event(chunk_object(self.state, req, c, {"role": "assistant", "content": ""}))
         while True:
-            kind, item = await self._next(deadline)
+            kind, item = await self._next()
             if kind == "gone":
                 return
             if kind == "text":
@@ -610,7 +618,8 @@ class LogMiddleware:
             outcome: Outcome | None = getattr(job, "outcome", None)
             tokens = f"{outcome.prompt_tokens}+{outcome.completion_tokens} tokens " \
                      f"{outcome.tokens_per_s:.1f} tok/s" if outcome else "- tokens - tok/s"
-            end = " (client gone)" if job is not None and job.cancelled.is_set() else ""
+            end = "" if job is None or not job.cancelled.is_set() else \
+                " (timed out)" if job.timed_out else " (client gone)"
             if job is not None:  # the sampling it ran with, the client's options and the defaults
                 end = " " + " ".join(f"{k}={v:g}" for k, v in sampling_fields(job.request.sampling).items()) + end
             log.info("%s %s %s %s %.2fs%s", scope["method"], printable(scope["path"]), status, tokens,
