@@ -67,4 +67,3 @@ class Plain(Strategy):
             target.truncate(target.n_past - 1)
         except PotluckError:  # best effort: on a target that just broke, its own error is what matters
             pass
-
