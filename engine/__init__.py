@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     )
     from .core.grammar import GrammarSpec, check_schema, json_object_spec, json_schema_spec
     from .core.grammar import check as check_grammar
-    from .core.harmony import HarmonyScanner, harmony_bytes, is_harmony
+    from .core.harmony import HarmonyScanner, RenderedReader, harmony_bytes, is_harmony
     from .core.lanes import Lanes
     from .core.load_watch import default_threads
     from .core.printable import PrintableFormatter, printable
@@ -81,6 +81,7 @@ _WHERE = {
     "ThinkSplitter": ".core.reasoning:ThinkSplitter",
     "TextStream": ".core.chat:TextStream",
     "HarmonyScanner": ".core.harmony:HarmonyScanner",
+    "RenderedReader": ".core.harmony:RenderedReader",
     "is_harmony": ".core.harmony:is_harmony",
     "harmony_bytes": ".core.harmony:harmony_bytes",
     "thinks": ".core.reasoning:thinks",
@@ -189,6 +190,7 @@ __all__ = [
     "ThinkSplitter",
     "TextStream",
     "HarmonyScanner",
+    "RenderedReader",
     "is_harmony",
     "harmony_bytes",
     "TokenText",

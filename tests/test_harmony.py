@@ -27,6 +27,7 @@ from potluck.engine import (
     Tool,
     ToolCall,
     harmony_bytes,
+    is_harmony,
     open_session,
     split_thinking,
 )
@@ -207,3 +208,35 @@ def test_the_app_shows_and_sends_back_a_harmony_reply_as_thinking_and_answer() -
         assert "<|channel|>final<|message|>Hello.<|end|>" in again.text and "Let me think" not in again.text
     finally:
         session.close()
+
+
+def test_generate_prints_a_harmony_reply_as_its_answer_with_the_thinking_on_stderr() -> None:
+    """`potluck generate` reads gpt-oss's channels as the reply streams: the answer alone on
+    stdout (a pipe gets no markers), the thinking on stderr; other models' text goes as it is."""
+    import io
+
+    from potluck.app.commands.generate import ReplyText
+    from potluck.engine import TokenText
+
+    session = open_session(EngineSpec(model=build_shape("gpt-oss-small"), n_ctx=512, strategy="plain"))
+    try:
+        prompt = session.prompt_for([Message("user", "Hi")])
+        grammar = GrammarSpec('root ::= <|channel|> "analysis" <|message|> "Let me think." <|end|> <|start|> '
+                              '"assistant" <|channel|> "final" <|message|> "Hello there."')
+        out, err = io.StringIO(), io.StringIO()
+        shown = ReplyText(is_harmony(session.model.chat_template or ""), out, err)
+        pieces = 0
+        for event in session.answer(prompt, SamplingParams(), 40, grammar=grammar):
+            if isinstance(event, TokenText):
+                shown.feed(event.text)
+                pieces += 1
+        shown.end()
+        assert pieces > 5  # streamed token by token, markers among them
+        assert out.getvalue() == "Hello there.\n" and err.getvalue() == "Let me think.\n"
+    finally:
+        session.close()
+    plain_out = io.StringIO()
+    plain = ReplyText(False, plain_out, io.StringIO())
+    plain.feed("<think>a</think>b")
+    plain.end()
+    assert plain_out.getvalue() == "<think>a</think>b\n"

@@ -6,8 +6,19 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from typing import TextIO
 
-from ...engine import PLAIN, Finished, PlanChanged, TokenText, open_session, printable, validate
+from ...engine import (
+    PLAIN,
+    Finished,
+    PlanChanged,
+    RenderedReader,
+    TokenText,
+    is_harmony,
+    open_session,
+    printable,
+    validate,
+)
 from .common import (
     add_cluster_args,
     add_model_args,
@@ -45,10 +56,10 @@ def run(args: argparse.Namespace) -> int:
     session = open_session(with_cluster(spec, args))
     try:
         finished: Finished | None = None
+        shown = ReplyText(is_harmony(session.model.chat_template or ""))
         for event in session.generate(prompt, sampling, args.max_tokens):
             if isinstance(event, TokenText) and not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+                shown.feed(event.text)
             elif isinstance(event, PlanChanged):  # a worker was lost and the head carried on
                 print(f"potluck: {printable(event.reason)}", file=sys.stderr, flush=True)  # it names workers
             elif isinstance(event, Finished):
@@ -57,10 +68,49 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result_json(finished), ensure_ascii=False))
         else:
-            sys.stdout.write("\n")
+            shown.end()
     finally:
         session.close()
     return 0
+
+
+class ReplyText:
+    """Where a streamed reply's text goes: stdout. A harmony reply (gpt-oss) is read from its
+    channels as it streams: the answer to stdout, the thinking to stderr, no markers, so a
+    pipe gets the answer alone."""
+
+    def __init__(self, harmony: bool, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self.reader = RenderedReader() if harmony else None
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self._thinking = False  # the last text went to err
+
+    def feed(self, text: str) -> None:
+        if self.reader is None:
+            self._write(self.out, text)
+        else:
+            read = self.reader.feed(text)
+            self._show(read.reasoning, read.content)
+
+    def end(self) -> None:
+        if self.reader is not None:
+            read = self.reader.finish()
+            self._show(read.reasoning, read.content)
+        self._write(self.err if self._thinking else self.out, "\n")
+
+    def _show(self, reasoning: str, content: str) -> None:
+        if reasoning:
+            self._thinking = True
+            self._write(self.err, reasoning)
+        if content:
+            if self._thinking:  # the answer starts below the thinking
+                self._thinking = False
+                self._write(self.err, "\n")
+            self._write(self.out, content)
+
+    @staticmethod
+    def _write(stream: TextIO, text: str) -> None:
+        stream.write(text)
+        stream.flush()
 
 
 def result_json(f: Finished) -> dict[str, object]:

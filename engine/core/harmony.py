@@ -52,14 +52,28 @@ _RENDERED = re.compile("|".join(map(re.escape, sorted(RENDERED_MARKERS))))
 
 def split_rendered(text: str) -> tuple[str, str] | None:
     """(thinking, answer) of a harmony reply as llama.cpp's text shows it, markers written out
-    (the chat app's and ``generate``'s text); None if ``text`` is not in channels. Unlike
-    :func:`harmony_bytes`, text cannot tell a marker from its name spelled out: for display and
-    for the history sent back, never for calls."""
+    (the chat app's and ``generate``'s text); None if ``text`` is not in channels."""
     if "<|channel|>" not in text:
         return None
-    scanner = HarmonyScanner()
-    read, rest = scanner.feed(_RENDERED.sub(lambda m: MARK + m.group(0), text)), scanner.finish()
+    reader = RenderedReader()
+    read, rest = reader.feed(text), reader.finish()
     return read.reasoning + rest.reasoning, read.content + rest.content
+
+
+class RenderedReader:
+    """A harmony reply read from llama.cpp's text as it streams, markers written out. Each marker
+    is one token, so it never arrives cut between two pieces. Unlike :func:`harmony_bytes`, text
+    cannot tell a marker from its name spelled out: for display and for the history sent back,
+    never for calls."""
+
+    def __init__(self) -> None:
+        self._scanner = HarmonyScanner()
+
+    def feed(self, text: str) -> Read:
+        return self._scanner.feed(_RENDERED.sub(lambda m: MARK + m.group(0), text))
+
+    def finish(self) -> Read:
+        return self._scanner.finish()
 
 
 def is_harmony(template: str) -> bool:
