@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Collapsible, Footer, ListItem, ListView, Markdown, Sparkline, Static, TextArea
 
-from ...engine import split_thinking
+from ...engine import RenderedReader, split_thinking
 from ..store import Conversation
 from .cluster import ClusterState, human_bytes
 from .export import code_blocks
@@ -92,11 +92,13 @@ class MessageView(Vertical, can_focus=True):
         super().__init__(classes=f"message {role}")
         self.role = role
         self.variant = variant  # (this version, versions): regenerated answers, edited prompts
-        self.content = content
+        self.content = content  # the reply as the engine wrote it (what is stored and copied)
+        self._shown = content  # what the body shows while it streams (a harmony reply: its answer)
+        self._reader: RenderedReader | None = None  # a gpt-oss reply's channels, read as it streams
         self.message_id = message_id
         self._note = note
         self._streaming = streaming
-        self._rendered = len(content)  # characters of content the Markdown widget holds
+        self._rendered = len(content)  # characters of _shown the Markdown widget holds
         self._tail_lines = -1  # wrapped lines the streaming tail had at its last layout
         self._laid_out_at = 0.0  # when streaming last laid the screen out (monotonic)
         self._code_index = 0
@@ -144,11 +146,21 @@ class MessageView(Vertical, can_focus=True):
             await self._append(text)
 
     async def _append(self, text: str) -> None:
+        if not self.content and text.startswith("<|channel|>"):  # gpt-oss: thinking apart, no markers
+            self._reader = RenderedReader()
         self.content += text
+        if self._reader is not None:
+            read = self._reader.feed(text)
+            text = read.content
+            if read.reasoning:
+                self._thought += read.reasoning
+                self.query_one(".thought", Static).update(self._thought.strip())
+                self.query_one(".thinking", Collapsible).display = True
+        self._shown += text
         due = time.monotonic() - self._laid_out_at >= LAYOUT_EVERY_S
-        end = settled_end(self.content)
+        end = settled_end(self._shown)
         if due and end > self._rendered:
-            settled, self._rendered = self.content[self._rendered:end], end
+            settled, self._rendered = self._shown[self._rendered:end], end
             self._laid_out_at = time.monotonic()
             await self.markdown.append(settled)
         self._show_tail(layout_allowed=due)
@@ -161,7 +173,7 @@ class MessageView(Vertical, can_focus=True):
         a 2-core machine, where it stalls llama.cpp's threads): until that is allowed, the
         words of the new line wait, drawn with the next layout."""
         tail = self.query_one(".tail", Static)
-        rest = self.content[self._rendered:].strip("\n")
+        rest = self._shown[self._rendered:].strip("\n")
         text = Text(rest)
         width = tail.size.width
         lines = len(text.wrap(self.app.console, width)) if width and rest else -1
@@ -187,12 +199,12 @@ class MessageView(Vertical, can_focus=True):
             self.query_one(".thought", Static).update(thought.strip())
             self.query_one(".thinking", Collapsible).display = True
             await self.markdown.update(answer)
-        elif final_text != self.content or self._rendered < len(final_text):
-            if final_text.startswith(self.content[: self._rendered]) and self._rendered:
-                await self.markdown.append(final_text[self._rendered:])
+        elif answer != self._shown or self._rendered < len(answer):
+            if answer.startswith(self._shown[: self._rendered]) and self._rendered:
+                await self.markdown.append(answer[self._rendered:])
             else:
-                await self.markdown.update(final_text)
-        self.content, self._rendered = final_text, len(final_text)
+                await self.markdown.update(answer)
+        self.content, self._shown, self._rendered, self._reader = final_text, answer, len(answer), None
         self._show_tail()
         self.set_note(note)
         self.remove_class("streaming")
@@ -202,7 +214,9 @@ class MessageView(Vertical, can_focus=True):
     async def restart(self) -> None:
         """Empty the reply so a regenerated one can stream into the same place."""
         async with self._drawing:
-            self.content, self._rendered = "", 0
+            self.content, self._shown, self._rendered, self._reader = "", "", 0, None
+            self._thought = ""
+            self.query_one(".thinking", Collapsible).display = False
             await self.markdown.update("")
         self._show_tail()
         self.set_note("")
