@@ -27,7 +27,6 @@ from potluck.engine import (
     Tool,
     ToolCall,
     harmony_bytes,
-    is_harmony,
     open_session,
     split_thinking,
 )
@@ -215,7 +214,7 @@ def test_generate_prints_a_harmony_reply_as_its_answer_with_the_thinking_on_stde
     stdout (a pipe gets no markers), the thinking on stderr; other models' text goes as it is."""
     import io
 
-    from potluck.app.commands.generate import ReplyText
+    from potluck.app.commands.generate import ReplyText, reply_splitter
     from potluck.engine import TokenText
 
     session = open_session(EngineSpec(model=build_shape("gpt-oss-small"), n_ctx=512, strategy="plain"))
@@ -224,7 +223,7 @@ def test_generate_prints_a_harmony_reply_as_its_answer_with_the_thinking_on_stde
         grammar = GrammarSpec('root ::= <|channel|> "analysis" <|message|> "Let me think." <|end|> <|start|> '
                               '"assistant" <|channel|> "final" <|message|> "Hello there."')
         out, err = io.StringIO(), io.StringIO()
-        shown = ReplyText(is_harmony(session.model.chat_template or ""), out, err)
+        shown = ReplyText(reply_splitter(session, "Hi"), out, err)
         pieces = 0
         for event in session.answer(prompt, SamplingParams(), 40, grammar=grammar):
             if isinstance(event, TokenText):
@@ -236,7 +235,7 @@ def test_generate_prints_a_harmony_reply_as_its_answer_with_the_thinking_on_stde
     finally:
         session.close()
     plain_out = io.StringIO()
-    plain = ReplyText(False, plain_out, io.StringIO())
+    plain = ReplyText(None, plain_out, io.StringIO())
     plain.feed("<think>a</think>b")
     plain.end()
     assert plain_out.getvalue() == "<think>a</think>b\n"

@@ -77,3 +77,24 @@ def test_the_switch_leaves_thinking_in_the_content(tmp_path_factory: pytest.Temp
         r = c.chat.completions.create(model="m", messages=ASK, max_tokens=40, extra_body={"grammar": GRAMMAR})
         assert r.choices[0].message.content == "The user wants a city. Paris fits. </think>\n\nParis."
         assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+
+
+def test_generate_prints_the_thinking_on_stderr_and_the_answer_on_stdout(thinking_model: Path, model_path: Path,
+                                                                          tmp_path: Path) -> None:
+    """`potluck generate` splits a thinking template's reply as it streams, the block the prompt
+    opened included: the bundled model never closes it, so all of its reply is thinking (on
+    stderr) and stdout gets no answer; a model that does not think prints to stdout as before."""
+    import os
+    import subprocess
+    import sys
+
+    def generate(model: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "potluck.app.cli", "generate", "-m", str(model), "--ctx", "512",
+                               "--max-tokens", "8", ASK[0]["content"]], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "POTLUCK_HOME": str(tmp_path)})
+
+    thinking = generate(thinking_model)
+    assert thinking.returncode == 0, thinking.stderr
+    assert thinking.stdout == "" and thinking.stderr.strip() and "<think>" not in thinking.stderr
+    plain = generate(model_path)
+    assert plain.returncode == 0 and plain.stdout.strip() and not plain.stderr.strip()

@@ -11,12 +11,16 @@ from typing import TextIO
 from ...engine import (
     PLAIN,
     Finished,
+    Message,
     PlanChanged,
     RenderedReader,
+    Session,
+    ThinkSplitter,
     TokenText,
     is_harmony,
     open_session,
     printable,
+    thinks,
     validate,
 )
 from .common import (
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     session = open_session(with_cluster(spec, args))
     try:
         finished: Finished | None = None
-        shown = ReplyText(is_harmony(session.model.chat_template or ""))
+        shown = ReplyText(reply_splitter(session, prompt))
         for event in session.generate(prompt, sampling, args.max_tokens):
             if isinstance(event, TokenText) and not args.json:
                 shown.feed(event.text)
@@ -74,27 +78,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class ReplyText:
-    """Where a streamed reply's text goes: stdout. A harmony reply (gpt-oss) is read from its
-    channels as it streams: the answer to stdout, the thinking to stderr, no markers, so a
-    pipe gets the answer alone."""
+def reply_splitter(session: Session, prompt: str) -> ThinkSplitter | RenderedReader | None:
+    """What tells the reply's thinking from its answer as it streams: gpt-oss's channels, a
+    ``<think>`` block (opened by the prompt itself in some templates), or nothing."""
+    template = session.model.chat_template or ""
+    if is_harmony(template):
+        return RenderedReader()
+    if not thinks(template):
+        return None
+    rendered = session.prompt_for([*session.messages, Message("user", prompt)]).text
+    return ThinkSplitter(opened=rendered.rstrip().endswith("<think>"))
 
-    def __init__(self, harmony: bool, out: TextIO | None = None, err: TextIO | None = None) -> None:
-        self.reader = RenderedReader() if harmony else None
+
+class ReplyText:
+    """Where a streamed reply's text goes: stdout. A reasoning model's (a ``<think>`` block,
+    gpt-oss's channels) is split as it streams: the answer to stdout, the thinking to stderr,
+    neither tags nor markers, so a pipe gets the answer alone."""
+
+    def __init__(self, splitter: ThinkSplitter | RenderedReader | None, out: TextIO | None = None,
+                 err: TextIO | None = None) -> None:
+        self.splitter = splitter
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self._thinking = False  # the last text went to err
 
     def feed(self, text: str) -> None:
-        if self.reader is None:
+        if self.splitter is None:
             self._write(self.out, text)
         else:
-            read = self.reader.feed(text)
-            self._show(read.reasoning, read.content)
+            self._show(*self.splitter.feed(text))
 
     def end(self) -> None:
-        if self.reader is not None:
-            read = self.reader.finish()
-            self._show(read.reasoning, read.content)
+        if self.splitter is not None:
+            self._show(*self.splitter.finish())
         self._write(self.err if self._thinking else self.out, "\n")
 
     def _show(self, reasoning: str, content: str) -> None:

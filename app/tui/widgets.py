@@ -150,10 +150,9 @@ class MessageView(Vertical, can_focus=True):
             self._reader = RenderedReader()
         self.content += text
         if self._reader is not None:
-            read = self._reader.feed(text)
-            text = read.content
-            if read.reasoning:
-                self._thought += read.reasoning
+            thought, text = self._reader.feed(text)
+            if thought:
+                self._thought += thought
                 self.query_one(".thought", Static).update(self._thought.strip())
                 self.query_one(".thinking", Collapsible).display = True
         self._shown += text

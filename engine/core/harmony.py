@@ -56,24 +56,26 @@ def split_rendered(text: str) -> tuple[str, str] | None:
     if "<|channel|>" not in text:
         return None
     reader = RenderedReader()
-    read, rest = reader.feed(text), reader.finish()
-    return read.reasoning + rest.reasoning, read.content + rest.content
+    (thought, answer), (more, rest) = reader.feed(text), reader.finish()
+    return thought + more, answer + rest
 
 
 class RenderedReader:
     """A harmony reply read from llama.cpp's text as it streams, markers written out. Each marker
     is one token, so it never arrives cut between two pieces. Unlike :func:`harmony_bytes`, text
     cannot tell a marker from its name spelled out: for display and for the history sent back,
-    never for calls."""
+    never for calls. Reads as :class:`~.reasoning.ThinkSplitter` does: (thinking, answer) pieces."""
 
     def __init__(self) -> None:
         self._scanner = HarmonyScanner()
 
-    def feed(self, text: str) -> Read:
-        return self._scanner.feed(_RENDERED.sub(lambda m: MARK + m.group(0), text))
+    def feed(self, text: str) -> tuple[str, str]:
+        read = self._scanner.feed(_RENDERED.sub(lambda m: MARK + m.group(0), text))
+        return read.reasoning, read.content
 
-    def finish(self) -> Read:
-        return self._scanner.finish()
+    def finish(self) -> tuple[str, str]:
+        read = self._scanner.finish()
+        return read.reasoning, read.content
 
 
 def is_harmony(template: str) -> bool:
