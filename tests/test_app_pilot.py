@@ -667,10 +667,10 @@ async def test_thinking_is_folded_under_the_reply(tmp_path: Path) -> None:
 
 
 @run_async
-async def test_a_harmony_reply_streams_its_thinking_folded_and_its_answer_without_markers(tmp_path: Path) -> None:
+async def test_a_thinking_reply_streams_its_thinking_folded_and_its_answer_without_markers(tmp_path: Path) -> None:
     """gpt-oss's reply, as llama.cpp's text writes it, token by token: while it streams, the
     analysis channel fills the folded thinking and the body shows the final channel alone; the
-    reply itself (stored, copied) stays as the engine wrote it."""
+    reply itself (stored, copied) stays as the engine wrote it. A <think> block likewise."""
     from textual.widgets import Collapsible, Static
 
     pieces = ["<|channel|>", "analysis", "<|message|>", "Let me", " think.", "<|end|>", "<|start|>", "assistant",
@@ -690,3 +690,16 @@ async def test_a_harmony_reply_streams_its_thinking_folded_and_its_answer_withou
         await view.finish("".join(pieces))
         await pilot.pause()
         assert view.markdown.source == "Hello **there**." and view.content == "".join(pieces)
+        # a <think> block the model writes streams the same way
+        chat, view = await streaming_view(app)
+        pieces = ["<think>", "\nLet me", " think.", "</think>", "\n\nHello", " there."]
+        for piece in pieces:
+            view._laid_out_at = -LAYOUT_EVERY_S
+            await view.append(piece)
+            await pilot.pause()
+            shown = view.markdown.source + str(view.query_one(".tail", Static).render())
+            assert "think>" not in shown and "Let me" not in shown, shown
+        assert str(view.query_one(".thought", Static).render()) == "Let me think."
+        await view.finish("".join(pieces))
+        await pilot.pause()
+        assert view.markdown.source == "Hello there." and view.content == "".join(pieces)

@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Collapsible, Footer, ListItem, ListView, Markdown, Sparkline, Static, TextArea
 
-from ...engine import RenderedReader, split_thinking
+from ...engine import RenderedReader, ThinkSplitter, split_thinking
 from ..store import Conversation
 from .cluster import ClusterState, human_bytes
 from .export import code_blocks
@@ -94,7 +94,8 @@ class MessageView(Vertical, can_focus=True):
         self.variant = variant  # (this version, versions): regenerated answers, edited prompts
         self.content = content  # the reply as the engine wrote it (what is stored and copied)
         self._shown = content  # what the body shows while it streams (a harmony reply: its answer)
-        self._reader: RenderedReader | None = None  # a gpt-oss reply's channels, read as it streams
+        # a reasoning model's reply read as it streams: gpt-oss's channels or a <think> block
+        self._reader: RenderedReader | ThinkSplitter | None = None
         self.message_id = message_id
         self._note = note
         self._streaming = streaming
@@ -146,8 +147,10 @@ class MessageView(Vertical, can_focus=True):
             await self._append(text)
 
     async def _append(self, text: str) -> None:
-        if not self.content and text.startswith("<|channel|>"):  # gpt-oss: thinking apart, no markers
-            self._reader = RenderedReader()
+        if not self.content and self.role == "assistant":  # thinking apart as it streams, no tags or markers
+            start = text.lstrip()
+            self._reader = RenderedReader() if start.startswith("<|channel|>") else \
+                ThinkSplitter() if start.startswith("<think>") else None
         self.content += text
         if self._reader is not None:
             thought, text = self._reader.feed(text)
