@@ -668,38 +668,28 @@ async def test_thinking_is_folded_under_the_reply(tmp_path: Path) -> None:
 
 @run_async
 async def test_a_thinking_reply_streams_its_thinking_folded_and_its_answer_without_markers(tmp_path: Path) -> None:
-    """gpt-oss's reply, as llama.cpp's text writes it, token by token: while it streams, the
-    analysis channel fills the folded thinking and the body shows the final channel alone; the
-    reply itself (stored, copied) stays as the engine wrote it. A <think> block likewise."""
+    """A reasoning model's reply, as llama.cpp's text writes it, token by token: while it
+    streams, its thinking (gpt-oss's analysis channel, a <think> block) fills the folded block
+    and the body shows the answer alone, never a tag or marker; the reply itself (stored,
+    copied) stays as the engine wrote it."""
     from textual.widgets import Collapsible, Static
 
-    pieces = ["<|channel|>", "analysis", "<|message|>", "Let me", " think.", "<|end|>", "<|start|>", "assistant",
-              "<|channel|>", "final", "<|message|>", "Hello", " **there**."]
+    harmony = ["<|channel|>", "analysis", "<|message|>", "Let me", " think.", "<|end|>", "<|start|>", "assistant",
+               "<|channel|>", "final", "<|message|>", "Hello", " **there**."]
+    think = ["<think>", "\nLet me", " think.", "</think>", "\n\nHello", " **there**."]
     app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
     async with app.run_test(size=SIZE) as pilot:
-        chat, view = await streaming_view(app)
-        for piece in pieces:
-            view._laid_out_at = -LAYOUT_EVERY_S
-            await view.append(piece)
+        for pieces in (harmony, think):
+            chat, view = await streaming_view(app)
+            for piece in pieces:
+                view._laid_out_at = -LAYOUT_EVERY_S
+                await view.append(piece)
+                await pilot.pause()
+                shown = view.markdown.source + str(view.query_one(".tail", Static).render())
+                assert not any(m in shown for m in ("<|", "think>", "analysis", "Let me")), shown
+            assert str(view.query_one(".thought", Static).render()) == "Let me think."
+            assert view.query_one(".thinking", Collapsible).display
+            assert "Hello **there**." in view._shown
+            await view.finish("".join(pieces))
             await pilot.pause()
-            shown = view.markdown.source + str(view.query_one(".tail", Static).render())
-            assert "<|" not in shown and "analysis" not in shown, shown
-        assert str(view.query_one(".thought", Static).render()) == "Let me think."
-        assert view.query_one(".thinking", Collapsible).display
-        assert "Hello **there**." in view._shown
-        await view.finish("".join(pieces))
-        await pilot.pause()
-        assert view.markdown.source == "Hello **there**." and view.content == "".join(pieces)
-        # a <think> block the model writes streams the same way
-        chat, view = await streaming_view(app)
-        pieces = ["<think>", "\nLet me", " think.", "</think>", "\n\nHello", " there."]
-        for piece in pieces:
-            view._laid_out_at = -LAYOUT_EVERY_S
-            await view.append(piece)
-            await pilot.pause()
-            shown = view.markdown.source + str(view.query_one(".tail", Static).render())
-            assert "think>" not in shown and "Let me" not in shown, shown
-        assert str(view.query_one(".thought", Static).render()) == "Let me think."
-        await view.finish("".join(pieces))
-        await pilot.pause()
-        assert view.markdown.source == "Hello there." and view.content == "".join(pieces)
+            assert view.markdown.source == "Hello **there**." and view.content == "".join(pieces)
