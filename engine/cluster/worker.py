@@ -203,11 +203,15 @@ class Worker:
     def stop(self) -> None:
         self._stop = True
 
-    def child_pids(self) -> list[int]:
-        """The stage processes' ids (the loaded stage's, a kept one's and the warm spare's)."""
+    def _stage_procs(self) -> list[StageProcess]:
+        """Every stage process: the loaded stage's, a kept one's and the warm spare."""
         procs = (self.stage.proc if self.stage is not None else None, self._spare,
                  self._kept.stage.proc if self._kept is not None else None)
-        return [p.proc.pid for p in procs if p is not None and p.proc.poll() is None]
+        return [p for p in procs if p is not None]
+
+    def child_pids(self) -> list[int]:
+        """The stage processes' ids."""
+        return [p.proc.pid for p in self._stage_procs() if p.proc.poll() is None]
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` (or an exception: a signal handler's, see the worker
@@ -359,8 +363,7 @@ class Worker:
     def close(self) -> None:
         """Stop serving, without waiting on anyone: both stage processes are told to end at
         once and given CLOSE_WAIT_S together (then killed), every socket closes unsent."""
-        procs = [p for p in (self.stage.proc if self.stage is not None else None, self._spare,
-                             self._kept.stage.proc if self._kept is not None else None) if p is not None]
+        procs = self._stage_procs()
         if self.stage is not None:
             proc = self.stage.proc
             log.info("stopping with %d work item(s) queued for the stage process, %d byte(s) of them waiting "
