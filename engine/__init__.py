@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # what each name is, for readers and type checkers; loaded on
     from .core.printable import PrintableFormatter, printable
     from .core.prompt import Prompt
     from .core.prompt_cache import PromptCache, PromptCacheStats
-    from .core.reasoning import ThinkSplitter, split_thinking, thinks
+    from .core.reasoning import ThinkSplitter, opens_thinking, split_thinking, thinks
     from .core.runtime import Model
     from .core.sampling import SamplingParams
     from .core.session import Session
@@ -85,6 +85,7 @@ _WHERE = {
     "is_harmony": ".core.harmony:is_harmony",
     "harmony_bytes": ".core.harmony:harmony_bytes",
     "thinks": ".core.reasoning:thinks",
+    "opens_thinking": ".core.reasoning:opens_thinking",
     "split_thinking": ".core.reasoning:split_thinking",
     "CallPart": ".core.tools:CallPart",
     "CallScanner": ".core.tools:CallScanner",
@@ -218,6 +219,7 @@ __all__ = [
     "strategy_fits",
     "strategy_names",
     "thinks",
+    "opens_thinking",
     "tool_format",
     "validate",
 ]

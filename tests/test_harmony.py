@@ -223,7 +223,7 @@ def test_generate_prints_a_harmony_reply_as_its_answer_with_the_thinking_on_stde
         grammar = GrammarSpec('root ::= <|channel|> "analysis" <|message|> "Let me think." <|end|> <|start|> '
                               '"assistant" <|channel|> "final" <|message|> "Hello there."')
         out, err = io.StringIO(), io.StringIO()
-        shown = ReplyText(reply_splitter(session, "Hi"), out, err)
+        shown = ReplyText(reply_splitter(session.model.chat_template or "", prompt.text), out, err)
         pieces = 0
         for event in session.answer(prompt, SamplingParams(), 40, grammar=grammar):
             if isinstance(event, TokenText):

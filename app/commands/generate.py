@@ -11,14 +11,13 @@ from typing import TextIO
 from ...engine import (
     PLAIN,
     Finished,
-    Message,
     PlanChanged,
     RenderedReader,
-    Session,
     ThinkSplitter,
     TokenText,
     is_harmony,
     open_session,
+    opens_thinking,
     printable,
     thinks,
     validate,
@@ -60,9 +59,11 @@ def run(args: argparse.Namespace) -> int:
     session = open_session(with_cluster(spec, args))
     try:
         finished: Finished | None = None
-        shown = ReplyText(reply_splitter(session, prompt))
+        shown: ReplyText | None = None
         for event in session.generate(prompt, sampling, args.max_tokens):
             if isinstance(event, TokenText) and not args.json:
+                if shown is None:  # the prompt the session rendered is the text it holds now
+                    shown = ReplyText(reply_splitter(session.model.chat_template or "", session.held_text()))
                 shown.feed(event.text)
             elif isinstance(event, PlanChanged):  # a worker was lost and the head carried on
                 print(f"potluck: {printable(event.reason)}", file=sys.stderr, flush=True)  # it names workers
@@ -72,22 +73,18 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result_json(finished), ensure_ascii=False))
         else:
-            shown.end()
+            (shown or ReplyText(None)).end()
     finally:
         session.close()
     return 0
 
 
-def reply_splitter(session: Session, prompt: str) -> ThinkSplitter | RenderedReader | None:
+def reply_splitter(template: str, prompt_text: str) -> ThinkSplitter | RenderedReader | None:
     """What tells the reply's thinking from its answer as it streams: gpt-oss's channels, a
-    ``<think>`` block (opened by the prompt itself in some templates), or nothing."""
-    template = session.model.chat_template or ""
+    ``<think>`` block (opened by the rendered prompt itself in some templates), or nothing."""
     if is_harmony(template):
         return RenderedReader()
-    if not thinks(template):
-        return None
-    rendered = session.prompt_for([*session.messages, Message("user", prompt)]).text
-    return ThinkSplitter(opened=rendered.rstrip().endswith("<think>"))
+    return ThinkSplitter(opened=opens_thinking(prompt_text)) if thinks(template) else None
 
 
 class ReplyText:

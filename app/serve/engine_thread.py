@@ -46,6 +46,7 @@ from ...engine import (
     TokenText,
     ToolCall,
     harmony_bytes,
+    opens_thinking,
 )
 from .protocol import ApiError, GenerationRequest
 
@@ -471,7 +472,7 @@ class ChoiceReader:
         self.harmony = HarmonyScanner(req.tools, stream_calls, job.split_thinking) if job.harmony else None
         self.raw = TextStream()  # a harmony reply's text, its control tokens marked
         self.calls = CallScanner(job.tool_format, req.tools, stream_calls) if req.tools and not job.harmony else None
-        opened = job.split_thinking and job.prompt is not None and job.prompt.text.rstrip().endswith("<think>")
+        opened = job.split_thinking and job.prompt is not None and opens_thinking(job.prompt.text)
         self.thoughts = ThinkSplitter(opened) if job.split_thinking and not job.harmony else None
 
     def feed(self, event: TokenText) -> Delta | None:

@@ -20,6 +20,12 @@ def thinks(template: str) -> bool:
     return OPEN in template or CLOSE in template
 
 
+def opens_thinking(prompt_text: str) -> bool:
+    """Whether a rendered prompt opened the reply's ``<think>`` block itself (DeepSeek R1's and
+    Qwen3's thinking templates): the reply starts inside it (``ThinkSplitter(opened=...)``)."""
+    return prompt_text.rstrip().endswith(OPEN)
+
+
 def _partial(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` may start ``tag``."""
     return next((k for k in range(min(len(text), len(tag) - 1), 0, -1) if tag.startswith(text[-k:])), 0)
