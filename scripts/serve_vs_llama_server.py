@@ -13,7 +13,7 @@ Speed is decode speed, measured by the client: (tokens - 1) / (last token - firs
 prompt processing (both servers reuse the prompt's cached prefix) is left out.
 
     python -m scripts.serve_vs_llama_server [--reps 5] [--max-tokens 200] [--threads 2]
-        [--ctx 4096] [--strategy auto] [--bin ~/.cache/potluck-peers/bin] [--generate] [--json]
+        [--ctx 4096] [--strategy auto] [--bin ~/.cache/potluck-peers/bin] [--generate] [--ref DIR] [--json]
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--strategy", default="auto", help="potluck's strategy (default auto: what `potluck serve` runs)")
     ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/potluck-peers/bin", help="llama-server's folder")
     ap.add_argument("--generate", action="store_true", help="add `potluck generate` rows (greedy, sampled)")
+    ap.add_argument("--ref", type=Path, help="also `potluck serve` from another tree, interleaved with this one's: "
+                    "a folder holding a `potluck` link to that checkout (its PYTHONPATH)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not (args.bin / "llama-server").is_file():
@@ -123,11 +125,16 @@ def main() -> int:
     print(f"load before: {load()}", file=sys.stderr)
     potluck = start_server(home / "serve", ["-t", str(args.threads), "--ctx", str(args.ctx),
                                             "--strategy", args.strategy])
+    ref = start_server(home / "ref", ["-t", str(args.threads), "--ctx", str(args.ctx), "--strategy", args.strategy],
+                       env={"PYTHONPATH": str(args.ref)}) if args.ref else None
     llama, llama_url = start_llama_server(args.bin, model, args.threads, args.ctx)
     clients = {
         "potluck serve": openai.OpenAI(base_url=f"{potluck.base_url}/v1", api_key="none", max_retries=0, timeout=600),
         "llama-server": openai.OpenAI(base_url=f"{llama_url}/v1", api_key="none", max_retries=0, timeout=600),
     }
+    if ref is not None:
+        clients["potluck serve (ref)"] = openai.OpenAI(base_url=f"{ref.base_url}/v1", api_key="none", max_retries=0,
+                                                       timeout=600)
     runs: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
     try:
@@ -158,6 +165,8 @@ def main() -> int:
                       file=sys.stderr, flush=True)
     finally:
         stop_server(potluck.proc)
+        if ref is not None:
+            stop_server(ref.proc)
         llama.terminate()
         llama.wait(30)
     med = {label: statistics.median(r) for label, r in runs.items()}
@@ -174,6 +183,9 @@ def main() -> int:
               ("serve sampled / serve greedy", serve.format("0.8"), serve.format("0")),
               ("llama-server sampled / llama-server greedy", llama_.format("0.8"), llama_.format("0")),
               ("serve greedy / llama-server greedy", serve.format("0"), llama_.format("0"))]
+    if ref is not None:
+        ratios += [("serve / serve (ref), greedy", serve.format("0"), "potluck serve (ref), temperature 0"),
+                   ("serve / serve (ref), sampled", serve.format("0.8"), "potluck serve (ref), temperature 0.8")]
     if args.generate:
         gen = f"potluck generate --strategy {args.strategy}, temperature {{}}"
         ratios.append(("generate sampled / generate greedy", gen.format("0.8"), gen.format("0")))
