@@ -48,6 +48,31 @@ def test_kept_conversations_stay_within_the_budget_and_come_back_exactly(model: 
         ref.close()
 
 
+def test_a_kept_slot_gone_before_its_load_is_a_miss_not_another_conversations_cells(model: Model) -> None:
+    """A server's lanes share the cache: another lane's keep may replace the slot a session
+    chose. The load then fails on the stage, and the session must see a miss and read its
+    prompt afresh, not decode on whatever cells its sequence held."""
+    s = session(model)
+    ref = session(model)
+    try:
+        want = reply(ref, "Name a colour.").text
+        cache = PromptCache(max_bytes=10**9, max_conversations=8)
+        s.use_prompt_cache(cache)
+        reply(s, "Name a colour.")
+        s.load_messages([Message("user", "Count to 3.")])
+        reply(s, None)
+        (slot,) = cache.slots()
+        s.target.drop_kv(slot)  # gone on the stage, still listed in the cache
+        s.load_messages([Message("user", "Name a colour.")])
+        again = reply(s, None)
+        stats = cache.stats()
+        assert stats.lost == 1 and stats.restored == 0 and again.prefill_tokens > 1
+        assert again.text == want
+    finally:
+        s.close()
+        ref.close()
+
+
 def test_a_prompt_cancelled_mid_batch_then_answers_like_a_fresh_session(model: Model) -> None:
     s = session(model)
     ref = session(model)

@@ -84,6 +84,8 @@ class PromptCache:
         self._kept: OrderedDict[int, KeptConversation] = OrderedDict()  # by slot, oldest first
         self._ids = 0
         self._lock = threading.Lock()
+        # held by a session from keeping its conversation to restoring the one it chose
+        self.choosing = threading.Lock()
         self._restored = self._saved = self._evicted = self._lost = 0
 
     @classmethod

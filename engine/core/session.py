@@ -249,25 +249,28 @@ class Session:
             fresh[:] = fresh or prompt.tokens()
             return common_prefix_len(tokens[:n_kv], fresh)
 
-        target = self.target
-        n_kv = target.n_past
-        in_context = shared(self._tokens, self._covered, n_kv) if self._owner == owner else 0
-        kv_bytes = limits.kv_bytes(self.model, n_kv) if in_context < n_kv else None
-        if kv_bytes is not None and cache.fits(kv_bytes):  # it leaves part of the one in the context
-            slot = cache.new_slot()
-            if target.keep_kv(slot):
-                kept_now = KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes, self._owner)
-                for gone in cache.keep(kept_now):
-                    target.drop_kv(gone.slot)
-        kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv), owner)
-        # a recurrent state comes back at its end only: a shorter shared part would be read again
-        usable = kept is not None and (not target.recurrent or n == kept.n_kv)
-        if kept is not None and usable and n > in_context:
-            if target.restore_kv(kept.slot, kept.n_kv):
-                cache.restored(kept)
-                self._tokens, self._covered, self._owner = list(kept.tokens), kept.covered, owner
-            else:  # its cells went with a rebuilt chain: a miss
-                cache.discard(kept)
+        # one session at a time from here: another lane's keep could drop the slot chosen
+        # below before its load (the lanes of a server share the cache)
+        with cache.choosing:
+            target = self.target
+            n_kv = target.n_past
+            in_context = shared(self._tokens, self._covered, n_kv) if self._owner == owner else 0
+            kv_bytes = limits.kv_bytes(self.model, n_kv) if in_context < n_kv else None
+            if kv_bytes is not None and cache.fits(kv_bytes):  # it leaves part of the one in the context
+                slot = cache.new_slot()
+                if target.keep_kv(slot):
+                    kept_now = KeptConversation(tuple(self._tokens), self._covered, n_kv, slot, kv_bytes, self._owner)
+                    for gone in cache.keep(kept_now):
+                        target.drop_kv(gone.slot)
+            kept, n = cache.closest(lambda c: shared(c.tokens, c.covered, c.n_kv), owner)
+            # a recurrent state comes back at its end only: a shorter shared part would be read again
+            usable = kept is not None and (not target.recurrent or n == kept.n_kv)
+            if kept is not None and usable and n > in_context:
+                if target.restore_kv(kept.slot, kept.n_kv):
+                    cache.restored(kept)
+                    self._tokens, self._covered, self._owner = list(kept.tokens), kept.covered, owner
+                else:  # its cells went with a rebuilt chain: a miss
+                    cache.discard(kept)
 
     def _run(
         self, tokens: list[int], rendered: str, sampling: SamplingParams, max_tokens: int, owner: str,

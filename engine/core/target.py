@@ -319,19 +319,14 @@ class TargetBase(ABC):
     def set_threads(self, n_threads: int) -> None:
         """Workers and in-process stages keep the threads they were opened with."""
 
-    def keep_kv(self, slot: int, seq: int = 0) -> bool:
-        self.kv(KvOp.save(slot, seq))
-        return True
+    @abstractmethod
+    def keep_kv(self, slot: int, seq: int = 0) -> bool: ...
 
-    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
-        self.kv(KvOp.load(slot, seq))
-        if seq == 0:
-            self._n_past = n_past
-            self._spans.clear()
-        return True
+    @abstractmethod
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool: ...
 
-    def drop_kv(self, slot: int) -> None:
-        self.kv(KvOp.drop(slot))
+    @abstractmethod
+    def drop_kv(self, slot: int) -> None: ...
 
     def kept_kv_budget(self) -> int | None:
         return None
@@ -430,6 +425,22 @@ class LocalTarget(TargetBase):
             log.info("conversation not kept: %s", e)
             return False
         return True
+
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        """Waits for the load: a slot gone since the caller chose it (another lane's
+        conversation that extends it replaced it) must be a miss, not cells the session
+        would wrongly take for the slot's."""
+        try:
+            self.runner.submit(KvOp.load(slot, seq)).result()
+        except PotluckError:
+            return False
+        if seq == 0:
+            self._n_past = n_past
+            self._spans.clear()
+        return True
+
+    def drop_kv(self, slot: int) -> None:
+        self.kv(KvOp.drop(slot))
 
     def observed(self, name: str) -> np.ndarray:
         """Rows of tensor ``name`` (``ContextParams.observe``) of sequence 0 by position,
