@@ -319,14 +319,19 @@ class TargetBase(ABC):
     def set_threads(self, n_threads: int) -> None:
         """Workers and in-process stages keep the threads they were opened with."""
 
-    @abstractmethod
-    def keep_kv(self, slot: int, seq: int = 0) -> bool: ...
+    def keep_kv(self, slot: int, seq: int = 0) -> bool:
+        self.kv(KvOp.save(slot, seq))
+        return True
 
-    @abstractmethod
-    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool: ...
+    def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
+        self.kv(KvOp.load(slot, seq))
+        if seq == 0:
+            self._n_past = n_past
+            self._spans.clear()
+        return True
 
-    @abstractmethod
-    def drop_kv(self, slot: int) -> None: ...
+    def drop_kv(self, slot: int) -> None:
+        self.kv(KvOp.drop(slot))
 
     def kept_kv_budget(self) -> int | None:
         return None
@@ -438,9 +443,6 @@ class LocalTarget(TargetBase):
             self._n_past = n_past
             self._spans.clear()
         return True
-
-    def drop_kv(self, slot: int) -> None:
-        self.kv(KvOp.drop(slot))
 
     def observed(self, name: str) -> np.ndarray:
         """Rows of tensor ``name`` (``ContextParams.observe``) of sequence 0 by position,
