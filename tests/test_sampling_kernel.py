@@ -1,7 +1,7 @@
-"""The sampler's numba kernel keeps exactly the candidates its plain-numpy reference keeps, with
-the same probabilities: llama.cpp's filters in llama.cpp's order, on small vocabularies with
+"""The sampler's numba kernels: the candidates equal what their plain-numpy reference keeps, with
+the same probabilities (llama.cpp's filters in llama.cpp's order), on small vocabularies with
 ties (hypothesis) and on the bundled model's 49,152-token one (the heap, the min-p threshold and
-the widening window that finds top-p's prefix without a top-k)."""
+the widening window that finds top-p's prefix without a top-k); a draw picks numpy's token."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from potluck.engine.core.sampling_kernel import candidates, candidates_reference, top_k_ids
+from potluck.engine.core.sampling_kernel import candidates, candidates_reference, token_index, top_k_ids
 
 
 def same(logits: np.ndarray, top_k: int, top_p: float, min_p: float, temperature: float) -> None:
@@ -34,6 +34,20 @@ def test_kernel_matches_the_reference(
     logits: np.ndarray, top_k: int, top_p: float, min_p: float, temperature: float
 ) -> None:
     same(logits, top_k, top_p, min_p, temperature)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 6), min_size=1, max_size=60).filter(any),
+    u=st.one_of(st.sampled_from([0.0, 0.5, 1.0 - 2**-53]), st.floats(0.0, 1.0, exclude_max=True)),
+)
+def test_a_draw_picks_the_token_numpys_running_sum_picks(weights: list[int], u: float) -> None:
+    """Every draw goes through token_index: it must pick what np.cumsum and searchsorted pick,
+    on ties and zeros too, so a seed draws the same tokens as before it existed."""
+    probs = np.array(weights, dtype=np.float64) / 7.0
+    cum = np.cumsum(probs)
+    want = min(int(np.searchsorted(cum, u * cum[-1], side="right")), probs.shape[0] - 1)
+    assert token_index(probs, u) == want
 
 
 def test_top_k_breaks_ties_by_the_lower_id() -> None:

@@ -25,8 +25,9 @@ so speculative decoding can keep it exactly.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
@@ -91,9 +92,7 @@ class Candidates:
     def token_at(self, u: float) -> int:
         """The token where the cumulative probability, in token order, first passes ``u`` in
         [0, 1): the one rule every draw uses (plain sampling, recovered and bonus tokens)."""
-        cum = np.cumsum(self.probs)
-        i = int(np.searchsorted(cum, u * cum[-1], side="right"))
-        return int(self.tokens[min(i, cum.shape[0] - 1)])
+        return int(self.tokens[_kernels().token_index(self.probs, u)])
 
 
 class TokenFilter(Protocol):
@@ -126,12 +125,12 @@ def penalize(logits: np.ndarray, history: Sequence[int], params: SamplingParams)
 
 
 @functools.cache
-def _kernel() -> Callable[..., tuple[np.ndarray, np.ndarray]]:
-    """The numba kernel, imported on first use: importing numba costs 0.4 s, which neither the
+def _kernels() -> ModuleType:
+    """The numba kernels, imported on first use: importing numba costs 0.4 s, which neither the
     CLI's start nor a worker's stage process (it imports this module) should pay."""
     from . import sampling_kernel
 
-    return sampling_kernel.candidates
+    return sampling_kernel
 
 
 def warm_up() -> None:
@@ -166,7 +165,7 @@ def distribution(
 
 
 def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    return _kernel()(
+    return _kernels().candidates(
         np.ascontiguousarray(logits, dtype=np.float32),
         params.top_k, params.top_p, params.min_p, params.temperature,
     )
