@@ -3,6 +3,8 @@ come back exactly, and a prompt cancelled mid-batch leaves a session that answer
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -63,10 +65,22 @@ def test_a_kept_slot_gone_before_its_load_is_a_miss_not_another_conversations_ce
         reply(s, None)
         (slot,) = cache.slots()
         s.target.drop_kv(slot)  # gone on the stage, still listed in the cache
+        # what made it possible on a server is shut out: the keep and the load run under the
+        # cache's lock, so no other lane's keep comes between a choice and its load
+        held: list[str] = []
+        for name in ("keep_kv", "restore_kv"):
+            real = getattr(s.target, name)
+
+            def watched(*args: object, _real: Any = real, _name: str = name) -> Any:
+                held.append(_name if cache.choosing.locked() else f"{_name} unlocked")
+                return _real(*args)
+
+            setattr(s.target, name, watched)
         s.load_messages([Message("user", "Name a colour.")])
         again = reply(s, None)
         stats = cache.stats()
         assert stats.lost == 1 and stats.restored == 0 and again.prefill_tokens > 1
+        assert held == ["keep_kv", "restore_kv"]
         assert again.text == want
     finally:
         s.close()
