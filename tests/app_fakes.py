@@ -54,6 +54,7 @@ class ScriptedSession:
         fail: str | None = None,
         tokens_per_s: float = 50.0,
         ttft_s: float = 0.125,
+        thinking_opened: bool = False,
     ) -> None:
         self.script = script if callable(script) else (lambda _u, _m, s=script: list(s))
         self.strategy = strategy
@@ -62,6 +63,7 @@ class ScriptedSession:
         self.fail = fail
         self.tokens_per_s = tokens_per_s
         self.ttft_s = ttft_s
+        self.thinking_opened = thinking_opened  # as a template that opens the <think> block would say
         self.loaded: list[list[Message]] = []
         self.fresh: list[bool] = []  # per load: whether the prompt is computed whole
         self.prompts: list[str | None] = []
@@ -116,7 +118,7 @@ class ScriptedSession:
         reason, text, tokens = "stop", [], []
         drafted = accepted = rounds = 0
         try:
-            yield ReplyStarted(run, self.strategy, prompt, prompt, self.n_ctx)
+            yield ReplyStarted(run, self.strategy, prompt, prompt, self.n_ctx, self.thinking_opened)
             for step in steps:
                 if step.gate is not None:
                     while not step.gate.wait(0.005) and not self._cancel.is_set():

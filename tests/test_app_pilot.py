@@ -693,3 +693,38 @@ async def test_a_thinking_reply_streams_its_thinking_folded_and_its_answer_witho
             await view.finish("".join(pieces))
             await pilot.pause()
             assert view.markdown.source == "Hello **there**." and view.content == "".join(pieces)
+
+
+@run_async
+async def test_a_reply_inside_a_block_the_template_opened_streams_its_thinking_folded(tmp_path: Path) -> None:
+    """A thinking template opens ``<think>`` in the prompt itself (DeepSeek R1's, Qwen3's
+    thinking ones): the reply starts inside the block and only closes it. The engine says so
+    when the reply starts, and the app streams the thinking into the folded block from the
+    first token, not into the body until the reply ends."""
+    from textual.widgets import Collapsible, Static
+
+    gate = threading.Event()
+    steps = [Step("Let me"), Step(" think."), Step("</think>"), Step("", gate=gate), Step("\n\nHello"),
+             Step(" **there**.")]
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession(steps, thinking_opened=True)))
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(app)
+            await send(app, pilot, "hi")
+            await until(lambda: app.reply is not None and "</think>" in app.reply.view.content,
+                        what="the thinking to stream")
+            reply = app.reply
+            view = reply.view
+            await pilot.pause()
+            assert reply.thinking_opened
+            shown = view.markdown.source + str(view.query_one(".tail", Static).render())
+            assert "Let me" not in shown and "think" not in shown, shown
+            assert str(view.query_one(".thought", Static).render()) == "Let me think."
+            assert view.query_one(".thinking", Collapsible).display
+            gate.set()
+            await reply_done(app)
+            await pilot.pause()
+            assert view.markdown.source == "Hello **there**."
+            assert view.content == "Let me think.</think>\n\nHello **there**."
+    finally:
+        gate.set()

@@ -13,11 +13,11 @@ from ...engine import (
     Finished,
     PlanChanged,
     RenderedReader,
+    ReplyStarted,
     ThinkSplitter,
     TokenText,
     is_harmony,
     open_session,
-    opens_thinking,
     printable,
     thinks,
     validate,
@@ -59,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
     session = open_session(with_cluster(spec, args))
     try:
         finished: Finished | None = None
-        shown: ReplyText | None = None
+        shown = ReplyText(None)
         for event in session.generate(prompt, sampling, args.max_tokens):
-            if isinstance(event, TokenText) and not args.json:
-                if shown is None:  # the prompt the session rendered is the text it holds now
-                    shown = ReplyText(reply_splitter(session.model.chat_template or "", session.held_text()))
+            if isinstance(event, ReplyStarted):
+                shown = ReplyText(reply_splitter(session.model.chat_template or "", event.thinking_opened))
+            elif isinstance(event, TokenText) and not args.json:
                 shown.feed(event.text)
             elif isinstance(event, PlanChanged):  # a worker was lost and the head carried on
                 print(f"potluck: {printable(event.reason)}", file=sys.stderr, flush=True)  # it names workers
@@ -73,18 +73,18 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result_json(finished), ensure_ascii=False))
         else:
-            (shown or ReplyText(None)).end()
+            shown.end()
     finally:
         session.close()
     return 0
 
 
-def reply_splitter(template: str, prompt_text: str) -> ThinkSplitter | RenderedReader | None:
+def reply_splitter(template: str, opened: bool) -> ThinkSplitter | RenderedReader | None:
     """What tells the reply's thinking from its answer as it streams: gpt-oss's channels, a
-    ``<think>`` block (opened by the rendered prompt itself in some templates), or nothing."""
+    ``<think>`` block (``opened``: by the rendered prompt itself, ReplyStarted says), or nothing."""
     if is_harmony(template):
         return RenderedReader()
-    return ThinkSplitter(opened=opens_thinking(prompt_text)) if thinks(template) else None
+    return ThinkSplitter(opened=opened) if opened or thinks(template) else None
 
 
 class ReplyText:

@@ -90,6 +90,7 @@ class Reply:
     previous_text: str = ""
     previous_note: str = ""
     got_text: bool = False
+    thinking_opened: bool = False  # the prompt opened a <think> block (ReplyStarted): the reply starts in it
     shown: bool = True  # its view is mounted (send starts the engine first): the pump waits
     # The panels' figures; the reply thread replaces the (immutable) snapshot per event.
     progress: ReplyProgress = field(default_factory=ReplyProgress)
@@ -250,8 +251,10 @@ def reply_in_thread(
             events = reply.session.generate(reply.user_text, params, sampling.max_tokens)
         for event in events:
             reply.progress = reply.progress.after(event, clock())
-            if isinstance(event, ReplyStarted) and reply.cancelled.is_set():
-                reply.session.cancel(event.run_id)  # Esc came before the engine started this run
+            if isinstance(event, ReplyStarted):
+                reply.thinking_opened = event.thinking_opened  # before any of its text is pushed
+                if reply.cancelled.is_set():
+                    reply.session.cancel(event.run_id)  # Esc came before the engine started this run
             elif isinstance(event, TokenText) and event.text:
                 reply.push(event.text)
             elif isinstance(event, PlanChanged):

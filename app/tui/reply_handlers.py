@@ -216,7 +216,7 @@ class ReplyHandlers:
         if text:
             reply.got_text = True
             if reply.view.is_attached:
-                await reply.view.append(text)
+                await reply.view.append(text, inside_thinking=reply.thinking_opened)
         if self.store is not None:
             checkpoint_reply(self.store, reply)  # a crash loses at most SAVE_EVERY_S of it
 

@@ -139,18 +139,19 @@ class MessageView(Vertical, can_focus=True):
     def markdown(self) -> Markdown:
         return self.query_one(".body", Markdown)
 
-    async def append(self, text: str) -> None:
+    async def append(self, text: str, *, inside_thinking: bool = False) -> None:
         """Add streamed text. Parsing Markdown and laying out its blocks per pump tick cost
         the engine a third of a core on a 2-core machine, so only finished blocks are parsed,
-        and the screen is laid out again at most every :data:`LAYOUT_EVERY_S`."""
+        and the screen is laid out again at most every :data:`LAYOUT_EVERY_S`.
+        ``inside_thinking``: the prompt opened a ``<think>`` block, so the reply starts in it."""
         async with self._drawing:
-            await self._append(text)
+            await self._append(text, inside_thinking)
 
-    async def _append(self, text: str) -> None:
+    async def _append(self, text: str, inside_thinking: bool) -> None:
         if not self.content and self.role == "assistant":  # thinking apart as it streams, no tags or markers
             start = text.lstrip()
             self._reader = RenderedReader() if start.startswith("<|channel|>") else \
-                ThinkSplitter() if start.startswith("<think>") else None
+                ThinkSplitter(opened=inside_thinking) if inside_thinking or start.startswith("<think>") else None
         self.content += text
         if self._reader is not None:
             thought, text = self._reader.feed(text)

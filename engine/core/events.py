@@ -22,6 +22,7 @@ class ReplyStarted:
     prompt_tokens: int  # tokens of the whole rendered conversation
     prefill_tokens: int  # tokens that must be processed now (the rest is cached)
     n_ctx: int  # tokens the conversation may hold
+    thinking_opened: bool = False  # the rendered prompt opened a <think> block: the reply starts inside it
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .grammar import GrammarSpec, ReplyGrammar
 from .grammar import check as check_grammar
 from .prompt import Prompt, PromptTokenizer
 from .prompt_cache import KeptConversation, PromptCache
+from .reasoning import opens_thinking
 from .runtime import Model
 from .sampling import GREEDY, Sampler, SamplingParams
 from .sampling import logprobs as sampling_logprobs
@@ -292,7 +293,7 @@ class Session:
         self._covered = ""
         self._owner = owner
         shown = self.strategy.pick_for_reply(len(tokens), sampling)  # the strategy name the events carry
-        yield ReplyStarted(run_id, shown, len(tokens), len(tokens) - reused, target.n_ctx)
+        yield ReplyStarted(run_id, shown, len(tokens), len(tokens) - reused, target.n_ctx, opens_thinking(rendered))
         yield from target.node_status(run_id)
         # Esc during a long prompt reaches the running batch through the target's cancel.
         self._prefill_group = target.new_group()
