@@ -270,7 +270,7 @@ class Session:
                 if target.restore_kv(kept.slot, kept.n_kv):
                     cache.restored(kept)
                     self._tokens, self._covered, self._owner = list(kept.tokens), kept.covered, owner
-                else:  # its cells went with a rebuilt chain: a miss
+                else:  # its cells are gone (a rebuilt chain, a slot the stage lost): a miss
                     cache.discard(kept)
 
     def _run(

@@ -432,9 +432,8 @@ class LocalTarget(TargetBase):
         return True
 
     def restore_kv(self, slot: int, n_past: int, seq: int = 0) -> bool:
-        """Waits for the load: a slot gone since the caller chose it (another lane's
-        conversation that extends it replaced it) must be a miss, not cells the session
-        would wrongly take for the slot's."""
+        """Waits for the load: a slot the stage no longer holds must be a miss, not the
+        sequence's old cells taken for the slot's (docs/facts.md §32)."""
         try:
             self.runner.submit(KvOp.load(slot, seq)).result()
         except PotluckError:
