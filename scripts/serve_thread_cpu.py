@@ -17,12 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import openai
-
 from potluck.app.serve.launch import start_server, stop_server
 
 from .procfs import thread_cpu_s
-from .serve_vs_llama_server import PROMPTS, decode_rate
+from .serve_vs_llama_server import PROMPTS, client_for, decode_rate
 
 
 def main() -> int:
@@ -36,7 +34,7 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="potluck-thread-cpu-"))
     server = start_server(home, ["-t", str(args.threads), "--ctx", "4096", "--strategy", args.strategy])
     try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=600)
+        client = client_for(server.base_url)
         decode_rate(client, PROMPTS[0], 16, {"temperature": 0})  # warm, unmeasured
         before, tokens, rates = thread_cpu_s(server.proc.pid), 0, []
         for rep in range(args.reps):

@@ -73,6 +73,11 @@ def start_llama_server(bin_dir: Path, model: Path, threads: int, ctx: int) -> tu
     raise SystemExit("llama-server was not ready within 120 s")
 
 
+def client_for(base_url: str) -> openai.OpenAI:
+    """The official client on a server's ``/v1``, one try, a reply's time to answer."""
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
+
+
 def decode_rate(client: openai.OpenAI, prompt: str, max_tokens: int, extra: dict[str, object]) -> tuple[float, int]:
     """(decode tokens/s, tokens) of one streamed reply, timed by the client."""
     times: list[float] = []
@@ -129,12 +134,11 @@ def main() -> int:
                        env={"PYTHONPATH": str(args.ref)}) if args.ref else None
     llama, llama_url = start_llama_server(args.bin, model, args.threads, args.ctx)
     clients = {
-        "potluck serve": openai.OpenAI(base_url=f"{potluck.base_url}/v1", api_key="none", max_retries=0, timeout=600),
-        "llama-server": openai.OpenAI(base_url=f"{llama_url}/v1", api_key="none", max_retries=0, timeout=600),
+        "potluck serve": client_for(potluck.base_url),
+        "llama-server": client_for(llama_url),
     }
     if ref is not None:
-        clients["potluck serve (ref)"] = openai.OpenAI(base_url=f"{ref.base_url}/v1", api_key="none", max_retries=0,
-                                                       timeout=600)
+        clients["potluck serve (ref)"] = client_for(ref.base_url)
     runs: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
     try:
