@@ -27,7 +27,7 @@ from pathlib import Path
 
 from potluck.app.serve.launch import start_server, stop_server
 
-from .serve_vs_llama_server import PROMPTS, client_for, decode_rate
+from .serve_vs_llama_server import PROMPTS, client_for, decode_rate, replies
 
 PROFILES = "POTLUCK_PROFILE_DIR"  # where the server writes main.prof and lanes.prof
 
@@ -97,11 +97,8 @@ def main() -> int:
     try:
         client = client_for(server.base_url)
         decode_rate(client, PROMPTS[0], 16, {"temperature": 0})  # warm: its run is profiled too, 16 tokens
-        tokens, rates = 16, []
-        for rep in range(args.reps):
-            rate, n = decode_rate(client, PROMPTS[rep % len(PROMPTS)], args.max_tokens,
-                                  {"temperature": args.temp, "seed": rep})
-            tokens, rates = tokens + n, [*rates, rate]
+        tokens, rates = replies(client, args.reps, args.max_tokens, args.temp)
+        tokens += 16
         os.kill(server.proc.pid, signal.SIGUSR1)
         deadline = time.monotonic() + 30
         while not (home / "done").exists() and time.monotonic() < deadline:

@@ -20,7 +20,7 @@ from pathlib import Path
 from potluck.app.serve.launch import start_server, stop_server
 
 from .procfs import thread_cpu_s
-from .serve_vs_llama_server import PROMPTS, client_for, decode_rate
+from .serve_vs_llama_server import PROMPTS, client_for, decode_rate, replies
 
 
 def main() -> int:
@@ -36,11 +36,8 @@ def main() -> int:
     try:
         client = client_for(server.base_url)
         decode_rate(client, PROMPTS[0], 16, {"temperature": 0})  # warm, unmeasured
-        before, tokens, rates = thread_cpu_s(server.proc.pid), 0, []
-        for rep in range(args.reps):
-            rate, n = decode_rate(client, PROMPTS[rep % len(PROMPTS)], args.max_tokens,
-                                  {"temperature": args.temp, "seed": rep})
-            tokens, rates = tokens + n, [*rates, rate]
+        before = thread_cpu_s(server.proc.pid)
+        tokens, rates = replies(client, args.reps, args.max_tokens, args.temp)
         after = thread_cpu_s(server.proc.pid)
     finally:
         stop_server(server.proc)

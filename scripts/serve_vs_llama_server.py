@@ -96,6 +96,15 @@ def decode_rate(client: openai.OpenAI, prompt: str, max_tokens: int, extra: dict
     return (n - 1) / (times[-1] - times[0]), n
 
 
+def replies(client: openai.OpenAI, reps: int, max_tokens: int, temp: float) -> tuple[int, list[float]]:
+    """(tokens, each reply's tokens/s) of ``reps`` streamed replies, the prompts in turn, seed = rep."""
+    tokens, rates = 0, []
+    for rep in range(reps):
+        rate, n = decode_rate(client, PROMPTS[rep % len(PROMPTS)], max_tokens, {"temperature": temp, "seed": rep})
+        tokens, rates = tokens + n, [*rates, rate]
+    return tokens, rates
+
+
 def generate_rate(threads: int, ctx: int, strategy: str, prompt: str, max_tokens: int, temp: float, seed: int,
                   home: str) -> tuple[float, int]:
     args = [sys.executable, "-m", "potluck.app.cli", "generate", "--json", "--strategy", strategy, "-t", str(threads),
