@@ -728,3 +728,26 @@ async def test_a_reply_inside_a_block_the_template_opened_streams_its_thinking_f
             assert view.content == "Let me think.</think>\n\nHello **there**."
     finally:
         gate.set()
+
+
+@run_async
+async def test_a_reply_cut_inside_a_block_the_template_opened_keeps_it_folded(tmp_path: Path) -> None:
+    """Cut by the token limit before the block closed: the reply is all thinking, so the body
+    stays empty when it ends, rather than showing the thinking unfolded there."""
+    from textual.widgets import Collapsible, Static
+
+    gate = threading.Event()
+    steps = [Step("First, the"), Step(" sky"), Step(" scatters", gate=gate)]  # no </think>: the limit cut it
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession(steps, thinking_opened=True)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        await send(app, pilot, "why blue?")
+        await until(lambda: app.reply is not None, what="the reply to start")
+        view = app.reply.view
+        gate.set()
+        await reply_done(app)
+        await pilot.pause()
+        assert view.content == "First, the sky scatters"  # stored as written
+        assert view.markdown.source == "" and not str(view.query_one(".tail", Static).render())
+        assert str(view.query_one(".thought", Static).render()) == "First, the sky scatters"
+        assert view.query_one(".thinking", Collapsible).display

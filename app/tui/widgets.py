@@ -104,6 +104,7 @@ class MessageView(Vertical, can_focus=True):
         self._laid_out_at = 0.0  # when streaming last laid the screen out (monotonic)
         self._code_index = 0
         self._thought = ""  # a reasoning model's thinking, shown folded under the reply
+        self._opened = False  # the prompt opened a <think> block: the reply starts in it
         # Streamed text arrives from the pump's timer task and the reply's end from the app's
         # message queue: Textual's Markdown.append is not safe to overlap (two appends parse
         # from the same line and one block is lost), so they take turns.
@@ -150,6 +151,7 @@ class MessageView(Vertical, can_focus=True):
     async def _append(self, text: str, inside_thinking: bool) -> None:
         if not self.content and self.role == "assistant":  # thinking apart as it streams, no tags or markers
             start = text.lstrip()
+            self._opened = inside_thinking
             self._reader = RenderedReader() if start.startswith("<|channel|>") else \
                 ThinkSplitter(opened=inside_thinking) if inside_thinking or start.startswith("<think>") else None
         self.content += text
@@ -196,7 +198,8 @@ class MessageView(Vertical, can_focus=True):
             await self._finish(final_text, note)
 
     async def _finish(self, final_text: str, note: str) -> None:
-        thought, answer = split_thinking(final_text) if self.role == "assistant" else ("", final_text)
+        thought, answer = split_thinking(final_text, opened=self._opened) if self.role == "assistant" \
+            else ("", final_text)
         self._thought = thought
         if thought:  # a reasoning model's thinking: folded, under the answer
             self.query_one(".thought", Static).update(thought.strip())
@@ -218,7 +221,7 @@ class MessageView(Vertical, can_focus=True):
         """Empty the reply so a regenerated one can stream into the same place."""
         async with self._drawing:
             self.content, self._shown, self._rendered, self._reader = "", "", 0, None
-            self._thought = ""
+            self._thought, self._opened = "", False
             self.query_one(".thinking", Collapsible).display = False
             await self.markdown.update("")
         self._show_tail()

@@ -80,14 +80,15 @@ class ThinkSplitter:
         return "", held if self.state != "after" else held.lstrip()
 
 
-def split_thinking(text: str) -> tuple[str, str]:
+def split_thinking(text: str, *, opened: bool = False) -> tuple[str, str]:
     """(thinking, answer) of a whole reply; a ``</think>`` with no ``<think>`` before it closes
-    a block the template opened. A harmony reply: its analysis and its final channel."""
+    a block the template opened. ``opened``: the prompt opened the block, so a reply cut before
+    it closed is all thinking. A harmony reply: its analysis and its final channel."""
     harmony = split_rendered(text)
     if harmony is not None:
         return harmony
     close = text.find(CLOSE)
-    splitter = ThinkSplitter(opened=close >= 0 and OPEN not in text[:close])
+    splitter = ThinkSplitter(opened=opened or (close >= 0 and OPEN not in text[:close]))
     thought, answer = splitter.feed(text)
     more, rest = splitter.finish()
     return thought + more, answer + rest
