@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import PotluckError
 from .jobs import CancelledGroups, DecodeJob, GroupCancelled
 from .kv import KvOp
 from .load_watch import INTERVAL_S, ThreadFollower
@@ -192,6 +193,8 @@ class StageRunner:
                 outcome = None
             else:
                 outcome = item(self.stage)
+        except PotluckError as e:  # a refusal: whoever waits says it, or takes it (a kept slot gone: a miss)
+            outcome = e
         except BaseException as e:
             log.error("%s failed: %s", item, e)
             outcome = e
