@@ -36,7 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine import DISCOVER_TIMEOUT_S, JOIN_TIMEOUT_S, PotluckError, SamplingParams, paths, validate
+from ..engine import (
+    DISCOVER_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    EngineSpec,
+    PotluckError,
+    SamplingParams,
+    checked_spec,
+    get_strategy_class,
+    paths,
+    validate,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -353,3 +363,23 @@ def save_settings(settings: Settings, path: Path | None = None) -> Path:
     tmp.write_text(tomlkit.dumps(doc), encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def spec_from_settings(settings: Settings) -> EngineSpec:
+    """The engine spec config.toml's [model] makes, for the chat and serve alike, checked by
+    engine.limits (PotluckError: one line to show).
+
+    The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
+    m = settings.model
+    cls = get_strategy_class(m.strategy)  # an unknown name: one line
+    draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
+    return checked_spec(
+        EngineSpec(
+            model=validate.path("[model] path", m.path),
+            strategy=m.strategy,
+            draft=draft,
+            n_ctx=m.n_ctx,
+            n_threads=m.n_threads,
+            system=m.system or None,  # loading refuses one longer than the context
+        )
+    )

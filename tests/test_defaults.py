@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from potluck.app.cli import build_parser
-from potluck.app.config import SamplingSettings, Settings, load_settings
-from potluck.app.tui.actions import spec_from_settings
+from potluck.app.config import SamplingSettings, Settings, load_settings, spec_from_settings
 from potluck.engine.core.sampling import SamplingParams
 
 

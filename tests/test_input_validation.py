@@ -24,8 +24,7 @@ import tomli_w
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from potluck.app.config import load_settings
-from potluck.app.tui.app import spec_from_settings
+from potluck.app.config import load_settings, spec_from_settings
 from potluck.assets import default_model_path
 from potluck.engine.core import validate as limits
 from potluck.engine.core.errors import ContextFullError, DecodeError, PotluckError
@@ -428,7 +427,7 @@ def config_runs(configs: list[str], home: Path) -> Iterator[tuple[str, str]]:
         f"""
         import sys
         from pathlib import Path
-        from potluck.app.tui.app import spec_from_settings
+        from potluck.app.config import spec_from_settings
         from potluck.app.config import load_settings
         from potluck.engine.core.errors import PotluckError
         from potluck.engine.loader import open_session

@@ -67,8 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config import spec_from_settings
     from ..tui import build_app
-    from ..tui.app import spec_from_settings
 
     check_cluster_args(args)  # before the options become settings: its errors name the options
     settings = settings_with_overrides(args, _OVERRIDES)

@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tui.actions import spec_from_settings  # the chat's own spec rules: one copy
+    from ..config import spec_from_settings  # the chat's spec rules: one copy
 
     check_cluster_args(args)  # before the options become settings: its errors name the options
     settings = settings_with_overrides(args, _OVERRIDES)

@@ -12,14 +12,14 @@ from datetime import datetime
 from pathlib import Path
 
 from ...engine import EngineSpec, PotluckError, paths
-from ..config import Settings, save_settings
+from ..config import Settings, save_settings, spec_from_settings
 from ..store import Conversation, SearchHit, Store
 from .catalog import ModelInfo, StrategyClass, read_model_info
 from .commands import help_sections
 from .export import code_blocks, conversation_markdown, export_path
 from .replies import Reply
 from .screens import ConfirmScreen, HelpScreen, LogScreen, Pick, PickerScreen, SearchScreen, TextPromptScreen
-from .settings import ChatSettings, SettingsScreen, spec_from_settings
+from .settings import ChatSettings, SettingsScreen
 from .widgets import ConversationList, MessageView
 
 NEW_TITLE = "New chat"

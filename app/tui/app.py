@@ -29,7 +29,7 @@ from textual.widgets import ContentSwitcher, Label, Static
 
 from ...assets import DEFAULT_MODEL_NAME, asset
 from ...engine import EngineSpec, PotluckError, PrintableFormatter
-from ..config import Settings
+from ..config import Settings, spec_from_settings
 from ..store import Store
 from .actions import ConversationActions
 from .catalog import ModelInfo, StrategyClass, gather_models
@@ -52,7 +52,7 @@ from .replies import (
     load_in_thread,
 )
 from .reply_handlers import ReplyHandlers
-from .settings import conversation_sampling, sampling_summary, spec_from_settings
+from .settings import conversation_sampling, sampling_summary
 from .stats import Figures, ReplyProgress, SpeedMeter
 from .widgets import (
     ChatInput,

@@ -15,31 +15,11 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
-from ...engine import EngineSpec, PotluckError, checked_spec, get_strategy_class, validate
-from ..config import SamplingSettings, Settings
+from ...engine import EngineSpec, PotluckError, validate
+from ..config import SamplingSettings, Settings, spec_from_settings
 from ..store import ConversationParams
 from .catalog import StrategyClass
 from .screens import steady_cursors
-
-
-def spec_from_settings(settings: Settings) -> EngineSpec:
-    """The chat's engine spec, checked by engine.limits (PotluckError: one line to show).
-
-    The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
-    m = settings.model
-    cls = get_strategy_class(m.strategy)  # an unknown name: one line
-    draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
-    return checked_spec(
-        EngineSpec(
-            model=validate.path("[model] path", m.path),
-            strategy=m.strategy,
-            draft=draft,
-            n_ctx=m.n_ctx,
-            n_threads=m.n_threads,
-            system=m.system or None,  # loading refuses one longer than the context
-        )
-    )
-
 
 # ConversationParams field -> (label, Input type); the sampling ones are SamplingSettings fields.
 FIELDS: dict[str, tuple[str, str]] = {
