@@ -460,6 +460,38 @@ def test_connections_past_the_bound_are_refused_at_the_handshake(
         serving.join(10)
 
 
+def test_the_gate_reads_the_kernel_table_once_an_interval_and_counts_what_it_admits() -> None:
+    """The table lists every TCP socket of the machine (60 ms to read with 6,000), and the gate
+    runs at every handshake, before any key is checked: it reads it again once ``rescan_s`` has
+    passed, and in between counts each handshake it admits, so a burst is held to the bounds
+    without a reading each."""
+    from potluck.engine.cluster.transport import ConnectionGate
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    accepted = [server.accept()[0] for _ in clients]
+    now = [0.0]
+    try:
+        gate = ConnectionGate(port, total=5, per_peer=1, rescan_s=1.0, clock=lambda: now[0])
+        burst = [gate.admit("127.0.0.1") for _ in range(6)]  # 3 open: 3 more fit under "past 5"
+        assert burst[:3] == ["", "", ""] and all("connections open (at most 5)" in why for why in burst[3:]), burst
+        assert gate.scans == 1 and gate.refused == 3
+        now[0] = 1.0  # the interval passed: read again, and the 3 connections really open fit
+        assert gate.admit("127.0.0.1") == "" and gate.scans == 2
+
+        apart = ConnectionGate(port, total=100, per_peer=1, rescan_s=1.0, clock=lambda: now[0])
+        # one address other than loopback: its handshakes count, IPv4-mapped or not
+        assert [apart.admit(a) for a in ("10.1.2.3", "::ffff:10.1.2.3")] == ["", ""]
+        assert "2 connections from 10.1.2.3 (at most 1" in apart.admit("10.1.2.3")
+        assert apart.scans == 1
+    finally:
+        for s in clients + accepted + [server]:
+            s.close()
+
+
 def test_a_hello_dropped_unread_is_said_again() -> None:
     """A worker under a flood drops a stranger's message unread once the second's budget is
     spent (inbox.py), a joining head's hello too: the head says it again, and the first answer

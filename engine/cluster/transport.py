@@ -12,9 +12,11 @@ from __future__ import annotations
 import concurrent.futures
 import ipaddress
 import logging
+import math
 import re
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -126,26 +128,51 @@ class ConnectionGate:
     would grow the worker without bound (issue 39 item 6). Handshakes are refused past
     ``total`` open TCP connections to ``port``, or ``per_peer`` from one address other than
     loopback (where the tests, and a head beside its own workers, connect from). Counted from
-    the kernel's table (``/proc/net/tcp*``), so nothing drifts; elsewhere than Linux, never refused."""
+    the kernel's table (``/proc/net/tcp*``), so nothing drifts; elsewhere than Linux, never refused.
 
-    def __init__(self, port: int, total: int, per_peer: int) -> None:
+    The table lists every TCP socket of the machine: with 6,000 it took 60 ms to read, and it
+    was read at every handshake, anyone's (the gate runs before the key is checked), so a flood
+    of connections made each next handshake dearer. It is read again after ``rescan_s`` (or ten
+    times what the last reading took, so reading stays under a tenth of a core); between two
+    readings each admitted handshake counts itself."""
+
+    def __init__(self, port: int, total: int, per_peer: int, *, rescan_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.port, self.total, self.per_peer = port, total, per_peer
         self.refused = 0
+        self.scans = 0  # readings of the kernel's table (tests)
+        self._rescan_s, self._clock = rescan_s, clock
+        self._counts: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None = None
+        self._due = -math.inf  # when the table is read again
+
+    def _current(self) -> dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+        now = self._clock()
+        if now >= self._due:
+            t0 = time.perf_counter()
+            self._counts = established_by_peer(self.port)
+            self._due = now + max(self._rescan_s, 10 * (time.perf_counter() - t0))
+            self.scans += 1
+        return self._counts
 
     def admit(self, address: str) -> str:
         """Why a handshake from ``address`` is refused ("" to admit it)."""
-        counts = established_by_peer(self.port)
+        counts = self._current()
         if counts is None:
             return ""
-        if sum(counts.values()) > self.total:
-            why = f"{sum(counts.values())} connections open (at most {self.total})"
+        try:
+            peer: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(address)
+        except ValueError:
+            peer = None
+        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+            peer = peer.ipv4_mapped  # as the table counts it
+        open_now = sum(counts.values())
+        if open_now > self.total:
+            why = f"{open_now} connections open (at most {self.total})"
+        elif peer is None or peer.is_loopback or counts.get(peer, 0) <= self.per_peer:
+            if peer is not None:
+                counts[peer] = counts.get(peer, 0) + 1  # until the next reading of the table
+            return ""
         else:
-            try:
-                peer = ipaddress.ip_address(address)
-            except ValueError:
-                return ""
-            if peer.is_loopback or counts.get(peer, 0) <= self.per_peer:
-                return ""
             why = f"{counts[peer]} connections from {address} (at most {self.per_peer} from one address)"
         self.refused += 1
         if self.refused % 1000 == 1:
