@@ -33,7 +33,7 @@ from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
 from .app_fakes import FakeFactory, ScriptedSession, run_async, until, words
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, start_workers, stop_worker
 from .support.breadth import beyond
 from .support.lanes import Ask, together
 from .support.references import plain_conversation
@@ -50,21 +50,25 @@ class Pool:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.count = 0
-        self.workers: list[WorkerProc] = []
-        while len(self.workers) < 3:
-            self.workers.append(self._start())
+        self.workers = self._start(3)
 
-    def _start(self) -> WorkerProc:
-        self.count += 1
-        return start_worker(self.tmp, f"w{self.count}")
+    def _start(self, n: int) -> list[WorkerProc]:
+        """``n`` fresh workers, started together (each takes seconds to start)."""
+        names = [f"w{self.count + k + 1}" for k in range(n)]
+        self.count += n
+        return start_workers(self.tmp, names)
 
     def heal(self) -> None:
-        for i, w in enumerate(self.workers):
-            if w.extra.get("victim") or not w.alive():
-                if w.alive():
-                    os.kill(w.proc.pid, signal.SIGCONT)  # a frozen one must thaw to stop
-                stop_worker(w.proc)
-                self.workers[i] = self._start()
+        """Each victim replaced by a fresh worker, the replacements started together (a test
+        that loses all three waited for them one by one)."""
+        lost = [i for i, w in enumerate(self.workers) if w.extra.get("victim") or not w.alive()]
+        for i in lost:
+            w = self.workers[i]
+            if w.alive():
+                os.kill(w.proc.pid, signal.SIGCONT)  # a frozen one must thaw to stop
+            stop_worker(w.proc)
+        for i, fresh in zip(lost, self._start(len(lost))):
+            self.workers[i] = fresh
 
     def close(self) -> None:
         for w in self.workers:
