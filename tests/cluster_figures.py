@@ -30,7 +30,7 @@ from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
 from potluck.engine.core.target import LocalTarget, Target
 
-from .cluster_support import TOKEN, start_worker, stop_worker
+from .cluster_support import TOKEN, start_workers, stop_worker
 from .support.prompts import PROMPTS
 from .support.split_target import SplitTarget
 
@@ -76,7 +76,7 @@ def main() -> None:
     assert mp is not None
     keys = keys_from_token(TOKEN)
     model = Model(mp)
-    workers = [start_worker(tmp, f"w{i}") for i in range(3)]
+    workers = start_workers(tmp, ["w0", "w1", "w2"])
     try:
         for threads in (1, 2):
             lt = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=threads))

@@ -35,7 +35,7 @@ from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.flood import FloodPlan, flood_process
 from potluck.engine.lab.worker_kills import process_tree
 
-from .cluster_support import TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, start_worker, start_workers, stop_worker
 
 PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"
 N_CTX = 512
@@ -45,7 +45,7 @@ N_CTX = 512
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
     """Two workers of this module's own: the attacks leave connections behind."""
     tmp = tmp_path_factory.mktemp("trust")
-    workers = [start_worker(tmp, f"t{i}") for i in range(2)]
+    workers = start_workers(tmp, ["t0", "t1"])
     yield workers
     for w in workers:
         stop_worker(w.proc)

@@ -25,7 +25,7 @@ from potluck.engine.core.target import LocalTarget, Target
 from potluck.engine.lab.hybrid_shapes import build_hybrid_shape
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 
-from .cluster_support import JOIN_S, TOKEN, WorkerProc, start_worker, stop_worker
+from .cluster_support import JOIN_S, TOKEN, WorkerProc, start_workers, stop_worker
 
 # worker processes take minutes here; speculation over stages is also checked in-process
 # (tests/test_hybrid.py, 3 stages)
@@ -63,7 +63,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
     """Two workers for the module (the loss test, last, kills one)."""
     tmp = tmp_path_factory.mktemp("hybrid-workers")
-    procs = [start_worker(tmp, f"h{i}") for i in range(2)]
+    procs = start_workers(tmp, ["h0", "h1"])
     try:
         yield procs
     finally:

@@ -44,7 +44,7 @@ from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.cluster_fuzz import fuzz_as_head, fuzz_as_worker
 from potluck.engine.lab.wire_fuzz import FakeWorker
 
-from .cluster_support import TOKEN, WorkerProc, stage_pids, start_worker, stop_worker
+from .cluster_support import TOKEN, WorkerProc, stage_pids, start_worker, start_workers, stop_worker
 from .support.breadth import beyond
 
 N_CTX = 256
@@ -673,7 +673,7 @@ def test_gemma_slice_without_sliding_window_layer_crashes_only_the_stage(
 @pytest.mark.slow  # gemma3 splits in the default run: test_cluster_pipeline
 def test_gemma_default_plan_over_two_workers_is_exact(tmp_path: Path, keys: CurveKeys) -> None:
     path = _gemma()
-    ws = [start_worker(tmp_path, f"g{i}") for i in range(2)]
+    ws = start_workers(tmp_path, ["g0", "g1"])
     try:
         target = open_pipeline(path, [w.address for w in ws], keys, n_ctx=N_CTX, slice_cache=SliceCache(tmp_path))
         try:
