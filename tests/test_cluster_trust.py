@@ -425,7 +425,9 @@ def test_connections_past_the_bound_are_refused_at_the_handshake(
     w = worker_module.Worker(keys, NodeProfile("gated", 2, 1000, 1.0), tmp_path / "cache", bind="127.0.0.1")
     serving = threading.Thread(target=w.serve_forever, daemon=True)
     serving.start()
-    ctx = zmq.Context()
+    ctx = zmq.Context()  # the flooder's
+    head_ctx = zmq.Context()  # a head's, apart as another process's would be: after 40 refused
+    # handshakes the flooder's own I/O thread was seen to leave a new connection unserved
     flood = []
     try:
         for _ in range(40):
@@ -436,7 +438,7 @@ def test_connections_past_the_bound_are_refused_at_the_handshake(
         while w.gate.refused == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert w.gate.refused > 0  # the path ran: handshakes refused past the bound
-        link = NodeLink(ctx, keys, f"127.0.0.1:{w.port}")
+        link = NodeLink(head_ctx, keys, f"127.0.0.1:{w.port}")
         with pytest.raises(NodeLostError, match="or it takes no more connections now"):
             link.join("head-late", "0", timeout_s=3)
         link.close(release=False)
@@ -447,15 +449,27 @@ def test_connections_past_the_bound_are_refused_at_the_handshake(
         deadline = time.monotonic() + 60
         while sum((established_by_peer(w.port) or {}).values()) > 20 and time.monotonic() < deadline:
             time.sleep(0.05)
-        late = client_socket(ctx, keys)
-        late.setsockopt(zmq.SNDTIMEO, 30000)  # a refused handshake fails the test, never hangs it
-        late.connect(f"tcp://127.0.0.1:{w.port}")
-        late.send_multipart(wire.to_frames(wire.Ping(5)))
-        assert late.poll(30000), "no pong once the flood closed"
-        assert wire.parse_frames(late.recv_multipart()) == wire.Pong(5)
-        late.close(linger=0)
+        # A head tries again, as it does when a join goes unanswered: under load about one first
+        # connection in ten right after the flood was closed by the worker before its handshake
+        # ended, with the gate reading the table at every handshake as well (docs/facts.md §35)
+        pongs = []
+        for _ in range(3):
+            late = client_socket(head_ctx, keys)
+            late.setsockopt(zmq.SNDTIMEO, 10000)  # a refused handshake fails the test, never hangs it
+            late.connect(f"tcp://127.0.0.1:{w.port}")
+            try:
+                late.send_multipart(wire.to_frames(wire.Ping(5)))
+                if late.poll(10000):
+                    pongs.append(wire.parse_frames(late.recv_multipart()))
+            except zmq.Again:
+                pass
+            late.close(linger=0)
+            if pongs:
+                break
+        assert pongs == [wire.Pong(5)], "no pong once the flood closed"
     finally:
         ctx.destroy(linger=0)  # every socket of the test's, whatever failed
+        head_ctx.destroy(linger=0)
         w.stop()
         serving.join(10)
 
