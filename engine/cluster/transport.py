@@ -163,8 +163,7 @@ class ConnectionGate:
             peer: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(address)
         except ValueError:
             peer = None
-        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
-            peer = peer.ipv4_mapped  # as the table counts it
+        peer = _unmapped(peer) if peer is not None else None  # as the table counts it
         open_now = sum(counts.values())
         if open_now > self.total:
             why = f"{open_now} connections open (at most {self.total})"
@@ -208,7 +207,11 @@ def _proc_ip(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An address as /proc/net/tcp writes it (32-bit words in host byte order)."""
     raw = bytes.fromhex(hexaddr)
     words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
-    ip = ipaddress.ip_address(words)
+    return _unmapped(ipaddress.ip_address(words))
+
+
+def _unmapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IPv4-mapped IPv6 address as the IPv4 one (a dual-stack socket's IPv4 peers)."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
