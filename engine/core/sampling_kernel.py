@@ -160,14 +160,14 @@ def token_index(probs: np.ndarray, u: float) -> int:
     sequential sums and searchsorted(side="right"), without two numpy calls' overhead on a
     list of tens of candidates."""
     n = probs.shape[0]
-    cum = np.empty(n)
     total = 0.0
     for j in range(n):
         total += probs[j]
-        cum[j] = total
     goal = u * total
+    running = 0.0  # the same sums in the same order: the same floats as the first pass
     for j in range(n):
-        if cum[j] > goal:
+        running += probs[j]
+        if running > goal:
             return j
     return n - 1
 
