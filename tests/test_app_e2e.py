@@ -15,7 +15,7 @@ from .app_fakes import run_async, until
 @run_async
 async def test_real_model_replies_and_the_reply_is_stored(model_path: Path, tmp_path: Path) -> None:
     settings = Settings(
-        model=ModelSettings(n_ctx=512, n_threads=2),
+        model=ModelSettings(n_ctx=512, n_threads=1),
         sampling=SamplingSettings(max_tokens=16),
         ui=UISettings(cursor_blink=False, stats_interval_s=0.25),
     )

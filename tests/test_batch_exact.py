@@ -33,6 +33,7 @@ from potluck.engine.lab.fixtures import build_shape
 from potluck.engine.loader import open_lanes, open_session
 from potluck.engine.speculation.strategies.registry import STRATEGIES
 
+from .support.breadth import beyond
 from .support.lanes import Ask, together
 from .support.prompts import LONG_PROMPTS
 from .support.prompts import PROMPTS as SHORT_PROMPTS
@@ -177,7 +178,8 @@ def _every_strategy(path: Path, draft: Path) -> Iterator[tuple[str, EngineSpec]]
 
 
 @needs_x86
-@pytest.mark.parametrize("which", ["kquant", "moe"])
+# the K-quant model's cap by default: test_lanes_merge_a_kquant_models_batches_only_within_the_cap
+@pytest.mark.parametrize("which", beyond(["kquant", "moe"], keep=["moe"]))
 def test_every_strategy_equals_plain_decoding_under_the_cap(
     which: str, kquant_path: Path, moe_path: Path, model_path: Path
 ) -> None:

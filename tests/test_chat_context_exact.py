@@ -29,7 +29,7 @@ def question(topic: str) -> str:
 @run_async
 async def test_a_cut_conversation_gets_a_fresh_sessions_reply(model_path: Path, tmp_path: Path) -> None:
     settings = Settings(
-        model=ModelSettings(n_ctx=256, n_threads=2, strategy="auto", system=SYSTEM),
+        model=ModelSettings(n_ctx=256, n_threads=1, strategy="auto", system=SYSTEM),
         sampling=SamplingSettings(temperature=0.0, max_tokens=24),
         ui=UISettings(cursor_blink=False, stats_interval_s=0),
     )
@@ -57,7 +57,7 @@ async def test_a_cut_conversation_gets_a_fresh_sessions_reply(model_path: Path, 
 
     # The turns that moved the start were computed whole: a fresh session, given the same
     # messages, writes the same reply token for token (plain decoding, another strategy).
-    fresh = open_session(EngineSpec(n_ctx=256, n_threads=2, strategy="plain"))
+    fresh = open_session(EngineSpec(n_ctx=256, n_threads=1, strategy="plain"))
     try:
         moved = [(sent, text) for i, (sent, text) in enumerate(cut_replies)
                  if i == 0 or sent[1] != cut_replies[i - 1][0][1]]
@@ -75,7 +75,7 @@ def test_a_sessions_prompt_progress_counts_its_batches(model_path: Path) -> None
     import threading
     import time
 
-    session = open_session(EngineSpec(n_ctx=2048, n_threads=2, strategy="plain"))
+    session = open_session(EngineSpec(n_ctx=2048, n_threads=1, strategy="plain"))
     try:
         seen: list[tuple[int, int]] = []
         done = threading.Event()

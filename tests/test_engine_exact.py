@@ -106,7 +106,9 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(model: Model) -> Non
     assert a != c
 
 
-@pytest.mark.parametrize("bounds", [(0, 13, 30), (0, 7, 19, 30)], ids=["2-stages", "3-stages"])
+# three stages by default: test_archs_exact (every architecture over 2 and 3 stages)
+@pytest.mark.parametrize("bounds", [(0, 13, 30), pytest.param((0, 7, 19, 30), marks=pytest.mark.slow)],
+                         ids=["2-stages", "3-stages"])
 def test_layer_split_logits_identical(model: Model, model_path: Path, tmp_path: Path, bounds: tuple[int, ...]) -> None:
     slices = [
         Model(slice_layers(model_path, tmp_path / f"s{i}.gguf", lo, hi))

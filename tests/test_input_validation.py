@@ -3,8 +3,8 @@
 Every option and input of ``potluck generate`` and every config.toml value the chat app
 loads ends in success or in exactly one line on stderr with exit code 2: never a traceback,
 never a signal. The CLI runs as a subprocess (a native abort must show up as a signal) with
-``--max-tokens 1``. Examples per property: ``POTLUCK_FUZZ_EXAMPLES`` (default 12, a run of
-about a minute on 2 cores). The suite replays one fixed sample (derandomized), so its
+``--max-tokens 1``. Examples per property: ``POTLUCK_FUZZ_EXAMPLES`` (default 6, a run of
+about half a minute on 2 cores). The suite replays one fixed sample (derandomized), so its
 time does not swing from run to run; ``tests/fuzz_cli.py`` runs a longer, random search.
 """
 
@@ -34,7 +34,7 @@ from potluck.engine.loader import checked_spec
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 
 POTLUCK = [sys.executable, "-m", "potluck.app.cli"]
-EXAMPLES = int(os.environ.get("POTLUCK_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("POTLUCK_FUZZ_EXAMPLES", "6"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     derandomize="POTLUCK_FUZZ_EXAMPLES" not in os.environ,

@@ -106,6 +106,7 @@ def test_a_seeded_sample_on_a_lane_repeats_the_sample_alone(plain_lanes: Lanes) 
     assert isinstance(want, Finished) and got[1][0].text == want.text
 
 
+@pytest.mark.slow  # the twin across other lanes' batches, chunk by chunk, by default: the test below
 def test_a_long_prompt_beside_decoding_lanes_is_exact(model: Model, plain_lanes: Lanes) -> None:
     """A prompt of two chunks (the first computed in the F16 twin) enters while three lanes
     decode: the twin keeps its sequence across their batches, so every position is computed

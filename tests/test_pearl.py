@@ -23,6 +23,7 @@ from potluck.engine.core.target import LocalTarget
 from potluck.engine.speculation.drafters import ContextView
 from potluck.engine.speculation.strategies.pearl import Pearl, split_threads
 
+from .support.breadth import beyond
 from .support.prompts import LONG_PROMPTS, TURNS
 from .support.references import plain_conversation, plain_reply
 from .test_spec_strategies import reply
@@ -49,7 +50,7 @@ def plain(model: Model) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("adaptive", beyond([False, True], keep=[False]))  # the gate: test_spec_adaptive
 def test_greedy_pearl_equals_plain_decoding(
     model: Model, weak_draft: Path, plain: dict[str, list[int]], adaptive: bool  # noqa: F811
 ) -> None:

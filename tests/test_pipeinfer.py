@@ -263,7 +263,10 @@ def test_a_broken_residual_is_caught_in_pipeinfer(
 # --------------------------------------------------------------------------- worker processes
 
 
-@pytest.mark.parametrize("n_workers", beyond([2, 3], keep=[2]))
+# PipeInfer over loopback workers by default: test_cluster_pipeline (every strategy over two
+# workers, drafts accepted and rejected), and stages dropping cancelled work: test_cluster_pipeline's cancels
+@pytest.mark.slow
+@pytest.mark.parametrize("n_workers", [2, 3])
 def test_pipeinfer_over_loopback_workers_equals_one_machine(
     model: Model, model_path: Path, loopback_pool: list[WorkerProc], plain: list[list[int]], n_workers: int,
     tmp_path_factory: pytest.TempPathFactory,

@@ -80,7 +80,7 @@ def test_sampled_tokens_follow_the_target_distribution(
     assert chi2_pvalue(tokens, p) > ALPHA
 
 
-@pytest.mark.parametrize("name", beyond([n for n in CASES if n != "plain"], keep=["sd", "triforce"]))
+@pytest.mark.parametrize("name", beyond([n for n in CASES if n != "plain"], keep=["sd"]))
 def test_a_broken_residual_is_caught(
     name: str, model: Model, strategies: dict[str, Strategy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -102,7 +102,8 @@ LETTERS = 'root ::= <[{last}]> " " [b-z] [a-z]*'
 DIGITS = 'root ::= <[{last}]> [0-9]+'
 
 
-@pytest.mark.parametrize("name", beyond(list(CASES), keep=["plain", "anpd", "sd"]))
+# a draft model under a grammar by default: test_a_broken_residual_is_caught_under_a_grammar
+@pytest.mark.parametrize("name", beyond(list(CASES), keep=["plain", "anpd"]))
 def test_sampled_tokens_follow_the_constrained_distribution(
     name: str, model: Model, strategies: dict[str, Strategy]
 ) -> None:
@@ -113,7 +114,7 @@ def test_sampled_tokens_follow_the_constrained_distribution(
     assert chi2_pvalue(tokens, p) > ALPHA
 
 
-@pytest.mark.parametrize("name", ["plain", "sd"])
+@pytest.mark.parametrize("name", beyond(["plain", "sd"], keep=["plain"]))
 def test_sampled_tokens_where_the_grammar_refuses_every_candidate(
     name: str, model: Model, strategies: dict[str, Strategy]
 ) -> None:

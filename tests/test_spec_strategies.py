@@ -51,14 +51,27 @@ def reply(session: Session, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[
     raise AssertionError("no Finished event")
 
 
+class References(dict):
+    """Plain decoding's greedy replies, each decoded when a test first asks for it (a prompt
+    alone, or ``turnN``: turn N of one multi-turn conversation), so a module run without its
+    slow tests decodes only what its other tests compare with."""
+
+    def __init__(self, model: Model) -> None:
+        super().__init__()
+        self.model = model
+
+    def __missing__(self, key: str) -> list[int]:
+        if key.startswith("turn"):
+            for i, tokens in enumerate(plain_conversation(self.model, TURNS, TURN_TOKENS)):
+                self[f"turn{i}"] = tokens
+        else:
+            self[key] = plain_reply(self.model, key, MAX_TOKENS)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def reference(model: Model) -> dict[str, list[int]]:
-    """Plain decoding's greedy replies: each prompt alone, then one multi-turn conversation."""
-    out = {prompt: plain_reply(model, prompt, MAX_TOKENS) for prompt in LONG_PROMPTS}
-    for i, tokens in enumerate(plain_conversation(model, TURNS, TURN_TOKENS)):
-        out[f"turn{i}"] = tokens
-    assert sum(len(v) >= MAX_TOKENS for v in out.values()) >= 2
-    return out
+def reference(model: Model) -> References:
+    return References(model)
 
 
 def spec_sessions(model: Model, weak_draft: Path, only: str | None = None) -> Iterator[tuple[str, Strategy]]:
@@ -83,6 +96,7 @@ def test_adaptive_anpd_equals_plain_decoding(model: Model, reference: dict[str, 
         assert tokens == reference[prompt], prompt[:30]
         drafted += sum(r.drafted for r in rounds)
     assert drafted > 0
+    assert max(len(reference[p]) for p in LONG_PROMPTS[:3]) == MAX_TOKENS  # a long reply among them
     strategy.close()
 
 
@@ -112,13 +126,13 @@ def test_a_cost_line_that_forbids_drafting_is_probed_again(
     strategy.close()
 
 
-@pytest.mark.parametrize("only", beyond(["anpd", "sd"], keep=["anpd"]))  # sd's exactness runs by default
-def test_greedy_equals_plain_decoding(  # in test_prefill, test_structured, test_lanes and test_batch_exact
-    only: str, model: Model, weak_draft: Path, reference: dict[str, list[int]]
+@pytest.mark.slow  # each strategy with fixed drafts by default: test_batch_exact (every strategy), test_structured
+def test_greedy_equals_plain_decoding(  # (sd, anpd) and anpd's adaptive and multi-turn replies below
+    model: Model, weak_draft: Path, reference: dict[str, list[int]]
 ) -> None:
     """Every prompt. `sd` stops at 128 tokens: its 20-layer draft makes a token cost about
     5 plain steps, and 4 x 128 tokens already hold about 60 rejections."""
-    for name, strategy in spec_sessions(model, weak_draft, only):
+    for name, strategy in spec_sessions(model, weak_draft):
         drafted = accepted = 0
         limit = MAX_TOKENS if name == "anpd" else 128
         for prompt in LONG_PROMPTS:

@@ -171,7 +171,7 @@ def test_greedy_under_a_grammar_equals_plain_decoding(
     assert drafted > accepted > 0, (name, drafted, accepted)
 
 
-@pytest.mark.parametrize("name", beyond(["plain", *STRATEGIES], keep=["plain", "anpd", "pearl"]))
+@pytest.mark.parametrize("name", beyond(["plain", *STRATEGIES], keep=["plain", "anpd"]))
 def test_sampled_replies_under_a_grammar_validate(
     name: str, model: Model, weak_draft: Path, stages: list[Model]
 ) -> None:

@@ -735,7 +735,7 @@ def test_token_files_are_private(tmp_home: Path) -> None:
 # --------------------------------------------------------------------------- fuzzing (a few hundred cases with -m slow)
 
 
-@pytest.mark.parametrize("cases", beyond([60, 300], keep=[60]))
+@pytest.mark.parametrize("cases", beyond([30, 300], keep=[30]))
 def test_fuzz_both_ways(cases: int, model: Model, model_path: Path, tmp_path: Path) -> None:
     """The fuzz campaigns of scripts/fuzz_cluster.py in small: as the upstream head (every case
     reaches the worker's own checks or is refused by the wire) and as a malicious worker

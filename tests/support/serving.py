@@ -1,5 +1,8 @@
 """A `potluck serve` process for a test module: its home's config.toml written, started on a
-loopback port the OS picks, stopped at the end, its log free of tracebacks."""
+loopback port the OS picks, stopped at the end, its log free of tracebacks. It computes on one
+thread unless the test says otherwise: beside the other test process, two llama.cpp threads
+decode ~1.6x slower than one (their OpenMP barriers sleep, docs/facts.md §14), and replies are
+the same at any thread count (§3)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from potluck.app.serve.launch import RunningServer, start_server, stop_server
 def serving(home: Path, config: str, args: Sequence[str] = (), **options: object) -> Iterator[RunningServer]:
     (home / "config").mkdir(parents=True, exist_ok=True)
     (home / "config" / "config.toml").write_text(config)
+    if not {"-t", "--threads"} & set(args):
+        args = [*args, "-t", "1"]
     running = start_server(home, args, **options)  # type: ignore[arg-type]
     try:
         yield running
