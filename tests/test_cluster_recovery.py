@@ -471,6 +471,9 @@ def test_a_log_without_another_conversations_rows_replays_exactly(model: Model) 
     assert np.array_equal(full, replayed)
 
 
+# By default: serve's lanes over a pipeline that lost a worker (test_serve_cluster) and the log
+# of several conversations replayed (the two tests above)
+@pytest.mark.slow
 def test_lanes_survive_a_lost_worker_each_identical_to_one_machine(
     model: Model, model_path: Path, workers: list[WorkerProc], slice_cache: SliceCache
 ) -> None:
