@@ -28,20 +28,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "potluck-test-numba"))
 
-# The heaviest modules first, by seconds measured on 2 cores (--durations=0), a module that mostly
-# waits on worker processes and deadlines (cluster, serve) beside one that computes in the test
-# process, so the two test processes keep both cores busy. `--dist loadfile` hands out whole
-# modules, and xdist's own order (most tests first, turned off in pyproject's addopts) left a
-# heavy module for the end while the other process sat idle. The rest keep their order. Order
-# never changes a result.
+# The heaviest modules first, by seconds measured on 2 cores (--durations=0). `--dist loadfile`
+# hands out whole modules, and xdist's own order (most tests first, turned off in pyproject's
+# addopts) left a heavy module for the end while the other worker sat idle. Longest first keeps
+# both workers busy to the end; the rest keep their order. Order never changes a result.
 HEAVY_FIRST = [
-    "test_worker_hardening.py", "test_sampled_strategies.py", "test_cluster_recovery.py", "test_minions.py",
-    "test_cluster_pipeline.py", "test_structured.py", "test_serve_cluster.py", "test_pipeinfer.py",
-    "test_app_cluster.py", "test_archs_exact.py", "test_cluster_trust.py", "test_spec_strategies.py",
-    "test_worker_stop.py", "test_staged_prefill.py", "test_trust_discovery.py", "test_triforce.py",
-    "test_input_validation.py", "test_pearl.py", "test_serve_agents.py", "test_engine_exact.py",
-    "test_app_pilot.py", "test_prefill.py", "test_serve.py", "test_batch_exact.py", "test_serve_clients.py",
-    "test_spec_sampling.py", "test_cli.py",
+    "test_spec_strategies.py", "test_triforce.py", "test_minions.py", "test_cluster_recovery.py",
+    "test_pipeinfer.py", "test_worker_hardening.py", "test_cluster_pipeline.py", "test_input_validation.py",
+    "test_archs_exact.py", "test_cluster_moe.py",
+    "test_engine_exact.py", "test_pearl.py", "test_app_cluster.py", "test_trust_discovery.py",
+    "test_cluster_trust.py", "test_prefill.py", "test_lanes.py", "test_serve.py", "test_app_pilot.py",
+    "test_serve_cluster.py", "test_spec_sampling.py",
 ]
 
 
