@@ -50,7 +50,8 @@ def plain(model: Model) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("adaptive", beyond([False, True], keep=[False]))  # the gate: test_spec_adaptive
+# PEARL's gate deciding on fixed costs by default: test_spec_adaptive
+@pytest.mark.parametrize("adaptive", beyond([False, True], keep=[False]))
 def test_greedy_pearl_equals_plain_decoding(
     model: Model, weak_draft: Path, plain: dict[str, list[int]], adaptive: bool  # noqa: F811
 ) -> None:

@@ -51,7 +51,7 @@ def reply(session: Session, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[
     raise AssertionError("no Finished event")
 
 
-class References(dict):
+class References(dict[str, list[int]]):
     """Plain decoding's greedy replies, each decoded when a test first asks for it (a prompt
     alone, or ``turnN``: turn N of one multi-turn conversation), so a module run without its
     slow tests decodes only what its other tests compare with."""

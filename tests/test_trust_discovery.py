@@ -29,7 +29,6 @@ BROWSE_S = 4.0
 JOIN_S = 10.0  # the real worker must join within it, on a busy machine too
 
 
-@pytest.mark.slow  # a clone and junk beside the real worker, joined, by default: the test below
 def test_clones_and_junk_are_candidates_beside_the_real_worker(attacker: Attacker) -> None:
     """Clones of the real record (same node id, dead addresses; one under another instance
     name announced before the worker's own record, one under the worker's instance name)
