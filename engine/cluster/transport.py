@@ -143,6 +143,7 @@ class ConnectionGate:
         self.scans = 0  # readings of the kernel's table (tests)
         self._rescan_s, self._clock = rescan_s, clock
         self._counts: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None = None
+        self._open = 0  # the sum of _counts, kept with it (peers may be thousands of addresses)
         self._due = -math.inf  # when the table is read again
 
     def _current(self) -> dict[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
@@ -150,6 +151,7 @@ class ConnectionGate:
         if now >= self._due:
             t0 = time.perf_counter()
             self._counts = established_by_peer(self.port)
+            self._open = sum(self._counts.values()) if self._counts is not None else 0
             self._due = now + max(self._rescan_s, 10 * (time.perf_counter() - t0))
             self.scans += 1
         return self._counts
@@ -164,12 +166,12 @@ class ConnectionGate:
         except ValueError:
             peer = None
         peer = _unmapped(peer) if peer is not None else None  # as the table counts it
-        open_now = sum(counts.values())
-        if open_now > self.total:
-            why = f"{open_now} connections open (at most {self.total})"
+        if self._open > self.total:
+            why = f"{self._open} connections open (at most {self.total})"
         elif peer is None or peer.is_loopback or counts.get(peer, 0) <= self.per_peer:
+            self._open += 1  # until the next reading of the table
             if peer is not None:
-                counts[peer] = counts.get(peer, 0) + 1  # until the next reading of the table
+                counts[peer] = counts.get(peer, 0) + 1
             return ""
         else:
             why = f"{counts[peer]} connections from {address} (at most {self.per_peer} from one address)"
