@@ -19,7 +19,7 @@ from potluck.app.serve.launch import RunningServer, start_server, stop_server
 def serving(home: Path, config: str, args: Sequence[str] = (), **options: object) -> Iterator[RunningServer]:
     (home / "config").mkdir(parents=True, exist_ok=True)
     (home / "config" / "config.toml").write_text(config)
-    if not {"-t", "--threads"} & set(args):
+    if not any(a in ("-t", "--threads") or a.startswith(("-t", "--threads=")) for a in args):
         args = [*args, "-t", "1"]
     running = start_server(home, args, **options)  # type: ignore[arg-type]
     try:
