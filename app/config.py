@@ -36,14 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import engine  # the strategies and the loader load when a spec is made, not for `worker`
 from ..engine import (
     DISCOVER_TIMEOUT_S,
     JOIN_TIMEOUT_S,
     EngineSpec,
     PotluckError,
     SamplingParams,
-    checked_spec,
-    get_strategy_class,
     paths,
     validate,
 )
@@ -371,9 +370,9 @@ def spec_from_settings(settings: Settings) -> EngineSpec:
 
     The draft goes only to a strategy that uses one; config.toml keeps it for later picks."""
     m = settings.model
-    cls = get_strategy_class(m.strategy)  # an unknown name: one line
+    cls = engine.get_strategy_class(m.strategy)  # an unknown name: one line
     draft = validate.path("[model] draft", m.draft) if cls.needs_draft or cls.accepts_draft else None
-    return checked_spec(
+    return engine.checked_spec(
         EngineSpec(
             model=validate.path("[model] path", m.path),
             strategy=m.strategy,
