@@ -49,9 +49,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line, or with ``only`` that command's part of it: each command module
-    imports what it runs (the loader, every strategy), and a worker or a stage should not."""
+def build_parser(commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The command line with ``commands`` wired in: all of them, or only the one that runs, since
+    each command module imports what it runs (the loader, every strategy) and a worker, a stage
+    or ``potluck --version`` (none at all) should not."""
     parser = OneLineParser(
         prog="potluck",
         description="Chat with local LLMs: lossless speculative decoding, LAN layer split.",
@@ -59,7 +60,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"potluck {potluck_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS if only is None else [only]:
+    for name in commands:
         import_module(f"potluck.app.commands.{name}").add_parser(sub)
     return parser
 
@@ -79,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "potluck", "numba"))
     argv = with_default_command(list(sys.argv[1:] if argv is None else argv))
     named = [a for a in argv if a not in _VERBOSE][:1]
-    args = build_parser(named[0] if named and named[0] in COMMANDS else None).parse_args(argv)
+    wired = [] if named == ["--version"] else [n for n in named if n in COMMANDS] or COMMANDS
+    args = build_parser(wired).parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else (logging.INFO if args.verbose == 1 else logging.DEBUG)
     handler = logging.StreamHandler()
     handler.setFormatter(PrintableFormatter("%(levelname)s %(name)s: %(message)s"))

@@ -26,6 +26,37 @@ def test_version(tmp_path: Path) -> None:
     assert out.stdout.startswith("potluck ")
 
 
+_IMPORTED_AFTER = """
+import sys
+from potluck.app.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(code, *sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "textual", "potluck")), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "absent"),
+    [
+        (["--version"], ["potluck.app.commands.chat", "potluck.engine.loader", "numba"]),
+        (["chat", "--ctx", "0"], ["textual", "potluck.app.tui"]),  # refused before the screen loads
+        (["worker", "--help"], ["potluck.engine.speculation.strategies.registry", "potluck.engine.loader"]),
+    ],
+)
+def test_a_command_imports_only_what_it_runs(args: list[str], absent: list[str], tmp_path: Path) -> None:
+    """`potluck --version` wires no command, a refusal comes before the chat app's Textual, and a
+    worker (a spare PC's every start) loads no strategy: each cost ~0.5-1 s of CPU."""
+    env = {**os.environ, "POTLUCK_HOME": str(tmp_path / "home")}
+    out = subprocess.run([sys.executable, "-c", _IMPORTED_AFTER, *args], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    code, *modules = out.stderr.strip().splitlines()[-1].split()
+    assert code in ("0", "2"), out.stderr
+    assert "potluck.app.cli" in modules  # the report ran
+    assert not [m for m in modules if any(m == a or m.startswith(a + ".") for a in absent)], modules
+
+
 def test_generate_json_is_one_object_and_greedy_repeats(tmp_path: Path) -> None:
     results = []
     for _ in range(2):

@@ -11,7 +11,7 @@ from potluck.engine.core.runtime import Model
 
 
 def command_help(name: str) -> str:
-    sub = build_parser(name)._subparsers._group_actions[0].choices[name]  # type: ignore[union-attr]
+    sub = build_parser([name])._subparsers._group_actions[0].choices[name]  # type: ignore[union-attr]
     return sub.format_help()
 
 

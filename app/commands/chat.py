@@ -68,7 +68,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import spec_from_settings
-    from ..tui import build_app
 
     check_cluster_args(args)  # before the options become settings: its errors name the options
     settings = settings_with_overrides(args, _OVERRIDES)
@@ -81,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None:
             check_gguf_file(path)
     cluster = cluster_choice(args, settings.cluster)
+    from ..tui import build_app  # Textual: only once every option passed (a refusal is quick)
 
     handler = logging.FileHandler(paths.log_file(), encoding="utf-8")
     handler.setLevel(logging.INFO)
