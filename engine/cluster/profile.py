@@ -28,12 +28,14 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def measure_speed(threads: int, trials: int = 15) -> float:
+def measure_speed(threads: int, trials: int = 40) -> float:
     """Single-core multiply-add throughput (GFLOP/s) times the threads llama.cpp will use.
 
     A decode step streams weights through multiply-adds; numpy's elementwise kernels are
     single-threaded, so this measures one core. The best of several short trials is kept,
-    so that other processes competing for the cores (or a cold cache) do not skew it.
+    so that other processes competing for the cores (or a cold cache) do not skew it: 40 of
+    them (~0.07 s), since the best of 15 still came out 3.9-7.2 on one quiet core where 40
+    gave 5.5-7.5 (docs/facts.md §33).
     """
     rng = np.random.default_rng(0)
     a = rng.standard_normal(1 << 18, dtype=np.float32)  # 1 MiB: the size of a weight tile
