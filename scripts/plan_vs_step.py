@@ -18,10 +18,8 @@ import time
 from pathlib import Path
 
 from potluck.engine import EngineSpec, SamplingParams, TokenText, open_session
-from potluck.engine.cluster.plan import TWO_ROW_STEP_COST, head_cost, layer_costs
+from potluck.engine.cluster.plan import head_cost, layer_costs, step_cost
 from potluck.engine.cluster.profile import measure_speed
-from potluck.engine.core.backend import default_extra_bufts
-from potluck.engine.core.batch_exact import model_exactness
 from potluck.engine.lab.shapes import build_named_shape
 
 PROMPT = "Tell me a story about a cat who learns to sail."
@@ -63,14 +61,13 @@ def main() -> None:
     rows = []
     for path in files:
         costs = layer_costs(path)
-        exact = model_exactness(path, use_extra_bufts=default_extra_bufts(), recurrent=costs.state_bytes is not None)
-        step_cost = TWO_ROW_STEP_COST if exact.two_row_steps else 1.0
-        predicted_s = head_cost(costs, (0, costs.n_layer), speed) * step_cost
+        rows_a_step = step_cost(path, costs)
+        predicted_s = head_cost(costs, (0, costs.n_layer), speed) * rows_a_step
         got_s = measured_step_s(path, args.threads, args.tokens, args.reps)
         recurrent = sum(1 for b in costs.state_bytes or () if b)
         rows.append((path, costs, predicted_s, got_s))
         print(f"{path.name}: {costs.arch}, {costs.n_layer} layers ({recurrent} recurrent), "
-              f"{'2-row' if exact.two_row_steps else '1-row'} steps; predicted {1 / predicted_s:.1f} tok/s, "
+              f"{'2-row' if rows_a_step > 1 else '1-row'} steps; predicted {1 / predicted_s:.1f} tok/s, "
               f"measured {1 / got_s:.1f} ({predicted_s / got_s:.2f}x of the prediction)")
     for (_, ca, pa, ga), (_, cb, pb, gb) in zip(rows, rows[1:]):
         if ca.arch == cb.arch and ca.n_embd == cb.n_embd and cb.n_layer > ca.n_layer:

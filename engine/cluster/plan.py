@@ -420,17 +420,21 @@ def manual_plan(
     return SplitPlan(stages, costs.n_layer, head, costs.experts, head_cost(costs, head, head_speed))
 
 
-def with_step_cost(plan: SplitPlan, model_path: Path, costs: LayerCosts) -> SplitPlan:
-    """``plan`` predicting single steps as 2 rows where the model's weights need them. The
-    stages judge their own slices when they load; for the prediction this CPU judges the whole
-    file."""
+def step_cost(model_path: Path, costs: LayerCosts) -> float:
+    """What a single step costs in 1-row steps: :data:`TWO_ROW_STEP_COST` where the model's
+    weights need single steps run as 2 rows. The stages judge their own slices when they load;
+    for the prediction this CPU judges the whole file."""
     from ..core.backend import default_extra_bufts
     from ..core.batch_exact import model_exactness
 
     recurrent = costs.state_bytes is not None
-    if model_exactness(model_path, use_extra_bufts=default_extra_bufts(), recurrent=recurrent).two_row_steps:
-        return replace(plan, step_cost=TWO_ROW_STEP_COST)
-    return plan
+    exact = model_exactness(model_path, use_extra_bufts=default_extra_bufts(), recurrent=recurrent)
+    return TWO_ROW_STEP_COST if exact.two_row_steps else 1.0
+
+
+def with_step_cost(plan: SplitPlan, model_path: Path, costs: LayerCosts) -> SplitPlan:
+    """``plan`` predicting single steps at :func:`step_cost`."""
+    return replace(plan, step_cost=step_cost(model_path, costs))
 
 
 def preview_plan(
