@@ -46,8 +46,8 @@ print(code, *sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "text
     ],
 )
 def test_a_command_imports_only_what_it_runs(args: list[str], absent: list[str], tmp_path: Path) -> None:
-    """`potluck --version` wires no command, a refusal comes before the chat app's Textual, and a
-    worker (a spare PC's every start) loads no strategy: each cost ~0.5-1 s of CPU."""
+    """`potluck --version` wires no command, a refusal comes before the chat app's Textual, and the
+    worker command's module loads no strategy: each cost ~0.5-1 s of CPU."""
     env = {**os.environ, "POTLUCK_HOME": str(tmp_path / "home")}
     out = subprocess.run([sys.executable, "-c", _IMPORTED_AFTER, *args], capture_output=True, text=True,
                          timeout=120, env=env, cwd=tmp_path)
