@@ -199,3 +199,37 @@ def test_plain_steps_sent_ahead_are_dropped_where_the_reply_ends_early(model: Mo
     assert whole.reason == "length" and plain.dropped == dropped
     for s in (session, fresh):
         s.target.close()
+
+
+_OBSERVER_IN_A_FRESH_PROCESS = """
+from potluck.engine.core.observe import native_observer
+from potluck.engine.core.observe_kernel import observe
+assert native_observer() == observe.address
+print(observe.cache_hits)
+"""
+
+
+def test_the_graph_observer_is_loaded_from_numbas_cache_in_a_new_process(model: Model) -> None:
+    """Every worker's stage process observes its graph (the capture after its last layer); the
+    callback reads the C functions' addresses from its control block, so numba caches it and a
+    second process loads it instead of compiling it again (~1.3 s of CPU a stage process). The
+    capture through it equals the layer's rows of a plain run (a stage's exactness rests on it)."""
+    import subprocess
+    import sys
+
+    runs = [subprocess.run([sys.executable, "-c", _OBSERVER_IN_A_FRESH_PROCESS], capture_output=True, text=True,
+                           timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    assert runs[1].stdout.split() == ["1"]  # loaded from the cache, not compiled
+    tokens = model.tokenize("The observer copies rows out of a running graph.")
+    last = model.n_layer - 1
+    watched = LocalTarget(model, ContextParams(n_ctx=256, n_threads=1, observe=(f"l_out-{last}",)))
+    plain = LocalTarget(model, ContextParams(n_ctx=256, n_threads=1))
+    try:
+        logits = watched.decode(tokens, all_logits=True).copy()
+        rows = watched.stage.ctx.observed[f"l_out-{last}"]
+        assert rows.shape == (len(tokens), model.n_embd) and np.isfinite(rows).all() and rows.any()
+        assert np.array_equal(logits, plain.decode(tokens, all_logits=True))  # observing changes nothing
+    finally:
+        watched.close()
+        plain.close()

@@ -59,9 +59,8 @@ def ggml() -> ctypes.CDLL:
 # --------------------------------------------------------------------------- native observer
 
 _observer_lock = threading.Lock()
-_observer_cfunc = None
-NAME_WORDS = 8  # a graph tensor name: GGML_MAX_NAME = 64 bytes = 8 int64 words
-HEAD_WORDS = 3  # names, the block's length, the stopping name's index
+_observer_address: int | None = None
+_functions: tuple[int, int, int, int] | None = None
 
 
 def native_observer() -> int:
@@ -69,58 +68,31 @@ def native_observer() -> int:
     without entering Python: llama.cpp asks about every graph node (~900 per step of a
     30-layer model), and a Python callback costs ~1 µs each plus the GIL.
 
-    ``user_data`` points to an int64 control block (:class:`ObservedBuffers`): the number of
-    names, the block's length, the index of the name that ends the graph (-1: none), the
-    names, then per name the bytes written by the last run (-1: did not fit), the byte offset
-    of its data region and the region's size. Once the stopping name is copied the callback
-    returns false: llama.cpp skips the rest of the graph (a stage's capture: what follows its
-    last layer is the unused output layer). Compiled once per process (about a second; not
-    cached on disk because the ggml function addresses are baked into the code)."""
-    global _observer_cfunc
+    ``user_data`` points to the control block of an :class:`ObservedBuffers`. Once the
+    stopping name is copied the callback returns false: llama.cpp skips the rest of the graph
+    (a stage's capture: what follows its last layer is the unused output layer). Compiled once
+    and cached on disk (observe_kernel.py); loading it costs a process numba's import."""
+    global _observer_address
     with _observer_lock:
-        if _observer_cfunc is None:
-            _observer_cfunc = _compile_observer()
-        return int(_observer_cfunc.address)
+        if _observer_address is None:
+            from .observe_kernel import observe
+
+            _observer_address = int(observe.address)
+        return _observer_address
 
 
-def _compile_observer():  # -> numba CFunc
-    from numba import carray, cfunc, types
-
-    # Own function objects with integer-typed pointers, so that numba can do address math.
-    lib = ctypes.CDLL(ggml()._name)
-    get_name = lib.ggml_get_name
-    get_name.argtypes, get_name.restype = [ctypes.c_void_p], ctypes.c_size_t
-    nbytes = lib.ggml_nbytes
-    nbytes.argtypes, nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
-    tensor_get = lib.ggml_backend_tensor_get
-    tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
-    tensor_get.restype = None
-    strncmp = ctypes.CDLL(None).strncmp
-    strncmp.argtypes, strncmp.restype = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
-    words = NAME_WORDS
-
-    @cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr))
-    def observe(tensor, ask, user_data):  # type: ignore[no-untyped-def]
-        head = carray(user_data, (HEAD_WORDS,), np.int64)
-        n = head[0]
-        ctl = carray(user_data, (head[1],), np.int64)
-        base = np.uint64(ctl.ctypes.data)
-        written_at = HEAD_WORDS + words * n
-        name = np.uint64(get_name(tensor))
-        for i in range(n):
-            if strncmp(name, base + np.uint64((HEAD_WORDS + words * i) * 8), np.uint64(words * 8)) == 0:
-                if ask:
-                    return True
-                size = np.int64(nbytes(tensor))
-                if size <= ctl[written_at + 2 * n + i]:
-                    tensor_get(tensor, base + np.uint64(ctl[written_at + n + i]), np.uint64(0), np.uint64(size))
-                    ctl[written_at + i] = size
-                else:
-                    ctl[written_at + i] = -1
-                return i != head[2]
-        return not ask
-
-    return observe
+def _function_addresses() -> tuple[int, int, int, int]:
+    """This process's addresses of the C functions the callback calls (its control block's)."""
+    global _functions
+    if _functions is None:
+        lib = ggml()
+        libc = ctypes.CDLL(None)
+        found = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (
+            lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get, libc.strncmp))
+        if not all(found):
+            raise RuntimeError("ggml's tensor accessors or libc's strncmp have no address")
+        _functions = found  # type: ignore[assignment]
+    return _functions  # type: ignore[return-value]
 
 
 class ObservedBuffers:
@@ -128,6 +100,8 @@ class ObservedBuffers:
 
     def __init__(self, names: Sequence[str], region_bytes: int, stop: str | None = None) -> None:
         """``stop``: one of ``names`` after which the graph ends (the rest is not computed)."""
+        from .observe_kernel import HEAD_WORDS, NAME_WORDS  # the block's layout is the callback's
+
         n = len(names)
         self.names = list(names)
         region_words = -(-region_bytes // 8)
@@ -136,6 +110,7 @@ class ObservedBuffers:
         self.ctl = np.zeros(data_at + n * region_words, dtype=np.int64)
         self.ctl[0], self.ctl[1] = n, len(self.ctl)
         self.ctl[2] = self.names.index(stop) if stop is not None else -1
+        self.ctl[3:HEAD_WORDS] = _function_addresses()
         raw = self.ctl.view(np.uint8)
         for i, name in enumerate(names):
             encoded = name.encode()
