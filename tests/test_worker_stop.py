@@ -52,7 +52,9 @@ def test_sigterm_during_replies_ends_each_worker_and_its_stage(tmp_path: Path, m
             stop_workers([w.proc for w in workers])
     assert all(t is not None for t in times), times
     stopping = [line for log in logs for line in log.splitlines() if "stopping with" in line]
-    assert len(stopping) == 2 * KILLS  # each stopped through its own close, with its stage loaded
+    # each stopped through its own close, with its stage loaded (seen once 3 of 4 under load:
+    # the logs say which worker had no stage, and why)
+    assert len(stopping) == 2 * KILLS, "\n\n".join(logs)
     # the path under test ran: a stage had work waiting for room in its pipe when stopped
     assert any(" 0 byte(s) of them waiting" not in line for line in stopping), stopping
 

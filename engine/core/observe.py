@@ -87,12 +87,13 @@ def _function_addresses() -> tuple[int, int, int, int]:
     if _functions is None:
         lib = ggml()
         libc = ctypes.CDLL(None)
-        found = tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (
-            lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get, libc.strncmp))
-        if not all(found):
+        get_name, nbytes, tensor_get, strncmp = (
+            ctypes.cast(f, ctypes.c_void_p).value or 0
+            for f in (lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get, libc.strncmp))
+        if not (get_name and nbytes and tensor_get and strncmp):
             raise RuntimeError("ggml's tensor accessors or libc's strncmp have no address")
-        _functions = found  # type: ignore[assignment]
-    return _functions  # type: ignore[return-value]
+        _functions = (get_name, nbytes, tensor_get, strncmp)
+    return _functions
 
 
 class ObservedBuffers:

@@ -3,8 +3,9 @@
 It calls four C functions (ggml's tensor name, size and copy, libc's strncmp) through
 addresses it reads from its control block, never addresses baked into the code: the
 libraries load at other addresses in every process, and baked ones kept numba from caching
-the callback, so every process that observed a graph compiled it again (~1.3 s of CPU in
-each worker's stage process and its spare). Imported only by ``native_observer`` (numba).
+the callback, so every process that observed a graph compiled it again (each worker's stage
+process and its spare: 0.81 s of CPU for its first call, 0.53 s with the cache; docs/facts.md §38).
+Imported only by ``native_observer`` and ``ObservedBuffers`` (numba).
 
 The control block (:class:`.observe.ObservedBuffers` writes it, int64 words): the number of
 names, the block's length, the index of the name that ends the graph (-1: none), the four
