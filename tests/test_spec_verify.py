@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from potluck.engine.core.sampling import Candidates
 from potluck.engine.speculation.verify import TokenTree, residual, verify_chain, verify_greedy
 
-from .support.distributions import candidates, dense
+from .support.distributions import candidates, chi2_sf, chisquare_pvalue, dense
 from .support.trees import chain_first_token_dist, tree_first_token_dist, verify_tree
 
 VOCAB = 7
@@ -111,7 +110,7 @@ def chi2_pvalue(tokens: list[int], p: np.ndarray) -> float:
     counts = np.bincount(tokens, minlength=VOCAB)
     keep = p > 0
     assert counts[~keep].sum() == 0, "emitted a token of probability zero"
-    return float(chisquare(counts[keep], p[keep] * len(tokens)).pvalue)
+    return chisquare_pvalue(counts[keep], p[keep] * len(tokens))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -145,3 +144,16 @@ def test_sampled_tree_follows_p_and_missing_residual_update_is_caught() -> None:
 
     bad = [forgetful_tree(tree) for _ in range(trials)]
     assert chi2_pvalue(bad, p) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("df", "at_05", "at_001"),
+    [(1, 3.841, 10.828), (2, 5.991, 13.816), (5, 11.070, 20.515), (10, 18.307, 29.588), (30, 43.773, 59.703),
+     (100, 124.342, 149.449)],
+)
+def test_the_chi_square_p_value_meets_the_published_critical_values(df: int, at_05: float, at_001: float) -> None:
+    """The distribution tests' p-value (tests/support/distributions.py) against a chi-square
+    table's 5 % and 0.1 % points (three decimals), odd and even orders."""
+    assert chi2_sf(at_05, df) == pytest.approx(0.05, rel=1e-3)
+    assert chi2_sf(at_001, df) == pytest.approx(0.001, rel=1e-3)
+    assert chisquare_pvalue([10, 10, 10], [10, 10, 10]) == 1.0

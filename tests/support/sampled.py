@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from scipy.stats import chisquare
 
 from potluck.engine.core.grammar import GrammarSpec, ReplyGrammar
 from potluck.engine.core.runtime import ContextParams, Grammar, Model
@@ -22,7 +21,7 @@ from potluck.engine.core.sampling import Candidates, Sampler, SamplingParams
 from potluck.engine.core.strategy import Generation, Round, Strategy
 from potluck.engine.core.target import LocalTarget, Target
 
-from .distributions import constrained_probs, dense_probs
+from .distributions import chisquare_pvalue, constrained_probs, dense_probs
 
 # Several temperatures with llama.cpp's filters, and the penalties: what the strategies must keep.
 SETTINGS = {
@@ -122,7 +121,7 @@ def chi2_pvalue(tokens: list[int], p: np.ndarray) -> float:
     exp = [*(p[big] * n), n - (p[big] * n).sum()]
     if exp[-1] < 1e-9:
         obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp).pvalue)
+    return chisquare_pvalue(obs, exp)
 
 
 def broken_residual(p: Candidates, q: Candidates | None, x: int) -> Candidates:
