@@ -440,7 +440,8 @@ def serve_stage(fd: int, control_fd: int) -> None:  # pragma: no cover - runs in
     from ..core import runner, runtime, stage  # noqa: F401 - llama.cpp loads while the worker waits for a load
     from ..core.observe import native_observer
 
-    native_observer()  # loaded meanwhile too (numba's start and its cache, ~0.5 s of CPU): a stage's capture runs through it
+    # loaded meanwhile too (numba's start and its cache, ~0.5 s of CPU): a capture runs through it
+    native_observer()
     try:
         msg = conn.recv()
     except (EOFError, OSError):

@@ -46,9 +46,8 @@ from pathlib import Path
 
 import zmq
 
-from ..core import archs
 from ..core.errors import PotluckError
-from ..core.gguf_tools import forget_parsed_headers, open_reader
+from ..core.gguf_tools import forget_parsed_headers
 from ..core.load_watch import default_threads
 from ..core.runtime import ContextParams
 from ..core.spec import CurveKeys
@@ -56,7 +55,7 @@ from .chain import PipelineSetup, chain_exactness, load_chain, plan_over, tail_t
 from .join import join_links
 from .link import JOIN_TIMEOUT_S, NodeFailedError, NodeLink, max_result_bytes
 from .pipeline_target import STALL_TIMEOUT_S, PipelineTarget
-from .plan import SplitPlan, layer_costs
+from .plan import SplitPlan, splittable_costs
 from .profile import measure_speed
 from .tail import HeadTail
 from .transfer import Progress, SliceCache, TransferStats
@@ -112,8 +111,7 @@ def open_pipeline(
     if not addresses:
         raise PotluckError("no workers given: pass --nodes host:port,... or start `potluck worker`s")
     model_path = Path(model_path)
-    archs.require_splittable(archs.read_header(open_reader(model_path)), model_path.name)
-    costs = layer_costs(model_path)
+    costs = splittable_costs(model_path)
     zctx = zmq.Context()
     head_id = f"head-{os.urandom(8).hex()}"  # a name for the logs: ownership is proven by keys
     setup = PipelineSetup(

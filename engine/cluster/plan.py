@@ -87,6 +87,8 @@ class LayerCosts:
     output_bytes: int = 0  # the output matrix (the token embeddings when tied): the head's every token
     # per layer, one sequence's recurrent state (0: an attention layer); None: no recurrent layers
     state_bytes: tuple[int, ...] | None = None
+    # why the model cannot be split exactly at all (archs.unsplittable_reason), or None
+    unsplittable: str | None = None
 
     @property
     def n_layer(self) -> int:
@@ -194,6 +196,15 @@ def layer_costs(path: Path) -> LayerCosts:
     return _layer_costs(path.resolve(), st.st_size, st.st_mtime_ns)
 
 
+def splittable_costs(path: Path) -> LayerCosts:
+    """:func:`layer_costs`, or :class:`PotluckError` saying in one line why the model cannot be
+    split."""
+    costs = layer_costs(path)
+    if costs.unsplittable is not None:
+        raise PotluckError(f"cannot split {Path(path).name}: {costs.unsplittable}")
+    return costs
+
+
 @functools.lru_cache(maxsize=16)
 def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     from ..core.gguf_tools import middle_stage_vocab, open_reader
@@ -207,7 +218,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
         tuple(time) if time != memory else None, archs.experts(h),
         h.tensor_bytes.get("output.weight", h.tensor_bytes.get("token_embd.weight", 0)),
-        archs.recurrent_state_bytes(h),
+        archs.recurrent_state_bytes(h), archs.unsplittable_reason(h),
     )
 
 
@@ -444,9 +455,6 @@ def preview_plan(
     """The plan ``--nodes auto`` would make for ``model_path`` over ``nodes`` (name, address,
     free MB, speed score as they advertise them), before joining any: links are not timed yet.
     Raises :class:`PotluckError` in one line when the model cannot be split or does not fit."""
-    from ..core.gguf_tools import open_reader
-
-    archs.require_splittable(archs.read_header(open_reader(Path(model_path))), Path(model_path).name)
+    costs = splittable_costs(model_path)
     infos = [NodeInfo(name, address, free_mb, speed) for name, address, free_mb, speed in nodes]
-    costs = layer_costs(model_path)
     return with_step_cost(plan_split(costs, infos, n_ctx, n_batch, head_speed=head_speed), Path(model_path), costs)

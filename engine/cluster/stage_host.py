@@ -12,9 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import archs
 from ..core.errors import PotluckError
-from ..core.gguf_tools import open_reader
 from . import wire
 from .child import StageInfo, StageProcess, StageSpec
 from .plan import kv_cells, layer_costs, stage_mem_mb
@@ -51,10 +49,9 @@ def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str | None]:
     """(MB a stage of this slice needs under ``load``'s limits, why this worker does not load
     it or None), from the header: the planner's own figure (:func:`.plan.stage_bytes`) over
     the slice's layers, and its architecture's rules (core/archs.py)."""
-    why = archs.unsplittable_reason(archs.read_header(open_reader(path)))
-    costs = layer_costs(path)
+    costs = layer_costs(path)  # one read of the header per file version
     cells = kv_cells(load.n_ctx, load.n_seq_max, load.kv_unified)
-    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch, load.n_ctx), why
+    return stage_mem_mb(costs, 0, costs.n_layer, cells, load.n_batch, load.n_ctx), costs.unsplittable
 
 
 def check_load(path: Path, msg: wire.Load) -> None:
