@@ -43,6 +43,7 @@ ARCH_SHAPES: dict[str, Callable[[], Path]] = {
     "deepseek2": lambda: build_shape("deepseek2-small"),
     "phi3": lambda: build_shape("phi3-small"),
     "qwen35moe": lambda: build_hybrid_shape("qwen35moe-small"),  # tests/test_hybrid.py speculates on it
+    "glm4moe": lambda: build_shape("glm4moe-small"),
 }
 PROMPTS = ["<|im_start|>user\nHello there, how are you?<|im_end|>\n<|im_start|>assistant\n",
            "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n",
@@ -112,8 +113,8 @@ def test_split_gives_the_whole_models_logits(
             ref_rows = whole.decode(batch, all_logits=True).copy()
             assert np.array_equal(ref_rows, split.decode(batch, all_logits=True)), (arch, bounds)
         assert len(set(seen)) >= STEPS // 4, seen  # Gemma 3 270M loops on a ChatML prompt, yet varies
-        # the long prompt went through every stage's F16 twin and back (a K-only MLA cache too);
-        # a cache that is not one KV cell per position (a recurrent state, M-RoPE) has no twin
+        # the long prompt went through every stage's F16 twin and back (a K-only MLA cache too,
+        # and cells with M-RoPE's extension: glm4moe's slices); a recurrent state has no twin
         twins = [st.prefill.counters for st in split.stages if st.prefill is not None]
         expected = len(split.stages) if whole_model.plain_kv_cells else 0
         assert len(twins) == expected and all(c.handovers >= 1 and not c.refused for c in twins), arch
@@ -146,7 +147,7 @@ def test_a_verify_batch_gives_each_rows_single_step_logits(arch_model: tuple[str
         batched.close()
 
 
-MOE = sorted(a for a in ARCH_SHAPES if a in ("qwen3moe", "gpt-oss", "deepseek2"))
+MOE = sorted(a for a in ARCH_SHAPES if a in ("qwen3moe", "gpt-oss", "deepseek2", "glm4moe"))
 
 
 @pytest.mark.parametrize("arch", MOE)

@@ -106,40 +106,52 @@ def test_gemma3_27b_is_refused_its_attention_scale_depends_on_the_layer_count() 
     assert archs.slice_rules(other).why_not(0, 62) is not None and archs.slice_rules(other).why_not(0, 61) is None
 
 
-def test_potluck_models_says_whether_a_file_splits_and_why_not(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def refused_mixture(folder: Path) -> Path:
+    """A header-only GGUF of an architecture the table refuses, with experts."""
     import gguf
 
-    from potluck.app.cli import main
-
-    glm = tmp_path / "glm.gguf"
-    w = gguf.GGUFWriter(str(glm), arch="glm4moe")
+    path = folder / "gemma4.gguf"
+    w = gguf.GGUFWriter(str(path), arch="gemma4")
     w.add_block_count(1)
     w.add_expert_count(128)
     w.add_expert_used_count(8)
-    w.add_uint32("glm4moe.expert_shared_count", 1)
+    w.add_uint32("gemma4.expert_shared_count", 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
+    return path
+
+
+def test_potluck_models_says_whether_a_file_splits_and_why_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+
+    from potluck.app.cli import main
+
+    glm = refused_mixture(tmp_path)
     assert main(["models", str(build_shape("gpt-oss-small")), str(glm)]) == 0
     out = capsys.readouterr().out
-    oss, glm_part = out.split("gpt-oss-small", 1)[1].split("glm.gguf", 1)
+    oss, glm_part = out.split("gpt-oss-small", 1)[1].split("gemma4.gguf", 1)
     assert "arch gpt-oss, 6 layers" in oss and "2 of 8 experts a token" in oss
     assert "split over machines (--nodes): yes" in oss
     assert "8 of 128 experts + 1 shared a token" in glm_part
-    assert "split over machines (--nodes): no: architecture 'glm4moe': llama.cpp's GLM-4.5 graph aborts" in glm_part
+    assert "split over machines (--nodes): no: architecture 'gemma4': Gemma 4 is not verified" in glm_part
     # Qwen3.5's one shared expert is known by its width alone (no expert_shared_count)
     assert main(["models", str(build_hybrid_shape("qwen35moe-small"))]) == 0
     assert "2 of 8 experts + 1 shared a token, cache kv+recurrent" in capsys.readouterr().out
 
 
-def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`potluck nodes -m MODEL`: the plan --nodes auto would make over the workers advertised
-    (here two records on loopback, no worker behind them: nothing is joined)."""
+    (here two records on loopback, no worker behind them: nothing is joined). Other modules'
+    records on the shared loopback may be found beside them (one offers 999,999 MB), so what
+    these two alone cannot hold is asked of the planner directly."""
     from potluck.app.cli import main
     from potluck.discovery.lan import Advertiser
+    from potluck.engine.cluster.plan import preview_plan
     from potluck.engine.cluster.profile import NodeProfile
 
     ads = [Advertiser(NodeProfile(f"moenode{i}", 2, 4000, 3.0), 41000 + i, "9.9", interfaces=["127.0.0.1"])
@@ -153,8 +165,11 @@ def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(capsys: py
         assert "moenode0" in out and "moenode1" in out, out
         assert "split plan: 6 layers over" in out and "2 of 8 experts a token (all resident)" in out, out
         assert "single steps as 2 rows (x1.93)" in out  # its router is F32 (docs/facts.md §37)
-        assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(path), "--ctx", "4000000"]) == 1
-        assert "no plan for gpt-oss-small" in capsys.readouterr().out
+        refused = refused_mixture(tmp_path)
+        assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(refused)]) == 1
+        assert "no plan for gemma4.gguf: cannot split gemma4.gguf: architecture 'gemma4'" in capsys.readouterr().out
+        with pytest.raises(PotluckError, match="does not fit"):
+            preview_plan(path, [(f"moenode{i}", f"127.0.0.1:{41000 + i}", 4000, 3.0) for i in range(2)], 4_000_000)
     finally:
         for ad in ads:
             ad.close()

@@ -267,6 +267,24 @@ def _deepseek2_slice_problem(h: Header, lo: int, hi: int) -> str | None:
     return None
 
 
+def _glm4moe_keys(h: Header, layer_map: Sequence[int]) -> dict[str, object]:
+    """M-RoPE sections, so that llama.cpp's GLM-4.5 graph takes hidden states: it aborts on an
+    embedding batch unless the model has them ("This GGUF does not support multimodal",
+    models/glm4-moe.cpp). With them it rotates by ``ggml_rope_multi`` (rope type MROPE)
+    instead of NEOX: for text, where every section holds the token's position (llama.cpp's
+    own for token ids, :class:`..core.batch.Batch` for hidden states), ggml's CPU rope builds
+    the same angles in the same order and rotates the same pairs, so the result is the same
+    bit for bit (test_archs_exact proves it). Sections over the rotated half-dims, two of them
+    (llama.cpp's ``use_mrope`` needs both of the first two above 0)."""
+    sections = h.get("rope.dimension_sections")
+    if isinstance(sections, list):  # written back whole: the slicer cuts arrays as long as the trunk
+        return {"rope.dimension_sections": [int(v) for v in sections]}
+    n_rot = h.int_of("rope.dimension_count") or h.int_of("attention.key_length") or (
+        h.int_of("embedding_length") // max(1, h.int_of("attention.head_count", 1)))
+    half = n_rot // 2
+    return {"rope.dimension_sections": [half - half // 2, half // 2, 0, 0]}
+
+
 # llama.cpp scales Gemma 3's attention by 1/sqrt(n_embd / n_head) for its 27B, which it knows by
 # the layer count, and by 1/sqrt(head width) otherwise (models/gemma3.cpp)
 _GEMMA3_27B_LAYERS = 62
@@ -319,16 +337,19 @@ ARCHS: dict[str, Arch] = {
         # is KV cells for the attention layers and one state per sequence for the others, whose
         # tail a stage drops through core/rollback.py
         Arch("qwen35moe", cache="kv+recurrent", slice_keys=_recurrent_pattern, slice_problem=_both_layer_kinds),
+        # GLM-4.5 and 4.5-Air: biases on q/k/v, partial RoPE, a dense first layer, then routed
+        # experts (sigmoid, a selection bias) and one shared expert, an MTP block after the
+        # trunk; hidden states need M-RoPE sections written in (_glm4moe_keys)
+        Arch("glm4moe", dense_lead=True, slice_keys=_glm4moe_keys),
     )
 }
 
 
 # Architectures read and found unsplittable with the llama.cpp potluck runs, and why
 REFUSED: dict[str, str] = {
-    # models/glm4-moe.cpp and glm4.cpp: GGML_ABORT when a batch holds embeddings and the model has
-    # no M-RoPE sections ("This GGUF does not support multimodal")
-    "glm4moe": "llama.cpp's GLM-4.5 graph aborts when a stage after the first gives it hidden states "
-               "instead of tokens",
+    # models/glm4.cpp: GGML_ABORT when a batch holds embeddings and the model has no M-RoPE
+    # sections ("This GGUF does not support multimodal"); with them it would rotate by M-RoPE's
+    # NEOX-style pairs instead of GLM-4's interleaved ones (glm4moe's NEOX is the same: its entry)
     "glm4": "llama.cpp's GLM-4 graph aborts when a stage after the first gives it hidden states instead of tokens",
     # models/gemma4.cpp: E2B/E4B's per-layer embeddings are looked up from the token ids inside
     # every layer, and their last layers reuse earlier layers' KV (shared_kv_layers); 26B-A4B and

@@ -14,14 +14,15 @@ interleaved sliding-window models)::
     u32 magic (0xaf143cd8), i32 seq_id
     u32 n_stream
     per stream: u32 cell_count; if cell_count:
-        cell_count x (i32 pos, u32 n_seq_id (=1), i32 seq_id)       # cell metadata
+        cell_count x (i32 pos, u32 n_seq_id (=1), [ext,] i32 seq_id)   # cell metadata
+        # ext: i32 x, i32 y, i32 token, when the model's RoPE has several positions (M-RoPE)
         u32 v_trans (=0 with flash attention), u32 n_layer
         n_layer x (i32 k_type, u64 k_row_bytes, cell_count x k_row_bytes)
         n_layer x (i32 v_type, u64 v_row_bytes, cell_count x v_row_bytes)   # unless K only (MLA)
 
 F16 and BF16 take two bytes per value, so a state keeps its size and is rewritten in place.
-Anything else in the layout (transposed V, M-RoPE cell extensions, several non-empty streams)
-raises :class:`KvStateError`, and the caller keeps computing in one cache type.
+Anything else in the layout (transposed V, several non-empty streams) raises
+:class:`KvStateError`, and the caller keeps computing in one cache type.
 """
 
 from __future__ import annotations
@@ -111,12 +112,16 @@ def _u32(buf: bytearray, at: int) -> int:
     return struct.unpack_from("<I", buf, at)[0]
 
 
-def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int, values: bool = True) -> bytearray:
+def convert_seq_state(
+    state: bytearray, to_type: int, *, n_stream: int, values: bool = True, cell_ext: bool = False
+) -> bytearray:
     """``state`` (one sequence, F16 or BF16 cells) with its values in ``to_type``, laid out
     for a context with ``n_stream`` KV streams (1 unless it has one per sequence). The values
     are converted in place; the result is ``state`` itself unless the stream count changes.
     ``values``: whether the cache keeps V rows (not with multi-head latent attention: the
-    layout does not say, and a K-only section read as K and V runs into the next one)."""
+    layout does not say, and a K-only section read as K and V runs into the next one);
+    ``cell_ext``: whether each cell carries M-RoPE's extension (``Model.kv_cell_ext``; the
+    layout does not say either)."""
     if to_type not in _TYPES:
         raise KvStateError(f"only F16 and BF16 caches are converted, not ggml type {to_type}")
     if n_stream < 1:
@@ -127,7 +132,7 @@ def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int, values: 
     blocks: list[tuple[int, int, int]] = []  # (type offset, data offset, bytes) of each K/V block
     at = 8
     while at < len(state):
-        section = _read_section(state, at, blocks, 2 if values else 1)
+        section = _read_section(state, at, blocks, 2 if values else 1, 6 if cell_ext else 3)
         sections.append(section)
         at = section.end
     translate = _translate()
@@ -141,9 +146,11 @@ def convert_seq_state(state: bytearray, to_type: int, *, n_stream: int, values: 
     return _relayout(state, sections, n_stream)
 
 
-def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]], per_layer: int) -> _Section:
+def _read_section(
+    state: bytearray, at: int, blocks: list[tuple[int, int, int]], per_layer: int, cell_words: int
+) -> _Section:
     """Check one KV cache's section starting at ``at`` and note its K/V blocks (``per_layer``:
-    2, K and V, or 1, K only)."""
+    2, K and V, or 1, K only; ``cell_words``: a cell's metadata in 4-byte words, 3 or 6)."""
     n_stream = _u32(state, at)
     at += 4
     filled_at = filled_end = -1
@@ -156,10 +163,12 @@ def _read_section(state: bytearray, at: int, blocks: list[tuple[int, int, int]],
         if filled_at >= 0:
             raise KvStateError("the state holds cells of several KV streams; convert one sequence at a time")
         filled_at = count_at
-        meta = np.frombuffer(state, np.int32, 3 * cell_count, at).reshape(cell_count, 3)
-        if not (meta[:, 1] == 1).all():  # (pos, n_seq_id, seq_id) per cell
+        if at + 4 * cell_words * cell_count > len(state):
+            raise KvStateError("the state ends inside its cells")
+        meta = np.frombuffer(state, np.int32, cell_words * cell_count, at).reshape(cell_count, cell_words)
+        if not (meta[:, 1] == 1).all():  # (pos, n_seq_id, [ext,] seq_id) per cell
             raise KvStateError("a cell of the state belongs to several sequences or none")
-        at += 12 * cell_count
+        at += 4 * cell_words * cell_count
         v_trans, n_layer = struct.unpack_from("<II", state, at)
         at += 8
         if v_trans:

@@ -159,14 +159,15 @@ class Model(NativeObject):
 
     @property
     def plain_kv_cells(self) -> bool:
-        """An attention KV cache whose cells hold one position each: not recurrent or hybrid
-        (other state layouts), no multi-position RoPE (M-RoPE cells carry more)."""
+        """An attention KV cache only: not recurrent or hybrid (other state layouts)."""
+        return not (ll.llama_model_is_recurrent(self.ptr) or ll.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def kv_cell_ext(self) -> bool:
+        """Whether a KV cell's state carries M-RoPE's extension (its 2D position and token):
+        a model whose RoPE reads several positions a token (llama.cpp's ``has_cell_ext``)."""
         multi_position = (ll.LLAMA_ROPE_TYPE_MROPE, ll.LLAMA_ROPE_TYPE_IMROPE, ll.LLAMA_ROPE_TYPE_VISION)
-        return not (
-            ll.llama_model_is_recurrent(self.ptr)
-            or ll.llama_model_is_hybrid(self.ptr)
-            or ll.llama_model_rope_type(self.ptr) in multi_position
-        )
+        return ll.llama_model_rope_type(self.ptr) in multi_position
 
     @property
     def kv_values(self) -> bool:

@@ -59,6 +59,7 @@ class StagedPrefill:
         p = main.params
         self._n_stream = 1 if p.kv_unified else max(1, p.n_seq_max)
         self._values = main.model.kv_values
+        self._cell_ext = main.model.kv_cell_ext
         warm_up()  # with the model's load, not in the middle of a reply
 
     @staticmethod
@@ -113,7 +114,7 @@ class StagedPrefill:
         try:
             if self.main.seq_pos_max(seq) >= 0:
                 twin.set_seq_state(0, convert_seq_state(
-                    self.main.seq_state(seq), GGML_TYPE_F16, n_stream=1, values=self._values))
+                    self.main.seq_state(seq), GGML_TYPE_F16, n_stream=1, values=self._values, cell_ext=self._cell_ext))
         except KvStateError as e:
             twin.close()
             log.info("prompt prefilled in BF16: %s", e)
@@ -135,7 +136,8 @@ class StagedPrefill:
         try:
             if twin.seq_pos_max(0) >= 0:
                 state = convert_seq_state(
-                    twin.seq_state(0), GGML_TYPE_BF16, n_stream=self._n_stream, values=self._values)
+                    twin.seq_state(0), GGML_TYPE_BF16, n_stream=self._n_stream, values=self._values,
+                    cell_ext=self._cell_ext)
                 self.main.set_seq_state(self.seq, state)
             else:
                 self.main.seq_rm(self.seq)

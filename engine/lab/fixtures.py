@@ -88,7 +88,7 @@ class Shape:
     swa_window: int = 0  # sliding-window layers' window (gpt-oss: every other layer)
     q_lora_rank: int = 0  # MLA (deepseek2): the query's low-rank width (0: a plain projection)
     kv_lora_rank: int = 0  # MLA: the compressed K/V width a cell keeps
-    rope_dim: int = 0  # MLA: the rotated part of a head (0: the whole head)
+    rope_dim: int = 0  # the rotated part of a head (MLA's, GLM's partial RoPE; 0: the whole head)
     qk_nope_dim: int = 0  # MLA: a query/key head's part without it
     v_head_dim: int = 0  # MLA: a head's value width
     # the published vocabulary's size: the bundled tokenizer padded with tokens it never produces
@@ -138,6 +138,10 @@ SHAPES: dict[str, Shape] = {
     "deepseek2-small": Shape(4, 256, 4, 1, 512, 1.0, False, "deepseek2", key_length=64 + 32,
                              n_expert=8, n_expert_used=2, n_ff_exp=128, n_expert_shared=1, n_dense_lead=1,
                              n_nextn=1, q_lora_rank=64, kv_lora_rank=64, rope_dim=32, qk_nope_dim=32, v_head_dim=32),
+    # GLM-4.5's layout: q/k/v biases, half of each head rotated, a dense first layer, sigmoid
+    # routing with a selection bias, one shared expert, an MTP block
+    "glm4moe-small": Shape(4, 256, 4, 2, 512, 1.0, False, "glm4moe", key_length=64, n_expert=8, n_expert_used=2,
+                           n_ff_exp=128, n_expert_shared=1, n_dense_lead=1, n_nextn=1, rope_dim=32),
     # Phi-3: fused q/k/v and gate/up projections, LongRoPE factors
     "phi3-small": Shape(4, 256, 4, 2, 512, 1.0, False, "phi3"),
 }
@@ -330,14 +334,28 @@ def _deepseek2_layer(s: Shape, i: int) -> list[TensorSpec]:
         (blk + "attn_v_b.weight", (h, s.v_head_dim, kv_lora), ("q4", kv_lora ** -0.5)),
         _attn_output(s, blk, h * s.v_head_dim), _norm(blk, "ffn_norm", e),
     ]
+    return out + _biased_mixture(s, i)
+
+
+def _biased_mixture(s: Shape, i: int) -> list[TensorSpec]:
+    """DeepSeek V3's and GLM-4.5's FFN: dense in the leading layers, then routed experts with a
+    selection bias and shared experts; a block after the trunk adds the MTP projections."""
+    blk, e = f"blk.{i}.", s.n_embd
     if i < s.n_dense_lead:
-        return out + _dense_ffn(s, blk)
-    out += [_router(s, blk), (blk + "exp_probs_b.bias", (s.n_expert,), ("normal", BIAS_STD)),
-            *_experts(s, blk), *_shared_experts(s, blk)]
+        return _dense_ffn(s, blk)
+    out = [_router(s, blk), (blk + "exp_probs_b.bias", (s.n_expert,), ("normal", BIAS_STD)),
+           *_experts(s, blk), *_shared_experts(s, blk)]
     if i >= s.n_layer:  # a next-token (MTP) block
         out += [(blk + "nextn.eh_proj.weight", (e, 2 * e), ("q4", (2 * e) ** -0.5)), _norm(blk, "nextn.enorm", e),
                 _norm(blk, "nextn.hnorm", e), _norm(blk, "nextn.shared_head_norm", e)]
     return out
+
+
+def _glm4moe_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """Biases on q, k and v, a post-attention norm before the FFN, then DeepSeek V3's mixture."""
+    blk, e = f"blk.{i}.", s.n_embd
+    return [_norm(blk, "attn_norm", e), *_attention(s, blk), *_qkv_biases(s, blk), _attn_output(s, blk),
+            _norm(blk, "post_attention_norm", e), *_biased_mixture(s, i)]
 
 
 def _phi3_layer(s: Shape, i: int) -> list[TensorSpec]:
@@ -398,16 +416,30 @@ def _deepseek2_keys(w, s: Shape) -> None:  # noqa: ANN001
     if s.q_lora_rank:
         w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
     w.add_uint32(f"{a}.attention.kv_lora_rank", s.kv_lora_rank)
+    _biased_mixture_keys(w, s, 2.5)
+    _yarn(w, 40.0, 4096)
+    w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1)
+
+
+def _biased_mixture_keys(w, s: Shape, scale: float) -> None:  # noqa: ANN001
+    """Sigmoid routing with normalized weights times ``scale``, the leading dense layers, the
+    shared experts and the MTP blocks."""
+    a = s.arch
     w.add_uint32(f"{a}.leading_dense_block_count", s.n_dense_lead)
     _expert_keys(w, s)
     w.add_uint32(f"{a}.expert_shared_count", s.n_expert_shared)
-    w.add_float32(f"{a}.expert_weights_scale", 2.5)
+    w.add_float32(f"{a}.expert_weights_scale", scale)
     w.add_bool(f"{a}.expert_weights_norm", True)
     w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid
     if s.n_nextn:
         w.add_uint32(f"{a}.nextn_predict_layers", s.n_nextn)
-    _yarn(w, 40.0, 4096)
-    w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1)
+
+
+def _glm4moe_keys(w, s: Shape) -> None:  # noqa: ANN001
+    """GLM-4.5-Air's routing (weights scaled by 1.0) and head width; no M-RoPE sections, as
+    converted text models have none (archs.py writes them into slices)."""
+    _head_width_keys(w, s)
+    _biased_mixture_keys(w, s, 1.0)
 
 
 def _phi3_keys(w, s: Shape) -> None:  # noqa: ANN001
@@ -489,6 +521,7 @@ LAYOUTS: dict[str, Layout] = {
     "qwen3moe": Layout(_qwen3moe_layer, 1000000.0, 40960, rms_eps=1e-6, keys=_qwen3moe_keys),
     "gpt-oss": Layout(_gpt_oss_layer, 150000.0, 131072, keys=_gpt_oss_keys, chat=HARMONY),
     "deepseek2": Layout(_deepseek2_layer, 10000.0, 163840, rms_eps=1e-6, keys=_deepseek2_keys),
+    "glm4moe": Layout(_glm4moe_layer, 1000000.0, 131072, keys=_glm4moe_keys),
     "phi3": Layout(_phi3_layer, 10000.0, 131072, keys=_phi3_keys, extra_tensors=_phi3_tensors,
                    title="potluck random Phi-shaped model (seed {seed})"),
 }
