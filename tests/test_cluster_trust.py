@@ -466,7 +466,9 @@ def test_connections_past_the_bound_are_refused_at_the_handshake(
             late.close(linger=0)
             if pongs:
                 break
-        assert pongs == [wire.Pong(5)], "no pong once the flood closed"
+        assert pongs == [wire.Pong(5)], (
+            f"no pong once the flood closed: the gate refused {w.gate.refused} handshake(s) and read the "
+            f"kernel's table {w.gate.scans} time(s); the table shows {established_by_peer(w.port)}")
     finally:
         ctx.destroy(linger=0)  # every socket of the test's, whatever failed
         head_ctx.destroy(linger=0)
