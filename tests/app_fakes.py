@@ -159,14 +159,18 @@ class FakeFactory:
         return session
 
 
-async def until(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "") -> None:
-    """Poll ``cond`` on the app's event loop until it holds (never a fixed pause)."""
+async def until(
+    cond: Callable[[], object], timeout_s: float = 10.0, what: str = "", state: Callable[[], object] | None = None
+) -> None:
+    """Poll ``cond`` on the app's event loop until it holds (never a fixed pause); ``state``:
+    what the failure message shows of the app when it never does."""
     import asyncio
 
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
+            seen = f" ({state()})" if state is not None else ""
+            raise AssertionError(f"timed out waiting for {what or cond}{seen}")
         await asyncio.sleep(0.01)
 
 

@@ -76,7 +76,9 @@ async def converse(app: PotluckApp, pilot) -> None:  # noqa: ANN001
     # once the final Markdown fits again (a streamed reply is taller; seen on CI at 60x20).
     chat = app.chat_log()
     await pilot.pause()
-    await until(lambda: chat is not None and chat.scroll_y == chat.max_scroll_y, what="the log at its end")
+    await until(lambda: chat is not None and chat.scroll_y == chat.max_scroll_y, what="the log at its end",
+                state=lambda: chat and (f"scroll_y {chat.scroll_y}, max_scroll_y {chat.max_scroll_y}, "
+                                        f"anchored {chat.is_anchored}, size {chat.size}, virtual {chat.virtual_size}"))
     await pilot.pause()
 
 
