@@ -271,8 +271,9 @@ def _glm4moe_keys(h: Header, layer_map: Sequence[int]) -> dict[str, object]:
     """M-RoPE sections, so that llama.cpp's GLM-4.5 graph takes hidden states: it aborts on an
     embedding batch unless the model has them ("This GGUF does not support multimodal",
     models/glm4-moe.cpp). With them it rotates by ``ggml_rope_multi`` (rope type MROPE)
-    instead of NEOX: for text, where every section holds the token's position (llama.cpp's
-    own for token ids, :class:`..core.batch.Batch` for hidden states), ggml's CPU rope builds
+    instead of NEOX: for text, where every section it reads holds the token's position
+    (llama.cpp fills the first three for token ids, :class:`..core.batch.Batch` all four for
+    hidden states; sections summing to the rotated half never read the fourth), ggml's CPU rope builds
     the same angles in the same order and rotates the same pairs, so the result is the same
     bit for bit (test_archs_exact proves it). Sections over the rotated half-dims, two of them
     (llama.cpp's ``use_mrope`` needs both of the first two above 0)."""
