@@ -106,6 +106,21 @@ def test_gemma3_27b_is_refused_its_attention_scale_depends_on_the_layer_count() 
     assert archs.slice_rules(other).why_not(0, 62) is not None and archs.slice_rules(other).why_not(0, 61) is None
 
 
+def test_glm4moe_slices_take_hidden_states_through_m_rope(tmp_path: Path) -> None:
+    """llama.cpp's GLM-4.5 graph aborts on hidden states without M-RoPE sections: every slice
+    gets two over the rotated half-dims (16 of a 32-wide rotation here), so a stage reads 4
+    positions a row, while the whole model keeps its own rope (test_archs_exact: the same logits)."""
+    from potluck.engine.core.runtime import Model
+
+    path = build_shape("glm4moe-small")
+    part = write_layers(path, tmp_path / "glm-1-4.gguf", [1, 2, 3])
+    assert archs.read_header(open_reader(part)).get("rope.dimension_sections") == [8, 8, 0, 0]
+    assert archs.read_header(open_reader(path)).get("rope.dimension_sections") is None
+    with Model(path) as whole, Model(part) as stage:
+        assert (whole.positions_per_token, stage.positions_per_token) == (1, 4)
+        assert not whole.kv_cell_ext and stage.kv_cell_ext  # its cells' state carries the extension
+
+
 def refused_mixture(folder: Path) -> Path:
     """A header-only GGUF of an architecture the table refuses, with experts."""
     import gguf

@@ -92,6 +92,9 @@ def test_states_it_cannot_convert_are_refused_in_one_line() -> None:
     q8 = bytes(4) + (1).to_bytes(4, "little") + (8).to_bytes(4, "little") + (34).to_bytes(8, "little") + bytes(34)
     with pytest.raises(KvStateError, match="ggml type 8"):
         convert_seq_state(bytearray(header + stream + cell + q8), GGML_TYPE_BF16, n_stream=1)
+    # read as cells with M-RoPE's extension (6 words, not 3), the same bytes end inside the cell
+    with pytest.raises(KvStateError, match="ends inside its cells"):
+        convert_seq_state(bytearray(header + stream + cell), GGML_TYPE_BF16, n_stream=1, cell_ext=True)
 
 
 def _prompt_logits_and_steps(target: LocalTarget) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

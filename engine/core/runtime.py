@@ -166,8 +166,7 @@ class Model(NativeObject):
     def kv_cell_ext(self) -> bool:
         """Whether a KV cell's state carries M-RoPE's extension (its 2D position and token):
         a model whose RoPE reads several positions a token (llama.cpp's ``has_cell_ext``)."""
-        multi_position = (ll.LLAMA_ROPE_TYPE_MROPE, ll.LLAMA_ROPE_TYPE_IMROPE, ll.LLAMA_ROPE_TYPE_VISION)
-        return ll.llama_model_rope_type(self.ptr) in multi_position
+        return self.positions_per_token > 1
 
     @property
     def kv_values(self) -> bool:
