@@ -144,14 +144,14 @@ def test_potluck_models_says_whether_a_file_splits_and_why_not(
 
     from potluck.app.cli import main
 
-    glm = refused_mixture(tmp_path)
-    assert main(["models", str(build_shape("gpt-oss-small")), str(glm)]) == 0
+    refused = refused_mixture(tmp_path)
+    assert main(["models", str(build_shape("gpt-oss-small")), str(refused)]) == 0
     out = capsys.readouterr().out
-    oss, glm_part = out.split("gpt-oss-small", 1)[1].split("gemma4.gguf", 1)
+    oss, refused_part = out.split("gpt-oss-small", 1)[1].split("gemma4.gguf", 1)
     assert "arch gpt-oss, 6 layers" in oss and "2 of 8 experts a token" in oss
     assert "split over machines (--nodes): yes" in oss
-    assert "8 of 128 experts + 1 shared a token" in glm_part
-    assert "split over machines (--nodes): no: architecture 'gemma4': Gemma 4 is not verified" in glm_part
+    assert "8 of 128 experts + 1 shared a token" in refused_part
+    assert "split over machines (--nodes): no: architecture 'gemma4': Gemma 4 is not verified" in refused_part
     # Qwen3.5's one shared expert is known by its width alone (no expert_shared_count)
     assert main(["models", str(build_hybrid_shape("qwen35moe-small"))]) == 0
     assert "2 of 8 experts + 1 shared a token, cache kv+recurrent" in capsys.readouterr().out
