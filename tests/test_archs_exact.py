@@ -44,6 +44,7 @@ ARCH_SHAPES: dict[str, Callable[[], Path]] = {
     "phi3": lambda: build_shape("phi3-small"),
     "qwen35moe": lambda: build_hybrid_shape("qwen35moe-small"),  # tests/test_hybrid.py speculates on it
     "glm4moe": lambda: build_shape("glm4moe-small"),
+    "gemma4": lambda: build_shape("gemma4-small"),
 }
 PROMPTS = ["<|im_start|>user\nHello there, how are you?<|im_end|>\n<|im_start|>assistant\n",
            "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n",
@@ -147,7 +148,7 @@ def test_a_verify_batch_gives_each_rows_single_step_logits(arch_model: tuple[str
         batched.close()
 
 
-MOE = sorted(a for a in ARCH_SHAPES if a in ("qwen3moe", "gpt-oss", "deepseek2", "glm4moe"))
+MOE = sorted(a for a in ARCH_SHAPES if a in ("qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "gemma4"))
 
 
 @pytest.mark.parametrize("arch", MOE)

@@ -39,6 +39,29 @@ def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> Non
         manual_plan(costs, [], [0, 3], 256)
 
 
+def test_gemma4_slices_keep_their_layers_kinds_and_the_global_ropes_factors_where_read(tmp_path: Path) -> None:
+    """Each kind of layer has its own KV heads (per-layer arrays follow their layers); the
+    global rope's factors, read by the global layers only, leave a slice of sliding ones (or
+    llama.cpp refuses the file); llama.cpp's Gemma 4 cache needs two layers in a slice; E2B and
+    E4B (per-layer embeddings, shared KV) are refused in one line."""
+    path = build_shape("gemma4-small")
+    h = header_of(path)
+    assert archs.ARCHS["gemma4"].swa_layers(h) == (True,) * 5 + (False,)
+    sliding, last = sliced(path, [0, 1, 2, 3], tmp_path), sliced(path, [3, 4, 5], tmp_path)
+    assert archs.GEMMA4_ROPE_FREQS not in sliding.tensor_bytes and archs.GEMMA4_ROPE_FREQS in last.tensor_bytes
+    assert last.get("attention.head_count_kv") == [2, 2, 1]
+    assert last.get("attention.sliding_window_pattern") == [True, True, False]
+    costs = layer_costs(path)
+    assert slice_problem(costs, 4, 5) == "are one layer, and llama.cpp's Gemma 4 cache needs two"
+    assert slice_problem(costs, 5, 6) is not None and slice_problem(costs, 3, 5) is None
+    values = {"gemma4.block_count": 42}
+    assert "per-layer embeddings" in (archs.unsplittable_reason(archs.Header(
+        "gemma4", {**values, "gemma4.embedding_length_per_layer_input": 256})) or "")
+    assert "shared_kv_layers" in (archs.unsplittable_reason(archs.Header(
+        "gemma4", {**values, "gemma4.attention.shared_kv_layers": 18})) or "")
+    assert archs.unsplittable_reason(h) is None
+
+
 def test_deepseek2_slices_count_their_own_dense_layers_and_leave_the_mtp_block_out(tmp_path: Path) -> None:
     path = build_shape("deepseek2-small")
     h = header_of(path)
@@ -73,7 +96,7 @@ def test_deepseek2_decisions_from_the_layer_count_are_written_out_or_refused() -
 def test_memory_counts_every_expert_time_only_those_a_token_uses() -> None:
     """A mixture's layer: all experts resident, a token reads expert_used_count of
     expert_count of them (shared experts and the rest whole)."""
-    for name in ("qwen3moe-small", "gpt-oss-small", "deepseek2-small"):
+    for name in ("qwen3moe-small", "gpt-oss-small", "deepseek2-small", "gemma4-small"):
         s, h = SHAPES[name], header_of(build_shape(name))
         memory, time = archs.layer_bytes(h)
         i = s.n_layer - 1
@@ -122,12 +145,14 @@ def test_glm4moe_slices_take_hidden_states_through_m_rope(tmp_path: Path) -> Non
 
 
 def refused_mixture(folder: Path) -> Path:
-    """A header-only GGUF of an architecture the table refuses, with experts."""
+    """A header-only GGUF the table refuses, with experts: Gemma 4 with per-layer embeddings
+    (as E2B and E4B have)."""
     import gguf
 
     path = folder / "gemma4.gguf"
     w = gguf.GGUFWriter(str(path), arch="gemma4")
     w.add_block_count(1)
+    w.add_uint32("gemma4.embedding_length_per_layer_input", 256)
     w.add_expert_count(128)
     w.add_expert_used_count(8)
     w.add_uint32("gemma4.expert_shared_count", 1)
@@ -151,7 +176,7 @@ def test_potluck_models_says_whether_a_file_splits_and_why_not(
     assert "arch gpt-oss, 6 layers" in oss and "2 of 8 experts a token" in oss
     assert "split over machines (--nodes): yes" in oss
     assert "8 of 128 experts + 1 shared a token" in refused_part
-    assert "split over machines (--nodes): no: architecture 'gemma4': Gemma 4 is not verified" in refused_part
+    assert "split over machines (--nodes): no: Gemma 4's per-layer embeddings (E2B, E4B)" in refused_part
     # Qwen3.5's one shared expert is known by its width alone (no expert_shared_count)
     assert main(["models", str(build_hybrid_shape("qwen35moe-small"))]) == 0
     assert "2 of 8 experts + 1 shared a token, cache kv+recurrent" in capsys.readouterr().out
@@ -182,7 +207,7 @@ def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(
         assert "single steps as 2 rows (x1.93)" in out  # its router is F32 (docs/facts.md §37)
         refused = refused_mixture(tmp_path)
         assert main(["nodes", "--interface", "127.0.0.1", "--timeout", "3", "-m", str(refused)]) == 1
-        assert "no plan for gemma4.gguf: cannot split gemma4.gguf: architecture 'gemma4'" in capsys.readouterr().out
+        assert "no plan for gemma4.gguf: cannot split gemma4.gguf: Gemma 4's per-layer" in capsys.readouterr().out
         with pytest.raises(PotluckError, match="does not fit"):
             preview_plan(path, [(f"moenode{i}", f"127.0.0.1:{41000 + i}", 4000, 3.0) for i in range(2)], 4_000_000)
     finally:

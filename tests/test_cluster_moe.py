@@ -50,6 +50,7 @@ def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> SliceCache:
 @pytest.fixture(scope="module", params=[
     "gpt-oss-small", pytest.param("qwen3moe-small", marks=pytest.mark.slow),
     pytest.param("deepseek2-small", marks=pytest.mark.slow), pytest.param("glm4moe-small", marks=pytest.mark.slow),
+    pytest.param("gemma4-small", marks=pytest.mark.slow),
 ])
 def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Model, Path, Path]]:
     """(the model, its file, a draft: its layers but the last one)."""

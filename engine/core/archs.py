@@ -136,6 +136,10 @@ class Arch:
     slice_problem: Callable[[Header, int, int], str | None] | None = None
     # why no split of this file is exact, or None
     model_problem: Callable[[Header], str | None] | None = None
+    # tensors outside ``blk.N`` that llama.cpp reads only for some layers, which a slice of
+    # these original layers must leave out (a file holding a tensor llama.cpp did not read is
+    # refused: "wrong number of tensors")
+    unread_tensors: Callable[[Header, Sequence[int]], frozenset[str]] | None = None
 
     # -- what the slicer and the planner ask
     def swa_layers(self, h: Header) -> tuple[bool, ...] | None:
@@ -164,6 +168,10 @@ class Arch:
         if self.slice_keys is not None:
             out.update(self.slice_keys(h, layer_map))
         return out
+
+    def unread(self, h: Header, layer_map: Sequence[int]) -> frozenset[str]:
+        """Tensors outside the layers a slice of ``layer_map`` leaves out."""
+        return self.unread_tensors(h, layer_map) if self.unread_tensors is not None else frozenset()
 
     def problem(self, h: Header) -> str | None:
         """Why no split of this file is exact (the model itself), or None."""
@@ -309,6 +317,36 @@ def _gemma3_slice_problem(h: Header, lo: int, hi: int) -> str | None:
     return None
 
 
+# Gemma 4 (models/gemma4.cpp)
+GEMMA4_ROPE_FREQS = "rope_freqs.weight"  # one tensor, read by the full-attention layers only
+
+
+def _gemma4_problem(h: Header) -> str | None:
+    """E2B and E4B: every layer adds an embedding looked up from the token ids (a stage after
+    the first has hidden states, and llama.cpp would use token 0's), and their last layers
+    read the KV of earlier ones (``shared_kv_layers``), which another stage would hold."""
+    if h.int_of("embedding_length_per_layer_input"):
+        return ("Gemma 4's per-layer embeddings (E2B, E4B) are looked up from the token ids inside every layer, "
+                "which a stage after the first does not have")
+    if h.int_of("attention.shared_kv_layers"):
+        return "its last layers reuse earlier layers' KV cache (shared_kv_layers), which another stage would hold"
+    return None
+
+
+def _gemma4_slice_problem(h: Header, lo: int, hi: int) -> str | None:
+    """llama.cpp's Gemma 4 cache asserts two layers at least (``n_layer_kv_from_start >= 2``)."""
+    return "are one layer, and llama.cpp's Gemma 4 cache needs two" if hi - lo < 2 else None
+
+
+def _gemma4_unread(h: Header, layer_map: Sequence[int]) -> frozenset[str]:
+    """The proportional RoPE's frequency factors belong to the full-attention layers: a slice
+    of sliding layers only leaves them out."""
+    swa = ARCHS["gemma4"].swa_layers(h)
+    if swa is not None and all(swa[i] for i in layer_map):
+        return frozenset({GEMMA4_ROPE_FREQS})
+    return frozenset()
+
+
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
@@ -342,6 +380,12 @@ ARCHS: dict[str, Arch] = {
         # experts (sigmoid, a selection bias) and one shared expert, an MTP block after the
         # trunk; hidden states need M-RoPE sections written in (_glm4moe_keys)
         Arch("glm4moe", dense_lead=True, slice_keys=_glm4moe_keys),
+        # Gemma 4 26B-A4B and 31B: five sliding layers to one global (an explicit pattern), each
+        # kind with its own head width, KV heads and rope (the global layers' proportional, by
+        # rope_freqs; K doubles as V there), q/k norms, a scale per layer, routed experts beside
+        # the dense FFN (26B-A4B), a softcap on the logits; E2B/E4B refused (_gemma4_problem)
+        Arch("gemma4", swa_default_period=6, slice_problem=_gemma4_slice_problem, model_problem=_gemma4_problem,
+             unread_tensors=_gemma4_unread),
     )
 }
 
@@ -352,11 +396,6 @@ REFUSED: dict[str, str] = {
     # sections ("This GGUF does not support multimodal"); with them it would rotate by M-RoPE's
     # NEOX-style pairs instead of GLM-4's interleaved ones (glm4moe's NEOX is the same: its entry)
     "glm4": "llama.cpp's GLM-4 graph aborts when a stage after the first gives it hidden states instead of tokens",
-    # models/gemma4.cpp: E2B/E4B's per-layer embeddings are looked up from the token ids inside
-    # every layer, and their last layers reuse earlier layers' KV (shared_kv_layers); 26B-A4B and
-    # 31B have neither but were not verified (no fixture of them yet)
-    "gemma4": "Gemma 4 is not verified for splitting (its small models read token ids in every layer and "
-              "share KV across layers)",
 }
 
 

@@ -369,7 +369,10 @@ def _layout_of_version(
             raise PotluckError(f"cannot split {src.name} at layers {lo}-{hi - 1}: they {why}")
     by_layer: dict[int, list] = {}
     others: list = []
+    unread = rules.unread(h, layer_map)
     for t in r.tensors:
+        if t.name in unread:
+            continue
         m = _BLK.match(t.name)
         if m:
             by_layer.setdefault(int(m.group(1)), []).append((m.group(2), t))

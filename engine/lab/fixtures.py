@@ -86,6 +86,11 @@ class Shape:
     n_dense_lead: int = 0  # leading dense layers before the experts' (deepseek2)
     n_nextn: int = 0  # multi-token-prediction blocks after the trunk
     swa_window: int = 0  # sliding-window layers' window (gpt-oss: every other layer)
+    # Gemma 4: every swa_period-th layer is global (the rest slide), with its own head width
+    # (key_length) and KV heads; the sliding layers' head width is key_length_swa
+    swa_period: int = 0
+    key_length_swa: int = 0
+    n_head_kv_global: int = 0
     q_lora_rank: int = 0  # MLA (deepseek2): the query's low-rank width (0: a plain projection)
     kv_lora_rank: int = 0  # MLA: the compressed K/V width a cell keeps
     rope_dim: int = 0  # the rotated part of a head (MLA's, GLM's partial RoPE; 0: the whole head)
@@ -102,6 +107,16 @@ class Shape:
     @property
     def q_width(self) -> int:
         return self.n_head * self.head_dim
+
+    def slides(self, i: int) -> bool:
+        """Layer ``i`` of an explicit sliding pattern (``swa_period``) is a sliding one."""
+        return bool(self.swa_period) and (i + 1) % self.swa_period != 0
+
+    def kv_heads(self) -> int | list[int]:
+        """``head_count_kv``: one value, or one per layer where the global layers differ."""
+        if not self.n_head_kv_global:
+            return self.n_head_kv
+        return [self.n_head_kv if self.slides(i) else self.n_head_kv_global for i in range(self.n_layer + self.n_nextn)]
 
 
 SHAPES: dict[str, Shape] = {
@@ -144,6 +159,14 @@ SHAPES: dict[str, Shape] = {
                            n_ff_exp=128, n_expert_shared=1, n_dense_lead=1, n_nextn=1, rope_dim=32),
     # Phi-3: fused q/k/v and gate/up projections, LongRoPE factors
     "phi3-small": Shape(4, 256, 4, 2, 512, 1.0, False, "phi3"),
+    # Gemma 4 31B (google/gemma-4-31B: 5:1 sliding to global, sliding heads 256 wide with 16 KV
+    # heads, global 512 wide with 4, K doubling as V there; tied embeddings) and a small one in
+    # 26B-A4B's layout (routed experts beside every layer's dense FFN) over 6 layers, whose first
+    # five slide: a slice of sliding layers alone leaves the global rope's factors out
+    "gemma-4-31b": Shape(60, 5376, 32, 16, 21504, 1.0, True, "gemma4", key_length=512, swa_window=1024,
+                         swa_period=6, key_length_swa=256, n_head_kv_global=4, n_vocab=262144),
+    "gemma4-small": Shape(6, 256, 4, 2, 256, 1.0, True, "gemma4", key_length=128, n_expert=8, n_expert_used=2,
+                          n_ff_exp=128, swa_window=8, swa_period=6, key_length_swa=64, n_head_kv_global=1),
 }
 ROPE_ORIGINAL_CTX = 8192
 LLAMA3_ROPE_BASE = 500000.0
@@ -368,6 +391,37 @@ def _phi3_layer(s: Shape, i: int) -> list[TensorSpec]:
     ]
 
 
+# Gemma scales its token embeddings by sqrt(n_embd), to an RMS of LOGIT_STD here: its post-norms
+# give each layer's output as much, or (tied embeddings) the logits would echo the input token
+GEMMA4_POST_NORM = 4.0
+
+
+def _gemma4_layer(s: Shape, i: int) -> list[TensorSpec]:
+    """q/k norms (V is only RMS-normed), K doubling as V in the global layers, norms after the
+    attention and the FFN, a scale on the layer's output; with experts, the routed ones (gate
+    and up fused, a per-expert scale) beside the dense FFN, each with its own norms, and a
+    router reading a scaled copy of the attention's output."""
+    blk, e, hd = f"blk.{i}.", s.n_embd, s.head_dim if not s.slides(i) else s.key_length_swa
+    kv = (s.n_head_kv if s.slides(i) else s.n_head_kv_global) * hd
+    qk = QK_GAIN * e ** -0.5
+    out: list[TensorSpec] = [_norm(blk, "attn_norm", e), (blk + "attn_q.weight", (s.n_head * hd, e), ("q4", qk)),
+                             (blk + "attn_k.weight", (kv, e), ("q4", qk))]
+    if s.slides(i):
+        out.append((blk + "attn_v.weight", (kv, e), ("q4", e ** -0.5)))
+    out += [_norm(blk, "attn_q_norm", hd, QK_GAIN), _norm(blk, "attn_k_norm", hd, QK_GAIN),
+            _attn_output(s, blk, s.n_head * hd), _norm(blk, "post_attention_norm", e, GEMMA4_POST_NORM),
+            _norm(blk, "layer_output_scale", 1, 0.9), _norm(blk, "ffn_norm", e), *_dense_ffn(s, blk),
+            _norm(blk, "post_ffw_norm", e, GEMMA4_POST_NORM)]
+    if s.n_expert:
+        n, f = s.n_expert, s.n_ff_exp
+        out += [_router(s, blk), (blk + "ffn_gate_inp.scale", (e,), ("const", 1.0)),
+                _norm(blk, "pre_ffw_norm_2", e), _norm(blk, "post_ffw_norm_1", e), _norm(blk, "post_ffw_norm_2", e),
+                (blk + "ffn_gate_up_exps.weight", (n, 2 * f, e), ("q4", e ** -0.5)),
+                (blk + "ffn_down_exps.weight", (n, e, f), ("q4", f ** -0.5)),
+                (blk + "ffn_down_exps.scale", (n,), ("const", 1.0))]
+    return out
+
+
 def _llama_keys(w, s: Shape) -> None:  # noqa: ANN001 - gguf.GGUFWriter
     """Nothing beyond the shared keys."""
 
@@ -448,6 +502,33 @@ def _phi3_keys(w, s: Shape) -> None:  # noqa: ANN001
     w.add_float32(f"{s.arch}.rope.scaling.attn_factor", 1.19)
 
 
+def _gemma4_keys(w, s: Shape) -> None:  # noqa: ANN001
+    """As llama.cpp's converter writes them: the explicit pattern, each kind of layer's head
+    width and rotation (the global layers' rope rotates all of a head, its factors leave 3/4 of
+    it still: the proportional rope), no per-layer embeddings or shared KV (26B-A4B, 31B), the
+    logits' softcap."""
+    a = s.arch
+    w.add_sliding_window(s.swa_window)
+    w.add_array(f"{a}.attention.sliding_window_pattern", [s.slides(i) for i in range(s.n_layer)])
+    _head_width_keys(w, s)
+    w.add_uint32(f"{a}.attention.key_length_swa", s.key_length_swa)
+    w.add_uint32(f"{a}.attention.value_length_swa", s.key_length_swa)
+    w.add_uint32(f"{a}.rope.dimension_count_swa", s.key_length_swa)
+    w.add_float32(f"{a}.rope.freq_base_swa", 10000.0)
+    w.add_uint32(f"{a}.embedding_length_per_layer_input", 0)
+    w.add_uint32(f"{a}.attention.shared_kv_layers", 0)
+    w.add_float32(f"{a}.final_logit_softcapping", 30.0)
+    if s.n_expert:
+        _expert_keys(w, s)
+
+
+def _gemma4_tensors(s: Shape) -> list[tuple[str, np.ndarray]]:
+    """The proportional rope's factors: the first quarter of a global head's pairs rotate, the
+    rest are held still by a huge divisor."""
+    pairs = s.head_dim // 2
+    return [("rope_freqs.weight", np.array([1.0] * (pairs // 4) + [1e30] * (pairs - pairs // 4), dtype=np.float32))]
+
+
 def _phi3_tensors(s: Shape) -> list[tuple[str, np.ndarray]]:
     """LongRoPE's per-frequency divisors: short ones near 1, long ones growing to 40."""
     ramp = np.linspace(0.0, 1.0, s.head_dim // 2, dtype=np.float32)
@@ -522,6 +603,7 @@ LAYOUTS: dict[str, Layout] = {
     "gpt-oss": Layout(_gpt_oss_layer, 150000.0, 131072, keys=_gpt_oss_keys, chat=HARMONY),
     "deepseek2": Layout(_deepseek2_layer, 10000.0, 163840, rms_eps=1e-6, keys=_deepseek2_keys),
     "glm4moe": Layout(_glm4moe_layer, 1000000.0, 131072, keys=_glm4moe_keys),
+    "gemma4": Layout(_gemma4_layer, 1000000.0, 262144, rms_eps=1e-6, keys=_gemma4_keys, extra_tensors=_gemma4_tensors),
     "phi3": Layout(_phi3_layer, 10000.0, 131072, keys=_phi3_keys, extra_tensors=_phi3_tensors,
                    title="potluck random Phi-shaped model (seed {seed})"),
 }
@@ -545,7 +627,7 @@ def _add_hparams(w, s: Shape, n_vocab: int) -> None:  # noqa: ANN001 - gguf.GGUF
     w.add_embedding_length(s.n_embd)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
+    w.add_head_count_kv(s.kv_heads())
     w.add_rope_freq_base(layout.rope_base)
     w.add_rope_dimension_count(s.rope_dim or s.head_dim)
     w.add_layer_norm_rms_eps(layout.rms_eps)
