@@ -391,9 +391,12 @@ def _phi3_layer(s: Shape, i: int) -> list[TensorSpec]:
     ]
 
 
-# Gemma scales its token embeddings by sqrt(n_embd), to an RMS of LOGIT_STD here: its post-norms
-# give each layer's output as much, or (tied embeddings) the logits would echo the input token
-GEMMA4_POST_NORM = 4.0
+def gemma4_post_norm(s: Shape) -> float:
+    """Gemma scales its token embeddings by sqrt(n_embd), to an RMS of LOGIT_STD here, and ties
+    the output to them: a token's own logit grows like sqrt(n_embd) over the residual stream's
+    RMS. Post-norms of sqrt(n_embd) / 4 (4 at 256 wide) grow the stream as much, so the random
+    model's logits do not echo the input token at any width."""
+    return s.n_embd ** 0.5 / 4
 
 
 def _gemma4_layer(s: Shape, i: int) -> list[TensorSpec]:
@@ -409,9 +412,9 @@ def _gemma4_layer(s: Shape, i: int) -> list[TensorSpec]:
     if s.slides(i):
         out.append((blk + "attn_v.weight", (kv, e), ("q4", e ** -0.5)))
     out += [_norm(blk, "attn_q_norm", hd, QK_GAIN), _norm(blk, "attn_k_norm", hd, QK_GAIN),
-            _attn_output(s, blk, s.n_head * hd), _norm(blk, "post_attention_norm", e, GEMMA4_POST_NORM),
+            _attn_output(s, blk, s.n_head * hd), _norm(blk, "post_attention_norm", e, gemma4_post_norm(s)),
             _norm(blk, "layer_output_scale", 1, 0.9), _norm(blk, "ffn_norm", e), *_dense_ffn(s, blk),
-            _norm(blk, "post_ffw_norm", e, GEMMA4_POST_NORM)]
+            _norm(blk, "post_ffw_norm", e, gemma4_post_norm(s))]
     if s.n_expert:
         n, f = s.n_expert, s.n_ff_exp
         out += [_router(s, blk), (blk + "ffn_gate_inp.scale", (e,), ("const", 1.0)),
