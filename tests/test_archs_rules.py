@@ -62,6 +62,18 @@ def test_gemma4_slices_keep_their_layers_kinds_and_the_global_ropes_factors_wher
     assert archs.unsplittable_reason(h) is None
 
 
+def test_gemma4_31b_cells_count_each_kind_of_layers_heads_and_widths() -> None:
+    """Sliding layers: 16 KV heads 256 wide; global: 4 heads 512 wide (google/gemma-4-31B). The
+    widest layer's count over all 60 would be 2x; the head count's (32) 4.4x."""
+    a, pattern = "gemma4", [(i + 1) % 6 != 0 for i in range(60)]
+    h = archs.Header(a, {f"{a}.block_count": 60, f"{a}.embedding_length": 5376, f"{a}.attention.head_count": 32,
+                         f"{a}.attention.head_count_kv": [16 if s else 4 for s in pattern],
+                         f"{a}.attention.key_length": 512, f"{a}.attention.value_length": 512,
+                         f"{a}.attention.key_length_swa": 256, f"{a}.attention.value_length_swa": 256,
+                         f"{a}.attention.sliding_window_pattern": pattern})
+    assert sum(archs.kv_bytes_per_token(h)) == 50 * 2 * 16 * 512 + 10 * 2 * 4 * 1024
+
+
 def test_deepseek2_slices_count_their_own_dense_layers_and_leave_the_mtp_block_out(tmp_path: Path) -> None:
     path = build_shape("deepseek2-small")
     h = header_of(path)
@@ -111,7 +123,7 @@ def test_memory_counts_every_expert_time_only_those_a_token_uses() -> None:
 def test_mla_cells_keep_k_only() -> None:
     h = header_of(build_shape("deepseek2-small"))
     s = SHAPES["deepseek2-small"]
-    assert archs.kv_bytes_per_token_layer(h) == 2 * (s.kv_lora_rank + s.rope_dim)
+    assert archs.kv_bytes_per_token(h) == (2 * (s.kv_lora_rank + s.rope_dim),) * s.n_layer
 
 
 def test_an_architecture_outside_the_table_is_refused_naming_those_in_it() -> None:
@@ -228,7 +240,7 @@ def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
     )
 
     mb = 1 << 20
-    costs = LayerCosts("qwen3moe", (100 * mb,) * 10, 10 * mb, 1024, 1000, 64, time_bytes=(25 * mb,) * 10,
+    costs = LayerCosts("qwen3moe", (100 * mb,) * 10, 10 * mb, (1024,) * 10, 1000, 64, time_bytes=(25 * mb,) * 10,
                        experts=(8, 2, 0), output_bytes=20 * mb)
     nodes = [NodeInfo("a", "x:1", 4000, 2.0), NodeInfo("b", "y:1", 4000, 2.0)]
     plan = plan_split(costs, nodes, 512, head_speed=4.0)

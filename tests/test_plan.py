@@ -13,7 +13,7 @@ MB = 1 << 20
 
 
 def costs(n: int = 30, layer_mb: float = 10) -> LayerCosts:
-    return LayerCosts("llama", tuple([int(layer_mb * MB)] * n), 20 * MB, 0)
+    return LayerCosts("llama", tuple([int(layer_mb * MB)] * n), 20 * MB, (0,) * n)
 
 
 def node(name: str, free_mb: int = 10_000, speed: float = 1.0) -> NodeInfo:
@@ -61,7 +61,7 @@ def test_manual_plan_checks_counts() -> None:
 def test_head_takes_the_fewest_last_layers_that_load() -> None:
     assert head_layers(costs()) == 1
     swa = tuple((i + 1) % 6 != 0 for i in range(18))  # Gemma 3 270M: layers 5, 11, 17 global
-    gemma = LayerCosts("gemma3", (100,) * 18, 50, 10, 1000, 64, swa)
+    gemma = LayerCosts("gemma3", (100,) * 18, 50, (10,) * 18, 1000, 64, swa)
     assert head_layers(gemma) == 2  # layer 17 alone aborts llama.cpp; 16-17 loads
     with pytest.raises(PotluckError, match="cannot split a model of 1 layer"):
         head_layers(costs(n=1))
@@ -70,7 +70,7 @@ def test_head_takes_the_fewest_last_layers_that_load() -> None:
 def test_layer_costs_of_the_default_model(model_path: Path) -> None:
     c = layer_costs(model_path)
     assert c.arch == "llama" and c.n_layer == 30
-    assert all(b > 0 for b in c.layer_bytes) and c.embd_bytes > 0 and c.kv_bytes_per_token_layer > 0
+    assert all(b > 0 for b in c.layer_bytes) and c.embd_bytes > 0 and all(b > 0 for b in c.kv_bytes_per_token)
     lines = plan_split(c, [node("a"), node("b")], 1024).describe()
     assert lines[0].startswith("split plan: 30 layers over 2 stage(s) and the head")
     assert lines[-1].split() == ["head:", "layers", "29-30", "and", "the", "output", "layer", "on", "this", "machine"]

@@ -25,7 +25,7 @@ PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\
 
 def costs(n: int = 17, layer_mb: float = 30) -> LayerCosts:
     """About an 8b layer's decode time per layer at speed 7 (2 threads): 2.3 ms."""
-    return LayerCosts("llama", tuple([int(layer_mb * MB)] * n), 20 * MB, 0, 49152, 4096)
+    return LayerCosts("llama", tuple([int(layer_mb * MB)] * n), 20 * MB, (0,) * n, 49152, 4096)
 
 
 def test_the_planner_gives_a_worker_behind_a_slow_link_fewer_layers() -> None:

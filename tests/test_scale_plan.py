@@ -43,7 +43,7 @@ MB = 1 << 20
 
 def one_b() -> LayerCosts:
     """The 1b shape's sizes (16 layers of 34 MB, a tied 56 MB embedding, 49,152 tokens)."""
-    return LayerCosts("llama", tuple([34 * MB] * 16), 56 * MB, 2 * 8 * 64 * 2, 49152, 2048)
+    return LayerCosts("llama", tuple([34 * MB] * 16), 56 * MB, (2 * 8 * 64 * 2,) * 16, 49152, 2048)
 
 
 def test_a_capped_worker_gets_fewer_layers() -> None:

@@ -98,11 +98,13 @@ def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) ->
 
 
 @pytest.mark.slow
-def test_a_mixture_of_experts_equals_plain() -> None:
-    """gpt-oss-small (sliding-window layers, attention sinks, routed experts): the retrieval
-    level drafts over a subset of its attention cells, mostly wrong, and the target's verify
-    batches keep the reply plain decoding's."""
-    path = build_shape("gpt-oss-small")
+@pytest.mark.parametrize("shape", ["gpt-oss-small", "gemma4-small"])
+def test_a_mixture_of_experts_equals_plain(shape: str) -> None:
+    """gpt-oss-small (sliding-window layers, attention sinks, routed experts) and gemma4-small
+    (sliding and global layers of different head widths and KV heads): the retrieval level
+    drafts over a subset of its attention cells, mostly wrong, and the target's verify batches
+    keep the reply plain decoding's."""
+    path = build_shape(shape)
     options = {"adaptive": False, "max_draft": 4, "stride": 8, "budget": 128}
     want = _replies("plain", LONG_TURNS[:1], max_tokens=32, model=path)[0]
     got, strategy = _replies("triforce", LONG_TURNS[:1], options, max_tokens=32, model=path)

@@ -699,7 +699,7 @@ def test_gemma_default_plan_over_two_workers_is_exact(tmp_path: Path, keys: Curv
 
 def test_planner_never_makes_a_slice_without_a_sliding_window_layer() -> None:
     swa = tuple((i + 1) % 6 != 0 for i in range(18))  # Gemma 3: layers 5, 11, 17 are global
-    costs = LayerCosts("gemma3", (100,) * 18, 50, 10, 1000, 64, swa)
+    costs = LayerCosts("gemma3", (100,) * 18, 50, (10,) * 18, 1000, 64, swa)
     nodes = [NodeInfo("a", "a:1", 10_000, 1.0), NodeInfo("b", "b:1", 10_000, 100.0)]
     for n_nodes in (2, 3):
         plan = plan_split(costs, (nodes * 2)[:n_nodes], 64)

@@ -69,7 +69,7 @@ class LayerCosts:
     arch: str
     layer_bytes: tuple[int, ...]  # [n_layer] weight bytes per layer
     embd_bytes: int  # token_embd (a first stage reads a row a token)
-    kv_bytes_per_token_layer: int  # f16 K and V of one token in one layer
+    kv_bytes_per_token: tuple[int, ...]  # [n_layer] f16 K and V of one token (0: a recurrent layer)
     n_vocab: int = 0  # tokens in the GGUF's own vocabulary (the head checks results against it)
     n_embd: int = 0
     swa: tuple[bool, ...] | None = None  # per layer: sliding-window (archs with a pattern only)
@@ -214,7 +214,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     memory, time = archs.layer_bytes(h)
     rules = archs.slice_rules(h)
     return LayerCosts(
-        h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token_layer(h),
+        h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token(h),
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
         tuple(time) if time != memory else None, archs.experts(h),
         h.tensor_bytes.get("output.weight", h.tensor_bytes.get("token_embd.weight", 0)),
@@ -294,7 +294,7 @@ def stage_bytes(
     states = costs.state_bytes[lo:hi] if costs.state_bytes else ()
     # a recurrent layer keeps no cell per token but its state, with llama.cpp's snapshots and
     # the stage's checkpoints of it (core/rollback.py)
-    kv_cell = costs.kv_bytes_per_token_layer * (hi - lo - sum(1 for b in states if b))
+    kv_cell = sum(costs.kv_bytes_per_token[lo:hi])
     recurrent = sum(states) * ROLLBACK_STATES
     runtime = stage_runtime_bytes(n_vocab, costs.n_embd, n_batch)
     prefill_twin = 2 * kv_cell * seq + runtime

@@ -476,12 +476,22 @@ def layer_bytes(h: Header) -> tuple[list[int], list[int]]:
     return memory, time
 
 
-def kv_bytes_per_token_layer(h: Header) -> int:
-    """A layer's KV cache for one token (BF16 K and V, the widest layer's). Multi-head latent
-    attention (``key_length_mla`` set) keeps K only: V is a view of it (llama-kv-cache.cpp)."""
+def kv_bytes_per_token(h: Header) -> tuple[int, ...]:
+    """Per trunk layer, its KV cache for one token (BF16 K and V): each layer's own KV heads
+    and head widths (Gemma 4's sliding layers have others than its global ones), K only under
+    multi-head latent attention (``key_length_mla`` set: V is a view of it, llama-kv-cache.cpp),
+    nothing in a recurrent layer (its state is :func:`recurrent_state_bytes`)."""
     n_embd = h.int_of("embedding_length")
     n_head = h.int_of("attention.head_count", 1) or 1
-    n_head_kv = h.int_of("attention.head_count_kv", n_head) or n_head
-    k_width = h.int_of("attention.key_length", n_embd // n_head)
-    v_width = 0 if h.int_of("attention.key_length_mla") else h.int_of("attention.value_length", n_embd // n_head)
-    return 2 * n_head_kv * (k_width + v_width)
+    kv_heads = h.per_layer("attention.head_count_kv", n_head)
+    mla = bool(h.int_of("attention.key_length_mla"))
+    k_full = h.int_of("attention.key_length", n_embd // n_head)
+    v_full = 0 if mla else h.int_of("attention.value_length", n_embd // n_head)
+    k_swa, v_swa = h.int_of("attention.key_length_swa", k_full), h.int_of("attention.value_length_swa", v_full)
+    arch = ARCHS.get(h.arch)
+    swa = (arch.swa_layers(h) if arch is not None else None) or (False,) * h.n_layer
+    recurrent = recurrent_layers(h) if arch is not None and "recurrent" in arch.cache else (False,) * h.n_layer
+    return tuple(
+        0 if recurrent[i] else 2 * (kv_heads[i] or n_head) * ((k_swa + v_swa) if swa[i] else (k_full + v_full))
+        for i in range(h.n_layer)
+    )

@@ -440,6 +440,13 @@ def _reader_of_version(path: Path, size: int, mtime_ns: int):  # -> gguf.GGUFRea
     return open_reader(path)
 
 
+def file_header(path: Path) -> archs.Header:
+    """The header of ``path`` as it is now (parsed once per file version)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return archs.read_header(_reader_of_version(path, st.st_size, st.st_mtime_ns))
+
+
 def forget_parsed_headers() -> None:
     """Drop the parsed headers (and with them the reader's map of the file): a head that has
     laid out its slices keeps no page of the model resident (a model too big for it)."""

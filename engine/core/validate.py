@@ -240,7 +240,9 @@ def context_fits_model(model: Model, n_ctx: int) -> None:
 def kv_bytes(model: Model, n_cells: int) -> int | None:
     """Upper bound of a BF16 KV cache of ``n_cells`` over every layer (None: unknown layout).
 
-    Sliding-window layers (gemma3) really keep fewer cells, so this errs on the safe side."""
+    Sliding-window layers (gemma3) really keep fewer cells, so this errs on the safe side.
+    Where the KV heads are one per layer (Gemma 4's sliding and global layers differ), each
+    layer counts its own heads and widths, read from the header."""
 
     def meta_int(key: str, default: int | None) -> int | None:
         raw = model.meta(f"{model.arch}.{key}")
@@ -255,7 +257,12 @@ def kv_bytes(model: Model, n_cells: int) -> int | None:
     n_embd = meta_int("embedding_length", 0) or 0
     if not n_head or n_layer <= 0 or n_embd <= 0:
         return None
-    n_head_kv = meta_int("attention.head_count_kv", n_head) or n_head
+    n_head_kv = meta_int("attention.head_count_kv", None)
+    if n_head_kv is None:  # absent, or one per layer (llama.cpp's metadata leaves arrays out)
+        from .archs import kv_bytes_per_token
+        from .gguf_tools import file_header
+
+        return n_cells * sum(kv_bytes_per_token(file_header(model.path)))
     k_len = meta_int("attention.key_length", n_embd // n_head) or 0
     v_len = meta_int("attention.value_length", k_len) or 0
     return n_cells * n_layer * n_head_kv * (k_len + v_len) * 2

@@ -97,9 +97,7 @@ class RetrievalDrafter:
         self.l1_break_even = DraftBreakEven()  # retrieval-cache batches
         self.counters = LevelCounters()
         self.layers = score_layers(model.n_layer)
-        n_head = _meta_int(model, "attention.head_count", 1)
-        self.n_head = n_head
-        self.n_head_kv = _meta_int(model, "attention.head_count_kv", n_head)
+        self.n_head = _meta_int(model, "attention.head_count", 1)
         self.step_ms = 0.0  # retrieval-cache ms per drafted token, measured
         self._target: Target | None = None
         self._n1 = 0  # positions 0.._n1-1 of sequence 1 hold the conversation (sparse)
@@ -240,10 +238,13 @@ class RetrievalDrafter:
             return total
         observed = target.observed  # type: ignore[attr-defined]
         for layer in self.layers:
-            keys = observed(f"Kcur-{layer}")[lo:hi]
-            head_dim = keys.shape[1] // self.n_head_kv
-            query = observed(f"Qcur-{layer}")[n0 - 1].reshape(self.n_head, head_dim)
-            s = chunk_scores(keys.reshape(hi - lo, self.n_head_kv, head_dim), query, hi - lo, cfg.chunk)
+            # a head's width and the KV heads from the layer's own rows: Gemma 4's sliding and
+            # global layers differ in both (per-layer arrays in the header)
+            keys, query = observed(f"Kcur-{layer}")[lo:hi], observed(f"Qcur-{layer}")[n0 - 1]
+            head_dim = query.shape[0] // self.n_head
+            n_head_kv = keys.shape[1] // head_dim
+            s = chunk_scores(keys.reshape(hi - lo, n_head_kv, head_dim), query.reshape(self.n_head, head_dim),
+                             hi - lo, cfg.chunk)
             total += (s - s.mean()) / (s.std() + 1e-6)
         return total
 
