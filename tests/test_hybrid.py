@@ -22,6 +22,7 @@ from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import slice_layers
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.kv import KvOp
+from potluck.engine.core.rollback import KEPT_CHECKPOINTS
 from potluck.engine.core.runtime import ContextParams, Model, quantize_model
 from potluck.engine.core.sampling import SamplingParams
 from potluck.engine.core.session import Session
@@ -153,6 +154,34 @@ def test_rollback_reaches_back_through_batches_and_aborts(model: Model) -> None:
         assert target.pos_max()[0] == n + 8
         target.truncate(n + 4)
         assert np.array_equal(target.decode(more[4:9], all_logits=True), expect[4:9])
+    finally:
+        target.close()
+
+
+def test_checkpoints_reuse_dropped_buffers_and_restore_exactly(model: Model) -> None:
+    """Past the kept checkpoints, each new one is written into the oldest's buffer (a fresh
+    one of several MB costs ~5x the copy); a rollback into such a reused checkpoint gives the
+    logits plain decoding gives."""
+    steps = [1000 + 7 * t for t in range(KEPT_CHECKPOINTS + 6)]
+    ref = LocalTarget(model, params())
+    ref.decode(model.tokenize(PROMPTS[1]))
+    expect = [ref.decode([t]).copy() for t in steps]
+    ref.close()
+    target = LocalTarget(model, params())
+    counters = target.stage.rollback.counters  # type: ignore[union-attr]
+    try:
+        target.decode(model.tokenize(PROMPTS[1]))
+        for t in steps:
+            target.decode([t])
+        target.pos_max()  # waits for the queued work
+        # (+1: the empty sequence's first checkpoint is of another size)
+        assert counters.checkpoints > KEPT_CHECKPOINTS + 4 and counters.fresh_buffers <= KEPT_CHECKPOINTS + 1
+        back = len(steps) - 3  # three batches back: a checkpoint written over an evicted one's buffer
+        target.truncate(target.n_past - 3)
+        target.pos_max()
+        assert counters.restores == 1
+        for i, t in enumerate(steps[back:]):
+            assert np.array_equal(target.decode([t]), expect[back + i])
     finally:
         target.close()
 

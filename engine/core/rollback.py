@@ -61,6 +61,7 @@ class RollbackCounters:
     replayed_rows: int = 0  # rows computed again after a restore
     aborted_batches: int = 0  # batches aborted mid-compute, their state put back
     checkpoints: int = 0
+    fresh_buffers: int = 0  # checkpoints written into a new buffer (not a dropped one's)
     checkpoint_ms: float = 0.0  # copying states out (every batch)
     restore_ms: float = 0.0  # putting states back and replaying rows
 
@@ -96,6 +97,7 @@ class RecurrentRollback:
     def __post_init__(self) -> None:
         self._rows: deque[_Rows] = deque()  # batches since the oldest checkpoint, in order
         self._checkpoints: dict[int, bytearray] = {}  # position -> state after positions < it
+        self._spare: list[bytearray] = []  # dropped checkpoints' buffers, written over by the next ones
         self._pending = False  # a snapshot rollback the next decode has still to read
         # where llama.cpp's last batch of sequence 0 began: its snapshots reach no further back
         # (a replay computes a part of a kept batch; a restore leaves no valid snapshot at all)
@@ -113,11 +115,11 @@ class RecurrentRollback:
         self._snapshots_from = int(job.positions[0])
         self._rows.append(_Rows(job, job.n_tokens))
         t = time.perf_counter()
-        self._checkpoints[self.end] = self.ctx.recurrent_state(0)
+        while len(self._checkpoints) >= self.kept_checkpoints:  # the oldest's buffer takes the new one
+            self._spare.append(self._checkpoints.pop(min(self._checkpoints)))
+        self._keep(self.end)
         self.counters.checkpoints += 1
         self.counters.checkpoint_ms += (time.perf_counter() - t) * 1e3
-        while len(self._checkpoints) > self.kept_checkpoints:
-            del self._checkpoints[min(self._checkpoints)]
         floor = min(self._checkpoints)
         while self._rows and self._rows[0].end <= floor:
             self._rows.popleft()
@@ -169,7 +171,6 @@ class RecurrentRollback:
         """Sequence 0 is empty (a new conversation) or was replaced whole (a kept one)."""
         self._rows.clear()
         self._pending = False
-        self._checkpoints = {}
         self.restart_at(0)
 
     def restart_at(self, pos: int) -> None:
@@ -178,12 +179,23 @@ class RecurrentRollback:
         self._rows.clear()
         self._pending = False
         self._snapshots_from = pos  # none
-        self._checkpoints = {pos: self.ctx.recurrent_state(0)}
+        self._drop_checkpoints_after(-1)
+        self._keep(pos)
 
     # -- internals
+    def _keep(self, pos: int) -> None:
+        """Checkpoint the state after positions < ``pos``, in a dropped one's buffer if any."""
+        old = self._checkpoints.pop(pos, None)
+        spare = old if old is not None else (self._spare.pop() if self._spare else None)
+        state = self.ctx.recurrent_state(0, into=spare)
+        self.counters.fresh_buffers += state is not spare
+        self._checkpoints[pos] = state
+
     def _drop_checkpoints_after(self, p0: int) -> None:
         for pos in [p for p in self._checkpoints if p > p0]:
-            del self._checkpoints[pos]
+            self._spare.append(self._checkpoints.pop(pos))
+        # no more buffers than a full set of checkpoints (the planner counts that many)
+        del self._spare[max(0, self.kept_checkpoints - len(self._checkpoints)):]
 
     def _restore(self, p0: int) -> None:
         """Sequence 0 as it was after position ``p0 - 1``: the newest checkpoint at or before
@@ -228,5 +240,5 @@ class RecurrentRollback:
         self._rows = kept
         self._drop_checkpoints_after(base)
         if p0 > base:
-            self._checkpoints[p0] = self.ctx.recurrent_state(0)
+            self._keep(p0)
         self.counters.replayed_rows += replayed

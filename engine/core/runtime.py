@@ -603,12 +603,14 @@ class Context(NativeObject):
             raise DecodeError(f"llama.cpp wrote {got} of {size} bytes of sequence {seq_id}'s state")
         return state
 
-    def recurrent_state(self, seq_id: int) -> bytearray:
+    def recurrent_state(self, seq_id: int, into: bytearray | None = None) -> bytearray:
         """Sequence ``seq_id``'s recurrent state only (llama.cpp's partial-only state: no
-        attention cells), a rollback checkpoint (:mod:`.rollback`)."""
+        attention cells), a rollback checkpoint (:mod:`.rollback`), written ``into`` a spare
+        buffer of its size where one is given: a fresh one of several MB costs ~5x the copy
+        (its pages are faulted in and zeroed; docs/facts.md §30)."""
         flags = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = ll.llama_state_seq_get_size_ext(self._ptr, seq_id, flags)
-        state = bytearray(size)
+        state = into if into is not None and len(into) == size else bytearray(size)
         buf = (ctypes.c_uint8 * size).from_buffer(state)
         got = ll.llama_state_seq_get_data_ext(self._ptr, buf, size, seq_id, flags)
         del buf
