@@ -120,6 +120,20 @@ def test_memory_counts_every_expert_time_only_those_a_token_uses() -> None:
     assert dense.time_bytes is None  # a dense model reads every byte
 
 
+def test_a_recurrent_layers_time_counts_its_state_moved_each_token() -> None:
+    """qwen35moe: a Gated DeltaNet layer's time is its weights a token reads plus its state,
+    RECURRENT_STATE_PASSES times (update, snapshot, checkpoint); an attention layer's is its
+    weights alone."""
+    h = header_of(build_hybrid_shape("qwen35moe-small"))
+    memory, time = archs.layer_bytes(h)
+    states = archs.recurrent_state_bytes(h)
+    assert states is not None and 0 in states and any(states)
+    weights = archs.layer_bytes(archs.Header("qwen3moe", {k.replace("qwen35moe.", "qwen3moe."): v
+                                                          for k, v in h.values.items()}, h.tensor_bytes))[1]
+    for i, state in enumerate(states):
+        assert time[i] - weights[i] == int(state * archs.RECURRENT_STATE_PASSES), i
+
+
 def test_mla_cells_keep_k_only() -> None:
     h = header_of(build_shape("deepseek2-small"))
     s = SHAPES["deepseek2-small"]

@@ -455,10 +455,19 @@ def slice_rules(h: Header) -> SliceRules:
     return SliceRules(arch.swa_layers(h), (lambda lo, hi: bound(h, lo, hi)) if bound is not None else None)
 
 
+# What a recurrent layer moves a token beyond its weights, in passes over its state (timed like
+# weight bytes): the update reads and writes it, llama.cpp's snapshot of the row copies it (read
+# and write), and a stage's checkpoint after every batch copies it out, measured at 0.8 ms for
+# 6.6 MB where the weights streamed at 12.6 GB/s (1.5 passes; docs/facts.md §33). The four
+# passes of one process match the hybrid layer's measured 1.25-1.32x of its weights' time.
+RECURRENT_STATE_PASSES = 5.5
+
+
 def layer_bytes(h: Header) -> tuple[list[int], list[int]]:
     """Per trunk layer: (the bytes it holds in memory, every expert resident; the bytes a token
     reads, only the ``expert_used_count`` of ``expert_count`` routed experts it is sent to,
-    shared experts and the dense parts whole)."""
+    shared experts and the dense parts whole, and a recurrent layer's state as many times as
+    it is moved, :data:`RECURRENT_STATE_PASSES`)."""
     n = h.n_layer
     memory, time = [0] * n, [0] * n
     n_expert = h.int_of("expert_count")
@@ -473,6 +482,8 @@ def layer_bytes(h: Header) -> tuple[list[int], list[int]]:
             time[i] += nbytes * used[i] // n_expert
         else:
             time[i] += nbytes
+    for i, state in enumerate(recurrent_state_bytes(h) or ()):
+        time[i] += int(state * RECURRENT_STATE_PASSES)
     return memory, time
 
 
