@@ -74,6 +74,8 @@ def test_a_chain_keeps_to_what_every_stage_allows() -> None:
     arm = judge(q4_k, use_extra_bufts=True, flags=frozenset(), machine="aarch64")
     refused = combine([router, arm])
     assert not refused.speculates and refused.reason == arm.reason
+    # three stages of a hybrid with an F32 router, refused for one reason: said once
+    assert combine([arm, arm, arm]).reason == arm.reason
     assert combine([FREE, FREE]) == FREE and combine([]) == FREE
 
 

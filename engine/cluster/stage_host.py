@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import PotluckError
+from ..core.memory import process_rss_bytes
 from . import wire
 from .child import StageInfo, StageProcess, StageSpec
 from .plan import kv_cells, layer_costs, stage_mem_mb
@@ -43,6 +44,13 @@ class KeptStage:
     stage: LoadedStage
     until: float
     mb: float
+
+    def held_mb(self) -> float:
+        """What ending it gives back: its process's resident memory, or the planner's figure
+        where that is more. A stage holds more than planned (its mapped slice, llama.cpp's
+        buffers, the interpreter): offering only the plan's figure left a 4.9 GB worker that
+        had run an 8-layer stage of 4,086 MB planned short of that same stage for the next head."""
+        return max(self.mb, process_rss_bytes(self.stage.proc.proc.pid) / (1 << 20))
 
 
 def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str | None]:

@@ -549,7 +549,7 @@ class Worker:
         if not rejoined or time.monotonic() - self._free_mb[0] > 1.0:  # /proc and cgroup reads: not per hello
             self._free_mb = (time.monotonic(), free_memory_mb())
         # a kept stage is freed for any other load: its memory is on offer too
-        free_mb = self._free_mb[1] + (int(self._kept.mb) if self._kept is not None else 0)
+        free_mb = self._free_mb[1] + (int(self._kept.held_mb()) if self._kept is not None else 0)
         welcome = wire.Welcome(p.node_id, self.version, p.cores, free_mb, p.speed, "idle", self.max_msg_bytes)
         self._send(ident, welcome)
 

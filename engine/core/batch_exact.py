@@ -144,8 +144,8 @@ def combine(parts: Iterable[BatchExactness]) -> BatchExactness:
     reasons = list(dict.fromkeys(p.reason for p in parts if p is not FREE and p.reason))
     joined = "; ".join(reasons) or FREE.reason
     max_rows = min(p.max_rows for p in parts)
-    if max_rows < 2:  # one stage that cannot speculate says why, alone
-        return BatchExactness(max_rows, False, "; ".join(p.reason for p in parts if p.max_rows < 2))
+    if max_rows < 2:  # the stages that cannot speculate say why, alone (each reason once)
+        return BatchExactness(max_rows, False, "; ".join(dict.fromkeys(p.reason for p in parts if p.max_rows < 2)))
     return BatchExactness(max_rows, any(p.two_row_steps for p in parts), joined)
 
 

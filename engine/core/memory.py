@@ -115,6 +115,15 @@ def meminfo_bytes(key: str, proc: Path = PROC) -> int | None:
     return None
 
 
+def process_rss_bytes(pid: int, proc: Path = PROC) -> int:
+    """A process's resident memory (``VmRSS``: anonymous and mapped file pages, which its
+    cgroup counts as used), 0 where it is gone."""
+    for line in (_read(proc / str(pid) / "status") or "").splitlines():
+        if line.startswith("VmRSS:"):
+            return (_int(line.split()[1]) or 0) * 1024
+    return 0
+
+
 @dataclass(frozen=True)
 class _Mount:
     root: str  # the part of the hierarchy mounted here
