@@ -669,7 +669,8 @@ async def test_thinking_is_folded_under_the_reply(tmp_path: Path) -> None:
 @run_async
 async def test_a_thinking_reply_streams_its_thinking_folded_and_its_answer_without_markers(tmp_path: Path) -> None:
     """A reasoning model's reply, as llama.cpp's text writes it, token by token: while it
-    streams, its thinking (gpt-oss's analysis channel, a <think> block) fills the folded block
+    streams, its thinking (gpt-oss's analysis channel, a <think> block, Gemma 4's thought
+    channel) fills the folded block
     and the body shows the answer alone, never a tag or marker; the reply itself (stored,
     copied) stays as the engine wrote it."""
     from textual.widgets import Collapsible, Static
@@ -677,16 +678,18 @@ async def test_a_thinking_reply_streams_its_thinking_folded_and_its_answer_witho
     harmony = ["<|channel|>", "analysis", "<|message|>", "Let me", " think.", "<|end|>", "<|start|>", "assistant",
                "<|channel|>", "final", "<|message|>", "Hello", " **there**."]
     think = ["<think>", "\nLet me", " think.", "</think>", "\n\nHello", " **there**."]
+    gemma4 = ["<|channel>", "thought", "\n", "Let me", " think.", "<channel|>", "Hello", " **there**."]
     app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
     async with app.run_test(size=SIZE) as pilot:
-        for pieces in (harmony, think):
+        for pieces in (harmony, think, gemma4):
             chat, view = await streaming_view(app)
             for piece in pieces:
                 view._laid_out_at = -LAYOUT_EVERY_S
                 await view.append(piece)
                 await pilot.pause()
                 shown = view.markdown.source + str(view.query_one(".tail", Static).render())
-                assert not any(m in shown for m in ("<|", "think>", "analysis", "Let me")), shown
+                markers = ("<|", "think>", "channel|>", "thought", "analysis", "Let me")
+                assert not any(m in shown for m in markers), shown
             assert str(view.query_one(".thought", Static).render()) == "Let me think."
             assert view.query_one(".thinking", Collapsible).display
             assert "Hello **there**." in view._shown

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from potluck.app.serve.launch import RunningServer
-from potluck.engine.core.reasoning import ThinkSplitter, thinks
+from potluck.engine.core.reasoning import GEMMA4_THOUGHT, THINK, ThinkSplitter, split_thinking, template_tags, thinks
 
 from .support.serving import serving
 from .support.templated import with_template
@@ -36,6 +36,26 @@ def test_splitter(opened: bool, pieces: list[str], reasoning: str, answer: str) 
     parts = [splitter.feed(p) for p in pieces] + [splitter.finish()]
     assert ("".join(r for r, _ in parts), "".join(a for _, a in parts)) == (reasoning, answer)
     assert thinks(THINKING) and not thinks("{{ messages }}")
+
+
+# Gemma 4's thought channel (llama.cpp's common/parsers/gemma4.cpp); gpt-oss's channels differ
+GEMMA4_TEMPLATE = "{{ '<|turn>model\n' }}{% if m.content %}{{ m.content.split('<channel|>')[-1] }}{% endif %}"
+
+
+def test_gemma4_thinks_in_its_thought_channel() -> None:
+    """The template says which tags: Gemma 4's splitter waits out its first token (``<|channel>``,
+    half the tag) and closes at ``<channel|>``; a reply read without its template (the chat
+    app) takes either family; gpt-oss's ``<|channel|>`` is neither."""
+    assert template_tags(GEMMA4_TEMPLATE) == GEMMA4_THOUGHT and template_tags(THINKING) == THINK
+    assert template_tags("<|start|>assistant<|channel|>final<|message|>") is None
+    for splitter in (ThinkSplitter.for_template(GEMMA4_TEMPLATE), ThinkSplitter.of_any_family()):
+        parts = [splitter.feed(p) for p in ["<|channel>", "thought\nThe user asks.", "<chan", "nel|>Paris."]]
+        parts.append(splitter.finish())
+        assert ("".join(r for r, _ in parts), "".join(a for _, a in parts)) == ("The user asks.", "Paris.")
+    assert ThinkSplitter.may_open("<|channel>") and ThinkSplitter.may_open("<think>")
+    assert not ThinkSplitter.may_open("Hello") and not ThinkSplitter.may_open("")
+    assert split_thinking("<|channel>thought\nhmm<channel|>Answer") == ("hmm", "Answer")
+    assert split_thinking("<think>a</think>b") == ("a", "b")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +88,26 @@ def test_reasoning_content_whole_and_streamed(client: openai.OpenAI) -> None:
     # without a grammar the bundled model never closes the block: all of it is thinking
     r = client.chat.completions.create(model="m", messages=ASK, max_tokens=8)
     assert r.choices[0].message.content == "" and r.choices[0].message.model_extra["reasoning_content"]
+
+
+def test_serve_splits_gemma4s_thought_channel(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> None:
+    """A template in Gemma 4's family (it strips ``...<channel|>`` from past replies): the
+    reply's thought channel is ``reasoning_content``, streamed and whole."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.split('<channel|>')[-1] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    grammar = 'root ::= "<|channel>thought\\n" "The user wants a city. " "<channel|>" "Paris."'
+    model = with_template(model_path, tmp_path_factory.mktemp("gemma4-thought") / "g.gguf", template)
+    for s in start(tmp_path_factory, model, "[sampling]\ntemperature = 0.0\n"):
+        c = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="m", messages=ASK, max_tokens=40, extra_body={"grammar": grammar})
+        message = r.choices[0].message
+        assert (message.content, message.model_extra["reasoning_content"]) == ("Paris.", "The user wants a city. ")
+        chunks = list(c.chat.completions.create(model="m", messages=ASK, max_tokens=40, stream=True,
+                                                extra_body={"grammar": grammar}))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        assert thought == "The user wants a city. "
+        assert "".join(d.content or "" for d in deltas) == "Paris."
 
 
 def test_the_switch_leaves_thinking_in_the_content(tmp_path_factory: pytest.TempPathFactory,

@@ -84,7 +84,7 @@ def reply_splitter(template: str, opened: bool) -> ThinkSplitter | RenderedReade
     ``<think>`` block (``opened``: by the rendered prompt itself, ReplyStarted says), or nothing."""
     if is_harmony(template):
         return RenderedReader()
-    return ThinkSplitter(opened=opened) if opened or thinks(template) else None
+    return ThinkSplitter.for_template(template, opened) if opened or thinks(template) else None
 
 
 class ReplyText:

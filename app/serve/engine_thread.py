@@ -116,6 +116,7 @@ class Job:
         self.grammar: GrammarSpec | None = request.grammar  # or a tool call's, set when tokenized
         self.tool_format = ""  # the template's call format, when the request has tools
         self.split_thinking = False  # the template thinks and [server] reasoning is on
+        self.template = ""  # the chat template's source, once tokenized: how its replies think
         self.harmony = False  # a chat reply in gpt-oss's channels (read by HarmonyScanner)
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
@@ -473,7 +474,8 @@ class ChoiceReader:
         self.raw = TextStream()  # a harmony reply's text, its control tokens marked
         self.calls = CallScanner(job.tool_format, req.tools, stream_calls) if req.tools and not job.harmony else None
         opened = job.split_thinking and job.prompt is not None and opens_thinking(job.prompt.text)
-        self.thoughts = ThinkSplitter(opened) if job.split_thinking and not job.harmony else None
+        splits = job.split_thinking and not job.harmony
+        self.thoughts = ThinkSplitter.for_template(job.template, opened) if splits else None
 
     def feed(self, event: TokenText) -> Delta | None:
         """The delta the client gets for ``event`` (None: nothing to send yet)."""

@@ -81,6 +81,7 @@ class ServeState:
 
         def tokenize() -> Prompt:
             template = session.format.source
+            job.template = template
             job.harmony = req.kind == "chat" and is_harmony(template)
             job.split_thinking = self.server.reasoning and req.kind == "chat" and (thinks(template) or job.harmony)
             if req.tools:

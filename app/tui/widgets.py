@@ -152,8 +152,9 @@ class MessageView(Vertical, can_focus=True):
         if not self.content and self.role == "assistant":  # thinking apart as it streams, no tags or markers
             start = text.lstrip()
             self._opened = inside_thinking
+            thinks = inside_thinking or ThinkSplitter.may_open(start)
             self._reader = RenderedReader() if start.startswith("<|channel|>") else \
-                ThinkSplitter(opened=inside_thinking) if inside_thinking or start.startswith("<think>") else None
+                ThinkSplitter.of_any_family(inside_thinking) if thinks else None
         self.content += text
         if self._reader is not None:
             thought, text = self._reader.feed(text)

@@ -2,22 +2,46 @@
 
 Templates that think (Qwen3, DeepSeek R1, SmolLM3 and others) have the model write
 ``<think>...</think>`` before its answer, or open the block themselves at the end of the
-prompt. :class:`ThinkSplitter` sends text inside the block to the reasoning side and the rest
-to the answer, holding back only what may be the start of a tag (as llama.cpp's server
-separates ``reasoning_content``). A gpt-oss reply's channels, as llama.cpp's text shows them,
-are split by :mod:`.harmony`.
+prompt; Gemma 4 writes a thought channel, ``<|channel>thought ... <channel|>`` (llama.cpp's
+``common/parsers/gemma4.cpp``). :class:`ThinkSplitter` sends text inside the block to the
+reasoning side and the rest to the answer, holding back only what may be the start of a tag
+(as llama.cpp's server separates ``reasoning_content``). A gpt-oss reply's channels, as
+llama.cpp's text shows them, are split by :mod:`.harmony`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .harmony import split_rendered
 
-OPEN, CLOSE = "<think>", "</think>"
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """How one family of models opens and closes its thinking."""
+
+    open: str
+    close: str
+
+
+THINK = ThinkTags("<think>", "</think>")
+GEMMA4_THOUGHT = ThinkTags("<|channel>thought", "<channel|>")  # not gpt-oss's "<|channel|>"
+FAMILIES = (THINK, GEMMA4_THOUGHT)
+OPEN, CLOSE = THINK.open, THINK.close
+
+
+def template_tags(template: str) -> ThinkTags | None:
+    """The tags a chat template has its model think in, or None."""
+    if OPEN in template or CLOSE in template:
+        return THINK
+    if "<|channel>" in template or GEMMA4_THOUGHT.close in template:
+        return GEMMA4_THOUGHT
+    return None
 
 
 def thinks(template: str) -> bool:
-    """Whether a chat template has its model think in ``<think>`` blocks."""
-    return OPEN in template or CLOSE in template
+    """Whether a chat template has its model think (a ``<think>`` block, Gemma 4's thought channel)."""
+    return template_tags(template) is not None
 
 
 def opens_thinking(prompt_text: str) -> bool:
@@ -33,11 +57,32 @@ def _partial(text: str, tag: str) -> int:
 
 class ThinkSplitter:
     """Splits one reply into (reasoning, answer) text as it streams. ``opened``: the prompt
-    already opened the block (it ends with ``<think>``)."""
+    already opened the block (it ends with ``<think>``). ``families``: the tags the reply may
+    open its block with (the template's, or every family where it is not known); the first
+    one when ``opened``."""
 
-    def __init__(self, opened: bool = False) -> None:
+    def __init__(self, opened: bool = False, families: tuple[ThinkTags, ...] = (THINK,)) -> None:
         self.state = "thinking" if opened else "start"  # start | thinking | answer
         self.held = ""
+        self.families = families
+        self.tags = families[0]  # the block's, once it opened
+        self.fresh = True  # no thinking text yet: newlines after the opening tag are dropped
+
+    @classmethod
+    def for_template(cls, template: str, opened: bool = False) -> ThinkSplitter:
+        """The splitter of a reply to a prompt rendered by ``template`` (its family's tags)."""
+        return cls(opened, (template_tags(template) or THINK,))
+
+    @classmethod
+    def of_any_family(cls, opened: bool = False) -> ThinkSplitter:
+        """A splitter for a reply whose template is not at hand (a reply already streaming)."""
+        return cls(opened, FAMILIES)
+
+    @staticmethod
+    def may_open(start: str) -> bool:
+        """Whether a reply beginning with ``start`` (stripped) opens, or may yet open, a block:
+        Gemma 4's first token is ``<|channel>``, its tag's first part."""
+        return bool(start) and any(start.startswith(t.open) or t.open.startswith(start) for t in FAMILIES)
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) text safe to send now."""
@@ -46,21 +91,29 @@ class ThinkSplitter:
         while self.held:
             if self.state == "start":  # a block may open only before any answer text
                 stripped = self.held.lstrip()
-                if stripped.startswith(OPEN):
-                    self.held, self.state = stripped[len(OPEN):].lstrip("\n"), "thinking"
-                elif OPEN.startswith(stripped):
-                    break  # may still become the tag
+                opened = next((t for t in self.families if stripped.startswith(t.open)), None)
+                if opened is not None:
+                    self.tags = opened
+                    self.held, self.state = stripped[len(opened.open):], "thinking"
+                elif any(t.open.startswith(stripped) for t in self.families):
+                    break  # may still become a tag
                 else:
                     self.state = "answer"
             elif self.state == "thinking":
-                at = self.held.find(CLOSE)
+                if self.fresh:  # the newline after the tag may come as a token of its own
+                    self.held = self.held.lstrip("\n")
+                    if not self.held:
+                        break
+                    self.fresh = False
+                close = self.tags.close
+                at = self.held.find(close)
                 if at >= 0:
                     reasoning += self.held[:at]
-                    self.held, self.state = self.held[at + len(CLOSE):].lstrip(), "answer"
+                    self.held, self.state = self.held[at + len(close):].lstrip(), "answer"
                     if not self.held:
                         self.state = "after"
                 else:
-                    keep = _partial(self.held, CLOSE)
+                    keep = _partial(self.held, close)
                     reasoning += self.held[: len(self.held) - keep]
                     self.held = self.held[len(self.held) - keep:]
                     break
@@ -87,8 +140,9 @@ def split_thinking(text: str, *, opened: bool = False) -> tuple[str, str]:
     harmony = split_rendered(text)
     if harmony is not None:
         return harmony
-    close = text.find(CLOSE)
-    splitter = ThinkSplitter(opened=opened or (close >= 0 and OPEN not in text[:close]))
+    tags = next((t for t in FAMILIES if t.open in text or t.close in text), THINK)
+    close = text.find(tags.close)
+    splitter = ThinkSplitter(opened=opened or (close >= 0 and tags.open not in text[:close]), families=(tags,))
     thought, answer = splitter.feed(text)
     more, rest = splitter.finish()
     return thought + more, answer + rest
