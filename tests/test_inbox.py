@@ -89,3 +89,15 @@ def test_a_new_window_lifts_the_budget_and_the_metering() -> None:
         for s in (router, *dealers):
             s.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_untrusted_peers_time_never_cuts_the_owner_off() -> None:
+    """A flood that took the window's serving time leaves untrusted peers nothing more, yet the
+    owner's requests are still served; the owner's own requests past that time cut it off."""
+    budget = inbox.PeerBudget(clock=lambda: 0.0)
+    budget.metering = True
+    ping = [b"", b'{"type":"ping"}']
+    budget.served(inbox.WINDOW_SERVE_S * 2)  # untrusted peers' messages
+    assert budget.spent and budget.trusted_request(b"owner", ping) and budget.cut_offs == 0
+    budget.served(inbox.WINDOW_SERVE_S, trusted=True)  # the owner's own
+    assert not budget.trusted_request(b"owner", ping) and budget.cut_offs == 1

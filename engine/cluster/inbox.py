@@ -75,6 +75,7 @@ class PeerBudget:
         self._trusted_control = 0  # trusted requests other than bulk kinds, this window
         self._window_messages = 0  # untrusted messages served this window
         self._serve_s = 0.0  # time spent serving untrusted messages and trusted requests, this window
+        self._trusted_serve_s = 0.0  # ...of which the owner's and upstream's requests
         self._cut: set[bytes] = set()  # trusted connections cut off for the rest of the window
         self._msg = np.zeros(8, np.int64)  # one zmq_msg_t (64 bytes, aligned)
         self._ident = np.zeros(MAX_IDENT, np.uint8)
@@ -95,7 +96,7 @@ class PeerBudget:
             self.metering = False
             self._trusted_control = 0
             self._window_messages = 0
-            self._serve_s = 0.0
+            self._serve_s = self._trusted_serve_s = 0.0
             self._cut.clear()
         self._pass_messages = self._pass_bytes = self._pass_read = 0
 
@@ -117,13 +118,16 @@ class PeerBudget:
     def trusted_request(self, ident: bytes, frames: list) -> bool:
         """Whether to serve a trusted connection's message: always, but for requests other
         than pipeline traffic and cancels past :data:`TRUSTED_CONTROL` this window while
-        metering (then the connection is cut off, :meth:`cut_off`)."""
+        metering, or past :data:`WINDOW_SERVE_S` of its own requests' time (then the connection
+        is cut off, :meth:`cut_off`). The time untrusted peers took is theirs: counting it here
+        let a flood on a slow machine cut the owner off window after window (a new head's
+        pings went unanswered for 5 s)."""
         if not self.metering or len(frames) < 2:
             return True
         if bytes(getattr(frames[1], "buffer", frames[1])[:20]).startswith(BULK_KINDS):
             return True
         self._trusted_control += 1
-        if self._trusted_control <= TRUSTED_CONTROL and self._serve_s < WINDOW_SERVE_S:
+        if self._trusted_control <= TRUSTED_CONTROL and self._trusted_serve_s < WINDOW_SERVE_S:
             return True
         self.cut_off(ident)
         return False
@@ -167,10 +171,12 @@ class PeerBudget:
         """Whether this window's untrusted work is used up (by count or by time)."""
         return self._window_messages >= WINDOW_MESSAGES or self._serve_s >= WINDOW_SERVE_S
 
-    def served(self, seconds: float) -> None:
+    def served(self, seconds: float, trusted: bool = False) -> None:
         """An untrusted message, or a trusted request that is not pipeline traffic, took
-        ``seconds`` to serve."""
+        ``seconds`` to serve (both leave less of the window to untrusted peers)."""
         self._serve_s += seconds
+        if trusted:
+            self._trusted_serve_s += seconds
 
     def spend(self, key: int, size: int) -> bool:
         """Count ``size`` bytes of a message :meth:`skim` returned; whether it was the peer's

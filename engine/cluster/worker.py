@@ -320,7 +320,7 @@ class Worker:
             self.bytes_read += size
             if ident and (ident == self.owner or ident == self.upstream_ident):
                 if budget.trusted_request(ident, rest):
-                    self._serve(ident, rest, timed=metered)
+                    self._serve(ident, rest, timed=metered, trusted=True)
                 budget.trust(self.owner, self.upstream_ident)  # a hello or a load may name new ones
                 continue
             self.bytes_received += size
@@ -340,12 +340,13 @@ class Worker:
             frames.append(self.sock.recv(copy=False))
         return frames
 
-    def _serve(self, ident: bytes, frames: list, timed: bool = False) -> None:
-        """Serve one message; ``timed``: its time counts against the window's (inbox.WINDOW_SERVE_S)."""
+    def _serve(self, ident: bytes, frames: list, timed: bool = False, trusted: bool = False) -> None:
+        """Serve one message; ``timed``: its time counts against the window's (inbox.WINDOW_SERVE_S),
+        and against the owner's or upstream's own where ``trusted``."""
         t0 = time.perf_counter() if timed else 0.0
         self.handle(ident, frames)
         if timed:
-            self.budget.served(time.perf_counter() - t0)
+            self.budget.served(time.perf_counter() - t0, trusted)
         self._send_finished()  # keep results flowing while a burst of requests arrives
 
     def _log_handshake_failures(self) -> None:
