@@ -143,17 +143,3 @@ def test_a_kept_stage_offers_what_its_process_holds() -> None:
     assert KeptStage(stage, 0.0, 1.0).held_mb() >= rss / (1 << 20) - 64  # type: ignore[arg-type]
     assert KeptStage(stage, 0.0, 1e9).held_mb() == 1e9
     assert memory.process_rss_bytes(2 ** 22 + 7) == 0  # no such process
-
-
-def test_a_mapped_slice_is_advised_cold(tmp_path: Path) -> None:
-    """After a stage loads, its mapping of the slice is marked the first to reclaim: the kernel
-    takes the advice (MADV_COLD; madvise would refuse an unknown one) for the whole mapping."""
-    import mmap as mm
-
-    path = tmp_path / "slice.bin"
-    path.write_bytes(b"\1" * (1 << 20))
-    with path.open("rb") as f, mm.mmap(f.fileno(), 0, access=mm.ACCESS_READ) as mapped:
-        assert mapped[0] == 1  # resident
-        assert memory.advise_cold(path) == 1 << 20
-        assert memory.advise_random_reads(path) == 1 << 20
-    assert memory.advise_cold(tmp_path / "not-mapped.bin") == 0

@@ -514,14 +514,13 @@ def _serve_control(control: Connection, runner, reply: Callable[[int, bool, obje
 
 
 def _open(spec: StageSpec):  # pragma: no cover - child
-    from ..core.memory import advise_cold, advise_random_reads
+    from ..core.memory import advise_random_reads
     from ..core.runner import StageRunner
     from ..core.runtime import ContextParams, Model
     from ..core.stage import Stage
 
     model = Model(Path(spec.path))  # proven intact by the worker just before (slice_store.has)
     advise_random_reads(Path(spec.path))  # read by rows from now on, not by windows of MBs
-    advise_cold(Path(spec.path))  # what llama.cpp repacked away goes first under a cap
     try:
         params = ContextParams(n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max,
                                n_threads=spec.n_threads, kv_unified=spec.kv_unified,

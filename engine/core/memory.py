@@ -36,7 +36,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,24 +244,7 @@ def advise_random_reads(path: Path, proc: Path = PROC) -> int:
     only the embeddings and output did not help; the whole mapping did. Where the weights stay
     mapped (no repacking) they are read whole every token and stay resident if the plan fits,
     so the advice changes nothing there."""
-    return _advise(path, getattr(mmap, "MADV_RANDOM", None), proc)
-
-
-# Linux's MADV_COLD (5.4+), which Python's mmap names only where its build headers had it
-MADV_COLD = getattr(mmap, "MADV_COLD", 20 if sys.platform.startswith("linux") else None)
-
-
-def advise_cold(path: Path, proc: Path = PROC) -> int:
-    """Mark this process's pages of ``path`` the first to reclaim (``MADV_COLD``), once a
-    stage has loaded: the pages llama.cpp repacked into its own memory are never read again,
-    yet they stay mapped, and a capped stage had the kernel evict pages it still reads
-    instead (3,686 major faults in one 32-token reply, docs/facts.md §33). Pages read again
-    are referenced, so the kernel keeps them; nothing is dropped until memory is short."""
-    return _advise(path, MADV_COLD, proc)
-
-
-def _advise(path: Path, advice: int | None, proc: Path) -> int:
-    """``madvise`` every mapping of ``path`` in this process; the bytes advised."""
+    advice = getattr(mmap, "MADV_RANDOM", None)
     if advice is None:
         return 0
     try:
