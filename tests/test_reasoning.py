@@ -55,6 +55,14 @@ def test_gemma4_thinks_in_its_thought_channel() -> None:
     assert ThinkSplitter.may_open("<|channel>") and ThinkSplitter.may_open("<think>")
     assert not ThinkSplitter.may_open("Hello") and not ThinkSplitter.may_open("")
     assert split_thinking("<|channel>thought\nhmm<channel|>Answer") == ("hmm", "Answer")
+    # a trailing empty thought channel, or a lone closing tag, leaves the answer (llama.cpp's parser);
+    # a <think> model's answer keeps a tag it writes later
+    trailing = ["<|channel>", "thought", "\nhmm", "<channel|>", "Paris.", "<|channel>", "thought", "\n", "<channel|>"]
+    for pieces in (trailing, ["Paris.", "<channel|>"]):
+        splitter = ThinkSplitter.for_template(GEMMA4_TEMPLATE)
+        parts = [splitter.feed(p) for p in pieces] + [splitter.finish()]
+        assert "".join(a for _, a in parts) == "Paris." and "".join(r for r, _ in parts) in ("hmm", ""), parts
+    assert split_thinking("<think>a</think>b <think>c</think>") == ("a", "b <think>c</think>")
     assert split_thinking("<think>a</think>b") == ("a", "b")
 
 

@@ -18,14 +18,17 @@ from .harmony import split_rendered
 
 @dataclass(frozen=True)
 class ThinkTags:
-    """How one family of models opens and closes its thinking."""
+    """How one family of models opens and closes its thinking. ``repeats``: a block may come
+    again after answer text (Gemma 4 may end a reply with an empty thought channel, or a lone
+    closing tag, which llama.cpp's parser takes out of the answer)."""
 
     open: str
     close: str
+    repeats: bool = False
 
 
 THINK = ThinkTags("<think>", "</think>")
-GEMMA4_THOUGHT = ThinkTags("<|channel>thought", "<channel|>")  # not gpt-oss's "<|channel|>"
+GEMMA4_THOUGHT = ThinkTags("<|channel>thought", "<channel|>", repeats=True)  # not gpt-oss's "<|channel|>"
 FAMILIES = (THINK, GEMMA4_THOUGHT)
 OPEN, CLOSE = THINK.open, THINK.close
 
@@ -121,8 +124,22 @@ class ThinkSplitter:
                 self.held = self.held.lstrip()
                 if self.held:
                     self.state = "answer"
-            else:
+            elif not self.tags.repeats:
                 answer, self.held = answer + self.held, ""
+            else:  # another block may open, or a lone closing tag come (dropped)
+                tags = (self.tags.open, self.tags.close)
+                hits = [(at, tag) for tag in tags if (at := self.held.find(tag)) >= 0]
+                if hits:
+                    at, tag = min(hits)
+                    answer += self.held[:at]
+                    self.held = self.held[at + len(tag):]
+                    if tag == self.tags.open:
+                        self.state, self.fresh = "thinking", True
+                    continue
+                keep = max(_partial(self.held, tag) for tag in tags)
+                answer += self.held[: len(self.held) - keep]
+                self.held = self.held[len(self.held) - keep:]
+                break
         return reasoning, answer
 
     def finish(self) -> tuple[str, str]:
