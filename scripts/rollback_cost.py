@@ -6,7 +6,9 @@
 On one stage holding the whole model, for a verify batch of k+1 rows (the pending token and k
 drafts), interleaved A/B, median of ``--reps``:
 - the batch with llama.cpp's snapshots on (n_rs_seq 8) and off: the snapshots' cost per batch;
-- the checkpoint a stage takes after every batch (the recurrent state copied out), and its size;
+- the checkpoint a stage takes after every batch (the recurrent state copied out), and its size:
+  into a new buffer while the last 16 stay alive (as a stage kept them before it reused their
+  buffers: the allocator cannot hand back the one just freed), and into a dropped one's buffer;
 - a rejected tail dropped by the snapshots, and by a checkpoint put back plus the accepted rows
   computed again (the path of a rejection in an older batch, or after an abort);
 - a plain single-token step, with and without the checkpoint, for scale.
@@ -18,10 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import deque
 
 import numpy as np
 
-from potluck.engine.core.rollback import SNAPSHOT_TOKENS
+from potluck.engine.core.rollback import KEPT_CHECKPOINTS, SNAPSHOT_TOKENS
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.lab.hybrid_shapes import HYBRID_SHAPES, build_hybrid_shape
 
@@ -70,6 +73,8 @@ def main() -> None:
     step_on: list[float] = []
     step_off: list[float] = []
     save: list[float] = []
+    save_reused: list[float] = []
+    alive: deque[bytearray] = deque(maxlen=KEPT_CHECKPOINTS)
     for i in range(args.reps):
         tok = [int(rng.integers(100, 40000))]
         with timed.into(step_on):
@@ -77,10 +82,12 @@ def main() -> None:
         with timed.into(step_off):
             off.run_tokens(tok, n0 + i)
         with timed.into(save):
-            on.recurrent_state(0)
+            alive.append(on.recurrent_state(0))
+        with timed.into(save_reused):
+            on.recurrent_state(0, into=state)
     n0 += args.reps
     print(f"plain step: {statistics.median(step_off):.2f} ms (snapshots on: {statistics.median(step_on):.2f}), "
-          f"checkpoint {statistics.median(save):.3f} ms")
+          f"checkpoint {statistics.median(save):.3f} ms (into a reused buffer: {statistics.median(save_reused):.3f})")
     print(f"{'k':>3} {'batch off':>10} {'batch on':>9} {'snapshots':>10} {'checkpoint':>11} "
           f"{'drop (snap)':>12} {'drop (restore+replay)':>22}")
     for k in args.drafts:

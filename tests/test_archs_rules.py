@@ -74,6 +74,19 @@ def test_gemma4_31b_cells_count_each_kind_of_layers_heads_and_widths() -> None:
     assert sum(archs.kv_bytes_per_token(h)) == 50 * 2 * 16 * 512 + 10 * 2 * 4 * 1024
 
 
+def test_a_loaded_models_cache_size_counts_per_layer_heads_from_the_header() -> None:
+    """llama.cpp's metadata leaves per-layer arrays out (gemma4-small's KV heads: 2 sliding, 1
+    global): validate.kv_bytes then reads each layer's heads and widths from the header."""
+    from potluck.engine.core import validate
+    from potluck.engine.core.runtime import Model
+
+    path = build_shape("gemma4-small")
+    with Model(path, vocab_only=True) as m:
+        assert m.meta("gemma4.attention.head_count_kv") is None  # the path below, not the scalar one
+        assert validate.kv_bytes(m, 100) == 100 * sum(archs.kv_bytes_per_token(header_of(path)))
+        assert validate.kv_bytes(m, 100) == 100 * (5 * 2 * 2 * (64 + 64) + 2 * 1 * (128 + 128))
+
+
 def test_deepseek2_slices_count_their_own_dense_layers_and_leave_the_mtp_block_out(tmp_path: Path) -> None:
     path = build_shape("deepseek2-small")
     h = header_of(path)

@@ -133,13 +133,13 @@ def test_a_kept_stage_offers_what_its_process_holds() -> None:
     memory where that is more than the planner's figure (a real stage holds more than planned)."""
     from types import SimpleNamespace
 
-    from potluck.engine.cluster.stage_host import KeptStage
+    from potluck.engine.cluster.stage_host import held_mb
 
     rss = memory.process_rss_bytes(os.getpid())
     status = Path(f"/proc/{os.getpid()}/status").read_text()
     listed = int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) * 1024
     assert rss > 0 and abs(rss - listed) < 64 << 20
     stage = SimpleNamespace(proc=SimpleNamespace(proc=SimpleNamespace(pid=os.getpid())))
-    assert KeptStage(stage, 0.0, 1.0).held_mb() >= rss / (1 << 20) - 64  # type: ignore[arg-type]
-    assert KeptStage(stage, 0.0, 1e9).held_mb() == 1e9
+    assert held_mb(stage, 1.0) >= rss / (1 << 20) - 64  # type: ignore[arg-type]
+    assert held_mb(stage, 1e9) == 1e9  # type: ignore[arg-type]
     assert memory.process_rss_bytes(2 ** 22 + 7) == 0  # no such process

@@ -39,18 +39,20 @@ class LoadedStage:
 @dataclass
 class KeptStage:
     """A stage its head released, still loaded until ``until`` (monotonic s) for a head that
-    loads the same slice with the same settings; ``mb``: what it holds, by the planner's figure."""
+    loads the same slice with the same settings; ``mb``: what ending it gives back
+    (:func:`held_mb`, read when it was released: an idle stage does not grow)."""
 
     stage: LoadedStage
     until: float
     mb: float
 
-    def held_mb(self) -> float:
-        """What ending it gives back: its process's resident memory, or the planner's figure
-        where that is more. A stage holds more than planned (its mapped slice, llama.cpp's
-        buffers, the interpreter): offering only the plan's figure left a 4.9 GB worker that
-        had run an 8-layer stage of 4,086 MB planned short of that same stage for the next head."""
-        return max(self.mb, process_rss_bytes(self.stage.proc.proc.pid) / (1 << 20))
+
+def held_mb(stage: LoadedStage, planned_mb: float) -> float:
+    """What ending ``stage`` gives back: its process's resident memory, or the planner's figure
+    where that is more. A stage holds more than planned (its mapped slice, llama.cpp's buffers,
+    the interpreter): offering only the plan's figure left a 4.9 GB worker that had run an
+    8-layer stage of 4,086 MB planned short of that same stage for the next head."""
+    return max(planned_mb, process_rss_bytes(stage.proc.proc.pid) / (1 << 20))
 
 
 def stage_memory_mb(path: Path, load: wire.Load) -> tuple[float, str | None]:

@@ -45,7 +45,7 @@ from .child import CLOSE_WAIT_S, PENDING_FLOOR_BYTES, StageCrashed, StageProcess
 from .profile import NodeProfile, free_memory_mb
 from .slice_seal import Seal
 from .slice_store import SliceStore, SliceUploads
-from .stage_host import Handback, KeptStage, LoadedStage, check_load, load_stage, stage_memory_mb
+from .stage_host import Handback, KeptStage, LoadedStage, check_load, held_mb, load_stage, stage_memory_mb
 from .transfer import LocalModels
 from .transport import (
     AUTH_FAILED_EVENTS,
@@ -550,7 +550,7 @@ class Worker:
         if not rejoined or time.monotonic() - self._free_mb[0] > 1.0:  # /proc and cgroup reads: not per hello
             self._free_mb = (time.monotonic(), free_memory_mb())
         # a kept stage is freed for any other load: its memory is on offer too
-        free_mb = self._free_mb[1] + (int(self._kept.held_mb()) if self._kept is not None else 0)
+        free_mb = self._free_mb[1] + (int(self._kept.mb) if self._kept is not None else 0)
         welcome = wire.Welcome(p.node_id, self.version, p.cores, free_mb, p.speed, "idle", self.max_msg_bytes)
         self._send(ident, welcome)
 
@@ -664,7 +664,7 @@ class Worker:
                     mb = stage_memory_mb(path, ld.load)[0]
                 except Exception:  # noqa: BLE001 - the slice went from the cache: count what the load did
                     mb = 0.0
-                self._kept = KeptStage(ld, time.monotonic() + self.keep_stage_s, mb)
+                self._kept = KeptStage(ld, time.monotonic() + self.keep_stage_s, held_mb(ld, mb))
                 log.info("stage released; layers %d-%d stay loaded for %.0f s for the next head",
                          ld.load.layer_lo, ld.load.layer_hi, self.keep_stage_s)
             else:

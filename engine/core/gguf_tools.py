@@ -441,16 +441,23 @@ def _reader_of_version(path: Path, size: int, mtime_ns: int):  # -> gguf.GGUFRea
 
 
 def file_header(path: Path) -> archs.Header:
-    """The header of ``path`` as it is now (parsed once per file version)."""
+    """The header of ``path`` as it is now (read once per file version: a session sizes its
+    kept conversations with it after every reply)."""
     path = Path(path).resolve()
     st = path.stat()
-    return archs.read_header(_reader_of_version(path, st.st_size, st.st_mtime_ns))
+    return _header_of_version(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _header_of_version(path: Path, size: int, mtime_ns: int) -> archs.Header:
+    return archs.read_header(_reader_of_version(path, size, mtime_ns))
 
 
 def forget_parsed_headers() -> None:
     """Drop the parsed headers (and with them the reader's map of the file): a head that has
     laid out its slices keeps no page of the model resident (a model too big for it)."""
     _reader_of_version.cache_clear()
+    _header_of_version.cache_clear()
 
 
 def write_layers(src: Path, dst: Path, layer_map: Sequence[int]) -> Path:
