@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.cluster.plan import layer_costs, manual_plan, slice_problem
-from potluck.engine.core import archs
+from potluck.engine.core import archs, gguf_tools
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.gguf_tools import describe, layer_layout, open_reader, write_layers
 from potluck.engine.lab.fixtures import SHAPES, build_shape
@@ -23,6 +23,36 @@ def header_of(path: Path) -> archs.Header:
 
 def sliced(path: Path, layer_map: list[int], tmp_path: Path) -> archs.Header:
     return header_of(write_layers(path, tmp_path / f"s{layer_map[0]}-{len(layer_map)}.gguf", layer_map))
+
+
+@pytest.mark.parametrize("shape", ["bundled", "gemma4-small"])
+def test_a_slices_header_copies_unchanged_values_as_repacking_them_would_write_them(
+    shape: str, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys a slice does not change are copied as the source's bytes (a vocabulary's strings,
+    scores, types and merges, never decoded): the header is byte for byte the one that
+    decoding and packing every value again writes. gemma4-small's middle slice rewrites its
+    per-layer arrays and leaves its vocabulary out; the bundled model's keeps 49,152 tokens."""
+    path, layers = (model_path, list(range(0, 12))) if shape == "bundled" else (build_shape(shape), [2, 3, 4])
+    copied: list[int] = []
+    raw_value = gguf_tools._raw_value
+
+    def counted(reader, field):
+        raw = raw_value(reader, field)
+        copied.append(len(raw))
+        return raw
+
+    def layout():
+        gguf_tools._layout_of_version.cache_clear()
+        return layer_layout(path, layers, stage=True)
+
+    monkeypatch.setattr(gguf_tools, "_raw_value", counted)
+    fast = layout()
+    monkeypatch.setattr(gguf_tools, "_raw_value", lambda reader, field: None)
+    repacked = layout()
+    gguf_tools._layout_of_version.cache_clear()
+    assert fast.header == repacked.header and fast.parts == repacked.parts
+    assert len(copied) > 10 and (max(copied) > 100_000) == (shape == "bundled")
 
 
 def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> None:
