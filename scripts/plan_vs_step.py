@@ -57,7 +57,7 @@ def main() -> None:
     for shape in args.shape:
         files += [build_named_shape(shape, layers=int(n)) for n in args.layers.split(",")]
     speed = measure_speed(args.threads)
-    print(f"speed score {speed:.2f} at {args.threads} threads")
+    print(f"speed {speed:.2f} GB/s at {args.threads} threads (profile.measure_speed)")
     rows = []
     for path in files:
         costs = layer_costs(path)

@@ -101,3 +101,18 @@ def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(PotluckError, match="not verified"):
         slice_layers(path, tmp_path / "s.gguf", 0, 1)
+
+
+
+def test_a_machines_speed_is_llama_cpps_own_product_checked_against_its_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The speed is GB/s of Q4_0 weights through ggml's matrix-vector product; every run checks
+    the product's rows against the sum of their weights, so a ggml that computes something
+    else (structures unlike the probe's) is refused in one line rather than timed."""
+    from potluck.engine.cluster.profile import measure_speed
+    from potluck.engine.core import matvec_probe
+
+    assert 0.1 < measure_speed(1, trials=3) < 1000
+    _, cpu = matvec_probe._libs()
+    monkeypatch.setattr(cpu, "ggml_graph_compute_with_ctx", lambda ctx, graph, threads: 0)  # computes nothing
+    with pytest.raises(PotluckError, match="speed probe computed"):
+        matvec_probe.q4_0_matvec_gbps(1, trials=1)

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     host = args.bind if args.bind not in ("0.0.0.0", "*") else "<this-machine>"
     print(
         f"potluck worker {profile.node_id} listening on {host}:{worker.port} "
-        f"({profile.cores} cores, {threads} threads, {profile.free_mb} MB free, speed {profile.speed:g})",
+        f"({profile.cores} cores, {threads} threads, {profile.free_mb} MB free, speed {profile.speed:g} GB/s)",
         flush=True,
     )
     try:

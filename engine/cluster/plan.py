@@ -50,11 +50,12 @@ PAGE_BYTES = 4096  # what reading one embedding row maps
 # gpt-oss-small 1.98x, qwen3moe-small 1.96x, the gpt-oss-20b shape at 4 layers 1.93x): the
 # spare row's products are computed, and in a mixture routed to experts of its own.
 TWO_ROW_STEP_COST = 1.93
-# A speed score (profile.measure_speed: GFLOP/s of one core's multiply-adds, times threads) in
-# weight bytes a decode step streams per second: llama-bench tg32 of the 1b shape (604 MB) ran
-# 10.8 tok/s at 1 thread (score 3.5) and 20.6 at 2 (7.1), the 8b shape 3.6 at 2 (docs/facts.md
-# §21): 1.8-2.1 GB/s a unit. It turns a stage's bytes into seconds, to add its link's time.
-WEIGHT_BYTES_PER_S_PER_SPEED = 1.9e9
+# Weight bytes a decode step streams per second, per unit of speed (profile.measure_speed: GB/s
+# through llama.cpp's Q4_0 matrix-vector product): a whole step also normalizes, attends and
+# hands over, and llama.cpp's repacked kernels run the products. Fitted on the dense 1b shape,
+# then the same for gpt-oss and the hybrid (docs/facts.md §33). It turns a stage's bytes into
+# seconds, to add its link's time.
+WEIGHT_BYTES_PER_S_PER_SPEED = 0.95e9
 
 
 def usable_mb(node: NodeInfo) -> float:

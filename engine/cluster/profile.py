@@ -1,18 +1,18 @@
-"""What a machine offers to the cluster: cores, free memory and a measured speed score.
+"""What a machine offers to the cluster: cores, free memory and a measured speed.
 
-The planner divides layers by the speed score, so it only has to be proportional to how
-fast this machine runs llama.cpp layers; it is measured, never assumed (docs/facts.md §6).
+The planner divides layers by the speed, and turns a stage's weight bytes into seconds with
+it: GB/s of weights through llama.cpp's own decode kernel, measured, never assumed
+(docs/facts.md §6, §33).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
-
+from ..core.matvec_probe import q4_0_matvec_gbps
 from ..core.memory import free_memory_mb
 
 
@@ -21,35 +21,28 @@ class NodeProfile:
     node_id: str
     cores: int
     free_mb: int  # MemAvailable, or less under a cgroup limit (core/memory.py)
-    speed: float  # arbitrary units, proportional to the expected layer throughput
+    speed: float  # GB/s of Q4_0 weights through llama.cpp's matrix-vector product (measure_speed)
 
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def measure_speed(threads: int, trials: int = 40) -> float:
-    """Single-core multiply-add throughput (GFLOP/s) times the threads llama.cpp will use.
+def measure_speed(threads: int, trials: int = 120) -> float:
+    """GB/s of Q4_0 weights through llama.cpp's matrix-vector product on the threads llama.cpp
+    will use (:func:`~potluck.engine.core.matvec_probe.q4_0_matvec_gbps`): a decode step's own
+    kernel, so hosts whose float and integer units compare differently are still ranked by
+    how fast they decode. The best of ``trials`` (~2 ms each at 1 thread, ~0.4 s in all with
+    the matrix's set-up): other processes competing for the cores, or cold pages, only slow a
+    trial. At 1 thread over ten processes it came out 9.2-10.1 here, once 7.3 (docs/facts.md
+    §33). Measured once per process and thread count: a head re-plans after a lost worker
+    without measuring again."""
+    return _speed(max(1, threads), trials)
 
-    A decode step streams weights through multiply-adds; numpy's elementwise kernels are
-    single-threaded, so this measures one core. The best of several short trials is kept,
-    so that other processes competing for the cores (or a cold cache) do not skew it: 40 of
-    them (~0.07 s), since the best of 15 still came out 3.9-7.2 on one quiet core where 40
-    gave 5.5-7.5 (docs/facts.md §33).
-    """
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal(1 << 18, dtype=np.float32)  # 1 MiB: the size of a weight tile
-    b = rng.standard_normal(1 << 18, dtype=np.float32)
-    out = np.empty_like(a)
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(8):
-            np.multiply(a, b, out=out)
-            np.add(out, a, out=out)
-        best = min(best, time.perf_counter() - t0)
-    gflops = 2 * 8 * a.size / best / 1e9
-    return round(gflops * max(1, threads), 2)
+
+@functools.cache
+def _speed(threads: int, trials: int) -> float:
+    return round(q4_0_matvec_gbps(threads, trials), 2)
 
 
 def node_id() -> str:

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
-PROTOCOL_VERSION = 15  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
+PROTOCOL_VERSION = 16  # 2: forward/kv carry engine jobs and KV ops; 3: a stage belongs to its head;
 # 4: status reports busy time; 5: the last worker returns hidden states (the head computes the output);
 # 6: one cancel names several job groups; 7: run_id fields renamed group/groups; 8: an offer's reply
 # says how much of a cut-off transfer the worker kept (the head resumes there); 9: an offer names
@@ -19,7 +19,8 @@ PROTOCOL_VERSION = 15  # 2: forward/kv carry engine jobs and KV ops; 3: a stage 
 # 13: a stage between the first and the last is sliced without a vocabulary (a worker cutting
 # slices from its own copy, --models, must cut them byte for byte as the head does); 14: kv
 # save/load name any sequence (several conversations decoded together, each in its own stream);
-# 15: loaded says how long a verify batch stays exact on the stage's weights and CPU
+# 15: loaded says how long a verify batch stays exact on the stage's weights and CPU; 16: a node's
+# speed is GB/s through llama.cpp's Q4_0 matrix-vector product (was a numpy multiply-add score)
 MAGIC = b"potluck/%d" % PROTOCOL_VERSION
 MAX_HEADER_BYTES = 16 * 1024
 MAX_STR = 4096
