@@ -75,7 +75,7 @@ def _fast_reader_class():
     ``__array_finalize__`` makes that ~4x slower; it also recurses into ``_get_field_parts``
     for each element of every array (the vocabulary, its scores, types and merges). The
     default model's header took 0.86 s and Gemma 3's 262k-token one 3.8 s; with the first two
-    fixes 0.16 s and 0.52 s, and with :class:`_ArrayParts` 0.06 s for the default model. The
+    fixes 0.16 s and 0.52 s, and with :class:`_ArrayParts` 0.08 s for the default model. The
     fields, parts and offsets are the same arrays over the same bytes
     (``tests/test_engine_units.py`` compares them with the element-wise walk).
     """
