@@ -18,10 +18,24 @@ from typing import NoReturn
 
 from ..engine import PotluckError, PrintableFormatter, printable
 
-# Order is the order of `potluck --help`. The first one runs when no command is given.
-COMMANDS = [
-    "chat", "generate", "serve", "models", "pull", "perf", "locate", "worker", "nodes", "token", "bench", "simulate",
-]
+# Each command and its line in `potluck --help`, in that order; the first runs when no command
+# is given. The lines live here so that `potluck --help` imports no command module (each imports
+# what it runs: the loader, every strategy, the chat app).
+COMMANDS = {
+    "chat": 'open the chat app (the default command)',
+    "generate": 'generate one reply to PROMPT (or stdin) and print it',
+    "serve": 'serve the model over an OpenAI-compatible HTTP API',
+    "models": "list the models on this machine and describe GGUF files (layers, experts, whether --nodes splits "
+    "them, how long a verify batch stays exact)",
+    "pull": 'download a GGUF model from Hugging Face',
+    "perf": 'measure plain decode / prompt speed and the batch-cost curve',
+    "locate": 'print where settings, history, log and exports live',
+    "worker": 'serve model layers to a head on the LAN (one per spare PC)',
+    "nodes": 'list potluck workers found on the LAN (zeroconf)',
+    "token": 'generate a cluster token (pass it to every worker and head)',
+    "bench": "benchmark decoding strategies against plain decoding and llama-cpp-python's prompt lookup",
+    "simulate": 'model the cluster pipeline: iterative, speculative, pipelined and PipeInfer decoding',
+}
 
 
 def potluck_version() -> str:
@@ -49,10 +63,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def build_parser(commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[str] = tuple(COMMANDS), *, listed: bool = False) -> argparse.ArgumentParser:
     """The command line with ``commands`` wired in: all of them, or only the one that runs, since
     each command module imports what it runs (the loader, every strategy) and a worker, a stage
-    or ``potluck --version`` (none at all) should not."""
+    or ``potluck --version`` (none at all) should not. ``listed``: every command by its line in
+    :data:`COMMANDS` only, for ``potluck --help``."""
     parser = OneLineParser(
         prog="potluck",
         description="Chat with local LLMs: lossless speculative decoding, LAN layer split.",
@@ -61,7 +76,10 @@ def build_parser(commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in commands:
-        import_module(f"potluck.app.commands.{name}").add_parser(sub)
+        if listed:
+            sub.add_parser(name, help=COMMANDS[name])
+        else:
+            import_module(f"potluck.app.commands.{name}").add_parser(sub)
     return parser
 
 
@@ -73,15 +91,15 @@ def with_default_command(argv: list[str]) -> list[str]:
     rest = [a for a in argv if a not in _VERBOSE]
     if (rest and rest[0] in COMMANDS) or rest in (["-h"], ["--help"], ["--version"]):
         return argv
-    return [*(a for a in argv if a in _VERBOSE), COMMANDS[0], *rest]
+    return [*(a for a in argv if a in _VERBOSE), next(iter(COMMANDS)), *rest]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "potluck", "numba"))
     argv = with_default_command(list(sys.argv[1:] if argv is None else argv))
     named = [a for a in argv if a not in _VERBOSE][:1]
-    wired = [] if named == ["--version"] else [n for n in named if n in COMMANDS] or COMMANDS
-    args = build_parser(wired).parse_args(argv)
+    wired = [] if named == ["--version"] else [n for n in named if n in COMMANDS] or list(COMMANDS)
+    args = build_parser(wired, listed=named in (["-h"], ["--help"])).parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else (logging.INFO if args.verbose == 1 else logging.DEBUG)
     handler = logging.StreamHandler()
     handler.setFormatter(PrintableFormatter("%(levelname)s %(name)s: %(message)s"))

@@ -24,6 +24,14 @@ def test_every_command_has_a_description_and_cites_no_internal_file(name: str) -
         assert internal not in text, f"{name} --help cites {internal}"
 
 
+def test_potluck_help_lists_every_command_by_the_line_its_own_parser_has() -> None:
+    listed = build_parser(listed=True)._subparsers._group_actions[0]  # type: ignore[union-attr]
+    wired = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    lines = {a.dest: a.help for a in listed._choices_actions}
+    assert list(lines) == list(COMMANDS)
+    assert lines == {a.dest: a.help for a in wired._choices_actions}
+
+
 def test_the_kv_help_agrees_with_the_readme() -> None:
     for name in ("generate", "bench"):
         text = " ".join(command_help(name).split())

@@ -29,13 +29,14 @@ from ...engine.lab.benchmark import (
 from ...engine.lab.cluster_bench import ClusterBenchConfig, ClusterRow
 from ...engine.lab.fixtures import RECIPES, build_all, build_fixture
 from ...engine.lab.shapes import SHAPE_NAMES, build_named_shape
+from ..cli import COMMANDS
 from .common import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark decoding strategies against plain decoding and llama-cpp-python's prompt lookup",
+        help=COMMANDS["bench"],
         description="Runs strategies side by side in one process on the same prompts "
         "(greedy) and reports tokens/s, speedup vs plain decoding, acceptance and whether "
         f"the output is identical to plain decoding. Baselines: {BASELINE} and '{PROMPT_LOOKUP}' "

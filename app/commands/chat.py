@@ -19,6 +19,7 @@ from ...engine import (
     strategy_fits,
     validate,
 )
+from ..cli import COMMANDS
 from .common import (
     CLUSTER_OVERRIDES,
     add_cluster_args,
@@ -55,7 +56,7 @@ _OVERRIDES = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "chat",
-        help="open the chat app (the default command)",
+        help=COMMANDS["chat"],
         description="Open the chat app. Defaults come from config.toml (`potluck locate` shows where); "
         "without one: strategy auto, temperature 0.8, top-k 40, top-p 0.95, min-p 0.05.",
     )

@@ -22,6 +22,7 @@ from ...engine import (
     thinks,
     validate,
 )
+from ..cli import COMMANDS
 from .common import (
     add_cluster_args,
     add_model_args,
@@ -35,7 +36,7 @@ from .common import (
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "generate", help="generate one reply to PROMPT (or stdin) and print it",
+        "generate", help=COMMANDS["generate"],
         description="Generate one reply to PROMPT (or stdin) and stream it to stdout: plain greedy decoding "
         "unless --strategy or --temp say otherwise; --json prints one object at the end.",
     )

@@ -7,11 +7,12 @@ import json
 
 from ...assets import default_model_path
 from ...engine import paths
+from ..cli import COMMANDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "locate", help="print where settings, history, log and exports live",
+        "locate", help=COMMANDS["locate"],
         description="Print where potluck keeps its settings (config.toml), chat history, log, exports "
         "and the bundled model; `potluck locate config` prints one path.",
     )

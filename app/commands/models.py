@@ -10,14 +10,14 @@ from pathlib import Path
 from ...assets import DEFAULT_MODEL_NAME, default_model_path
 from ...engine import PotluckError
 from ...engine import describe_gguf as describe
+from ..cli import COMMANDS
 from ..model_files import models_on_disk
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "models",
-        help="list the models on this machine and describe GGUF files (layers, experts, whether --nodes splits them, "
-        "how long a verify batch stays exact)",
+        help=COMMANDS["models"],
         description="List the bundled model, the GGUFs in the Hugging Face cache (potluck pull), "
         "LM Studio's and ollama's models, or describe the GGUF files given: their layers, experts, and whether "
         "--nodes can split them (and why not), and how long a verify batch stays exact.",

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from ...discovery.lan import DiscoveredNode, Membership
 from ...engine import PotluckError, default_threads, measure_profile, preview_plan, printable, resolve_model
+from ..cli import COMMANDS
 from .common import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "nodes", help="list potluck workers found on the LAN (zeroconf)",
+        "nodes", help=COMMANDS["nodes"],
         description="List the potluck workers found on the LAN (zeroconf): node, address, cores, free "
         "memory and speed; --watch keeps the list live.",
     )

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from ...engine import Model, PotluckError, resolve_model, validate
 from ...engine.lab.perf import history_consistency, measure
+from ..cli import COMMANDS
 from .common import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "perf", help="measure plain decode / prompt speed and the batch-cost curve",
+        "perf", help=COMMANDS["perf"],
         description="Measure this machine: plain decoding and prompt speed, and what a batch of k tokens "
         "costs against one (what speculation's break-even rests on). Takes minutes; each step says so.",
     )

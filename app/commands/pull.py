@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...engine import PotluckError
+from ..cli import COMMANDS
 from ..model_files import hf_hub_cache, is_first_part
 
 DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's and ollama's usual pick: small, close to the original
@@ -31,7 +32,7 @@ _QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d[\w]*?)|(?:BF16|F16|F32))(?=\.gguf
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pull",
-        help="download a GGUF model from Hugging Face",
+        help=COMMANDS["pull"],
         description="Download a GGUF from a Hugging Face repository into the Hugging Face cache "
         f"(resumable, SHA-256 checked). QUANT picks the file (default {DEFAULT_QUANT} when there is one); "
         "split models are downloaded whole. Then `potluck chat -m PATH` (or ctrl+o in the chat) opens it.",

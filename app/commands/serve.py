@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...engine import Lanes, PotluckError, PromptCache, check_gguf_file, open_lanes, resolve_model, validate
+from ..cli import COMMANDS
 from ..serve.connections import ConnectionGate, connection_budget, gated_protocol, listening_socket
 from ..serve.engine_thread import EngineThread
 from ..serve.guard import Guard, read_api_keys
@@ -46,7 +47,7 @@ _OVERRIDES = {
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        "serve", help=COMMANDS["serve"],
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
         "/v1/completions, /v1/models, /health). Defaults come from config.toml ([model], [sampling], [server], "
         "[cluster]).",

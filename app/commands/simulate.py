@@ -23,6 +23,7 @@ from ...engine import PotluckError
 from ...engine.lab.sim_config import CUTOFF_RULES, STRATEGIES, PerfTiming, SimConfig, check_batch_cost
 from ...engine.lab.sim_lanes import simulate_lanes
 from ...engine.lab.simulate import TrendSetting, fit_latency, simulate, trends
+from ..cli import COMMANDS
 
 DEFAULT_MODEL_MS = 12.0  # SmolLM2-135M, one token on 2 threads (docs/facts.md §6)
 MARKERS = {"iterative": "i", "speculative": "s", "pipelined": "p", "pipeinfer": "P",
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d = SimConfig()
     p = sub.add_parser(
         "simulate",
-        help="model the cluster pipeline: iterative, speculative, pipelined and PipeInfer decoding",
+        help=COMMANDS["simulate"],
         description="A discrete-event model of potluck's LAN pipeline (stages, links, the head's drafting "
         "and sampling, cancellation). Prints tokens/s, speed against iterative decoding, TTFT, each "
         "stage's busy fraction and the runs cancelled, as means over --seeds seeds.",

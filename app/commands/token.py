@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from ...discovery.auth import generate_token, read_token_file, save_token, token_file
+from ..cli import COMMANDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "token", help="generate a cluster token (pass it to every worker and head)",
+        "token", help=COMMANDS["token"],
         description="Generate and save a cluster token (256 random bits). Give it to every worker and head "
         "($POTLUCK_TOKEN or a 0600 --token-file): it keys all cluster traffic.",
     )

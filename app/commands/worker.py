@@ -21,13 +21,13 @@ from ...engine import (
     paths,
     validate,
 )
-from ..cli import potluck_version
+from ..cli import COMMANDS, potluck_version
 from .common import cluster_keys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "worker", help="serve model layers to a head on the LAN (one per spare PC)",
+        "worker", help=COMMANDS["worker"],
         description="Run on each spare PC: advertise this machine on the LAN and compute the layers a head "
         "(`potluck chat --nodes auto`) sends it. Needs the cluster token ($POTLUCK_TOKEN or --token-file).",
     )
