@@ -22,19 +22,19 @@ from ..engine import PotluckError, PrintableFormatter, printable
 # is given. The lines live here so that `potluck --help` imports no command module (each imports
 # what it runs: the loader, every strategy, the chat app).
 COMMANDS = {
-    "chat": 'open the chat app (the default command)',
-    "generate": 'generate one reply to PROMPT (or stdin) and print it',
-    "serve": 'serve the model over an OpenAI-compatible HTTP API',
+    "chat": "open the chat app (the default command)",
+    "generate": "generate one reply to PROMPT (or stdin) and print it",
+    "serve": "serve the model over an OpenAI-compatible HTTP API",
     "models": "list the models on this machine and describe GGUF files (layers, experts, whether --nodes splits "
     "them, how long a verify batch stays exact)",
-    "pull": 'download a GGUF model from Hugging Face',
-    "perf": 'measure plain decode / prompt speed and the batch-cost curve',
-    "locate": 'print where settings, history, log and exports live',
-    "worker": 'serve model layers to a head on the LAN (one per spare PC)',
-    "nodes": 'list potluck workers found on the LAN (zeroconf)',
-    "token": 'generate a cluster token (pass it to every worker and head)',
+    "pull": "download a GGUF model from Hugging Face",
+    "perf": "measure plain decode / prompt speed and the batch-cost curve",
+    "locate": "print where settings, history, log and exports live",
+    "worker": "serve model layers to a head on the LAN (one per spare PC)",
+    "nodes": "list potluck workers found on the LAN (zeroconf)",
+    "token": "generate a cluster token (pass it to every worker and head)",
     "bench": "benchmark decoding strategies against plain decoding and llama-cpp-python's prompt lookup",
-    "simulate": 'model the cluster pipeline: iterative, speculative, pipelined and PipeInfer decoding',
+    "simulate": "model the cluster pipeline: iterative, speculative, pipelined and PipeInfer decoding",
 }
 
 

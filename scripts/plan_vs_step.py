@@ -20,6 +20,7 @@ from pathlib import Path
 from potluck.engine import EngineSpec, SamplingParams, TokenText, open_session
 from potluck.engine.cluster.plan import head_cost, layer_costs, step_cost
 from potluck.engine.cluster.profile import measure_speed
+from potluck.engine.core.errors import PotluckError
 from potluck.engine.lab.shapes import build_named_shape
 
 PROMPT = "Tell me a story about a cat who learns to sail."
@@ -77,4 +78,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PotluckError as e:  # an unknown shape, an unreadable file: one line
+        raise SystemExit(f"plan_vs_step: {e}") from None

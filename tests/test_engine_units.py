@@ -49,6 +49,31 @@ def test_header_reader_parses_arrays_as_the_element_wise_walk_does(model_path: P
     ]
 
 
+@pytest.mark.parametrize("count", [2**60, 10**9, "one more"])
+def test_an_array_longer_than_the_file_is_refused_in_one_line(count: object, model_path: Path, tmp_path: Path) -> None:
+    """A vocabulary whose count says more strings than the file holds is refused at once in one
+    line (never a list of 2^60 offsets, never a walk off the end); one string too many reads
+    on into the next keys, and is refused in one line too."""
+    import struct
+
+    from potluck.engine.core.errors import ModelError
+
+    tokens = open_reader(model_path).fields["tokenizer.ggml.tokens"]
+    at = tokens.offset + 8 + int(tokens.parts[0][0]) + 4 + 4  # the key, its type, the element type
+    data = bytearray(model_path.open("rb").read(4_000_000))
+    n = len(tokens.data) + 1 if count == "one more" else count
+    data[at : at + 8] = struct.pack("<Q", n)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    t0 = time.perf_counter()
+    with pytest.raises(ModelError, match="truncated or corrupt") as err:
+        open_reader(bad)
+    assert "\n" not in str(err.value)
+    if count != "one more":  # one string more reads the next key as one: what follows is then wrong
+        assert "runs past the end of the file" in str(err.value)
+    assert time.perf_counter() - t0 < 30
+
+
 def test_greedy_is_one_hot_on_argmax() -> None:
     p = dense_probs(LOGITS, SamplingParams())
     assert p.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]

@@ -103,7 +103,6 @@ def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
         slice_layers(path, tmp_path / "s.gguf", 0, 1)
 
 
-
 def test_a_machines_speed_is_llama_cpps_own_product_checked_against_its_sum(monkeypatch: pytest.MonkeyPatch) -> None:
     """The speed is GB/s of Q4_0 weights through ggml's matrix-vector product; every run checks
     the product's rows against the sum of their weights, so a ggml that computes something

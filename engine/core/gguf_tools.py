@@ -58,14 +58,6 @@ class _ArrayParts(Sequence):
         at = self.starts[j]
         return self.plain[at : at + 8].view(np.uint64) if k == 0 else self.plain[at + 8 : self.starts[j + 1]]
 
-    def end(self) -> int:
-        """Where the array's bytes end in the file."""
-        if self.starts is not None:
-            return self.starts[-1]
-        values = self.values
-        assert values is not None
-        return values.__array_interface__["data"][0] - self.plain.__array_interface__["data"][0] + values.nbytes
-
 
 def _fast_reader_class():
     """GGUFReader whose header parsing slices a plain ndarray view of the memmap, walks arrays
@@ -98,7 +90,9 @@ def _fast_reader_class():
             return arr.view(arr.dtype.newbyteorder(order))
 
         def _build_fields(self, offs, count):  # type: ignore[override]
-            """gguf's own loop, but a long array's parts stay an :class:`_ArrayParts`."""
+            """gguf's own loop, but a long array's parts stay an :class:`_ArrayParts`, and where
+            each key's value ends is kept (``value_ends``: a slice copies values as bytes)."""
+            self.value_ends: dict[str, int] = {}
             for _ in range(count):
                 orig_offs = offs
                 kv_klen, kv_kdata = self._get_str(offs)
@@ -114,6 +108,7 @@ def _fast_reader_class():
                 name = str(bytes(kv_kdata), encoding="utf-8")
                 self._push_field(gguf.ReaderField(orig_offs, name, parts, [i + 3 for i in idxs], types), skip_sum=True)
                 offs += size
+                self.value_ends[name] = offs
             return offs
 
         def _get_field_parts(self, orig_offs, raw_type):  # type: ignore[override]
@@ -283,18 +278,12 @@ def _header_writer(path: Path, arch: str):  # -> gguf.GGUFWriter
 
 
 def _raw_value(reader, field) -> _Raw | None:
-    """``field``'s value bytes in ``reader``'s file, or None where they cannot be copied as
-    they are (a file of the other byte order: the writer writes little-endian)."""
+    """``field``'s value bytes in ``reader``'s file (from :func:`open_reader`), or None where they
+    cannot be copied as they are (a file of the other byte order: the writer writes little-endian)."""
     if reader.byte_order != "I":
         return None
-    plain = reader.data.view(np.ndarray)
-    if isinstance(field.parts, _ArrayParts):
-        end = field.parts.end()
-    else:
-        last = field.parts[-1]
-        end = last.__array_interface__["data"][0] - plain.__array_interface__["data"][0] + last.nbytes
     start = field.offset + 8 + int(field.parts[0][0]) + 4  # after the key (length, bytes) and the value type
-    return _Raw(plain[start:end].tobytes())
+    return _Raw(reader.data[start : reader.value_ends[field.name]].tobytes())
 
 
 def _copy_fields(

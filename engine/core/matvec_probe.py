@@ -39,8 +39,8 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
         raise PotluckError("llama-cpp-python is not installed: reinstall potluck")
     lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
     try:
-        base = ctypes.CDLL(str(lib / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-        cpu = ctypes.CDLL(str(lib / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        base = ctypes.CDLL(str(lib / "libggml-base.so"))
+        cpu = ctypes.CDLL(str(lib / "libggml-cpu.so"))
     except OSError as e:
         raise PotluckError(f"cannot load llama.cpp's ggml libraries from {lib}: {e}") from None
     vp = ctypes.c_void_p
