@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine.cluster.plan import layer_costs, manual_plan, slice_problem
+from potluck.engine.cluster.plan import head_layers, layer_costs, slice_problem
 from potluck.engine.core import archs, gguf_tools
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.gguf_tools import describe, layer_layout, open_reader, write_layers
@@ -57,16 +57,21 @@ def test_a_slices_header_copies_unchanged_values_as_repacking_them_would_write_t
 
 def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> None:
     """llama.cpp's default pattern (period 2) says even layers slide: a slice starting at an
-    odd layer carries the explicit array, and one without a sliding layer is never planned."""
+    odd layer carries the explicit array. A slice of global layers only (llama.cpp asserts one
+    sliding layer) is written as sliding layers over a window no position reaches: the same
+    attention (tests/test_archs_exact.py's 3-stage split ends with one), so the head computes
+    the last layer alone."""
     path = build_shape("gpt-oss-small")
     h = header_of(path)
     assert archs.ARCHS["gpt-oss"].swa_layers(h) == (True, False, True, False, True, False)
     s = sliced(path, [1, 2, 3], tmp_path)
     assert s.get("attention.sliding_window_pattern") == [False, True, False]
+    assert s.get("attention.sliding_window") == h.get("attention.sliding_window") == 8
+    wide = sliced(path, [5], tmp_path)
+    assert wide.get("attention.sliding_window_pattern") == [True]
+    assert wide.get("attention.sliding_window") == archs.WIDE_WINDOW
     costs = layer_costs(path)
-    assert slice_problem(costs, 1, 2) == "hold no sliding-window layer, which llama.cpp cannot load"
-    with pytest.raises(PotluckError, match="layers 3-4 hold no sliding-window layer"):
-        manual_plan(costs, [], [0, 3], 256)
+    assert slice_problem(costs, 5, 6) is None and slice_problem(costs, 3, 4) is None and head_layers(costs) == 1
 
 
 def test_gemma4_slices_keep_their_layers_kinds_and_the_global_ropes_factors_where_read(tmp_path: Path) -> None:

@@ -45,6 +45,10 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # llama.cpp's names for a mixture's routed experts: one matrix (or bias) per expert, stacked
 # on the last dimension; every other tensor of a layer, shared experts included, is read whole
 _ROUTED_EXPERTS = re.compile(r"^ffn_(gate|up|down|gate_up)_exps\.")
+# The window of a widened slice's layers (``Arch.widens_global_slices``): far past any context
+# (llama.cpp masks a cell when positions differ by the window or more), small enough that
+# llama.cpp's SWA cache size (window x sequences + batch, uint32) cannot overflow
+WIDE_WINDOW = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,11 @@ class Arch:
     # ...only when the file sets ``attention.sliding_window`` above 0 (gemma3 without a window
     # is all global)
     swa_needs_window: bool = False
+    # a slice of global layers only is written as sliding layers over a window no position
+    # reaches (:data:`WIDE_WINDOW`), which llama.cpp loads and computes as the same attention:
+    # only where a sliding layer reads the same rope as a global one (gpt-oss; Gemma 3's
+    # sliding layers have their own base and scale). Such a slice needs no sliding layer.
+    widens_global_slices: bool = False
     # reads ``leading_dense_block_count`` (the first layers are dense, the rest experts): a
     # slice's count is that of its own leading layers
     dense_lead: bool = False
@@ -160,7 +169,11 @@ class Arch:
         out: dict[str, object] = {}
         swa = self.swa_layers(h)
         if swa is not None:
-            out["attention.sliding_window_pattern"] = [swa[i] for i in layer_map]
+            pattern = [swa[i] for i in layer_map]
+            if self.widens_global_slices and not any(pattern):
+                pattern = [True] * len(pattern)
+                out["attention.sliding_window"] = WIDE_WINDOW
+            out["attention.sliding_window_pattern"] = pattern
         if self.dense_lead:
             out["leading_dense_block_count"] = _leading_dense(h, layer_map)
         if h.n_nextn:
@@ -363,7 +376,7 @@ ARCHS: dict[str, Arch] = {
         # gpt-oss (20b, 120b): even layers slide (window 128), odd ones are global; attention
         # sinks, biases everywhere, MXFP4 experts: none of it depends on a layer's index but the
         # windows
-        Arch("gpt-oss", swa_default_period=2),
+        Arch("gpt-oss", swa_default_period=2, widens_global_slices=True),
         # DeepSeek V2/V3 and kin (Kimi K2, GLM-4.7-Flash): multi-head latent attention (a cell
         # is one compressed K, no V), leading dense layers, shared experts, an MTP block after
         # the trunk; decisions llama.cpp makes from the layer count are written out
@@ -452,7 +465,8 @@ def slice_rules(h: Header) -> SliceRules:
     if arch is None:
         return SliceRules()
     bound = arch.slice_problem
-    return SliceRules(arch.swa_layers(h), (lambda lo, hi: bound(h, lo, hi)) if bound is not None else None)
+    swa = None if arch.widens_global_slices else arch.swa_layers(h)
+    return SliceRules(swa, (lambda lo, hi: bound(h, lo, hi)) if bound is not None else None)
 
 
 # What a recurrent layer moves a token beyond its weights, in passes over its state (timed like

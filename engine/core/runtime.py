@@ -84,7 +84,6 @@ class Model(NativeObject):
         path: str | os.PathLike[str],
         *,
         use_extra_bufts: bool | None = None,
-        use_mmap: bool = True,
         vocab_only: bool = False,
     ) -> None:
         """``vocab_only``: tokenizer, chat template and metadata without mapping any weight
@@ -94,7 +93,6 @@ class Model(NativeObject):
         check_gguf_file(self.path)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.use_mmap = use_mmap
         params.vocab_only = vocab_only
         self.vocab_only = vocab_only
         params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
