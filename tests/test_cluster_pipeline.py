@@ -3,6 +3,7 @@ greedy output token-for-token identical to one machine for every registered stra
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -339,7 +340,10 @@ def test_head_does_not_map_the_targets_weights(
     deep40: Path, workers: list[WorkerProc], tmp_home: Path
 ) -> None:
     """Cluster mode opens the target vocab-only on the head: no byte of the GGUF is resident
-    in the head (a model too big for the head still works)."""
+    in the head (a model too big for the head still works). The head's own slice (its last
+    layer and the output) and every stage after the first are read into memory, not mapped
+    (a mapped slice is read in whole at load, then what llama.cpp repacks is copied besides);
+    the first stage maps its slice, whose embedding rows it reads a token at a time."""
     from potluck.engine.loader import open_session
 
     keys = keys_from_token(TOKEN)
@@ -353,8 +357,19 @@ def test_head_does_not_map_the_targets_weights(
         *_, fin = session.generate("Hi!", SamplingParams(), 4)
         assert isinstance(fin, Finished) and fin.tokens
         assert _resident_kb(deep40) == 0, "the head maps part of the target's file"
+        tail = str(session.target.tail.model.path.resolve())
+        assert tail.endswith(".gguf") and tail not in _mapped_ggufs(os.getpid())
+        mapped = [set().union(*(_mapped_ggufs(pid) for pid in stage_pids(w))) for w in workers[:2]]
+        assert [len(m) for m in mapped] == [1, 0], mapped
     finally:
         session.close()
+
+
+def _mapped_ggufs(pid: int) -> set[str]:
+    """The GGUF files process ``pid`` maps."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in maps if line.endswith(".gguf") and len(line.split()) == 6}
+
 
 
 def _resident_kb(path: Path) -> int:

@@ -519,7 +519,10 @@ def _open(spec: StageSpec):  # pragma: no cover - child
     from ..core.runtime import ContextParams, Model
     from ..core.stage import Stage
 
-    model = Model(Path(spec.path))  # proven intact by the worker just before (slice_store.has)
+    # proven intact by the worker just before (slice_store.has). A first stage maps its slice
+    # (it reads an embedding row a token, and mapped rows are what the plan counts); a later
+    # one reads its weights in, so it never holds them twice (Model's ``mapped``).
+    model = Model(Path(spec.path), mapped=spec.first)
     advise_random_reads(Path(spec.path))  # read by rows from now on, not by windows of MBs
     try:
         params = ContextParams(n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max,

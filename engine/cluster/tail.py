@@ -58,7 +58,7 @@ class HeadTail:
 
     def __init__(self, path: Path, layers: tuple[int, int], params: ContextParams) -> None:
         self.layers = layers
-        self.model = Model(path)
+        self.model = Model(path, mapped=False)  # read in: mapped, it peaked at twice its size
         try:
             self.stage = Stage(self.model, first=False, last=True, params=params)
         except BaseException:

@@ -85,15 +85,22 @@ class Model(NativeObject):
         *,
         use_extra_bufts: bool | None = None,
         vocab_only: bool = False,
+        mapped: bool = True,
     ) -> None:
         """``vocab_only``: tokenizer, chat template and metadata without mapping any weight
-        (a cluster head never computes a layer of the target)."""
+        (a cluster head never computes a layer of the target). ``mapped=False``: read the
+        weights into memory instead of mapping the file. llama.cpp maps a file whole and reads
+        it in at once (MAP_POPULATE), then copies every weight it repacks into memory of its
+        own, so a mapped slice peaks at about twice its size; read, at its size (a stage after
+        the first, whose embeddings it never reads: docs/facts.md §33)."""
         init_backend()
         self.path = Path(path)
         check_gguf_file(self.path)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
         params.vocab_only = vocab_only
+        if not mapped:
+            params.load_mode = ll.LLAMA_LOAD_MODE_NONE
         self.vocab_only = vocab_only
         params.use_extra_bufts = default_extra_bufts() if use_extra_bufts is None else use_extra_bufts
         self.use_extra_bufts = bool(params.use_extra_bufts)
