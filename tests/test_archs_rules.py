@@ -74,6 +74,21 @@ def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> Non
     assert slice_problem(costs, 5, 6) is None and slice_problem(costs, 3, 4) is None and head_layers(costs) == 1
 
 
+def test_no_stage_context_reaches_a_widened_window() -> None:
+    """A widened layer attends like a global one only while positions differ by less than its
+    window: a Load longer than the window is refused by the wire's own check, and llama.cpp's
+    SWA cache size for it (window x 256 sequences + a batch, a uint32) cannot overflow."""
+    from potluck.engine.cluster import wire
+
+    def load(n_ctx: int) -> wire.Load:
+        return wire.Load("ef" * 32, 0, 2, True, True, n_ctx, 8, 256, True, "f32", "", "cd" * 32, "")
+
+    load(wire.MAX_STAGE_CTX).check()
+    with pytest.raises(wire.WireError, match="n_ctx / n_batch out of range"):
+        load(archs.WIDE_WINDOW + 1).check()
+    assert wire.MAX_STAGE_CTX <= archs.WIDE_WINDOW and archs.WIDE_WINDOW * 256 + (1 << 16) < 1 << 32
+
+
 def test_gemma4_slices_keep_their_layers_kinds_and_the_global_ropes_factors_where_read(tmp_path: Path) -> None:
     """Each kind of layer has its own KV heads (per-layer arrays follow their layers); the
     global rope's factors, read by the global layers only, leave a slice of sliding ones (or

@@ -613,7 +613,7 @@ def test_load_limits_and_architecture_checked_on_the_worker(
     try:
         assert isinstance(call(sock, wire.Hello("head-limits", "0", HEAD_KEY)), wire.Welcome)
         send_slice(lambda m: call(sock, m), sl, TransferStats())
-        huge = wire.Load(sl.sha256, 0, 30, True, True, 1 << 24, 4096, 256, False, "f32", "", HEAD_KEY, "")
+        huge = wire.Load(sl.sha256, 0, 30, True, True, wire.MAX_STAGE_CTX, 4096, 256, False, "f32", "", HEAD_KEY, "")
         reply = call(sock, huge)
         assert isinstance(reply, wire.Error) and "MB free" in reply.message
         sock.send_multipart(wire.to_frames(wire.Release(), bytes.fromhex(HEAD_KEY)))

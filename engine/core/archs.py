@@ -45,10 +45,11 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # llama.cpp's names for a mixture's routed experts: one matrix (or bias) per expert, stacked
 # on the last dimension; every other tensor of a layer, shared experts included, is read whole
 _ROUTED_EXPERTS = re.compile(r"^ffn_(gate|up|down|gate_up)_exps\.")
-# The window of a widened slice's layers (``Arch.widens_global_slices``): far past any context
-# (llama.cpp masks a cell when positions differ by the window or more), small enough that
-# llama.cpp's SWA cache size (window x sequences + batch, uint32) cannot overflow
-WIDE_WINDOW = 1 << 22
+# The window of a widened slice's layers (``Arch.widens_global_slices``): llama.cpp masks a cell
+# where positions differ by the window or more, so it is also the longest context a stage takes
+# (cluster/wire's Load refuses a longer one); and small enough that llama.cpp's SWA cache size
+# (window x 256 sequences + batch, a uint32) cannot overflow
+WIDE_WINDOW = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -448,8 +449,8 @@ def require_splittable(h: Header, name: str) -> Arch:
 @dataclass(frozen=True)
 class SliceRules:
     """Which layer ranges llama.cpp loads as a slice of one model, for the planner: per trunk
-    layer whether it slides (an architecture with sliding windows needs one in every slice),
-    and any other refusal of the architecture's."""
+    layer whether it slides (an architecture with sliding windows needs one in every slice,
+    unless it widens global-only slices: None then), and any other refusal of the architecture's."""
 
     swa: tuple[bool, ...] | None = None
     problem: Callable[[int, int], str | None] | None = None

@@ -118,25 +118,25 @@ def _fast_reader_class():
             itype, n, offs = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
             nptype = self.gguf_scalar_to_np.get(itype)
             head: list[np.ndarray] = [raw_itype, alen]
-            room = len(self._plain()) - offs
+            plain = self._plain()
             if itype == string:  # one (length, bytes) pair of parts per string
-                if 8 * n > room:
+                if 8 * n > len(plain) - offs:
                     raise ValueError(f"an array of {n} strings runs past the end of the file")
-                buf, starts = memoryview(self._plain()), [0] * (n + 1)
+                buf, starts = memoryview(plain), [0] * (n + 1)
                 for i in range(n):
                     starts[i] = offs
                     offs += 8 + int.from_bytes(buf[offs : offs + 8], "little")
                 starts[n] = offs
-                if offs > len(self._plain()):
+                if offs > len(plain):
                     raise ValueError("a string array runs past the end of the file")
-                parts = _ArrayParts(head, self._plain(), starts, None)
+                parts = _ArrayParts(head, plain, starts, None)
                 return offs - orig_offs, parts, list(range(3, 2 * n + 2, 2)), [array, itype]
             if nptype is None:  # an array of arrays: the element-wise walk
                 return super()._get_field_parts(orig_offs, raw_type)
             values = self._get(offs, nptype, n)
             if len(values) != n:
                 raise ValueError(f"an array of {n} values runs past the end of the file")
-            parts = _ArrayParts(head, self._plain(), None, values)  # one part per element, as the stock reader's
+            parts = _ArrayParts(head, plain, None, values)  # one part per element, as the stock reader's
             return 12 + int(values.nbytes), parts, list(range(2, n + 2)), [array, itype]
 
     return FastReader

@@ -48,6 +48,7 @@ from .base import (
 from .codec import MESSAGES, frames_nbytes, parse_frames, parse_signed, signed_by, to_frames
 from .control import (
     MAX_PING_PAD,
+    MAX_STAGE_CTX,
     PROBE_NONCE,
     REPLY_TO,
     Cancel,
@@ -71,8 +72,8 @@ from .data import Forward, KvApply, Reset, Result
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "DTYPES", "HIDDEN_DTYPES", "INT32_MAX", "MAGIC", "MAX_ARRAYS", "MAX_CANCEL",
-    "MAX_DIM", "MAX_HEADER_BYTES", "MAX_PING_PAD", "MAX_STR", "MESSAGES", "PROBE_NONCE", "PROTOCOL_VERSION",
-    "REPLY_TO", "Cancel", "Chunk", "ChunkAck", "Error", "Forward", "Hello", "KvApply", "Load",
+    "MAX_DIM", "MAX_HEADER_BYTES", "MAX_PING_PAD", "MAX_STAGE_CTX", "MAX_STR", "MESSAGES", "PROBE_NONCE",
+    "PROTOCOL_VERSION", "REPLY_TO", "Cancel", "Chunk", "ChunkAck", "Error", "Forward", "Hello", "KvApply", "Load",
     "Loaded", "Offer", "OfferReply", "Ping", "Pong", "Release", "Reset", "Result", "Status",
     "StatusReply", "Welcome", "WireError", "WireMessage", "cancel_messages", "frames_nbytes",
     "parse_frames", "parse_signed", "signed_by", "to_frames",

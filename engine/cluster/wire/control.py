@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...core.archs import WIDE_WINDOW
 from .base import DTYPES, HIDDEN_DTYPES, INT32_MAX, MAX_CANCEL, WireError, WireMessage, check_hex64
+
+# The longest context a stage takes: no position of it reaches a widened slice's window
+MAX_STAGE_CTX = WIDE_WINDOW
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ class Load(WireMessage):
         check_hex64(self.sha256, "sha256")
         if not 0 <= self.layer_lo < self.layer_hi:
             raise WireError("bad layer range")
-        if not (1 <= self.n_ctx <= 1 << 24 and 1 <= self.n_batch <= 1 << 16):
+        if not (1 <= self.n_ctx <= MAX_STAGE_CTX and 1 <= self.n_batch <= 1 << 16):
             raise WireError("n_ctx / n_batch out of range")
         if not 1 <= self.n_seq_max <= 256:
             raise WireError("n_seq_max must be 1..256")
