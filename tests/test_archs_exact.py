@@ -4,8 +4,8 @@ greedy step after it (incremental decode) and for a verify batch of several toke
 greedy tokens vary (the path is not trivial).
 
 Adding an architecture means one line in :data:`ARCH_SHAPES` (see core/archs.py's docstring).
-The stages run in this process (tests/support/split_target.py): the same Stage a worker runs,
-without the network; the cluster tests split the same way over loopback workers."""
+The stages run in this process (tests/support/split_target.py): the same Stage and slice a worker
+runs, without the network; the cluster tests split the same way over loopback workers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 from potluck.engine.cluster.plan import layer_costs, loadable
 from potluck.engine.core.archs import ARCHS
-from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.gguf_tools import layer_layout, open_reader
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.fixtures import build_shape
@@ -91,7 +91,17 @@ def test_split_gives_the_whole_models_logits(
 ) -> None:
     arch, path, whole_model = arch_model
     bounds = split_bounds(path, n_stages)
-    slices = [Model(slice_layers(path, tmp_path / f"s{lo}.gguf", lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+    # the slices a cluster loads: a middle stage's without a vocabulary, the head's embeddings
+    # zeros of the smallest type (it reads none), every other stage's output zeros
+    slices = [Model(layer_layout(path, range(lo, hi), stage=True).write_to(tmp_path / f"s{lo}.gguf"))
+              for lo, hi in zip(bounds, bounds[1:])]
+    head_embd, embd = (
+        {t.name: t for t in open_reader(p).tensors}.get("token_embd.weight")
+        for p in (tmp_path / f"s{bounds[-2]}.gguf", path)
+    )
+    assert head_embd is not None and embd is not None
+    untied = any(t.name == "output.weight" for t in open_reader(path).tensors)
+    assert (head_embd.n_bytes < embd.n_bytes / 2) == untied, (arch, head_embd.tensor_type.name)  # never read
     params = ContextParams(n_ctx=256, n_threads=1)
     whole, split = LocalTarget(whole_model, params), SplitTarget(slices, params)
     split.exact = whole.exact  # as the loader gives every target its model's (2-row steps here too)

@@ -410,6 +410,10 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
 
 
 STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked layout in llama.cpp's CPU backend
+# Embeddings no stage reads, as the fewest bytes a row of them can take: (type, weights, bytes)
+# a block, the first whose block divides the row. llama.cpp keeps token embeddings out of the
+# repacked buffers (their op is a row lookup), so any type loads where the model's own did.
+STUB_EMBD_BLOCKS = (("Q1_0", 128, 18), ("MXFP4", 32, 17), ("Q4_1", 32, 20))
 # The vocabulary of a stage between the first and the last: it reads no token ids and computes
 # no logits, so its slice says "none" with this many dummy tokens (llama.cpp's vocab type NONE)
 STAGE_VOCAB = 32
@@ -435,13 +439,28 @@ def middle_stage_vocab(tensors) -> int:  # tensors: the model's gguf ReaderTenso
 def _stub_output(t, rows: int | None = None) -> tuple[tuple[int, int], int] | None:
     """(numpy byte shape, bytes) of ``t`` (the output matrix) as Q4_1 zeros, ``rows`` rows
     (None: as many as ``t``), or None where its rows are not whole Q4_1 blocks."""
+    return _stub_of(t, *STUB_OUTPUT_BLOCK, rows)
+
+
+def _stub_of(t, per: int, nbytes: int, rows: int | None = None) -> tuple[tuple[int, int], int] | None:
     n_in = int(t.shape[0])
     rows = int(np.prod(t.shape[1:])) if rows is None else rows
-    per, nbytes = STUB_OUTPUT_BLOCK
     if n_in % per:
         return None
     width = n_in // per * nbytes
     return (rows, width), rows * width
+
+
+def _stub_embd(t) -> tuple[tuple[int, int], int, str] | None:
+    """(numpy byte shape, bytes, type) of the embeddings ``t`` as zeros of the smallest
+    :data:`STUB_EMBD_BLOCKS` type their rows allow, or None where none is smaller than ``t``.
+    For a slice that reads no token ids but keeps the vocabulary (the head's, which computes
+    the logits): llama.cpp loads the embeddings of every model (docs/facts.md §33)."""
+    for qtype, per, nbytes in STUB_EMBD_BLOCKS:
+        form = _stub_of(t, per, nbytes)
+        if form is not None:
+            return (*form, qtype) if form[1] < int(t.n_bytes) else None
+    return None
 
 
 @functools.lru_cache(maxsize=8)
@@ -479,7 +498,7 @@ def _layout_of_version(
     for j, i in enumerate(layer_map):
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
-    stub = {}  # name -> (byte shape, bytes): tensors written as Q4_1 zeros
+    stub = {}  # name -> (byte shape, bytes, type): tensors written as zeros
     # A stage between the first and the last reads hidden states and hands hidden states on:
     # with the whole vocabulary, llama.cpp would give each of its contexts a logits buffer and
     # an output-layer compute buffer of n_batch x n_vocab floats it never uses (docs/facts.md §17).
@@ -495,9 +514,15 @@ def _layout_of_version(
         if form is not None:
             if "output.weight" not in tensors:
                 ordered.append(("output.weight", output))
-            stub["output.weight"] = form
+            stub["output.weight"] = (*form, "Q4_1")
         if vocab_free:  # same width as the output (checked by middle_stage_vocab)
-            stub["token_embd.weight"] = _stub_output(tensors["token_embd.weight"], rows)
+            stub["token_embd.weight"] = (*_stub_output(tensors["token_embd.weight"], rows), "Q4_1")
+    named = dict(ordered)
+    unread_embd = "token_embd.weight" not in stub and {"token_embd.weight", "output.weight"} <= set(named)
+    if stage and min(layer_map) > 0 and unread_embd:  # tied embeddings are the head's output: kept
+        form_embd = _stub_embd(named["token_embd.weight"])
+        if form_embd is not None:
+            stub["token_embd.weight"] = form_embd
     with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
         header_path = Path(tmp) / "header.gguf"
         w = _header_writer(header_path, arch)
@@ -509,8 +534,8 @@ def _layout_of_version(
             _set_kv(w, r, f"{arch}.{key}", value)
         for name, t in ordered:
             if name in stub:
-                shape, nbytes = stub[name]
-                w.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType.Q4_1)
+                shape, nbytes, qtype = stub[name]
+                w.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[qtype])
             else:
                 w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
         w.write_header_to_file()
