@@ -401,7 +401,9 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
     layer nor the last reads no token ids and computes no logits: where the model allows
     (:func:`middle_stage_vocab`) its slice has no vocabulary (tokenizer "none",
     :data:`STAGE_VOCAB` dummy tokens, embeddings and output as stubs of that many rows), so
-    llama.cpp does not size its buffers by the model's vocabulary.
+    llama.cpp does not size its buffers by the model's vocabulary. The head's slice (the last
+    layers and the output) keeps the vocabulary but reads no token ids: its embeddings are
+    zeros of the smallest type their rows allow (:data:`STUB_EMBD_BLOCKS`).
     """
     src = Path(src)
     st = src.stat()
@@ -413,7 +415,7 @@ STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked la
 # Embeddings no stage reads, as the fewest bytes a row of them can take: (type, weights, bytes)
 # a block, the first whose block divides the row. llama.cpp keeps token embeddings out of the
 # repacked buffers (their op is a row lookup), so any type loads where the model's own did.
-STUB_EMBD_BLOCKS = (("Q1_0", 128, 18), ("MXFP4", 32, 17), ("Q4_1", 32, 20))
+STUB_EMBD_BLOCKS = (("Q1_0", 128, 18), ("MXFP4", 32, 17))
 # The vocabulary of a stage between the first and the last: it reads no token ids and computes
 # no logits, so its slice says "none" with this many dummy tokens (llama.cpp's vocab type NONE)
 STAGE_VOCAB = 32
