@@ -22,9 +22,9 @@ the servers' tensor cache warm). Needs root for the cgroups
 model's 49,152 tokens: a real Llama 3's output layer (128,256 tokens) is 2.6x larger, so the
 head's memory here is smaller than it would be with a real 8B; the mixtures' shapes (gpt-oss-20b,
 qwen3-30b-a3b) have their published vocabulary (the bundled tokenizer, padded), the hybrid's
-(qwen35moe-35b-a3b) the bundled one. Every slice of the hybrid holds both kinds of layer (three
-Gated DeltaNet layers to one of attention), so each of its three stages needs 4 layers or more:
-``--layers 12`` at least. Its router is F32, as in published GGUFs: pipeinfer's verify batches
+(qwen35moe-35b-a3b) the bundled one. A slice of the hybrid holding one kind of layer only (three
+Gated DeltaNet layers to one of attention) carries a layer of the other kind as zeros, as
+llama.cpp needs both (engine/core/archs.py). Its router is F32, as in published GGUFs: pipeinfer's verify batches
 then need not equal single steps (docs/facts.md §30), and the demo says so where they differ.
 """
 

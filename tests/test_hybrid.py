@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from potluck.engine.core import archs
 from potluck.engine.core.batch_exact import weight_types
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.events import Finished
-from potluck.engine.core.gguf_tools import slice_layers
+from potluck.engine.core.gguf_tools import open_reader, slice_layers
 from potluck.engine.core.jobs import DecodeJob
 from potluck.engine.core.kv import KvOp
 from potluck.engine.core.rollback import KEPT_CHECKPOINTS
@@ -113,10 +114,22 @@ def test_fixture_is_a_hybrid_with_varied_routing(model: Model) -> None:
         target.close()
 
 
-def test_slice_without_both_layer_kinds_is_refused(target_path: Path, tmp_path: Path) -> None:
-    """llama.cpp's hybrid memory aborts the process on a slice with no attention layer."""
-    with pytest.raises(PotluckError, match="not both a full-attention layer and a recurrent"):
-        slice_layers(target_path, tmp_path / "s.gguf", 4, 7)
+def test_a_slice_of_one_kind_of_layer_carries_the_other_kind_as_zeros(target_path: Path, tmp_path: Path) -> None:
+    """llama.cpp's hybrid memory aborts the process on a slice without both kinds of layer: such
+    a slice carries the nearest layer of the other kind in front, its matrices zeros of the
+    smallest type (tests/test_archs_exact.py's 3-stage split runs one of each kind exactly)."""
+    recurrent = archs.recurrent_layers(archs.read_header(open_reader(target_path)))
+    assert recurrent[4:7] == (True, True, True) and recurrent[7] is False
+    s = slice_layers(target_path, tmp_path / "s.gguf", 4, 7)
+    h = archs.read_header(open_reader(s))
+    assert h.n_layer == 4 and h.get("attention.recurrent_layers") == [False, True, True, True]
+    by_name = {t.name: t for t in open_reader(s).tensors}
+    source = {t.name: t for t in open_reader(target_path).tensors}
+    assert by_name["blk.0.attn_q.weight"].tensor_type.name == "Q1_0"  # layer 7's, as zeros
+    assert by_name["blk.1.ssm_out.weight"].tensor_type == source["blk.4.ssm_out.weight"].tensor_type
+    assert not np.asarray(by_name["blk.0.ffn_down_exps.weight"].data).any()
+    with Model(s) as m:  # loads (llama.cpp aborted the process here)
+        assert m.n_layer == 4
 
 
 def test_rollback_reaches_back_through_batches_and_aborts(model: Model) -> None:

@@ -90,6 +90,10 @@ class LayerCosts:
     state_bytes: tuple[int, ...] | None = None
     # why the model cannot be split exactly at all (archs.unsplittable_reason), or None
     unsplittable: str | None = None
+    # the layer a slice of [lo, hi) carries as zeros (a hybrid's of one kind: archs.Arch.filler),
+    # or None, and each layer's bytes as such (gguf_tools.filler_bytes)
+    filler: Callable[[int, int], int | None] | None = None
+    filler_bytes: tuple[int, ...] = ()
 
     @property
     def n_layer(self) -> int:
@@ -208,18 +212,21 @@ def splittable_costs(path: Path) -> LayerCosts:
 
 @functools.lru_cache(maxsize=16)
 def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
-    from ..core.gguf_tools import middle_stage_vocab, open_reader
+    from ..core.gguf_tools import filler_bytes, middle_stage_vocab, open_reader
 
     r = open_reader(path)
     h = archs.read_header(r)
     memory, time = archs.layer_bytes(h)
     rules = archs.slice_rules(h)
+    arch = archs.ARCHS.get(h.arch)
+    filler = None if arch is None or arch.filler is None else (lambda lo, hi: arch.filler_layer(h, range(lo, hi)))
     return LayerCosts(
         h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token(h),
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
         tuple(time) if time != memory else None, archs.experts(h),
         h.tensor_bytes.get("output.weight", h.tensor_bytes.get("token_embd.weight", 0)),
         archs.recurrent_state_bytes(h), archs.unsplittable_reason(h),
+        filler, filler_bytes(r.tensors, h.n_layer) if filler is not None else (),
     )
 
 
@@ -236,7 +243,8 @@ def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
 
 def head_layers(costs: LayerCosts) -> int:
     """How many last layers the head computes: 1, or the fewest that llama.cpp loads as a
-    slice (Gemma 3 270M's last layer is global: the head takes 16-17, not 17 alone).
+    slice (Gemma 3 270M's last layer is global: the head takes 16-17, not 17 alone; a hybrid's
+    last layer alone carries a zeroed recurrent one, archs.Arch.filler).
     Workers must keep at least one layer, or there is nothing to split."""
     n = costs.n_layer
     for t in range(1, n):
@@ -292,6 +300,9 @@ def stage_bytes(
     row_bytes = costs.embd_bytes // max(costs.n_vocab, 1)
     embd_read = min(n_vocab, n_ctx) * max(row_bytes, PAGE_BYTES)
     weights = _range_bytes(costs, lo, hi) + embd_read
+    zeroed = costs.filler(lo, hi) if costs.filler is not None else None
+    if zeroed is not None:  # a layer of the kind the slice lacks, as zeros
+        weights += costs.filler_bytes[zeroed]
     states = costs.state_bytes[lo:hi] if costs.state_bytes else ()
     # a recurrent layer keeps no cell per token but its state, with llama.cpp's snapshots and
     # the stage's checkpoints of it (core/rollback.py)

@@ -144,6 +144,9 @@ class Arch:
     # why llama.cpp would not load or not compute exactly a slice of this many layers starting
     # at ``lo``, or None
     slice_problem: Callable[[Header, int, int], str | None] | None = None
+    # an original layer of the kind a slice of these layers lacks, or None: the slice carries
+    # it in front as zeros (:func:`_kind_filler`)
+    filler: Callable[[Header, Sequence[int]], int | None] | None = None
     # why no split of this file is exact, or None
     model_problem: Callable[[Header], str | None] | None = None
     # tensors outside ``blk.N`` that llama.cpp reads only for some layers, which a slice of
@@ -182,6 +185,10 @@ class Arch:
         if self.slice_keys is not None:
             out.update(self.slice_keys(h, layer_map))
         return out
+
+    def filler_layer(self, h: Header, layer_map: Sequence[int]) -> int | None:
+        """The original layer a slice of ``layer_map`` carries as zeros in front, or None."""
+        return self.filler(h, layer_map) if self.filler is not None else None
 
     def unread(self, h: Header, layer_map: Sequence[int]) -> frozenset[str]:
         """Tensors outside the layers a slice of ``layer_map`` leaves out."""
@@ -247,12 +254,19 @@ def _recurrent_pattern(h: Header, layer_map: Sequence[int]) -> dict[str, object]
     return {"attention.recurrent_layers": [pattern[i] for i in layer_map]}
 
 
-def _both_layer_kinds(h: Header, lo: int, hi: int) -> str | None:
+def _kind_filler(h: Header, layer_map: Sequence[int]) -> int | None:
     """llama.cpp's hybrid memory allocates no buffer for a kind of layer a model lacks, then
-    reads it at the first decode (GGML_ASSERT(buffer) aborts the process)."""
-    if len(set(recurrent_layers(h)[lo:hi])) < 2:
-        return "hold not both a full-attention layer and a recurrent (Gated DeltaNet) layer, which llama.cpp cannot run"
-    return None
+    reads it at the first decode (GGML_ASSERT(buffer) aborts the process). A slice of one kind
+    carries the nearest layer of the other kind in front, its weights zeros: attention over
+    zero values or a recurrent state of zeros, and experts, all times zero matrices, add
+    exactly 0 to the residual stream, so every slice loads and computes its own layers alone
+    (the head computes the last one: tests/test_archs_exact.py)."""
+    kinds = recurrent_layers(h)
+    have = {kinds[i] for i in layer_map}
+    if len(have) != 1:
+        return None
+    other = [i for i, k in enumerate(kinds) if k not in have]
+    return min(other, key=lambda i: abs(i - layer_map[0])) if other else None
 
 
 # --------------------------------------------------------------------------- the table
@@ -389,7 +403,7 @@ ARCHS: dict[str, Arch] = {
         # shared experts in every layer, M-RoPE, a next-token block after the trunk; its cache
         # is KV cells for the attention layers and one state per sequence for the others, whose
         # tail a stage drops through core/rollback.py
-        Arch("qwen35moe", cache="kv+recurrent", slice_keys=_recurrent_pattern, slice_problem=_both_layer_kinds),
+        Arch("qwen35moe", cache="kv+recurrent", slice_keys=_recurrent_pattern, filler=_kind_filler),
         # GLM-4.5 and 4.5-Air: biases on q/k/v, partial RoPE, a dense first layer, then routed
         # experts (sigmoid, a selection bias) and one shared expert, an MTP block after the
         # trunk; hidden states need M-RoPE sections written in (_glm4moe_keys)

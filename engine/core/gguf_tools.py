@@ -403,7 +403,7 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
     :data:`STAGE_VOCAB` dummy tokens, embeddings and output as stubs of that many rows), so
     llama.cpp does not size its buffers by the model's vocabulary. The head's slice (the last
     layers and the output) keeps the vocabulary but reads no token ids: its embeddings are
-    zeros of the smallest type their rows allow (:data:`STUB_EMBD_BLOCKS`).
+    zeros of the smallest type their rows allow (:data:`ZERO_BLOCKS`).
     """
     src = Path(src)
     st = src.stat()
@@ -412,10 +412,10 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
 
 
 STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked layout in llama.cpp's CPU backend
-# Embeddings no stage reads, as the fewest bytes a row of them can take: (type, weights, bytes)
-# a block, the first whose block divides the row. llama.cpp keeps token embeddings out of the
-# repacked buffers (their op is a row lookup), so any type loads where the model's own did.
-STUB_EMBD_BLOCKS = (("Q1_0", 128, 18), ("MXFP4", 32, 17))
+# Weights no stage reads (embeddings) or that are zeros (a filler layer, archs.Arch.filler), as
+# the fewest bytes a row of zeros can take: (type, weights, bytes) a block, the first whose block
+# divides the row. Zero bytes are zeros in each; llama.cpp multiplies and looks up rows of both.
+ZERO_BLOCKS = (("Q1_0", 128, 18), ("MXFP4", 32, 17))
 # The vocabulary of a stage between the first and the last: it reads no token ids and computes
 # no logits, so its slice says "none" with this many dummy tokens (llama.cpp's vocab type NONE)
 STAGE_VOCAB = 32
@@ -444,25 +444,46 @@ def _stub_output(t, rows: int | None = None) -> tuple[tuple[int, int], int] | No
     return _stub_of(t, *STUB_OUTPUT_BLOCK, rows)
 
 
-def _stub_of(t, per: int, nbytes: int, rows: int | None = None) -> tuple[tuple[int, int], int] | None:
+def _stub_of(t, per: int, nbytes: int, rows: int | None = None) -> tuple[tuple[int, ...], int] | None:
+    """(numpy byte shape, bytes) of ``t`` as blocks of ``per`` weights in ``nbytes``, ``rows``
+    rows of 2 dimensions (None: ``t``'s own rows and dimensions), or None where its rows are not
+    whole blocks."""
     n_in = int(t.shape[0])
-    rows = int(np.prod(t.shape[1:])) if rows is None else rows
     if n_in % per:
         return None
     width = n_in // per * nbytes
-    return (rows, width), rows * width
+    if rows is not None:
+        return (rows, width), rows * width
+    outer = tuple(int(d) for d in reversed(t.shape[1:]))
+    return (*outer, width), int(np.prod(outer)) * width
 
 
-def _stub_embd(t) -> tuple[tuple[int, int], int, str] | None:
-    """(numpy byte shape, bytes, type) of the embeddings ``t`` as zeros of the smallest
-    :data:`STUB_EMBD_BLOCKS` type their rows allow, or None where none is smaller than ``t``.
-    For a slice that reads no token ids but keeps the vocabulary (the head's, which computes
-    the logits): llama.cpp loads the embeddings of every model (docs/facts.md §33)."""
-    for qtype, per, nbytes in STUB_EMBD_BLOCKS:
+def _zeros_of(t) -> tuple[tuple[int, ...], int, str] | None:
+    """(numpy byte shape, bytes, type) of ``t`` as zeros of the smallest :data:`ZERO_BLOCKS`
+    type its rows allow, or None where none is smaller than ``t``."""
+    for qtype, per, nbytes in ZERO_BLOCKS:
         form = _stub_of(t, per, nbytes)
         if form is not None:
             return (*form, qtype) if form[1] < int(t.n_bytes) else None
     return None
+
+
+def filler_bytes(tensors, n_layer: int) -> tuple[int, ...]:  # tensors: the model's gguf ReaderTensors
+    """[n_layer] bytes each layer takes as a slice's filler (archs.Arch.filler): the planner
+    counts them in a stage of one kind of layer."""
+    out = [0] * n_layer
+    for t in tensors:
+        m = _BLK.match(t.name)
+        if m and int(m.group(1)) < n_layer:
+            out[int(m.group(1))] += _filler_zeros(t)[1]
+    return tuple(out)
+
+
+def _filler_zeros(t) -> tuple[tuple[int, ...], int, str]:
+    """A filler layer's tensor as zeros: a quantized matrix (weights multiplied) in the smallest
+    type, anything else (norms, a state's constants, F32 routers) as its own type's zeros."""
+    small = _zeros_of(t) if len(t.shape) >= 2 and t.tensor_type.name not in ("F32", "F16", "BF16") else None
+    return small or (tuple(t.data.shape), int(t.n_bytes), t.tensor_type.name)
 
 
 @functools.lru_cache(maxsize=8)
@@ -488,6 +509,8 @@ def _layout_of_version(
     by_layer: dict[int, list] = {}
     others: list = []
     unread = rules.unread(h, layer_map)
+    filler = rules.filler_layer(h, layer_map)
+    full_map = list(layer_map) if filler is None else [filler, *layer_map]
     for t in r.tensors:
         if t.name in unread:
             continue
@@ -497,10 +520,12 @@ def _layout_of_version(
         else:
             others.append((t.name, t))
     ordered: list[tuple[str, object]] = [(n, t) for n, t in others if n == "token_embd.weight"]
-    for j, i in enumerate(layer_map):
+    for j, i in enumerate(full_map):
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
     stub = {}  # name -> (byte shape, bytes, type): tensors written as zeros
+    if filler is not None:
+        stub.update((f"blk.0.{suffix}", _filler_zeros(t)) for suffix, t in by_layer.get(filler, []))
     # A stage between the first and the last reads hidden states and hands hidden states on:
     # with the whole vocabulary, llama.cpp would give each of its contexts a logits buffer and
     # an output-layer compute buffer of n_batch x n_vocab floats it never uses (docs/facts.md §17).
@@ -522,22 +547,23 @@ def _layout_of_version(
     named = dict(ordered)
     unread_embd = "token_embd.weight" not in stub and {"token_embd.weight", "output.weight"} <= set(named)
     if stage and min(layer_map) > 0 and unread_embd:  # tied embeddings are the head's output: kept
-        form_embd = _stub_embd(named["token_embd.weight"])
+        form_embd = _zeros_of(named["token_embd.weight"])
         if form_embd is not None:
             stub["token_embd.weight"] = form_embd
     with tempfile.TemporaryDirectory(prefix="potluck-header-") as tmp:
         header_path = Path(tmp) / "header.gguf"
         w = _header_writer(header_path, arch)
-        _copy_fields(r, w, arch, len(layer_map), layer_map, vocab=not vocab_free)
+        _copy_fields(r, w, arch, len(full_map), full_map, vocab=not vocab_free)
         if vocab_free:
             w.add_tokenizer_model("none")
             w.add_vocab_size(STAGE_VOCAB)
-        for key, value in rules.rewrites(h, layer_map).items():
+        for key, value in rules.rewrites(h, full_map).items():
             _set_kv(w, r, f"{arch}.{key}", value)
         for name, t in ordered:
             if name in stub:
                 shape, nbytes, qtype = stub[name]
-                w.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[qtype])
+                dtype = np.dtype({"F32": np.float32, "F16": np.float16}.get(qtype, np.uint8))
+                w.add_tensor_info(name, shape, dtype, nbytes, gguf.GGMLQuantizationType[qtype])
             else:
                 w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)  # type: ignore[attr-defined]
         w.write_header_to_file()
