@@ -128,6 +128,7 @@ def test_a_slice_of_one_kind_of_layer_carries_the_other_kind_as_zeros(target_pat
     assert by_name["blk.0.attn_q.weight"].tensor_type.name == "Q1_0"  # layer 7's, as zeros
     assert by_name["blk.1.ssm_out.weight"].tensor_type == source["blk.4.ssm_out.weight"].tensor_type
     assert not np.asarray(by_name["blk.0.ffn_down_exps.weight"].data).any()
+    assert "Q1_0" not in weight_types(s)  # zeros: no kernel choice changes a batch's rows
     with Model(s) as m:  # loads (llama.cpp aborted the process here)
         assert m.n_layer == 4
 

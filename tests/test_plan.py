@@ -34,6 +34,18 @@ def test_faster_node_gets_more_layers() -> None:
     assert fast.hi - fast.lo > 2 * (slow.hi - slow.lo)
 
 
+def test_ranges_sliced_before_win_over_a_few_percent_of_speed() -> None:
+    """Speed scores move between runs of the same machines: a plan within
+    KNOWN_RANGE_ADVANTAGE of the best that reuses the slices sent before is kept, so the second
+    load sends nothing; a node far faster than before still gets its layers."""
+    c = costs(n=16)  # 15 worker layers: 8 + 7 one way or the other
+    wobble = [node("a", speed=1.03), node("b", speed=1.0)]
+    assert plan_split(c, wobble, n_ctx=512).bounds == [0, 8, 15]
+    known = frozenset({(0, 7), (7, 15)})
+    assert plan_split(c, wobble, n_ctx=512, known=known).bounds == [0, 7, 15]
+    assert plan_split(c, [node("a", speed=1.5), node("b")], n_ctx=512, known=known).bounds == [0, 9, 15]
+
+
 def test_memory_limits_are_respected() -> None:
     c = costs()
     plan = plan_split(c, [node("small", free_mb=200, speed=10.0), node("big", free_mb=10_000)], n_ctx=512)

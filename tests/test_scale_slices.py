@@ -118,7 +118,9 @@ def test_second_run_sends_nothing_and_a_corrupted_slice_is_sent_again(
     wide: Path, worker: WorkerProc, reference: np.ndarray, tmp_path: Path
 ) -> None:
     cache = SliceCache(tmp_path / "head")
+    assert cache.known_ranges(wide) == frozenset()
     (sl,) = cache.slices(wide, [0, 3])
+    assert SliceCache(tmp_path / "head").known_ranges(wide) == {(0, 3)}  # the planner prefers it next time
     first = _open(wide, worker, cache)
     first.close()
     assert first.transfer.files_sent == 1

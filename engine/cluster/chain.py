@@ -51,7 +51,8 @@ def plan_over(setup: PipelineSetup, links: Sequence[NodeLink], split: Sequence[i
         plan = manual_plan(costs, nodes, split, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx,
                            setup.head_speed)
     else:
-        plan = plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx, setup.head_speed)
+        plan = plan_split(costs, nodes, cells, setup.n_batch, setup.hidden_dtype, setup.n_ctx, setup.head_speed,
+                          setup.slice_cache.known_ranges(setup.model_path))
     return with_step_cost(plan, setup.model_path, costs)
 
 

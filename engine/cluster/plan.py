@@ -219,7 +219,9 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
     memory, time = archs.layer_bytes(h)
     rules = archs.slice_rules(h)
     arch = archs.ARCHS.get(h.arch)
-    filler = None if arch is None or arch.filler is None else (lambda lo, hi: arch.filler_layer(h, range(lo, hi)))
+    filler = None
+    if arch is not None and arch.filler is not None:  # asked O(nodes * L^2) times by the planner
+        filler = functools.lru_cache(maxsize=None)(lambda lo, hi: arch.filler_layer(h, range(lo, hi)))
     return LayerCosts(
         h.arch, tuple(memory), h.tensor_bytes.get("token_embd.weight", 0), archs.kv_bytes_per_token(h),
         h.n_vocab, h.int_of("embedding_length"), rules.swa, middle_stage_vocab(r.tensors), rules.problem,
@@ -325,16 +327,25 @@ def head_cost(costs: LayerCosts, head: tuple[int, int], head_speed: float) -> fl
     if head_speed <= 0:
         return 0.0
     lo, hi = head
-    read = costs.prefix_time_bytes[hi] - costs.prefix_time_bytes[lo] + costs.output_bytes
-    return read / (head_speed * WEIGHT_BYTES_PER_S_PER_SPEED)
+    return (_time_bytes(costs, lo, hi) + costs.output_bytes) / (head_speed * WEIGHT_BYTES_PER_S_PER_SPEED)
+
+
+def _time_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
+    """Weight bytes a token's time counts for layers [lo, hi): a filler layer (zeros) computes
+    about as long as the layer it stands for (a hybrid's: docs/facts.md §33), so it counts as
+    that layer."""
+    read = costs.prefix_time_bytes[hi] - costs.prefix_time_bytes[lo]
+    zeroed = costs.filler(lo, hi) if costs.filler is not None else None
+    if zeroed is not None:
+        read += costs.prefix_time_bytes[zeroed + 1] - costs.prefix_time_bytes[zeroed]
+    return read
 
 
 def _cost(costs: LayerCosts, lo: int, hi: int, node: NodeInfo, hop_bytes: int, last: bool) -> float:
     """Seconds a token spends on this stage: the weights it reads (a mixture's routed experts
     only) at the node's speed (the output layer is the head's), and its hop in (and, for the
     last stage, back to the head)."""
-    read = costs.prefix_time_bytes[hi] - costs.prefix_time_bytes[lo]
-    compute = read / (max(node.speed, 1e-9) * WEIGHT_BYTES_PER_S_PER_SPEED)
+    compute = _time_bytes(costs, lo, hi) / (max(node.speed, 1e-9) * WEIGHT_BYTES_PER_S_PER_SPEED)
     return compute + node.hop_s(hop_bytes) * (2 if last else 1)
 
 
@@ -351,14 +362,22 @@ def hop_bytes(costs: LayerCosts, hidden_dtype: str = "f32") -> int:
     return (2 if hidden_dtype == "f16" else 4) * costs.n_embd
 
 
+# A layer range the head has sliced before (its workers likely hold the slice) is planned as if
+# this much faster than measured: speed scores move several percent between runs of the same
+# machines, and a plan that followed them would send gigabytes again for nothing (a hybrid's
+# second load went from 6.6 to 98.7 s that way: docs/facts.md §33).
+KNOWN_RANGE_ADVANTAGE = 0.10
+
+
 def plan_split(
     costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hidden_dtype: str = "f32",
-    seq_cells: int | None = None, head_speed: float = 0.0,
+    seq_cells: int | None = None, head_speed: float = 0.0, known: frozenset[tuple[int, int]] = frozenset(),
 ) -> SplitPlan:
     """The contiguous assignment (nodes in the given order) of the workers' layers
     ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included, so
     a worker behind a slow link gets fewer layers, or none. ``head_speed``: the head's speed
-    score, for the plan's prediction of tokens/s."""
+    score, for the plan's prediction of tokens/s; ``known``: layer ranges sliced before
+    (:data:`KNOWN_RANGE_ADVANTAGE`)."""
     if not nodes:
         raise PotluckError("no workers to split the model over")
     hop = hop_bytes(costs, hidden_dtype)
@@ -376,7 +395,8 @@ def plan_split(
                     continue
                 if stage_mem_mb(costs, i, j, n_ctx, n_batch, seq_cells) > usable_mb(node):
                     continue
-                v = max(best[k - 1][i], _cost(costs, i, j, node, hop, j == n))
+                cost = _cost(costs, i, j, node, hop, j == n) * (1 - KNOWN_RANGE_ADVANTAGE * ((i, j) in known))
+                v = max(best[k - 1][i], cost)
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
     if best[len(nodes)][n] == inf:

@@ -92,6 +92,12 @@ class SliceCache:
             self._save()
         return sha
 
+    def known_ranges(self, src: Path) -> frozenset[tuple[int, int]]:
+        """The layer ranges of ``src`` this cache has sliced (the planner prefers them)."""
+        prefix = f"slice|{self.sha256_of(Path(src))}|"
+        ranges = (key[len(prefix):].split("|")[0].split("-") for key in self._index if key.startswith(prefix))
+        return frozenset((int(lo), int(hi)) for lo, hi in ranges)
+
     def slices(self, src: Path, bounds: list[int]) -> list[SliceFile]:
         """The slices for consecutive ranges of ``bounds`` (hashed once, then remembered)."""
         src = Path(src)

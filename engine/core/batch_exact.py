@@ -111,14 +111,18 @@ def judge(types: dict[str, str], *, use_extra_bufts: bool, flags: frozenset[str]
 
 def weight_types(path: Path) -> dict[str, str]:
     """Type name -> one tensor of that type, over the tensors of ``path`` a matrix product reads
-    (a tied output layer reads ``token_embd``)."""
-    from .gguf_tools import tensor_index
+    (a tied output layer reads ``token_embd``; a filler layer's zeros read as zeros whatever
+    the kernel)."""
+    from .gguf_tools import ZEROED_LAYERS_KEY, file_header, tensor_index
 
     tensors = tensor_index(path)
     tied = not any(t.name == "output.weight" for t in tensors)
+    zeroed = tuple(f"blk.{j}." for j in file_header(path).values.get(ZEROED_LAYERS_KEY) or ())  # type: ignore[union-attr]
     out: dict[str, str] = {}
     for t in tensors:
         if t.n_dims < 2 or (t.name.endswith(NOT_MULTIPLIED) and not (tied and t.name == "token_embd.weight")):
+            continue
+        if t.name.startswith(zeroed) and zeroed:
             continue
         out.setdefault(t.type_name, t.name)
     return out

@@ -412,6 +412,9 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) ->
 
 
 STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked layout in llama.cpp's CPU backend
+# A slice's layers whose weights are all zeros (a filler), which llama.cpp ignores: no kernel
+# choice changes what a zero matrix gives, so judging the slice's batches leaves them out
+ZEROED_LAYERS_KEY = "potluck.zeroed_layers"
 # Weights no stage reads (embeddings) or that are zeros (a filler layer, archs.Arch.filler), as
 # the fewest bytes a row of zeros can take: (type, weights, bytes) a block, the first whose block
 # divides the row. Zero bytes are zeros in each; llama.cpp multiplies and looks up rows of both.
@@ -559,6 +562,8 @@ def _layout_of_version(
             w.add_vocab_size(STAGE_VOCAB)
         for key, value in rules.rewrites(h, full_map).items():
             _set_kv(w, r, f"{arch}.{key}", value)
+        if filler is not None:
+            w.add_array(ZEROED_LAYERS_KEY, [0])
         for name, t in ordered:
             if name in stub:
                 shape, nbytes, qtype = stub[name]
