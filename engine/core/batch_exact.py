@@ -113,16 +113,14 @@ def weight_types(path: Path) -> dict[str, str]:
     """Type name -> one tensor of that type, over the tensors of ``path`` a matrix product reads
     (a tied output layer reads ``token_embd``; a filler layer's zeros read as zeros whatever
     the kernel)."""
-    from .gguf_tools import ZEROED_LAYERS_KEY, file_header, tensor_index
+    from .gguf_tools import tensor_index
 
     tensors = tensor_index(path)
     tied = not any(t.name == "output.weight" for t in tensors)
-    zeroed = tuple(f"blk.{j}." for j in file_header(path).values.get(ZEROED_LAYERS_KEY) or ())  # type: ignore[union-attr]
     out: dict[str, str] = {}
     for t in tensors:
-        if t.n_dims < 2 or (t.name.endswith(NOT_MULTIPLIED) and not (tied and t.name == "token_embd.weight")):
-            continue
-        if t.name.startswith(zeroed) and zeroed:
+        read_as_embd = tied and t.name == "token_embd.weight"
+        if t.n_dims < 2 or t.zeroed or (t.name.endswith(NOT_MULTIPLIED) and not read_as_embd):
             continue
         out.setdefault(t.type_name, t.name)
     return out

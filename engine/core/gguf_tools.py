@@ -164,11 +164,17 @@ class TensorEntry:
     name: str
     n_dims: int
     type_name: str  # ggml's name: "Q4_K", "F32", ...
+    zeroed: bool = False  # of a layer the slice holds as zeros (:data:`ZEROED_LAYERS_KEY`)
+
+
+_INT_ELEMENT = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}  # GGUF integer value types, as struct formats
 
 
 def tensor_index(path: Path) -> list[TensorEntry]:
     """Name, rank and type of every tensor, from the header alone. gguf-py's reader builds an
-    object per array element (a 262k-token vocabulary takes seconds); this skips the values."""
+    object per array element (a 262k-token vocabulary takes seconds); this skips the values
+    but :data:`ZEROED_LAYERS_KEY`'s. Its map closes on return: a stage's own map of its slice
+    is the only one (llama.cpp's, advised for random reads)."""
     import mmap
     import struct
 
@@ -200,9 +206,18 @@ def tensor_index(path: Path) -> list[TensorEntry]:
             if magic != b"GGUF":
                 raise ModelError(f"not a GGUF model file: {path}")
             at = 24
+            zeroed: tuple[str, ...] = ()
             for _ in range(n_kv):
-                at += 8 + struct.unpack_from("<Q", buf, at)[0]  # the key
-                at = skip_value(buf, at + 4, struct.unpack_from("<I", buf, at)[0])
+                n = struct.unpack_from("<Q", buf, at)[0]
+                key, at = bytes(buf[at + 8 : at + 8 + n]), at + 8 + n
+                vtype = struct.unpack_from("<I", buf, at)[0]
+                if key == ZEROED_LAYERS_KEY.encode() and vtype == _GGUF_ARRAY:
+                    etype, count = struct.unpack_from("<IQ", buf, at + 4)
+                    if etype in _INT_ELEMENT:
+                        fmt = _INT_ELEMENT[etype]
+                        layers = struct.unpack_from(f"<{count}{fmt[1]}", buf, at + 16)
+                        zeroed = tuple(f"blk.{j}." for j in layers)
+                at = skip_value(buf, at + 4, vtype)
             out = []
             for _ in range(n_tensors):
                 n = struct.unpack_from("<Q", buf, at)[0]
@@ -216,7 +231,7 @@ def tensor_index(path: Path) -> list[TensorEntry]:
                     type_name = gguf.GGMLQuantizationType(ttype).name
                 except ValueError:
                     type_name = f"type {ttype}"
-                out.append(TensorEntry(name, n_dims, type_name))
+                out.append(TensorEntry(name, n_dims, type_name, bool(zeroed) and name.startswith(zeroed)))
             return out
     except (OSError, ValueError, struct.error) as e:
         raise ModelError(f"could not read GGUF {path}: the file is truncated or corrupt ({e})") from None
