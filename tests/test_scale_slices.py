@@ -152,6 +152,10 @@ def test_a_slice_layout_is_laid_out_once_per_file_version(model_path: Path, tmp_
     built = gguf_tools._layout_of_version.cache_info().misses
     again = gguf_tools.layer_layout(src, range(0, 4))
     assert again is first and gguf_tools._layout_of_version.cache_info().misses == built
+    # the head's slice cache names a slice by its source and this recipe: another layout of the
+    # same range (a stage's, or a later potluck's) is another slice, hashed anew
+    stage = gguf_tools.layer_layout(src, range(0, 4), stage=True)
+    assert first.recipe == again.recipe and stage.recipe != first.recipe
     gguf_tools.merge_layer_ranges(model_path, src.with_name("new.gguf"), [(0, 11)])
     os.replace(src.with_name("new.gguf"), src)  # a new version of the file, same path
     built = gguf_tools._layout_of_version.cache_info().misses  # the merge laid out its own

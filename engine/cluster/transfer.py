@@ -105,7 +105,7 @@ class SliceCache:
         out: list[SliceFile] = []
         for lo, hi in zip(bounds, bounds[1:]):
             layout = layer_layout(src, range(lo, hi), stage=True)
-            key = f"slice|{src_sha}|{lo}-{hi}|{layout.size}"
+            key = f"slice|{src_sha}|{lo}-{hi}|{layout.recipe}"  # a new layout of the range is hashed anew
             sha = self._index.get(key)
             if sha is None:
                 sha = layout.sha256()  # reads the source's ranges once, a chunk at a time

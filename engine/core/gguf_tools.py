@@ -362,6 +362,12 @@ class SliceLayout:
     parts: tuple[tuple[int, int, int], ...]  # (offset in the slice, offset in src, bytes)
     size: int
 
+    @functools.cached_property
+    def recipe(self) -> str:
+        """A digest of how the slice is made of its source (header and parts): with the
+        source's sha256 it names the slice's bytes, whatever version of potluck laid it out."""
+        return hashlib.sha256(self.header + repr((self.parts, self.size)).encode()).hexdigest()[:16]
+
     def iter_bytes(self, start: int = 0, chunk_bytes: int = 4 << 20) -> Iterator[bytes]:
         """The slice's bytes from ``start`` to the end, at most ``chunk_bytes`` at a time."""
         pos = start
