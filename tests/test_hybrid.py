@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from potluck.engine.cluster.plan import NodeInfo
 from potluck.engine.core import archs
 from potluck.engine.core.batch_exact import weight_types
 from potluck.engine.core.errors import PotluckError
@@ -125,12 +126,31 @@ def test_a_slice_of_one_kind_of_layer_carries_the_other_kind_as_zeros(target_pat
     assert h.n_layer == 4 and h.get("attention.recurrent_layers") == [False, True, True, True]
     by_name = {t.name: t for t in open_reader(s).tensors}
     source = {t.name: t for t in open_reader(target_path).tensors}
-    assert by_name["blk.0.attn_q.weight"].tensor_type.name == "Q1_0"  # layer 7's, as zeros
+    assert by_name["blk.0.attn_q.weight"].tensor_type.name == "Q1_0"  # layer 3 (nearest attention), zeros
     assert by_name["blk.1.ssm_out.weight"].tensor_type == source["blk.4.ssm_out.weight"].tensor_type
     assert not np.asarray(by_name["blk.0.ffn_down_exps.weight"].data).any()
     assert "Q1_0" not in weight_types(s)  # zeros: no kernel choice changes a batch's rows
     with Model(s) as m:  # loads (llama.cpp aborted the process here)
         assert m.n_layer == 4
+
+
+def test_the_planner_counts_a_filler_in_memory_as_zeros_and_in_time_as_its_layer(target_path: Path) -> None:
+    """The zeroed layer of a one-kind stage takes its zeros' bytes in the stage's memory, and
+    computes about as long as the layer it stands for (docs/facts.md §33): the planner counts
+    both, so a filler is planned where it costs least."""
+    from dataclasses import replace
+
+    from potluck.engine.cluster.plan import _cost, head_layers, layer_costs, stage_bytes
+
+    costs = layer_costs(target_path)
+    plain = replace(costs, filler=None)
+    assert costs.zeroed_layer(4, 7) == 3 and costs.zeroed_layer(0, 4) is None and head_layers(costs) == 1
+    assert 0 < costs.filler_bytes[3] < costs.layer_bytes[3] / 2  # Q1_0 zeros
+    assert stage_bytes(costs, 4, 7, 256) - stage_bytes(plain, 4, 7, 256) == costs.filler_bytes[3]
+    node = NodeInfo("n", "n:1", 10_000, 1.0)
+    slower = _cost(costs, 4, 7, node, 0, False) / _cost(plain, 4, 7, node, 0, False)
+    assert slower == pytest.approx(4 / 3, rel=0.25)  # 3 layers and one computing like layer 3
+    assert stage_bytes(costs, 0, 4, 256) == stage_bytes(plain, 0, 4, 256)  # both kinds: no filler
 
 
 def test_rollback_reaches_back_through_batches_and_aborts(model: Model) -> None:

@@ -99,6 +99,10 @@ class LayerCosts:
     def n_layer(self) -> int:
         return len(self.layer_bytes)
 
+    def zeroed_layer(self, lo: int, hi: int) -> int | None:
+        """The layer a slice of [lo, hi) carries as zeros, or None."""
+        return self.filler(lo, hi) if self.filler is not None else None
+
     @functools.cached_property
     def prefix_bytes(self) -> list[int]:
         """[n_layer + 1] prefix sums: the planner asks for range sizes O(nodes * L^2) times."""
@@ -302,7 +306,7 @@ def stage_bytes(
     row_bytes = costs.embd_bytes // max(costs.n_vocab, 1)
     embd_read = min(n_vocab, n_ctx) * max(row_bytes, PAGE_BYTES)
     weights = _range_bytes(costs, lo, hi) + embd_read
-    zeroed = costs.filler(lo, hi) if costs.filler is not None else None
+    zeroed = costs.zeroed_layer(lo, hi)
     if zeroed is not None:  # a layer of the kind the slice lacks, as zeros
         weights += costs.filler_bytes[zeroed]
     states = costs.state_bytes[lo:hi] if costs.state_bytes else ()
@@ -335,7 +339,7 @@ def _time_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
     about as long as the layer it stands for (a hybrid's: docs/facts.md §33), so it counts as
     that layer."""
     read = costs.prefix_time_bytes[hi] - costs.prefix_time_bytes[lo]
-    zeroed = costs.filler(lo, hi) if costs.filler is not None else None
+    zeroed = costs.zeroed_layer(lo, hi)
     if zeroed is not None:
         read += costs.prefix_time_bytes[zeroed + 1] - costs.prefix_time_bytes[zeroed]
     return read

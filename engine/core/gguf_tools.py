@@ -167,7 +167,7 @@ class TensorEntry:
     zeroed: bool = False  # of a layer the slice holds as zeros (:data:`ZEROED_LAYERS_KEY`)
 
 
-_INT_ELEMENT = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}  # GGUF integer value types, as struct formats
+_INT_ELEMENT = {4: "I", 5: "i", 10: "Q", 11: "q"}  # GGUF integer value types, as struct codes
 
 
 def tensor_index(path: Path) -> list[TensorEntry]:
@@ -211,11 +211,10 @@ def tensor_index(path: Path) -> list[TensorEntry]:
                 n = struct.unpack_from("<Q", buf, at)[0]
                 key, at = bytes(buf[at + 8 : at + 8 + n]), at + 8 + n
                 vtype = struct.unpack_from("<I", buf, at)[0]
-                if key == ZEROED_LAYERS_KEY.encode() and vtype == _GGUF_ARRAY:
+                if key == _ZEROED_KEY and vtype == _GGUF_ARRAY:
                     etype, count = struct.unpack_from("<IQ", buf, at + 4)
                     if etype in _INT_ELEMENT:
-                        fmt = _INT_ELEMENT[etype]
-                        layers = struct.unpack_from(f"<{count}{fmt[1]}", buf, at + 16)
+                        layers = struct.unpack_from(f"<{count}{_INT_ELEMENT[etype]}", buf, at + 16)
                         zeroed = tuple(f"blk.{j}." for j in layers)
                 at = skip_value(buf, at + 4, vtype)
             out = []
@@ -231,7 +230,7 @@ def tensor_index(path: Path) -> list[TensorEntry]:
                     type_name = gguf.GGMLQuantizationType(ttype).name
                 except ValueError:
                     type_name = f"type {ttype}"
-                out.append(TensorEntry(name, n_dims, type_name, bool(zeroed) and name.startswith(zeroed)))
+                out.append(TensorEntry(name, n_dims, type_name, name.startswith(zeroed)))
             return out
     except (OSError, ValueError, struct.error) as e:
         raise ModelError(f"could not read GGUF {path}: the file is truncated or corrupt ({e})") from None
@@ -436,6 +435,7 @@ STUB_OUTPUT_BLOCK = (32, 20)  # Q4_1: 32 weights in 20 bytes, and no repacked la
 # A slice's layers whose weights are all zeros (a filler), which llama.cpp ignores: no kernel
 # choice changes what a zero matrix gives, so judging the slice's batches leaves them out
 ZEROED_LAYERS_KEY = "potluck.zeroed_layers"
+_ZEROED_KEY = ZEROED_LAYERS_KEY.encode()
 # Weights no stage reads (embeddings) or that are zeros (a filler layer, archs.Arch.filler), as
 # the fewest bytes a row of zeros can take: (type, weights, bytes) a block, the first whose block
 # divides the row. Zero bytes are zeros in each; llama.cpp multiplies and looks up rows of both.
