@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from potluck.engine import EngineSpec, SamplingParams, TokenText, open_session
-from potluck.engine.cluster.plan import head_cost, layer_costs, step_cost
+from potluck.engine.cluster.plan import layer_costs, step_cost, whole_model_s
 from potluck.engine.cluster.profile import measure_speed
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.lab.shapes import build_named_shape
@@ -63,7 +63,7 @@ def main() -> None:
     for path in files:
         costs = layer_costs(path)
         rows_a_step = step_cost(path, costs)
-        predicted_s = head_cost(costs, (0, costs.n_layer), speed) * rows_a_step
+        predicted_s = whole_model_s(costs, speed) * rows_a_step
         got_s = measured_step_s(path, args.threads, args.tokens, args.reps)
         recurrent = sum(1 for b in costs.state_bytes or () if b)
         rows.append((path, costs, predicted_s, got_s))

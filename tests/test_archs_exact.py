@@ -1,7 +1,8 @@
 """Every architecture of the table (engine/core/archs.py) splits exactly: a small model of it,
 cut into slices over 2 and 3 stages, gives the whole model's logits for a prompt, for each
 greedy step after it (incremental decode) and for a verify batch of several tokens, and the
-greedy tokens vary (the path is not trivial).
+greedy tokens vary (the path is not trivial). As in a cluster, the stages compute every layer
+and the head's slice the output layer behind zeros.
 
 Adding an architecture means one line in :data:`ARCH_SHAPES` (see core/archs.py's docstring).
 The stages run in this process (tests/support/split_target.py): the same Stage and slice a worker
@@ -16,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.cluster.plan import layer_costs, loadable
+from potluck.engine.cluster.plan import head_zeroed_layers, layer_costs, loadable
 from potluck.engine.core.archs import ARCHS
-from potluck.engine.core.gguf_tools import layer_layout, open_reader
+from potluck.engine.core.gguf_tools import HEAD_EXPERTS, ZEROED_LAYERS_KEY, layer_layout, open_reader
 from potluck.engine.core.runtime import Context, ContextParams, Model
 from potluck.engine.core.target import LocalTarget
 from potluck.engine.lab.fixtures import build_shape
@@ -91,16 +92,22 @@ def test_split_gives_the_whole_models_logits(
 ) -> None:
     arch, path, whole_model = arch_model
     bounds = split_bounds(path, n_stages)
-    # the slices a cluster loads: a middle stage's without a vocabulary, the head's embeddings
-    # zeros of the smallest type (it reads none), every other stage's output zeros
+    # the slices a cluster loads: a stage's after the first without a vocabulary, every stage's
+    # output zeros; the head's output behind zeros, and its embeddings zeros of the smallest type
+    # (it reads none)
     slices = [Model(layer_layout(path, range(lo, hi), stage=True).write_to(tmp_path / f"s{lo}.gguf"))
               for lo, hi in zip(bounds, bounds[1:])]
     fillers = sum(m.n_layer > hi - lo for m, lo, hi in zip(slices, bounds, bounds[1:]))
     assert fillers == (2 if (arch, n_stages) == ("qwen35moe", 3) else 0), (arch, bounds)  # layer 0 and the last alone
-    head_embd, embd = (
-        {t.name: t for t in open_reader(p).tensors}.get("token_embd.weight")
-        for p in (tmp_path / f"s{bounds[-2]}.gguf", path)
-    )
+    head_path = layer_layout(path, range(*head_zeroed_layers(layer_costs(path))), head=True).write_to(
+        tmp_path / "head.gguf")
+    slices.append(Model(head_path))
+    head = open_reader(head_path)
+    zeroed = head.fields[ZEROED_LAYERS_KEY].contents()
+    assert zeroed == list(range(slices[-1].n_layer)), (arch, zeroed)  # every layer of the head's slice
+    if slices[-1].meta(f"{slices[-1].arch}.expert_count"):
+        assert slices[-1].meta(f"{slices[-1].arch}.expert_count") == str(HEAD_EXPERTS), arch
+    head_embd, embd = ({t.name: t for t in r.tensors}.get("token_embd.weight") for r in (head, open_reader(path)))
     assert head_embd is not None and embd is not None
     untied = any(t.name == "output.weight" for t in open_reader(path).tensors)
     assert (head_embd.n_bytes < embd.n_bytes / 2) == untied, (arch, head_embd.tensor_type.name)  # never read

@@ -473,9 +473,8 @@ def cluster_table(c: ClusterState, replan_key: str) -> Group:
         ]))
         here = " (this machine)" if r.address.startswith(("127.", "localhost", "[::1]")) else ""
         parts.append(Text(f"  {r.address}{here}", style="dim", overflow="ellipsis", no_wrap=True))
-    if c.head_layers is not None:  # the last layer(s) and the output layer run on the head
-        lo, hi = c.head_layers
-        parts.append(grid([(Text(f"head layers {lo}-{hi} + output"), Text("this machine", style="dim"))]))
+    if c.head_layers is not None:  # the workers compute every layer, the head the output layer
+        parts.append(grid([(Text("head: output layer"), Text("this machine", style="dim"))]))
     if c.sent_bytes or c.cached_bytes:
         parts.append(grid([(Text("slices sent", style="dim"), human_bytes(c.sent_bytes))]))
     if c.cached_bytes:

@@ -6,7 +6,7 @@ every transaction (``forward`` batches, ``kv`` operations, ``reset``) to stage 1
 stage applies it and passes it on, so KV operations and batches happen in the same order
 everywhere. The last worker returns the hidden states of every row (n_embd floats a token,
 not n_vocab: 2.3 kB instead of 196 kB for SmolLM2), and the head's tail, which holds the
-model's last layer(s) and the output layer, takes them in transaction order with the KV
+output layer (behind zeros: :mod:`.tail`), takes them in transaction order with the KV
 operations and resets, and computes the logits of the rows a batch asks for. Any number of
 batches may be in flight: results are filed by ticket as the tail finishes them and handed
 to whoever waits for that ticket, never dropped. ``cancel(group)`` goes to every stage out
@@ -55,7 +55,7 @@ from .chain import PipelineSetup, chain_exactness, load_chain, plan_over, tail_t
 from .join import join_links
 from .link import JOIN_TIMEOUT_S, NodeFailedError, NodeLink, max_result_bytes
 from .pipeline_target import STALL_TIMEOUT_S, PipelineTarget
-from .plan import SplitPlan, splittable_costs
+from .plan import SplitPlan, head_zeroed_layers, splittable_costs
 from .profile import measure_speed
 from .tail import HeadTail
 from .transfer import Progress, SliceCache, TransferStats
@@ -171,7 +171,7 @@ def open_pipeline(
         t_planned = time.perf_counter()
         loaded = load_chain(setup, links, plan, stats)
         t_chained = time.perf_counter()
-        (tail_slice,) = setup.slice_cache.slices(model_path, list(plan.head))
+        tail_slice = setup.slice_cache.head_slice(model_path, head_zeroed_layers(costs))
         forget_parsed_headers()
         params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                                n_threads=n_threads or tail_threads([lk.address for lk in links]),

@@ -208,7 +208,8 @@ class PipelineTarget(ChainRebuild, TargetBase):
 
     @property
     def head_layers(self) -> tuple[int, int]:
-        """The layers the head computes itself (with the output layer), for the panels."""
+        """The layers the head computes itself: none, ``(n_layer, n_layer)`` (it computes the
+        output layer behind zeros: :mod:`.tail`)."""
         return self.tail.layers
 
     def cancel(self, group: int, *more: int) -> None:

@@ -10,9 +10,9 @@ cgroup limit: core/memory.py). Dynamic programming over (nodes in order, layers)
 assignment minimizing the bottleneck; nodes may get no layers, and a split that fits
 nowhere is refused before anything is sent.
 
-The head computes the model's last layer(s) and the output layer itself (so the last
-worker returns a hidden state, not a row of logits: head.py), so workers share layers
-``[0, n_layer - t)``; ``t`` is 1 unless that one layer cannot load alone (:func:`head_layers`).
+The workers share every layer, ``[0, n_layer)``; the head computes the output layer (so the
+last worker returns a hidden state, not a row of logits: head.py) behind layers of zeros that
+only let llama.cpp load it (:func:`head_zeroed_layers`).
 
 A range llama.cpp cannot load is never planned: a Gemma 3 slice without a sliding-window
 layer aborts the loading process (docs/facts.md §5), so every Gemma 3 stage holds one. Such
@@ -94,6 +94,8 @@ class LayerCosts:
     # or None, and each layer's bytes as such (gguf_tools.filler_bytes)
     filler: Callable[[int, int], int | None] | None = None
     filler_bytes: tuple[int, ...] = ()
+    # each layer's bytes as the head's zeros (one routed expert: gguf_tools.layer_layout)
+    head_layer_bytes: tuple[int, ...] = ()
 
     @property
     def n_layer(self) -> int:
@@ -102,6 +104,15 @@ class LayerCosts:
     def zeroed_layer(self, lo: int, hi: int) -> int | None:
         """The layer a slice of [lo, hi) carries as zeros, or None."""
         return self.filler(lo, hi) if self.filler is not None else None
+
+    @property
+    def head_zeros_bytes(self) -> int:
+        """What the head's slice holds in front of its output layer, all zeros: the bytes a
+        token reads there (:func:`head_zeroed_layers`, and a hybrid's filler)."""
+        lo, hi = head_zeroed_layers(self)
+        filler = self.zeroed_layer(lo, hi)
+        layers = [*range(lo, hi), *([] if filler is None else [filler])]
+        return sum(self.head_layer_bytes[i] for i in layers) if self.head_layer_bytes else 0
 
     @functools.cached_property
     def prefix_bytes(self) -> list[int]:
@@ -142,13 +153,13 @@ class StageAssignment:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Worker stages over layers ``[0, head[0])``; the head computes ``head`` and the output."""
+    """Worker stages over every layer; the head computes the output norm and matrix."""
 
     stages: tuple[StageAssignment, ...]
     n_layer: int
-    head: tuple[int, int]  # layers the head computes itself, with the output norm and matrix
+    head: tuple[int, int]  # layers the head computes itself: none, (n_layer, n_layer)
     experts: tuple[int, int, int] = (0, 0, 0)  # LayerCosts.experts of the model planned
-    head_cost: float = 0.0  # seconds a token on the head: its layers and the output layer (0: unknown)
+    head_cost: float = 0.0  # seconds a token on the head: the output layer and its zeros (0: unknown)
     # what a single step costs in 1-row steps: single steps run as 2 rows on some weight types
     # (core/batch_exact.py), which computes the spare row too (TWO_ROW_STEP_COST)
     step_cost: float = 1.0
@@ -156,7 +167,7 @@ class SplitPlan:
     @property
     def predicted_tokens_per_s(self) -> float | None:
         """The planner's model of synchronous decoding: a token goes through every stage in turn
-        (its layers and hop, :func:`_cost`), then the head's layers and output layer, each step
+        (its layers and hop, :func:`_cost`), then the head's output layer, each step
         as many rows as exactness needs; None when the head's speed was not measured."""
         if self.head_cost <= 0:
             return None
@@ -172,7 +183,7 @@ class SplitPlan:
 
     @property
     def bounds(self) -> list[int]:
-        """Where each worker stage starts, then where the last one ends (the head's first layer)."""
+        """Where each worker stage starts, then where the last one ends (``n_layer``)."""
         return [s.lo for s in self.stages] + [self.head[0]]
 
     def describe(self) -> list[str]:
@@ -188,8 +199,7 @@ class SplitPlan:
                 f"~{s.mem_mb:,.0f} MB of {s.node.free_mb:,} MB free, speed {s.node.speed:g}{link}, "
                 f"load {s.cost / worst:.0%} of the slowest"
             )
-        lo, hi = self.head
-        lines.append(f"  head:    layers {lo:>3}-{hi:<3} and the output layer on this machine")
+        lines.append("  head:    the output layer on this machine")
         if self.predicted_tokens_per_s is not None:
             rows = f", single steps as 2 rows (x{self.step_cost:g})" if self.step_cost != 1.0 else ""
             lines.append(f"  predicted: about {self.predicted_tokens_per_s:.1f} tokens/s decoding (synchronous, "
@@ -216,7 +226,7 @@ def splittable_costs(path: Path) -> LayerCosts:
 
 @functools.lru_cache(maxsize=16)
 def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
-    from ..core.gguf_tools import filler_bytes, middle_stage_vocab, open_reader
+    from ..core.gguf_tools import HEAD_EXPERTS, filler_bytes, middle_stage_vocab, open_reader
 
     r = open_reader(path)
     h = archs.read_header(r)
@@ -233,6 +243,7 @@ def _layer_costs(path: Path, size: int, mtime_ns: int) -> LayerCosts:
         h.tensor_bytes.get("output.weight", h.tensor_bytes.get("token_embd.weight", 0)),
         archs.recurrent_state_bytes(h), archs.unsplittable_reason(h),
         filler, filler_bytes(r.tensors, h.n_layer) if filler is not None else (),
+        filler_bytes(r.tensors, h.n_layer, h.int_of("expert_count"), HEAD_EXPERTS),
     )
 
 
@@ -247,16 +258,17 @@ def loadable(costs: LayerCosts, lo: int, hi: int) -> bool:
     return slice_problem(costs, lo, hi) is None
 
 
-def head_layers(costs: LayerCosts) -> int:
-    """How many last layers the head computes: 1, or the fewest that llama.cpp loads as a
-    slice (Gemma 3 270M's last layer is global: the head takes 16-17, not 17 alone; a hybrid's
-    last layer alone carries a zeroed recurrent one, archs.Arch.filler).
-    Workers must keep at least one layer, or there is nothing to split."""
+def head_zeroed_layers(costs: LayerCosts) -> tuple[int, int]:
+    """The layers the head's slice carries as zeros (gguf_tools.layer_layout ``head=True``):
+    llama.cpp loads no model of 0 layers, so the output layer stands behind the last layer,
+    or the fewest last layers that llama.cpp loads as a slice (Gemma 3 270M's last layer is
+    global: 16-17, not 17 alone; a hybrid's last layer alone carries a zeroed recurrent one,
+    archs.Arch.filler)."""
     n = costs.n_layer
-    for t in range(1, n):
+    for t in range(1, n + 1):
         if loadable(costs, n - t, n):
-            return t
-    raise PotluckError(f"cannot split a model of {n} layer(s): the head computes the last one and the output")
+            return n - t, n
+    raise PotluckError(f"cannot split {costs.arch}: llama.cpp loads none of its last layers as a slice")
 
 
 def _range_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
@@ -297,10 +309,10 @@ def stage_bytes(
     While a prompt prefills, the stage also holds its F16 twin (a KV cache of one sequence and
     its own buffers) and, at the hand-over, sequence 0's state as bytes
     (core/staged_prefill.py): that is counted too, so a worker never runs short mid-prompt."""
-    # A stage between the first and the last is sliced without a vocabulary where the model
-    # allows it: its logits buffers and embeddings are then tiny. A slice's own costs (a worker
-    # checking a load) already say so: it is all of its layers.
-    middle = 0 < lo and hi < costs.n_layer
+    # A stage after the first is sliced without a vocabulary where the model allows it: its
+    # logits buffers and embeddings are then tiny. A slice's own costs (a worker checking a
+    # load) already say so: it is all of its layers.
+    middle = 0 < lo
     n_vocab = costs.middle_vocab if middle and costs.middle_vocab else costs.n_vocab
     seq = n_ctx if seq_cells is None else min(seq_cells, n_ctx)
     row_bytes = costs.embd_bytes // max(costs.n_vocab, 1)
@@ -325,13 +337,18 @@ def stage_mem_mb(
     return stage_bytes(costs, lo, hi, n_ctx, n_batch, seq_cells) / (1 << 20)
 
 
-def head_cost(costs: LayerCosts, head: tuple[int, int], head_speed: float) -> float:
-    """Seconds a token spends on the head: its layers' weights (a mixture's routed experts only)
-    and the output matrix, read at its speed (0 when the speed is unknown)."""
+def head_cost(costs: LayerCosts, head_speed: float) -> float:
+    """Seconds a token spends on the head: the output matrix and the zeros in front of it
+    (:attr:`LayerCosts.head_zeros_bytes`), read at its speed (0 when the speed is unknown)."""
     if head_speed <= 0:
         return 0.0
-    lo, hi = head
-    return (_time_bytes(costs, lo, hi) + costs.output_bytes) / (head_speed * WEIGHT_BYTES_PER_S_PER_SPEED)
+    return (costs.head_zeros_bytes + costs.output_bytes) / (head_speed * WEIGHT_BYTES_PER_S_PER_SPEED)
+
+
+def whole_model_s(costs: LayerCosts, speed: float) -> float:
+    """Seconds a token of the whole model takes on one machine of speed ``speed``, as the
+    planner counts them (scripts/plan_vs_step.py checks this against measured steps)."""
+    return (_time_bytes(costs, 0, costs.n_layer) + costs.output_bytes) / (speed * WEIGHT_BYTES_PER_S_PER_SPEED)
 
 
 def _time_bytes(costs: LayerCosts, lo: int, hi: int) -> int:
@@ -377,15 +394,15 @@ def plan_split(
     costs: LayerCosts, nodes: Sequence[NodeInfo], n_ctx: int, n_batch: int = N_BATCH, hidden_dtype: str = "f32",
     seq_cells: int | None = None, head_speed: float = 0.0, known: frozenset[tuple[int, int]] = frozenset(),
 ) -> SplitPlan:
-    """The contiguous assignment (nodes in the given order) of the workers' layers
-    ``[0, n_layer - head_layers)`` with the smallest bottleneck, a stage's hop included, so
+    """The contiguous assignment (nodes in the given order) of the model's layers with the
+    smallest bottleneck, a stage's hop included, so
     a worker behind a slow link gets fewer layers, or none. ``head_speed``: the head's speed
     score, for the plan's prediction of tokens/s; ``known``: layer ranges sliced before
     (:data:`KNOWN_RANGE_ADVANTAGE`)."""
     if not nodes:
         raise PotluckError("no workers to split the model over")
     hop = hop_bytes(costs, hidden_dtype)
-    n = costs.n_layer - head_layers(costs)
+    n = costs.n_layer
     inf = float("inf")
     # best[k][j]: smallest bottleneck covering layers [0, j) with the first k nodes.
     best = [[inf] * (n + 1) for _ in range(len(nodes) + 1)]
@@ -418,8 +435,7 @@ def plan_split(
         if i < j:
             stages.append(_assign(costs, nodes[k - 1], i, j, n_ctx, n_batch, hop, j == n, seq_cells))
         j = i
-    head = (n, costs.n_layer)
-    return SplitPlan(tuple(reversed(stages)), costs.n_layer, head, costs.experts, head_cost(costs, head, head_speed))
+    return SplitPlan(tuple(reversed(stages)), n, (n, n), costs.experts, head_cost(costs, head_speed))
 
 
 def manual_plan(
@@ -428,24 +444,15 @@ def manual_plan(
 ) -> SplitPlan:
     """Fixed layer boundaries, e.g. ``[0, 9, 18]``: stage i runs [bounds[i], bounds[i+1]).
 
-    The head computes the last layer(s) (:func:`head_layers`), so the last worker stage ends
-    where the head's layers begin: a last boundary of ``n_layer`` (or none) means that
-    end too, and no stage may start inside the head's layers."""
-    end = costs.n_layer - head_layers(costs)
+    The last stage ends at ``n_layer``: a last boundary of ``n_layer`` may be left out."""
+    end = costs.n_layer
     b = list(bounds)
     if b and b[0] != 0:
         b = [0, *b]
-    if b[-1] == costs.n_layer:
-        b[-1] = end
-    elif b[-1] < end:
+    if b[-1] < end:
         b = [*b, end]
     if any(lo >= hi for lo, hi in zip(b, b[1:])) or b[-1] != end:
-        last = costs.n_layer - 1
-        held = f"layer {end}" if end == last else f"layers {end}-{last}"
-        raise PotluckError(
-            f"split {list(bounds)}: stages must start at increasing layers below {end}; "
-            f"{held} and the output layer run on the head"
-        )
+        raise PotluckError(f"split {list(bounds)}: stages must start at increasing layers below {end}")
     for lo, hi in zip(b, b[1:]):
         why = slice_problem(costs, lo, hi)
         if why is not None:
@@ -463,8 +470,7 @@ def manual_plan(
                 f"{s.node.name} ({s.node.address}) has {s.node.free_mb:,} MB free; move the boundary, "
                 "add workers or lower --ctx"
             )
-    head = (end, costs.n_layer)
-    return SplitPlan(stages, costs.n_layer, head, costs.experts, head_cost(costs, head, head_speed))
+    return SplitPlan(stages, end, (end, end), costs.experts, head_cost(costs, head_speed))
 
 
 def step_cost(model_path: Path, costs: LayerCosts) -> float:

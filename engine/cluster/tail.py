@@ -1,12 +1,12 @@
-"""The head's own stage: the model's last layer(s) and the output layer, after the workers.
+"""The head's own stage: the output layer, after the workers.
 
 Why: a row of logits is n_vocab floats (SmolLM2: 196 kB a token), a hidden state n_embd
 (2.3 kB). So the last worker returns hidden states and the head computes the logits. llama.cpp
-loads no model of 0 layers, so the head holds the model's last layer(s)
-(:func:`.plan.head_layers`) with the output norm and matrix: a slice made like any worker's,
-run in this process by the same :class:`~potluck.engine.core.stage.Stage` and
-:class:`~potluck.engine.core.runner.StageRunner` as a local target. That layer keeps a KV cache,
-so it needs every row of a batch, not only the output rows.
+loads no model of 0 layers, so the output norm and matrix stand behind layers of zeros, each
+adding exactly 0 to the residual stream (:func:`.plan.head_zeroed_layers`; a mixture's cut to
+one expert): a slice run in this process by the same :class:`~potluck.engine.core.stage.Stage`
+and :class:`~potluck.engine.core.runner.StageRunner` as a local target. Those layers keep a
+KV cache, so they take every row of a batch, not only the output rows.
 
 Order: this is the chain's last stage, so it applies every transaction in ``txn`` order, as
 a worker does. A batch waits here until its hidden states come back from the last worker

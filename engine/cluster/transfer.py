@@ -43,8 +43,8 @@ class SliceFile:
 
     @property
     def path(self) -> Path:
-        """The slice as a file here, written on first use: only for the layers this machine
-        loads itself (the head's last layer and output layer)."""
+        """The slice as a file here, written on first use: only for what this machine loads
+        itself (the head's output layer, a fallback stage)."""
         path = self.folder / f"{self.sha256[:24]}-{self.lo}-{self.hi}.gguf"
         if not path.is_file() or path.stat().st_size != self.size:
             self.layout.write_to(path)
@@ -104,15 +104,23 @@ class SliceCache:
         src_sha = self.sha256_of(src)
         out: list[SliceFile] = []
         for lo, hi in zip(bounds, bounds[1:]):
-            layout = layer_layout(src, range(lo, hi), stage=True)
-            key = f"slice|{src_sha}|{lo}-{hi}|{layout.recipe}"  # a new layout of the range is hashed anew
-            sha = self._index.get(key)
-            if sha is None:
-                sha = layout.sha256()  # reads the source's ranges once, a chunk at a time
-                self._index[key] = sha
-                self._save()
-            out.append(SliceFile(layout, sha, layout.size, lo, hi, self.folder, src_sha))
+            out.append(self._file("slice", src_sha, layer_layout(src, range(lo, hi), stage=True), lo, hi))
         return out
+
+    def head_slice(self, src: Path, zeroed: tuple[int, int]) -> SliceFile:
+        """The head's slice: the output layer behind layers ``zeroed`` as zeros."""
+        src = Path(src)
+        lo, hi = zeroed
+        return self._file("head", self.sha256_of(src), layer_layout(src, range(lo, hi), head=True), lo, hi)
+
+    def _file(self, kind: str, src_sha: str, layout: SliceLayout, lo: int, hi: int) -> SliceFile:
+        key = f"{kind}|{src_sha}|{lo}-{hi}|{layout.recipe}"  # a new layout of the range is hashed anew
+        sha = self._index.get(key)
+        if sha is None:
+            sha = layout.sha256()  # reads the source's ranges once, a chunk at a time
+            self._index[key] = sha
+            self._save()
+        return SliceFile(layout, sha, layout.size, lo, hi, self.folder, src_sha)
 
 
 class LocalModels:

@@ -149,6 +149,9 @@ class Arch:
     filler: Callable[[Header, Sequence[int]], int | None] | None = None
     # why no split of this file is exact, or None
     model_problem: Callable[[Header], str | None] | None = None
+    # a layer's tensors (name after ``blk.N.``) that multiply its whole output, residual
+    # included: ones, not zeros, in a layer of zeros (gguf_tools.layer_layout), so it adds 0
+    output_scales: frozenset[str] = frozenset()
     # tensors outside ``blk.N`` that llama.cpp reads only for some layers, which a slice of
     # these original layers must leave out (a file holding a tensor llama.cpp did not read is
     # refused: "wrong number of tensors")
@@ -413,7 +416,7 @@ ARCHS: dict[str, Arch] = {
         # rope_freqs; K doubles as V there), q/k norms, a scale per layer, routed experts beside
         # the dense FFN (26B-A4B), a softcap on the logits; E2B/E4B refused (_gemma4_problem)
         Arch("gemma4", swa_default_period=6, slice_problem=_gemma4_slice_problem, model_problem=_gemma4_problem,
-             unread_tensors=_gemma4_unread),
+             unread_tensors=_gemma4_unread, output_scales=frozenset({"layer_output_scale.weight"})),
     )
 }
 

@@ -360,12 +360,13 @@ class SliceLayout:
     header: bytes  # magic, key/values and tensor infos, padded to the data alignment
     parts: tuple[tuple[int, int, int], ...]  # (offset in the slice, offset in src, bytes)
     size: int
+    ones: tuple[tuple[int, bytes], ...] = ()  # (offset in the slice, bytes): a layer of zeros' scales
 
     @functools.cached_property
     def recipe(self) -> str:
         """A digest of how the slice is made of its source (header and parts): with the
         source's sha256 it names the slice's bytes, whatever version of potluck laid it out."""
-        return hashlib.sha256(self.header + repr((self.parts, self.size)).encode()).hexdigest()[:16]
+        return hashlib.sha256(self.header + repr((self.parts, self.size, self.ones)).encode()).hexdigest()[:16]
 
     def iter_bytes(self, start: int = 0, chunk_bytes: int = 4 << 20) -> Iterator[bytes]:
         """The slice's bytes from ``start`` to the end, at most ``chunk_bytes`` at a time."""
@@ -389,6 +390,10 @@ class SliceLayout:
             lo, hi = max(pos, at), min(end, at + size)
             if lo < hi:
                 out[lo - pos : hi - pos] = os.pread(f.fileno(), hi - lo, src_at + lo - at)
+        for at, data in self.ones:
+            lo, hi = max(pos, at), min(end, at + len(data))
+            if lo < hi:
+                out[lo - pos : hi - pos] = data[lo - at : hi - at]
         return bytes(out)
 
     def sha256(self) -> str:
@@ -409,25 +414,28 @@ class SliceLayout:
         return dst
 
 
-def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False) -> SliceLayout:
+def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False, head: bool = False) -> SliceLayout:
     """The layout of a GGUF whose layer j is ``src``'s layer ``layer_map[j]`` (slices, merges).
 
     Embeddings, final norm and output head are always kept (a slice needs them to load; the
-    stages that do not use them skip them at run time). ``stage``: a pipeline stage's slice.
-    Unless it holds the model's last layer it never computes the output matrix, which is
-    then written as zeros of a type llama.cpp does not repack (Q4_1): mapped and never read,
-    it costs the stage no memory, where a Q4_0 one was copied into memory of its own on
-    machines with extra buffer types (docs/facts.md §17). A stage that holds neither the first
-    layer nor the last reads no token ids and computes no logits: where the model allows
-    (:func:`middle_stage_vocab`) its slice has no vocabulary (tokenizer "none",
+    stages that do not use them skip them at run time). ``stage``: a worker's slice. It never
+    computes the output matrix (the head does), which is then written as zeros of a type
+    llama.cpp does not repack (Q4_1): mapped and never read, it costs the stage no memory,
+    where a Q4_0 one was copied into memory of its own on machines with extra buffer types
+    (docs/facts.md §17). A stage after the first reads no token ids either: where the model
+    allows (:func:`middle_stage_vocab`) its slice has no vocabulary (tokenizer "none",
     :data:`STAGE_VOCAB` dummy tokens, embeddings and output as stubs of that many rows), so
-    llama.cpp does not size its buffers by the model's vocabulary. The head's slice (the last
-    layers and the output) keeps the vocabulary but reads no token ids: its embeddings are
-    zeros of the smallest type their rows allow (:data:`ZERO_BLOCKS`).
+    llama.cpp does not size its buffers by the model's vocabulary.
+
+    ``head``: the cluster head's slice, the output norm and matrix behind ``layer_map``'s
+    layers as zeros (llama.cpp loads no model of 0 layers; a zero layer adds exactly 0 to the
+    residual stream), each mixture layer cut to one routed expert, one used (they are all
+    zeros), and the embeddings, which it never reads, zeros of the smallest type their rows
+    allow (:data:`ZERO_BLOCKS`). The workers compute every real layer.
     """
     src = Path(src)
     st = src.stat()
-    layout = _layout_of_version(src.resolve(), st.st_size, st.st_mtime_ns, tuple(layer_map), stage)
+    layout = _layout_of_version(src.resolve(), st.st_size, st.st_mtime_ns, tuple(layer_map), stage or head, head)
     return replace(layout, src=src) if layout.src != src else layout
 
 
@@ -492,27 +500,43 @@ def _zeros_of(t) -> tuple[tuple[int, ...], int, str] | None:
     return None
 
 
-def filler_bytes(tensors, n_layer: int) -> tuple[int, ...]:  # tensors: the model's gguf ReaderTensors
-    """[n_layer] bytes each layer takes as a slice's filler (archs.Arch.filler): the planner
-    counts them in a stage of one kind of layer."""
+def filler_bytes(tensors, n_layer: int, n_expert: int = 0, keep_experts: int = 0) -> tuple[int, ...]:
+    """[n_layer] bytes each layer takes as zeros: as a slice's filler (archs.Arch.filler), which
+    the planner counts in a stage of one kind of layer, or with ``keep_experts`` routed experts
+    of ``n_expert`` (the head's slice: :func:`layer_layout`). ``tensors``: gguf ReaderTensors."""
     out = [0] * n_layer
     for t in tensors:
         m = _BLK.match(t.name)
         if m and int(m.group(1)) < n_layer:
-            out[int(m.group(1))] += _filler_zeros(t)[1]
+            out[int(m.group(1))] += _filler_zeros(t, n_expert, keep_experts)[1]
     return tuple(out)
 
 
-def _filler_zeros(t) -> tuple[tuple[int, ...], int, str]:
+def _filler_zeros(t, n_expert: int = 0, keep_experts: int = 0) -> tuple[tuple[int, ...], int, str]:
     """A filler layer's tensor as zeros: a quantized matrix (weights multiplied) in the smallest
-    type, anything else (norms, a state's constants, F32 routers) as its own type's zeros."""
+    type, anything else (norms, a state's constants, F32 routers) as its own type's zeros.
+    ``keep_experts``: a tensor stacked per routed expert (:data:`_PER_EXPERT`, ``n_expert`` of
+    them) keeps that many (0: all)."""
     small = _zeros_of(t) if len(t.shape) >= 2 and t.tensor_type.name not in ("F32", "F16", "BF16") else None
-    return small or (tuple(t.data.shape), int(t.n_bytes), t.tensor_type.name)
+    shape, nbytes, qtype = small or (tuple(t.data.shape), int(t.n_bytes), t.tensor_type.name)
+    per_expert = _PER_EXPERT.match(t.name.split(".", 2)[-1]) and int(t.shape[-1]) == n_expert
+    if keep_experts and per_expert:  # stacked on the last dimension, the outermost in bytes
+        shape, nbytes = (keep_experts, *shape[1:]), nbytes // n_expert * keep_experts
+    return shape, nbytes, qtype
+
+
+# a layer's tensors stacked per routed expert on their last dimension: the experts, their
+# biases and scales (Gemma 4's), the router and its bias (DeepSeek's and GLM's selection bias)
+_PER_EXPERT = re.compile(r"^(ffn_(gate|up|down|gate_up)_exps|ffn_gate_inp|exp_probs_b)\.(weight|bias|scale)$")
+# A head slice's zeroed mixture layers keep this many routed experts, used by every token (in
+# groups of as many), so they read next to nothing: these keys are set to it.
+HEAD_EXPERTS = 1
+HEAD_EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_group_count", "expert_group_used_count")
 
 
 @functools.lru_cache(maxsize=8)
 def _layout_of_version(
-    src: Path, size: int, mtime_ns: int, layer_map: tuple[int, ...], stage: bool = False
+    src: Path, size: int, mtime_ns: int, layer_map: tuple[int, ...], stage: bool = False, head: bool = False
 ) -> SliceLayout:
     """One layout per file version and layer map: a head reopening its pipeline (a rebuild,
     a new session in the same process) lays out the same slices again, and building a
@@ -523,7 +547,7 @@ def _layout_of_version(
     r = _reader_of_version(src, size, mtime_ns)
     h = archs.read_header(r)
     rules = archs.require_splittable(h, src.name)
-    arch, n_layer = h.arch, h.n_layer  # the trunk: next-token blocks are never in a slice
+    arch = h.arch
     archs.check_layer_map(h, layer_map)
     lo, hi = min(layer_map), max(layer_map) + 1
     if list(layer_map) == list(range(lo, hi)):  # a stage's range (merges repeat layers)
@@ -548,14 +572,21 @@ def _layout_of_version(
         ordered += [(f"blk.{j}.{suffix}", t) for suffix, t in by_layer.get(i, [])]
     ordered += [(n, t) for n, t in others if n != "token_embd.weight"]
     stub = {}  # name -> (byte shape, bytes, type): tensors written as zeros
-    if filler is not None:
-        stub.update((f"blk.0.{suffix}", _filler_zeros(t)) for suffix, t in by_layer.get(filler, []))
-    # A stage between the first and the last reads hidden states and hands hidden states on:
-    # with the whole vocabulary, llama.cpp would give each of its contexts a logits buffer and
-    # an output-layer compute buffer of n_batch x n_vocab floats it never uses (docs/facts.md §17).
-    middle = stage and min(layer_map) > 0 and max(layer_map) < n_layer - 1
+    zeroed = list(range(len(full_map))) if head else [] if filler is None else [0]
+    n_expert = h.int_of("expert_count")
+    ones: dict[str, bytes] = {}  # a layer of zeros' scales of its whole output: ones (F32)
+    for j in zeroed:
+        keep = HEAD_EXPERTS if head and n_expert else 0
+        for suffix, t in by_layer.get(full_map[j], []):
+            stub[f"blk.{j}.{suffix}"] = _filler_zeros(t, n_expert, keep)
+            if suffix in rules.output_scales and t.tensor_type.name == "F32":
+                ones[f"blk.{j}.{suffix}"] = np.ones(int(np.prod(t.shape)), np.float32).tobytes()
+    # A worker's stage after the first reads hidden states and hands hidden states on: with the
+    # whole vocabulary, llama.cpp would give each of its contexts a logits buffer and an
+    # output-layer compute buffer of n_batch x n_vocab floats it never uses (docs/facts.md §17).
+    middle = stage and not head and min(layer_map) > 0
     vocab_free = middle and middle_stage_vocab(r.tensors) > 0
-    if stage and max(layer_map) < n_layer - 1:
+    if stage and not head:
         tensors = dict(ordered)
         # tied embeddings: llama.cpp would repack a duplicate of the embeddings as the output;
         # an explicit output matrix of their shape takes its place
@@ -583,8 +614,12 @@ def _layout_of_version(
             w.add_vocab_size(STAGE_VOCAB)
         for key, value in rules.rewrites(h, full_map).items():
             _set_kv(w, r, f"{arch}.{key}", value)
-        if filler is not None:
-            w.add_array(ZEROED_LAYERS_KEY, [0])
+        if head and n_expert:
+            for key in HEAD_EXPERT_KEYS:
+                if h.int_of(key):
+                    _set_kv(w, r, f"{arch}.{key}", HEAD_EXPERTS)
+        if zeroed:
+            w.add_array(ZEROED_LAYERS_KEY, zeroed)
         for name, t in ordered:
             if name in stub:
                 shape, nbytes, qtype = stub[name]
@@ -599,14 +634,16 @@ def _layout_of_version(
         header = header_path.read_bytes()
     align = w.data_alignment
     header += bytes(gguf.GGUFWriter.ggml_pad(len(header), align) - len(header))
-    parts, at = [], len(header)
+    parts, filled, at = [], [], len(header)
     for name, t in ordered:
         if name in stub:  # no part: the bytes between parts read as zeros
+            if name in ones:
+                filled.append((at, ones[name]))
             at += gguf.GGUFWriter.ggml_pad(stub[name][1], align)
             continue
         parts.append((at, int(t.data_offset), int(t.n_bytes)))  # type: ignore[attr-defined]
         at += gguf.GGUFWriter.ggml_pad(int(t.n_bytes), align)  # type: ignore[attr-defined]
-    return SliceLayout(src, header, tuple(parts), at)
+    return SliceLayout(src, header, tuple(parts), at, tuple(filled))
 
 
 @functools.lru_cache(maxsize=4)
