@@ -172,8 +172,8 @@ def test_the_heads_own_stage_is_this_machine_and_layers_read_as_the_plan_writes_
 
     state = ClusterState(stages=(
         StageRow("ebe6b179", "192.168.1.20:5733", (0, 14)),
-        StageRow("5f0c1d2e", "127.0.0.1:40123", (14, 29)),  # the head's fallback worker joins on loopback
-    ), head_layers=(29, 30))
+        StageRow("5f0c1d2e", "127.0.0.1:40123", (14, 30)),  # the head's fallback worker joins on loopback
+    ), head_layers=(30, 30))
     text = _plain(cluster_table(state, "ctrl+g"))
-    assert "layers 0-14" in text and "layers 14-29" in text and "head layers 29-30" in text  # as `plan` prints
+    assert "layers 0-14" in text and "layers 14-30" in text and "head: output layer" in text  # as `plan` prints
     assert "127.0.0.1:40123 (this machine)" in text and "192.168.1.20:5733 (this" not in text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine.cluster.plan import head_layers, layer_costs, slice_problem
+from potluck.engine.cluster.plan import head_zeroed_layers, layer_costs, slice_problem
 from potluck.engine.core import archs, gguf_tools
 from potluck.engine.core.errors import PotluckError
 from potluck.engine.core.gguf_tools import describe, layer_layout, open_reader, write_layers
@@ -59,8 +59,8 @@ def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> Non
     """llama.cpp's default pattern (period 2) says even layers slide: a slice starting at an
     odd layer carries the explicit array. A slice of global layers only (llama.cpp asserts one
     sliding layer) is written as sliding layers over a window no position reaches: the same
-    attention (tests/test_archs_exact.py's 3-stage split ends with one), so the head computes
-    the last layer alone."""
+    attention (tests/test_archs_exact.py's 3-stage split ends with one), so the head's slice
+    carries the last layer alone as zeros."""
     path = build_shape("gpt-oss-small")
     h = header_of(path)
     assert archs.ARCHS["gpt-oss"].swa_layers(h) == (True, False, True, False, True, False)
@@ -71,7 +71,8 @@ def test_gpt_oss_slices_keep_their_layers_sliding_windows(tmp_path: Path) -> Non
     assert wide.get("attention.sliding_window_pattern") == [True]
     assert wide.get("attention.sliding_window") == archs.WIDE_WINDOW
     costs = layer_costs(path)
-    assert slice_problem(costs, 5, 6) is None and slice_problem(costs, 3, 4) is None and head_layers(costs) == 1
+    assert slice_problem(costs, 5, 6) is None and slice_problem(costs, 3, 4) is None
+    assert head_zeroed_layers(costs) == (costs.n_layer - 1, costs.n_layer)
 
 
 def test_no_stage_context_reaches_a_widened_window() -> None:
@@ -307,7 +308,7 @@ def test_nodes_prints_the_plan_and_its_experts_over_the_workers_found(
 def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
     """Memory counts every expert, time only the routed ones a token reads: the plan's stage
     sizes hold all of a layer, its prediction (synchronous: the stages in turn, then the
-    head's layer and output matrix) the quarter a token reads."""
+    head's output matrix and the zeros in front of it) the quarter a token reads."""
     from potluck.engine.cluster.plan import (
         TWO_ROW_STEP_COST,
         WEIGHT_BYTES_PER_S_PER_SPEED,
@@ -318,12 +319,12 @@ def test_the_plan_predicts_decoding_from_the_bytes_a_token_reads() -> None:
 
     mb = 1 << 20
     costs = LayerCosts("qwen3moe", (100 * mb,) * 10, 10 * mb, (1024,) * 10, 1000, 64, time_bytes=(25 * mb,) * 10,
-                       experts=(8, 2, 0), output_bytes=20 * mb)
+                       experts=(8, 2, 0), output_bytes=20 * mb, head_layer_bytes=(mb,) * 10)
     nodes = [NodeInfo("a", "x:1", 4000, 2.0), NodeInfo("b", "y:1", 4000, 2.0)]
     plan = plan_split(costs, nodes, 512, head_speed=4.0)
     w = WEIGHT_BYTES_PER_S_PER_SPEED
-    assert plan.predicted_tokens_per_s == pytest.approx(1 / (9 * 25 * mb / (2.0 * w) + 45 * mb / (4.0 * w)))
-    assert [s.hi - s.lo for s in plan.stages] in ([4, 5], [5, 4])
+    assert plan.predicted_tokens_per_s == pytest.approx(1 / (10 * 25 * mb / (2.0 * w) + 21 * mb / (4.0 * w)))
+    assert [s.hi - s.lo for s in plan.stages] == [5, 5]
     assert all(s.mem_mb > (s.hi - s.lo) * 100 for s in plan.stages)  # every expert resident
     assert "2 of 8 experts a token (all resident)" in plan.describe()[0]
     assert "predicted: about" in plan.describe()[-1] and "2 rows" not in plan.describe()[-1]

@@ -61,7 +61,7 @@ def test_worker_lost_mid_reply_is_named_quickly(
                         t_lost = time.monotonic()
         assert time.monotonic() - t_lost < 5.0
         message = str(err.value)
-        assert victim.node_id in message and victim.address in message and "15-29" in message
+        assert victim.node_id in message and victim.address in message and "15-30" in message
         # The conversation is intact: the question and the partial reply are kept.
         assert [m.role for m in session.messages] == ["user", "assistant"]
         assert session.messages[-1].content

@@ -56,9 +56,9 @@ def test_last_worker_returns_hidden_states_and_logits_stay_exact(
     target = open_pipeline(model_path, [w.address for w in loopback_pool[:n_workers]], keys_from_token(TOKEN),
                            n_ctx=N_CTX, n_threads=1, slice_cache=slice_cache, split=split)
     try:
-        # workers share layers 0-28; the head holds layer 29 and the output layer
-        assert target.head_layers == (29, 30) and target.links[-1].layers is not None
-        assert target.links[-1].layers[1] == 29
+        # workers share every layer; the head holds the output layer (behind layer 29 as zeros)
+        assert target.head_layers == (30, 30) and target.links[-1].layers is not None
+        assert target.links[-1].layers[1] == 30 and target.tail.model.n_layer == 1
         assert len(target.links) == n_workers and target.n_stages == n_workers + 1
         last = target.links[-1]
         bytes_in, tokens = last.bytes_in, target.stats.tokens
@@ -112,13 +112,14 @@ def test_tail_takes_transactions_in_order_whatever_order_hidden_states_arrive(
     """The head's stage on its own (no workers): a batch whose hidden states come first waits
     for the earlier one, a KV operation waits behind the batch before it, a dropped batch
     frees its place; the logits equal one machine's."""
-    front_slice, tail_slice = SliceCache(tmp_path).slices(model_path, [0, 29, 30])
+    cache = SliceCache(tmp_path)
+    (front_slice,), tail_slice = cache.slices(model_path, [0, 30]), cache.head_slice(model_path, (29, 30))
     params = ContextParams(n_ctx=N_CTX, n_threads=1)
     prompt = model.tokenize(PROMPT)
     local = LocalTarget(model, params)
     with Model(front_slice.path) as front_model:
         front = Stage(front_model, first=True, last=False, params=params)
-        tail = HeadTail(tail_slice.path, (29, 30), params)
+        tail = HeadTail(tail_slice.path, (30, 30), params)
         try:
             want = [local.decode(prompt).copy(), local.decode([7, 8], all_logits=True).copy()]
             local.truncate(len(prompt))

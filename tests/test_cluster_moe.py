@@ -18,7 +18,6 @@ import pytest
 from potluck.discovery.auth import keys_from_token
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.pipeline_target import PipelineTarget
-from potluck.engine.cluster.plan import head_layers, layer_costs
 from potluck.engine.cluster.transfer import SliceCache
 from potluck.engine.core.events import Finished
 from potluck.engine.core.gguf_tools import describe as describe_gguf
@@ -83,7 +82,7 @@ def test_every_strategy_on_a_split_mixture_of_experts_is_exact(
     model, path, draft = moe
     reference = [tuple(t) for t in plain_conversation(model, TURNS, MAX_NEW, n_ctx=N_CTX, system=SYSTEM)]
     # two workers and the head, a stage each (the planner puts tiny layers on one worker)
-    end = model.n_layer - head_layers(layer_costs(path))
+    end = model.n_layer
     split = [0, end // 2, end]
     target = open_pipeline(path, [w.address for w in loopback_pool[:2]], keys_from_token(TOKEN), n_ctx=N_CTX,
                            slice_cache=slice_cache, split=split, join_timeout_s=JOIN_S)
@@ -125,7 +124,7 @@ def test_a_pipeline_runs_single_steps_as_its_stages_judged_bit_for_bit(
         finally:
             local.close()
         assert model.batch_exact.two_row_steps and local.padded_steps == 12
-    end = model.n_layer - head_layers(layer_costs(path))
+    end = model.n_layer
     target = open_pipeline(path, [w.address for w in loopback_pool[:2]], keys_from_token(TOKEN), n_ctx=N_CTX,
                            slice_cache=slice_cache, split=[0, end // 2, end], join_timeout_s=JOIN_S)
     try:

@@ -91,8 +91,8 @@ def test_two_stages_all_strategies_exact_and_second_run_sends_nothing(
                      progress=lambda what, done, total: progress.append((what, done, total)))
     try:
         # Planned split: both stages get layers; the transfer happened with progress and a hash check.
-        assert len(plans) == 1 and len(plans[0].stages) == 2 and plans[0].bounds[-1] == 29
-        assert plans[0].head == (29, 30)  # the head computes the last layer and the output layer
+        assert len(plans) == 1 and len(plans[0].stages) == 2 and plans[0].bounds[-1] == 30
+        assert plans[0].head == (30, 30)  # the workers compute every layer, the head the output layer
         assert first.transfer.files_sent == 2 and first.transfer.bytes_sent > 50_000_000
         assert progress[-1][1] == progress[-1][2]
         for name, cls in STRATEGIES.items():
@@ -144,13 +144,13 @@ def test_three_stages_of_a_60_layer_target_exact(
         n_vocab = deep.n_vocab
         target = pipeline(deep_path, workers, slice_cache, split=[0, 17, 41, 60])
         try:
-            assert [lk.layers for lk in target.links] == [(0, 17), (17, 41), (41, 59)]
-            assert target.head_layers == (59, 60)  # the user's end, 60, is where the head's layer ends
+            assert [lk.layers for lk in target.links] == [(0, 17), (17, 41), (41, 60)]
+            assert target.head_layers == (60, 60)  # the output layer only
             assert converse(deep, target, "plain", None) == reference(deep)
         finally:
             target.close()
     # the stages after the first read hidden states and hand hidden states on: no vocabulary
-    slices = slice_cache.slices(deep_path, [0, 17, 41, 59])
+    slices = slice_cache.slices(deep_path, [0, 17, 41, 60])
     vocab = [layer_costs(sl.layout.write_to(tmp_path_factory.mktemp("sl") / "s.gguf")).n_vocab for sl in slices]
     assert vocab == [n_vocab, STAGE_VOCAB, STAGE_VOCAB]
 
@@ -164,8 +164,9 @@ def test_gemma3_split_off_the_sliding_window_period_exact(
         assert gemma.arch == "gemma3" and gemma.n_layer == 18
         target = pipeline(path, workers[:2], slice_cache, split=[0, 9, 18])  # 9: not a multiple of 6
         try:
-            # layer 17 is global: alone it would abort llama.cpp, so the head takes 16-17
-            assert target.head_layers == (16, 18) and [lk.layers for lk in target.links] == [(0, 9), (9, 16)]
+            # layer 17 is global: alone it would abort llama.cpp, so the head's zeros are 16-17
+            assert target.head_layers == (18, 18) and [lk.layers for lk in target.links] == [(0, 9), (9, 18)]
+            assert target.tail.model.n_layer == 2
             assert converse(gemma, target, "plain", None) == reference(gemma)
         finally:
             target.close()

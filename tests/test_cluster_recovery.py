@@ -165,9 +165,9 @@ def test_reply_survives_a_lost_worker_identical_to_one_machine(
         assert target.recoveries == 1 and target.failure is None
         assert target.stats.replayed_batches > 0 and target.stats.replayed_tokens >= KILL_AFTER
         assert lost.node_id not in {lk.node_id for lk in target.links}
-        assert [lk.layers for lk in target.links][0][0] == 0 and target.links[-1].layers[1] == 29
-        # the head's own layer was cleared and the log replayed through it too
-        assert target.head_layers == (29, 30) and target.tail.runner.counters.finished > target.stats.batches
+        assert [lk.layers for lk in target.links][0][0] == 0 and target.links[-1].layers[1] == 30
+        # the head's own stage was cleared and the log replayed through it too
+        assert target.head_layers == (30, 30) and target.tail.runner.counters.finished > target.stats.batches
         changed = [e for e in events if isinstance(e, PlanChanged)]
         assert len(changed) == 1 and lost.node_id in changed[0].reason
         assert {s[0] for s in changed[0].stages} <= {w.node_id for w in workers} - {lost.node_id}
@@ -242,7 +242,7 @@ def test_a_worker_that_comes_back_is_taken_in_at_the_next_reply(
         assert replies == expected
         changed = [e for e in events if isinstance(e, PlanChanged)]
         assert len(changed) == 2 and "joined" in changed[1].reason
-        assert [lk.layers for lk in target.links] == [(0, 10), (10, 20), (20, 29)]
+        assert [lk.layers for lk in target.links] == [(0, 10), (10, 20), (20, 30)]
         assert pool.workers[2].node_id == target.links[2].node_id
     finally:
         target.close()

@@ -119,7 +119,7 @@ def test_a_squatted_forwarder_identity_cannot_replace_a_heads_traffic(
     squatter.connect(f"tcp://{b.address}")
     until_answers(squatter)
     target = open_pipeline(model_path, [a.address, b.address], keys, n_ctx=N_CTX, n_threads=1,
-                           slice_cache=SliceCache(tmp_path), split=[0, 15, 29])
+                           slice_cache=SliceCache(tmp_path), split=[0, 15, 30])
     local = LocalTarget(model, ContextParams(n_ctx=N_CTX, n_threads=1))
     try:
         prompt = model.tokenize(PROMPT)

@@ -140,11 +140,12 @@ def test_the_planner_counts_a_filler_in_memory_as_zeros_and_in_time_as_its_layer
     both, so a filler is planned where it costs least."""
     from dataclasses import replace
 
-    from potluck.engine.cluster.plan import _cost, head_layers, layer_costs, stage_bytes
+    from potluck.engine.cluster.plan import _cost, head_zeroed_layers, layer_costs, stage_bytes
 
     costs = layer_costs(target_path)
     plain = replace(costs, filler=None)
-    assert costs.zeroed_layer(4, 7) == 3 and costs.zeroed_layer(0, 4) is None and head_layers(costs) == 1
+    assert costs.zeroed_layer(4, 7) == 3 and costs.zeroed_layer(0, 4) is None
+    assert head_zeroed_layers(costs) == (11, 12) and costs.zeroed_layer(11, 12) == 10  # the head: both kinds
     assert 0 < costs.filler_bytes[3] < costs.layer_bytes[3] / 2  # Q1_0 zeros
     assert stage_bytes(costs, 4, 7, 256) - stage_bytes(plain, 4, 7, 256) == costs.filler_bytes[3]
     node = NodeInfo("n", "n:1", 10_000, 1.0)

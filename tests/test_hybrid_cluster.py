@@ -34,9 +34,9 @@ pytestmark = pytest.mark.slow
 N_CTX = 512
 TURNS = ["Repeat after me: the cat sat on the mat, the cat sat on the mat.", "Now say it again."]
 MAX_NEW = 24
-# two workers with an attention layer each (3, 7), and the head computes layer 11 (attention)
-# beside a zeroed recurrent layer (archs.Arch.filler)
-SPLIT = [0, 5, 11]
+# two workers with attention layers (3; 7 and 11), and the head the output layer behind zeros of
+# layer 11 and of a recurrent layer (archs.Arch.filler)
+SPLIT = [0, 5, 12]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_speculation_over_workers_is_exact(
 ) -> None:
     target = pipeline(path, workers, cache)
     try:
-        assert target.recurrent and target.head_layers == (11, 12)  # an attention layer alone
+        assert target.recurrent and target.head_layers == (12, 12)  # the output layer alone
         replies, drafted, accepted = converse(model, target, strategy, draft)
         assert replies == reference
         assert drafted > accepted  # rejected drafts were rolled back on every stage

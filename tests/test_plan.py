@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_layers, layer_costs, manual_plan, plan_split
+from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_zeroed_layers, layer_costs, manual_plan, plan_split
 from potluck.engine.core.errors import PotluckError
 
 MB = 1 << 20
@@ -22,8 +22,8 @@ def node(name: str, free_mb: int = 10_000, speed: float = 1.0) -> NodeInfo:
 
 def test_equal_nodes_get_balanced_contiguous_ranges() -> None:
     plan = plan_split(costs(), [node("a"), node("b"), node("c")], n_ctx=512)
-    # the head computes layer 29 and the output layer; the workers share 0-28 evenly
-    assert plan.bounds[0] == 0 and plan.bounds[-1] == 29 and plan.head == (29, 30)
+    # the workers share every layer evenly; the head computes the output layer
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == 30 and plan.head == (30, 30)
     sizes = [s.hi - s.lo for s in plan.stages]
     assert len(sizes) == 3 and max(sizes) - min(sizes) <= 1
 
@@ -38,7 +38,7 @@ def test_ranges_sliced_before_win_over_a_few_percent_of_speed() -> None:
     """Speed scores move between runs of the same machines: a plan within
     KNOWN_RANGE_ADVANTAGE of the best that reuses the slices sent before is kept, so the second
     load sends nothing; a node far faster than before still gets its layers."""
-    c = costs(n=16)  # 15 worker layers: 8 + 7 one way or the other
+    c = costs(n=15)  # 8 + 7 one way or the other
     wobble = [node("a", speed=1.03), node("b", speed=1.0)]
     assert plan_split(c, wobble, n_ctx=512).bounds == [0, 8, 15]
     known = frozenset({(0, 7), (7, 15)})
@@ -60,23 +60,22 @@ def test_model_too_big_is_a_clear_error() -> None:
 
 def test_manual_plan_checks_counts() -> None:
     c = costs()
-    # the last stage ends where the head's layer begins: an end of 30 or 29 (or none) says so
-    for bounds in ([0, 9, 30], [0, 9, 29], [9]):
+    # the last stage ends at the last layer: an end of 30 (or none) says so
+    for bounds in ([0, 9, 30], [9]):
         plan = manual_plan(c, [node("a"), node("b")], bounds, 512)
-        assert plan.bounds == [0, 9, 29] and plan.head == (29, 30)
+        assert plan.bounds == [0, 9, 30] and plan.head == (30, 30)
     with pytest.raises(PotluckError, match="2 stages but 3"):
         manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 30], 512)
-    with pytest.raises(PotluckError, match="below 29; layer 29 and the output layer run on the head"):
-        manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 29, 30], 512)  # a stage of the head's layer
+    with pytest.raises(PotluckError, match="stages must start at increasing layers below 30"):
+        manual_plan(c, [node("a"), node("b"), node("c")], [0, 9, 30, 31], 512)
 
 
-def test_head_takes_the_fewest_last_layers_that_load() -> None:
-    assert head_layers(costs()) == 1
+def test_the_heads_zeros_are_the_fewest_last_layers_that_load() -> None:
+    assert head_zeroed_layers(costs()) == (29, 30)
     swa = tuple((i + 1) % 6 != 0 for i in range(18))  # Gemma 3 270M: layers 5, 11, 17 global
     gemma = LayerCosts("gemma3", (100,) * 18, 50, (10,) * 18, 1000, 64, swa)
-    assert head_layers(gemma) == 2  # layer 17 alone aborts llama.cpp; 16-17 loads
-    with pytest.raises(PotluckError, match="cannot split a model of 1 layer"):
-        head_layers(costs(n=1))
+    assert head_zeroed_layers(gemma) == (16, 18)  # layer 17 alone aborts llama.cpp; 16-17 loads
+    assert head_zeroed_layers(costs(n=1)) == (0, 1)  # a model of one layer splits too: one worker holds it
 
 
 def test_layer_costs_of_the_default_model(model_path: Path) -> None:
@@ -85,7 +84,7 @@ def test_layer_costs_of_the_default_model(model_path: Path) -> None:
     assert all(b > 0 for b in c.layer_bytes) and c.embd_bytes > 0 and all(b > 0 for b in c.kv_bytes_per_token)
     lines = plan_split(c, [node("a"), node("b")], 1024).describe()
     assert lines[0].startswith("split plan: 30 layers over 2 stage(s) and the head")
-    assert lines[-1].split() == ["head:", "layers", "29-30", "and", "the", "output", "layer", "on", "this", "machine"]
+    assert lines[-1].split() == ["head:", "the", "output", "layer", "on", "this", "machine"]
 
 
 def test_unverified_architecture_is_refused_in_one_line(tmp_path: Path) -> None:

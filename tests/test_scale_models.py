@@ -42,7 +42,7 @@ def holder(wide: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wor
 def test_a_worker_holding_the_model_receives_nothing_and_is_exact(
     wide: Path, holder: WorkerProc, tmp_path: Path
 ) -> None:
-    target = open_pipeline(wide, [holder.address], keys_from_token(TOKEN), n_ctx=256, split=[0, 3],
+    target = open_pipeline(wide, [holder.address], keys_from_token(TOKEN), n_ctx=256, split=[0, 4],
                            slice_cache=SliceCache(tmp_path / "head"))
     try:
         assert target.transfer.bytes_sent == 0 and target.transfer.files_cached == 1

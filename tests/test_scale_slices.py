@@ -78,7 +78,7 @@ class Cut(Exception):
 
 
 def _open(wide: Path, w: WorkerProc, cache: SliceCache, progress=None) -> PipelineTarget:  # noqa: ANN001
-    return open_pipeline(wide, [w.address], keys_from_token(TOKEN), n_ctx=N_CTX, split=[0, 3],
+    return open_pipeline(wide, [w.address], keys_from_token(TOKEN), n_ctx=N_CTX, split=[0, 4],
                          slice_cache=cache, progress=progress, recover=False)
 
 
@@ -91,7 +91,7 @@ def test_a_cut_transfer_resumes_where_it_stopped(
     wide: Path, worker: WorkerProc, reference: np.ndarray, tmp_path: Path
 ) -> None:
     cache = SliceCache(tmp_path / "head")
-    (sl,) = cache.slices(wide, [0, 3])
+    (sl,) = cache.slices(wide, [0, 4])
     seen: list[int] = []
 
     def cut_halfway(what: str, done: int, total: int) -> None:
@@ -119,8 +119,8 @@ def test_second_run_sends_nothing_and_a_corrupted_slice_is_sent_again(
 ) -> None:
     cache = SliceCache(tmp_path / "head")
     assert cache.known_ranges(wide) == frozenset()
-    (sl,) = cache.slices(wide, [0, 3])
-    assert SliceCache(tmp_path / "head").known_ranges(wide) == {(0, 3)}  # the planner prefers it next time
+    (sl,) = cache.slices(wide, [0, 4])
+    assert SliceCache(tmp_path / "head").known_ranges(wide) == {(0, 4)}  # the planner prefers it next time
     first = _open(wide, worker, cache)
     first.close()
     assert first.transfer.files_sent == 1
@@ -172,15 +172,19 @@ def test_a_stage_slice_holds_its_unused_output_as_zeros_llama_cpp_does_not_repac
     """A worker's stage never computes the output layer (the head does). The wide shape ties
     its output to the embeddings, which llama.cpp would duplicate and repack into the stage's
     memory; its stage slice carries an explicit output matrix instead, Q4_1 zeros (no repacked
-    layout), while the head's own slice keeps the model's."""
+    layout), the last worker's too, while the head's own slice keeps the model's."""
     import gguf
 
     from potluck.engine.core.gguf_tools import open_reader
 
-    front, tail = SliceCache(tmp_path).slices(wide, [0, 3, 4])
-    stage = {t.name: t for t in open_reader(front.layout.write_to(tmp_path / "front.gguf")).tensors}
+    cache = SliceCache(tmp_path)
+    front, back = cache.slices(wide, [0, 3, 4])
+    tail = cache.head_slice(wide, (3, 4))
     head = {t.name: t for t in open_reader(tail.layout.write_to(tmp_path / "tail.gguf")).tensors}
-    out, embd = stage["output.weight"], stage["token_embd.weight"]
-    assert out.tensor_type == gguf.GGMLQuantizationType.Q4_1 and not np.any(out.data)
-    assert list(out.shape) == list(embd.shape)  # [n_embd, n_vocab], as the tied matrix
+    for i, sl in enumerate((front, back)):
+        stage = {t.name: t for t in open_reader(sl.layout.write_to(tmp_path / f"s{i}.gguf")).tensors}
+        out, embd = stage["output.weight"], stage["token_embd.weight"]
+        assert out.tensor_type == gguf.GGMLQuantizationType.Q4_1 and not np.any(out.data)
+        assert list(out.shape) == list(embd.shape)  # [n_embd, n_vocab], as the tied matrix
+    embd = {t.name: t for t in open_reader(wide).tensors}["token_embd.weight"]
     assert "output.weight" not in head and head["token_embd.weight"].tensor_type == embd.tensor_type

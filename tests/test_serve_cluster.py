@@ -56,7 +56,7 @@ def test_a_split_model_answers_exactly_like_one_machine(cluster_server: RunningS
     assert r.model_extra["potluck"]["reused_tokens"] > 0
     health = cluster_server.health()
     stages = health["cluster"]["stages"]
-    assert [s["layers"] for s in stages] == [[0, 15], [15, 29]] and all(s["state"] == "ok" for s in stages)
+    assert [s["layers"] for s in stages] == [[0, 15], [15, 30]] and all(s["state"] == "ok" for s in stages)
     # /metrics: each stage's layers, traffic and health, by node
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -30,7 +30,7 @@ from potluck.engine.cluster import slice_seal, wire
 from potluck.engine.cluster.head import open_pipeline
 from potluck.engine.cluster.link import NodeFailedError
 from potluck.engine.cluster.pipeline_target import PipelineTarget
-from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_layers, loadable, manual_plan, plan_split
+from potluck.engine.cluster.plan import LayerCosts, NodeInfo, head_zeroed_layers, loadable, manual_plan, plan_split
 from potluck.engine.cluster.slice_store import MAX_UPLOADS, SliceStore
 from potluck.engine.cluster.transfer import SliceCache, SliceFile, TransferStats, send_slice
 from potluck.engine.cluster.transport import client_socket
@@ -705,7 +705,7 @@ def test_planner_never_makes_a_slice_without_a_sliding_window_layer() -> None:
         plan = plan_split(costs, (nodes * 2)[:n_nodes], 64)
         assert all(loadable(costs, s.lo, s.hi) for s in plan.stages)
     assert not loadable(costs, 17, 18) and loadable(costs, 16, 18)
-    assert head_layers(costs) == 2 and plan.head == (16, 18)  # the head's slice loads too
+    assert head_zeroed_layers(costs) == (16, 18) and plan.head == (18, 18)  # the head's slice loads too
     with pytest.raises(PotluckError, match="sliding-window"):
         manual_plan(costs, (nodes * 2)[:3], [0, 11, 12], 64)  # layer 11 alone: global
 
