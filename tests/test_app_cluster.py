@@ -186,7 +186,7 @@ async def test_cluster_picker_lists_live_workers_and_opens_the_chosen_ones(
             assert app.load_error is None
             assert app.cluster is not None and app.cluster.nodes == (workers[0].address,)
             assert [r.address for r in app.cluster_state.stages] == [workers[0].address]  # type: ignore[union-attr]
-            assert app.cluster_state.stages[0].layers == (0, 29)  # type: ignore[union-attr]
+            assert app.cluster_state.stages[0].layers == (0, 30)  # type: ignore[union-attr]
             await send(app, pilot, "Hi")
             assert app.chat_log().messages()[-1].content.strip()  # type: ignore[union-attr]
             assert workers[0].node_id[:8] in panel(app)

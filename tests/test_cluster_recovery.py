@@ -307,7 +307,7 @@ def test_every_worker_lost_the_head_runs_the_model_itself(
         assert replies == expected
         assert target.recoveries == 1 and target.head_worker is not None
         assert [lk.address for lk in target.links] == [target.head_worker.address]
-        assert target.links[0].layers == (0, 29)
+        assert target.links[0].layers == (0, 30)
         lost = {e.node for e in events if isinstance(e, NodeStatus) and e.state == "lost"}
         assert lost == {w.node_id for w in workers}
     finally:
