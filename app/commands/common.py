@@ -77,8 +77,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "others can hold the model)",
     )
     g.add_argument(
-        "--split", help="fixed layer boundaries of the workers' stages, e.g. 0,12,30; the head computes the "
-        "last layer and the output itself, so the last stage ends there (default: planned)",
+        "--split", help="fixed layer boundaries of the workers' stages, e.g. 0,12,30 (the last, the model's "
+        "layer count, may be left out; the head computes the output layer) (default: planned)",
     )
     g.add_argument(
         "--hidden-f16", action="store_true", help="send hidden states as fp16 (half the bytes; not exact)"

@@ -85,7 +85,7 @@ class ClusterState:
     note: str = ""  # the latest loss / re-plan, for the user
     sent_bytes: int = 0  # slice bytes sent while loading
     cached_bytes: int = 0  # slice bytes the workers already had (nothing sent)
-    head_layers: tuple[int, int] | None = None  # the layers the head computes, with the output layer
+    head_layers: tuple[int, int] | None = None  # the layers the head computes (none: it computes the output)
     experts: tuple[int, int, int] = (0, 0, 0)  # a mixture's experts per layer, used a token, shared
 
     @property

@@ -88,12 +88,11 @@ def open_pipeline(
     n_threads: int = 0,
 ) -> PipelineTarget:
     """Join the workers at ``addresses``, plan the split, send slices, load the stages, and
-    load the head's own last layer(s) and output layer (``n_threads`` for those; 0: see
-    :func:`tail_threads`).
+    load the head's own output layer (``n_threads`` for it; 0: see :func:`tail_threads`).
 
     ``split``: fixed layer boundaries of the workers' stages (e.g. ``[0, 9, 18]``), one stage
-    per address in order; the last stage ends where the head's layers begin, so an end of
-    ``n_layer`` means that too (:func:`.plan.manual_plan`). None plans by free memory and speed.
+    per address in order; the last stage ends at ``n_layer``, which may be left out
+    (:func:`.plan.manual_plan`). None plans by free memory and speed.
     ``on_plan`` sees the plan before anything loads.
     ``skip_failed_joins`` (``--nodes auto``): the addresses are candidates (anyone can advertise
     a zeroconf record): those that do not prove to be workers are skipped with a warning

@@ -84,7 +84,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
         self.exact = exact  # what every stage's weights on its CPU allow (chain.chain_exactness)
         self._zctx = zctx
         self.links = list(links)
-        self.tail = tail  # the model's last layer(s) and the output layer, here
+        self.tail = tail  # the output layer (behind zeros: tail.py), here
         self.recurrent = tail.model.recurrent  # every stage's slice is of the same architecture
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
@@ -320,7 +320,7 @@ class PipelineTarget(ChainRebuild, TargetBase):
 
     def busy_ms(self) -> list[float]:
         """Computing time so far of each worker's stage in chain order, then the head's own
-        layers (the last layer and the output layer): what proves the stages overlap."""
+        stage (the output layer): what proves the stages overlap."""
         return [st.busy_ms for st in self.status()] + [self.tail.runner.counters.busy_s * 1e3]
 
     def status(self) -> list[wire.StatusReply]:

@@ -50,7 +50,7 @@ def _refuse(why: str) -> Callable[[Stage], object]:
 
 
 class HeadTail:
-    """The last layer(s) and the output layer on the head, fed in transaction order.
+    """The output layer on the head, fed in transaction order.
 
     Owned by the head's socket thread, except :meth:`cancel` (any thread). Finished work is
     signalled on :attr:`wake_fd`, which the head's poller watches, so a result wakes it at once.

@@ -143,7 +143,7 @@ class ClusterView:
     """The chain a cluster session runs on: read between the head's updates, never torn."""
 
     stages: tuple[StageView, ...]
-    head_layers: tuple[int, int]  # the layers the head computes itself, with the output layer
+    head_layers: tuple[int, int]  # the layers the head computes itself: none, (n_layer, n_layer)
     tokens: int  # tokens sent down the chain so far
     # (node, state, detail) of the stages that are not "ok" now: a loss being recovered shows
     # here at once, while the reply thread waits for the new chain (10-18 s)

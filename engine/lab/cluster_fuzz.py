@@ -267,7 +267,7 @@ def target_check(msg: wire.Forward, n_vocab: int) -> None:
 
 def lies(rng: random.Random, msg: wire.Forward, n_embd: int) -> list:
     """Frames a malicious last stage sends for batch ``msg``, then (usually) an honest result:
-    hidden states of every row (the head computes the last layer and the output layer)."""
+    hidden states of every row (the head computes the output layer)."""
     rows = int(msg.positions.size)
     honest = wire.to_frames(wire.Result(msg.txn, msg.group, False, np.zeros((rows, n_embd), np.float32)))
     kind = rng.randrange(9)
