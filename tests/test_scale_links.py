@@ -23,7 +23,7 @@ MB = 1 << 20
 PROMPT = "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def costs(n: int = 17, layer_mb: float = 30) -> LayerCosts:
+def costs(n: int = 16, layer_mb: float = 30) -> LayerCosts:
     """About an 8b layer's decode time per layer at speed 15 (GB/s, 2 threads): 2.2 ms."""
     return LayerCosts("llama", tuple([int(layer_mb * MB)] * n), 20 * MB, (0,) * n, 49152, 4096)
 
