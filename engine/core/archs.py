@@ -24,13 +24,16 @@ How to add an architecture:
 1. Read its ``src/models/<arch>.cpp`` in the vendored llama.cpp: every hyperparameter that is
    indexed by layer (a pattern computed from the layer's index, a count of leading layers), every
    choice made from ``n_layer`` (a slice has fewer), anything that reads another layer's cache
-   or the token ids inside the layers. Say each in its entry (``swa_default_period``,
-   ``dense_lead``, ``slice_keys``, ``slice_problem``, ``model_problem``).
+   or the token ids inside the layers, and any tensor that multiplies a layer's whole output
+   (the head's slice writes its layers as zeros, which must add 0). Say each in its entry
+   (``swa_default_period``, ``dense_lead``, ``slice_keys``, ``slice_problem``,
+   ``model_problem``, ``output_scales``).
 2. Add one :class:`Arch` entry to :data:`ARCHS`.
 3. Add one fixture shape in ``engine/lab/fixtures.py`` (its published dimensions in ``SHAPES``,
    and its layer's tensors in ``LAYER_TENSORS`` if no other architecture has the same ones).
 4. Add one line to ``ARCH_SHAPES`` in ``tests/test_archs_exact.py``: its slices over 2 and 3
-   stages must give the whole model's logits, prompt and incremental decode alike.
+   stages and the head's must give the whole model's logits, prompt and incremental decode
+   alike.
 """
 
 from __future__ import annotations
