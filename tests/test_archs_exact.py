@@ -107,6 +107,12 @@ def test_split_gives_the_whole_models_logits(
     assert zeroed == list(range(slices[-1].n_layer)), (arch, zeroed)  # every layer of the head's slice
     if slices[-1].meta(f"{slices[-1].arch}.expert_count"):
         assert slices[-1].meta(f"{slices[-1].arch}.expert_count") == str(HEAD_EXPERTS), arch
+    # a scale of a layer's whole output is 1 there (Gemma 4's), every other weight of its layers 0
+    layer_tensors = [t for t in head.tensors if t.name.startswith("blk.")]
+    scales = [t for t in layer_tensors if t.name.split(".", 2)[2] in ARCHS[arch].output_scales]
+    assert len(scales) == (len(zeroed) if ARCHS[arch].output_scales else 0), arch
+    assert all(np.array_equal(t.data, np.ones_like(t.data)) for t in scales), arch
+    assert not any(np.any(t.data) for t in layer_tensors if t.name not in {u.name for u in scales}), arch
     head_embd, embd = ({t.name: t for t in r.tensors}.get("token_embd.weight") for r in (head, open_reader(path)))
     assert head_embd is not None and embd is not None
     untied = any(t.name == "output.weight" for t in open_reader(path).tensors)
