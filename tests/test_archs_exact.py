@@ -113,6 +113,8 @@ def test_split_gives_the_whole_models_logits(
     assert len(scales) == (len(zeroed) if ARCHS[arch].output_scales else 0), arch
     assert all(np.array_equal(t.data, np.ones_like(t.data)) for t in scales), arch
     assert not any(np.any(t.data) for t in layer_tensors if t.name not in {u.name for u in scales}), arch
+    # the planner times the head by what its slice holds in front of the output layer
+    assert sum(int(t.n_bytes) for t in layer_tensors) == layer_costs(path).head_zeros_bytes > 0, arch
     head_embd, embd = ({t.name: t for t in r.tensors}.get("token_embd.weight") for r in (head, open_reader(path)))
     assert head_embd is not None and embd is not None
     untied = any(t.name == "output.weight" for t in open_reader(path).tensors)

@@ -519,8 +519,8 @@ def _filler_zeros(t, n_expert: int = 0, keep_experts: int = 0) -> tuple[tuple[in
     them) keeps that many (0: all)."""
     small = _zeros_of(t) if len(t.shape) >= 2 and t.tensor_type.name not in ("F32", "F16", "BF16") else None
     shape, nbytes, qtype = small or (tuple(t.data.shape), int(t.n_bytes), t.tensor_type.name)
-    per_expert = _PER_EXPERT.match(t.name.split(".", 2)[-1]) and int(t.shape[-1]) == n_expert
-    if keep_experts and per_expert:  # stacked on the last dimension, the outermost in bytes
+    if keep_experts and int(t.shape[-1]) == n_expert and _PER_EXPERT.match(t.name.split(".", 2)[-1]):
+        # stacked on the last dimension, the outermost in bytes
         shape, nbytes = (keep_experts, *shape[1:]), nbytes // n_expert * keep_experts
     return shape, nbytes, qtype
 
@@ -575,11 +575,14 @@ def _layout_of_version(
     zeroed = list(range(len(full_map))) if head else [] if filler is None else [0]
     n_expert = h.int_of("expert_count")
     ones: dict[str, bytes] = {}  # a layer of zeros' scales of its whole output: ones (F32)
+    keep = HEAD_EXPERTS if head and n_expert else 0
     for j in zeroed:
-        keep = HEAD_EXPERTS if head and n_expert else 0
         for suffix, t in by_layer.get(full_map[j], []):
             stub[f"blk.{j}.{suffix}"] = _filler_zeros(t, n_expert, keep)
-            if suffix in rules.output_scales and t.tensor_type.name == "F32":
+            if suffix in rules.output_scales:
+                if t.tensor_type.name != "F32":
+                    raise PotluckError(f"cannot lay out {src.name}: {t.name} scales a layer's output and is "
+                                       f"{t.tensor_type.name}, not F32 (archs.Arch.output_scales)")
                 ones[f"blk.{j}.{suffix}"] = np.ones(int(np.prod(t.shape)), np.float32).tobytes()
     # A worker's stage after the first reads hidden states and hands hidden states on: with the
     # whole vocabulary, llama.cpp would give each of its contexts a logits buffer and an
