@@ -754,3 +754,26 @@ async def test_a_reply_cut_inside_a_block_the_template_opened_keeps_it_folded(tm
         assert view.markdown.source == "" and not str(view.query_one(".tail", Static).render())
         assert str(view.query_one(".thought", Static).render()) == "First, the sky scatters"
         assert view.query_one(".thinking", Collapsible).display
+
+
+@run_async
+async def test_a_reply_that_fits_again_as_markdown_leaves_no_gap_above_the_first_message(tmp_path: Path) -> None:
+    # A streamed reply taller than its final Markdown anchors the log. On a busy machine the
+    # anchored layout of the short Markdown can come first: it scrolls above the top
+    # (scroll_y < 0) and hides the scrollbar, so a plain scroll home is then refused (seen on
+    # CI at 60x20). The log must still end at its top.
+    app = make_app(tmp_path, FakeFactory(lambda spec: ScriptedSession([])))
+    async with app.run_test(size=SIZE) as pilot:
+        chat, view = await streaming_view(app)
+        view._laid_out_at = -LAYOUT_EVERY_S
+        await view.append("\n\n".join(f"Line {i}." for i in range(60)))
+        await until(lambda: chat.max_scroll_y > 0, what="the streamed reply overflowing")
+        chat.follow()
+        assert chat.is_anchored
+        follow, chat.follow = chat.follow, lambda: None  # type: ignore[method-assign]
+        await view.finish("Short.")
+        await until(lambda: chat.scroll_y < 0 and not chat.vertical_scrollbar.display, what="the late follow's state",
+                    state=lambda: f"scroll_y {chat.scroll_y}, scrollbar {chat.vertical_scrollbar.display}")
+        follow()
+        await pilot.pause()
+        assert not chat.is_anchored and chat.scroll_y == 0

@@ -276,13 +276,15 @@ class ChatLog(VerticalScroll):
         Anchoring only once the messages overflow: an anchored log bottom-aligns short
         content, leaving an empty gap above the first message. So the anchor is let go again
         when the messages fit once more (a streamed reply is taller than its final Markdown).
+        The scroll home is forced: the anchored layout of content that fits has scrolled above
+        the top and hidden the scrollbar, and Textual refuses to scroll a log without one.
         """
         if self.max_scroll_y > 0:
             if not self.is_anchored:
                 self.anchor()
         elif self.is_anchored:
             self.anchor(False)
-            self.scroll_home(animate=False, immediate=True)
+            self.scroll_home(animate=False, immediate=True, force=True)
 
     def on_resize(self) -> None:
         self.call_after_refresh(self.follow)
