@@ -171,10 +171,22 @@ _INT_ELEMENT = {4: "I", 5: "i", 10: "Q", 11: "q"}  # GGUF integer value types, a
 
 
 def tensor_index(path: Path) -> list[TensorEntry]:
-    """Name, rank and type of every tensor, from the header alone. gguf-py's reader builds an
-    object per array element (a 262k-token vocabulary takes seconds); this skips the values
-    but :data:`ZEROED_LAYERS_KEY`'s. Its map closes on return: a stage's own map of its slice
-    is the only one (llama.cpp's, advised for random reads)."""
+    """Name, rank and type of every tensor, from the header alone (read once per file version:
+    every session a process opens on a model asks, and skipping a 49k-token vocabulary's
+    strings takes 0.1 s)."""
+    path = Path(path).resolve()
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"could not read GGUF {path}: {e.strerror}") from None
+    return list(_tensor_index_of_version(path, st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _tensor_index_of_version(path: Path, size: int, mtime_ns: int) -> tuple[TensorEntry, ...]:
+    """gguf-py's reader builds an object per array element (a 262k-token vocabulary takes
+    seconds); this skips the values but :data:`ZEROED_LAYERS_KEY`'s. Its map closes on return:
+    a stage's own map of its slice is the only one (llama.cpp's, advised for random reads)."""
     import mmap
     import struct
 
@@ -231,7 +243,7 @@ def tensor_index(path: Path) -> list[TensorEntry]:
                 except ValueError:
                     type_name = f"type {ttype}"
                 out.append(TensorEntry(name, n_dims, type_name, name.startswith(zeroed)))
-            return out
+            return tuple(out)
     except (OSError, ValueError, struct.error) as e:
         raise ModelError(f"could not read GGUF {path}: the file is truncated or corrupt ({e})") from None
 
