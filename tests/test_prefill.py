@@ -96,7 +96,7 @@ def test_f16_speculation_equals_plain_past_512_cells(plain_f16: Finished) -> Non
     assert spec.accepted > 0 and spec.drafted > spec.accepted
 
 
-@pytest.mark.slow  # TriForce beside a staged prefill runs by default (below)
+@pytest.mark.slow  # TriForce beside a staged prefill runs by default (test_triforce.py)
 def test_f16_triforce_equals_plain(plain_f16: Finished) -> None:
     """TriForce's retrieval sequence beside sequence 0 in an F16 cache (a small budget so
     that this prompt counts as long)."""
@@ -145,8 +145,9 @@ def plain_staged() -> Finished:
 TRIFORCE_SMALL = {"min_context": 0, "budget": 64, "sinks": 8, "recent": 32, "stride": 16}
 
 
-@pytest.mark.parametrize("strategy", beyond(["anpd", "sd", "pearl", "minions", "pipeinfer", "triforce"],
-                                             keep=["triforce"]))
+# By default TriForce runs after a staged prefill in test_triforce.py (its long replies, the
+# twin's counters asserted) and the twin's hand-over is proven in test_staged_prefill.py.
+@pytest.mark.parametrize("strategy", beyond(["anpd", "sd", "pearl", "minions", "pipeinfer", "triforce"], keep=[]))
 def test_every_strategy_equals_plain_after_a_staged_prefill(
     strategy: str, plain_staged: Finished, weak_draft: Path
 ) -> None:

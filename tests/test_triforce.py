@@ -40,7 +40,8 @@ SHORT_TURNS = ("Summarize in one sentence: the cat sat on the mat all day.",)
 
 def _replies(strategy: str, turns: tuple[str, ...], options: dict[str, object] | None = None,
              max_tokens: int = 48, before_turn: Callable[[int, Strategy], None] | None = None,
-             model: Path | None = None) -> tuple[list[tuple[int, ...]], object]:
+             model: Path | None = None) -> tuple[list[tuple[int, ...]], object, object]:
+    """The replies' tokens, the strategy (its counters) and the staged prefill's counters."""
     spec = EngineSpec(model=model, strategy=strategy, n_ctx=N_CTX, n_threads=THREADS,
                       strategy_options=options or {})
     session = open_session(spec)
@@ -52,7 +53,8 @@ def _replies(strategy: str, turns: tuple[str, ...], options: dict[str, object] |
             done = [ev for ev in session.generate(turn, max_tokens=max_tokens) if isinstance(ev, Finished)]
             assert done[0].reason in ("stop", "length")
             out.append(done[0].tokens)
-        return out, session.strategy
+        prefill = session.target.stage.prefill  # type: ignore[attr-defined]
+        return out, session.strategy, prefill.counters if prefill is not None else None
     finally:
         session.close()
 
@@ -66,8 +68,10 @@ def test_long_multi_turn_equals_plain(plain_long: list[tuple[int, ...]]) -> None
     """Fixed drafting (no adaptation) and a short stride: both levels draft every round, the
     full cache rejects some retrieval drafts, and the cache is rebuilt several times."""
     options = {"adaptive": False, "max_draft": 4, "stride": 8, "budget": 128}
-    got, strategy = _replies("triforce", LONG_TURNS, options)
+    got, strategy, prefill = _replies("triforce", LONG_TURNS, options)
     assert got == plain_long
+    # the prompt prefilled in the F16 twin (past 512 cells) and decoded in BF16 after the hand-over
+    assert prefill.staged_jobs >= 2 and prefill.handovers >= 1  # type: ignore[attr-defined]
     c = strategy.counters  # type: ignore[attr-defined]
     assert c.long_replies == 2 and c.short_replies == 0
     assert c.retrieval_drafted > c.retrieval_accepted > 0  # accepted and rejected at level 2
@@ -90,7 +94,7 @@ def test_long_default_settings_equal_plain(plain_long: list[tuple[int, ...]]) ->
             strategy.break_even = line  # type: ignore[attr-defined]
             strategy.retrieval.step_ms = max(strategy.retrieval.step_ms, 20.0)  # type: ignore[attr-defined]
 
-    got, strategy = _replies("triforce", LONG_TURNS, before_turn=cheap_rows)
+    got, strategy, _ = _replies("triforce", LONG_TURNS, before_turn=cheap_rows)
     assert got == plain_long
     c = strategy.counters  # type: ignore[attr-defined]
     assert c.long_replies == 2 and c.rebuilds >= 1
@@ -107,7 +111,7 @@ def test_a_mixture_of_experts_equals_plain(shape: str) -> None:
     path = build_shape(shape)
     options = {"adaptive": False, "max_draft": 4, "stride": 8, "budget": 128}
     want = _replies("plain", LONG_TURNS[:1], max_tokens=32, model=path)[0]
-    got, strategy = _replies("triforce", LONG_TURNS[:1], options, max_tokens=32, model=path)
+    got, strategy, _ = _replies("triforce", LONG_TURNS[:1], options, max_tokens=32, model=path)
     assert got == want
     c = strategy.counters  # type: ignore[attr-defined]
     assert c.long_replies == 1 and c.retrieval_drafted > c.retrieval_accepted and c.rebuilds >= 1
@@ -115,7 +119,7 @@ def test_a_mixture_of_experts_equals_plain(shape: str) -> None:
 
 def test_short_conversation_runs_as_anpd() -> None:
     want = _replies("plain", SHORT_TURNS)[0]
-    got, strategy = _replies("triforce", SHORT_TURNS)
+    got, strategy, _ = _replies("triforce", SHORT_TURNS)
     assert got == want
     c = strategy.counters  # type: ignore[attr-defined]
     assert c.short_replies == 1 and c.long_replies == 0 and c.rebuilds == 0
