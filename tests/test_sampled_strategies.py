@@ -23,7 +23,7 @@ from potluck.engine.speculation import inflight, verify
 from potluck.engine.speculation.strategies.registry import get_strategy_class
 from potluck.engine.speculation.strategies.triforce import TriForce
 
-from .support.breadth import beyond, diagonal
+from .support.breadth import beyond
 from .support.prompts import RAW_PROMPTS
 from .support.sampled import ALPHA, DEFAULTS, SETTINGS, broken_residual, chi2_pvalue, verified_tokens
 
@@ -71,7 +71,11 @@ def context(model: Model, name: str) -> ContextParams:
     return ContextParams(n_ctx=256, n_threads=1)
 
 
-@pytest.mark.parametrize(("name", "setting"), diagonal(list(CASES), list(SETTINGS)))
+# Every strategy at llama.cpp's defaults by default; the other settings are breadth: each filter
+# and penalty is verified exactly (the whole joint, not a sample) in test_spec_sampling.py, and
+# penalties through a strategy's rounds in test_pipeinfer.py.
+@pytest.mark.parametrize(("name", "setting"), beyond([(n, s) for n in CASES for s in SETTINGS],
+                                                     keep=[(n, "llama.cpp defaults") for n in CASES]))
 def test_sampled_tokens_follow_the_target_distribution(
     name: str, setting: str, model: Model, strategies: dict[str, Strategy]
 ) -> None:

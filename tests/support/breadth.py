@@ -18,10 +18,3 @@ def beyond(values: Iterable[Any], keep: Sequence[Any]) -> list[Any]:
     return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
             for v in values]
 
-
-def diagonal(rows: Sequence[str], columns: Sequence[str]) -> list[Any]:
-    """Every (row, column) pair as parameters; the default run keeps each row with the first
-    column and each other column with one row (in turn), so every row and every column runs."""
-    keep = {(r, columns[0]) for r in rows}
-    keep |= {(rows[i % len(rows)], c) for i, c in enumerate(columns[1:], start=1)}
-    return beyond([(r, c) for r in rows for c in columns], sorted(keep))
