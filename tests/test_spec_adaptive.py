@@ -150,6 +150,38 @@ def test_cost_line_is_kept_across_runs(tmp_path: Path) -> None:
     assert CostBook(path).get("m|t2") == {}  # a damaged file only means starting over
 
 
+def test_two_writers_saving_at_once_each_write_their_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The chat app and serve on one machine save the same book: the other's save lands while
+    this one's file waits to be moved into place. Each moves its own whole file."""
+    import os
+    import threading
+
+    from potluck.engine.speculation import costs
+
+    path = tmp_path / "costs.json"
+    mine, theirs = CostBook(path), CostBook(path)
+    mine.put("mine", {1: [1.0]})
+    theirs.put("theirs", {1: [2.0]})
+    replace = os.replace
+    interleaved = []
+
+    def other_writer_first(src: str, dst: str) -> None:
+        if not interleaved:
+            interleaved.append(src)
+            other = threading.Thread(target=theirs.save)  # another writer (a process, a thread)
+            other.start()
+            other.join()  # their whole save, between our write and our move
+        replace(src, dst)
+
+    monkeypatch.setattr(costs.os, "replace", other_writer_first)
+    mine.save()
+    assert interleaved and not caplog.records  # both saves moved a file
+    assert CostBook(path).get("mine") == {1: [1.0]}  # the last to land is whole
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 # --------------------------------------------------------------------------- the floor
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 from ..core import paths
@@ -70,8 +71,9 @@ class CostBook:
             self._lines.pop(next(iter(self._lines)))
 
     def save(self) -> None:
-        """Write atomically; a failure costs only the learning, never the reply."""
-        tmp = self.path.with_suffix(".tmp")
+        """Write atomically; a failure costs only the learning, never the reply. The temporary
+        file is this writer's own: the chat app and serve on one machine save the same book."""
+        tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             tmp.write_text(json.dumps(self._lines), encoding="utf-8")
             os.replace(tmp, self.path)
