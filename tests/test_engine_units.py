@@ -259,3 +259,38 @@ def test_the_graph_observer_is_loaded_from_numbas_cache_in_a_new_process(model: 
     finally:
         watched.close()
         plain.close()
+
+
+def test_the_tensor_index_is_read_again_when_the_file_changes_and_a_missing_file_is_one_line(tmp_path: Path) -> None:
+    """Remembered per file version (gguf_tools.file_version): a GGUF rewritten in place is
+    indexed anew, and a path that is gone is one line naming it."""
+    import os
+
+    import gguf
+
+    from potluck.engine.core.errors import ModelError
+    from potluck.engine.core.gguf_tools import tensor_index
+
+    path = tmp_path / "m.gguf"
+
+    def write(types: list[np.dtype]) -> None:
+        w = gguf.GGUFWriter(str(path), arch="llama")
+        for i, t in enumerate(types):
+            w.add_tensor(f"blk.{i}.ffn_up.weight", np.ones((4, 4), dtype=t))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write([np.float32])
+    assert [(t.name, t.type_name) for t in tensor_index(path)] == [("blk.0.ffn_up.weight", "F32")]
+    assert tensor_index(path) == tensor_index(path)  # remembered: the same entries again
+    write([np.float16, np.float32])
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a new version even on a coarse clock
+    assert [(t.name, t.type_name) for t in tensor_index(path)] == [
+        ("blk.0.ffn_up.weight", "F16"), ("blk.1.ffn_up.weight", "F32")]
+    path.unlink()
+    with pytest.raises(ModelError) as err:
+        tensor_index(path)
+    assert "could not read GGUF" in str(err.value) and "m.gguf" in str(err.value) and "\n" not in str(err.value)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..core import archs
 from ..core.errors import PotluckError
-from ..core.gguf_tools import STAGE_VOCAB
+from ..core.gguf_tools import STAGE_VOCAB, file_version
 from ..core.rollback import ROLLBACK_STATES
 from ..core.validate import N_BATCH
 
@@ -210,9 +210,7 @@ class SplitPlan:
 def layer_costs(path: Path) -> LayerCosts:
     """Per-layer weight bytes and the other sizes the planner needs, from the GGUF header
     (remembered per file version: a head re-plans and reconnects without re-reading it)."""
-    path = Path(path)
-    st = path.stat()
-    return _layer_costs(path.resolve(), st.st_size, st.st_mtime_ns)
+    return _layer_costs(*file_version(path))
 
 
 def splittable_costs(path: Path) -> LayerCosts:

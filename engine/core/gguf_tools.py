@@ -170,16 +170,23 @@ class TensorEntry:
 _INT_ELEMENT = {4: "I", 5: "i", 10: "Q", 11: "q"}  # GGUF integer value types, as struct codes
 
 
+def file_version(path: Path) -> tuple[Path, int, int]:
+    """``path`` resolved, its size and its modification time: the key of what is read once per
+    file version (a file rewritten in place is read again)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return path, st.st_size, st.st_mtime_ns
+
+
 def tensor_index(path: Path) -> list[TensorEntry]:
     """Name, rank and type of every tensor, from the header alone (read once per file version:
     every session a process opens on a model asks, and skipping a 49k-token vocabulary's
     strings takes 0.1 s)."""
-    path = Path(path).resolve()
     try:
-        st = path.stat()
+        version = file_version(path)
     except OSError as e:
         raise ModelError(f"could not read GGUF {path}: {e.strerror}") from None
-    return list(_tensor_index_of_version(path, st.st_size, st.st_mtime_ns))
+    return list(_tensor_index_of_version(*version))
 
 
 @functools.lru_cache(maxsize=8)
@@ -446,8 +453,7 @@ def layer_layout(src: Path, layer_map: Sequence[int], *, stage: bool = False, he
     allow (:data:`ZERO_BLOCKS`). The workers compute every real layer.
     """
     src = Path(src)
-    st = src.stat()
-    layout = _layout_of_version(src.resolve(), st.st_size, st.st_mtime_ns, tuple(layer_map), stage or head, head)
+    layout = _layout_of_version(*file_version(src), tuple(layer_map), stage or head, head)
     return replace(layout, src=src) if layout.src != src else layout
 
 
@@ -671,9 +677,7 @@ def _reader_of_version(path: Path, size: int, mtime_ns: int):  # -> gguf.GGUFRea
 def file_header(path: Path) -> archs.Header:
     """The header of ``path`` as it is now (read once per file version: a session sizes its
     kept conversations with it after every reply)."""
-    path = Path(path).resolve()
-    st = path.stat()
-    return _header_of_version(path, st.st_size, st.st_mtime_ns)
+    return _header_of_version(*file_version(path))
 
 
 @functools.lru_cache(maxsize=4)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...core.errors import PotluckError
+from ...core.gguf_tools import file_version
 from ...core.jobs import DecodeJob
 from ...core.load_watch import ThreadFollower
 from ...core.rollback import SNAPSHOT_TOKENS, RecurrentRollback
@@ -29,15 +31,14 @@ def _here(fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-_DIGESTS: dict[tuple[str, int, int], str] = {}  # (file, size, mtime) -> vocabulary_digest
+_DIGESTS: dict[tuple[Path, int, int], str] = {}  # gguf_tools.file_version -> vocabulary_digest
 
 
 def vocabulary_digest(model: Model) -> str:
     """SHA-256 over every token's bytes: two models can share ids only if this matches.
     Computed once per file version (0.16 s for a 49k-token vocabulary, ~1 s for 262k): a
     process that opens sessions again (the chat app's settings, serve's models) asks again."""
-    st = model.path.stat()
-    key = (str(model.path.resolve()), st.st_size, st.st_mtime_ns)
+    key = file_version(model.path)
     digest = _DIGESTS.get(key)
     if digest is None:
         h = hashlib.sha256()
